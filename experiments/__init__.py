@@ -1,0 +1,10 @@
+"""Experiments for Logit-DP: private contrastive pre-training and fine-tuning.
+
+Entry points (absl + ml_collections, the flax examples convention)::
+
+    python experiments/pretrain.py                       # digits demo, default config
+    python experiments/pretrain.py --config=experiments/configs/cifar10_embedding_net.py \
+        --config.data.npz_dir=/path/to/npz --workdir=runs/cifar10_embnet
+    python experiments/finetune.py --config=experiments/configs/cifar100_finetune.py \
+        --config.pretrain_workdir=runs/cifar10_embnet --config.data.npz_dir=/path/to/npz
+"""

@@ -1,0 +1,1 @@
+"""ml_collections configs: each module has ``get_config()``."""

@@ -1,0 +1,220 @@
+"""Datasets, positive pairs and batch samplers for the experiments.
+
+Sources (``config.data.source``):
+
+* ``digits`` -- scikit-learn's 8x8 handwritten digits (ships inside scikit-learn,
+  works offline): NHWC ``(n, 8, 8, 1)`` float32 in [0, 1], stratified split.
+* ``npz`` -- Keras-style ``cifar10.npz`` / ``cifar100.npz`` (``x_train``,
+  ``y_train``, ``x_test``, ``y_test`` and ``y_*_coarse`` for CIFAR-100) in
+  ``config.data.npz_dir``.
+* ``tfds`` -- ``tensorflow_datasets`` (optional extra ``logit_dp[tfds]``; needs internet
+  or a prepared TFDS data dir), imported lazily.
+
+Records and pairs.  Training samples *records*, each record being a positive
+pair of image indices ``pairs[r] = (i, j)``:
+
+* ``augment``: one record per image, ``pairs[r] = (r, r)``; the two views are two
+  random augmentations made on the device (the unsupervised setting).
+* ``same_class``: the images of every class are shuffled once (seeded) and cut into
+  disjoint pairs ``(i, j)`` of two *different* images of that class, so every image
+  belongs to at most one record (an odd image out per class is dropped).  A record
+  is therefore the unit of privacy.
+
+Samplers never over-represent a record: :func:`poisson_batch` includes every record
+independently with probability exactly ``q`` (padded to a fixed ``max_batch`` with a
+validity mask), :func:`epoch_batch` visits every record exactly once per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "load_dataset", "load_digits", "load_npz", "load_tfds", "make_pairs",
+    "same_class_pairs", "poisson_batch", "epoch_batch", "max_batch_size",
+    "inclusion_counts", "to_float", "MISSING_NPZ_HELP",
+]
+
+MISSING_NPZ_HELP = (
+    "CIFAR data not found. This machine may be offline: create Keras-style .npz files with\n"
+    "    python <shared data folder>/unpack.py --out DIR      (e.g. ../shared/data/unpack.py)\n"
+    "and pass --config.data.npz_dir=DIR (or set LOGIT_DP_CIFAR_DIR=DIR). Online, use "
+    "--config.data.source=tfds (needs `pip install logit_dp[tfds]`)."
+)
+
+
+def to_float(x):
+  """uint8 images -> float32 in [0, 1]; float images are returned as float32."""
+  if x.dtype == jnp.uint8 or x.dtype == np.uint8:
+    return x.astype(jnp.float32) / 255.0
+  return x.astype(jnp.float32)
+
+
+def load_digits(seed: int = 0, test_fraction: float = 0.2) -> Dict[str, np.ndarray]:
+  """scikit-learn's 8x8 digits as NHWC float32 in [0, 1], stratified train/test split."""
+  from sklearn.datasets import load_digits as _load
+  from sklearn.model_selection import train_test_split
+  d = _load()
+  x = (d.images / 16.0).astype(np.float32)[..., None]
+  y = d.target.astype(np.int32)
+  x_tr, x_te, y_tr, y_te = train_test_split(
+      x, y, test_size=test_fraction, random_state=seed, stratify=y)
+  return dict(x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te, num_classes=10)
+
+
+def _npz_path(npz_dir: Optional[str], name: str) -> str:
+  npz_dir = npz_dir or os.environ.get("LOGIT_DP_CIFAR_DIR")
+  if not npz_dir:
+    raise FileNotFoundError(MISSING_NPZ_HELP)
+  path = os.path.join(os.path.expanduser(npz_dir), f"{name}.npz")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist.\n" + MISSING_NPZ_HELP)
+  return path
+
+
+def load_npz(npz_dir: Optional[str], name: str = "cifar10", label: str = "fine"):
+  """Loads ``{npz_dir}/{name}.npz``; ``label='coarse'`` uses ``y_*_coarse`` (CIFAR-100)."""
+  with np.load(_npz_path(npz_dir, name)) as f:
+    suffix = "_coarse" if label == "coarse" else ""
+    out = dict(x_train=f["x_train"], y_train=f["y_train" + suffix].astype(np.int32),
+               x_test=f["x_test"], y_test=f["y_test" + suffix].astype(np.int32))
+  out["num_classes"] = int(max(out["y_train"].max(), out["y_test"].max()) + 1)
+  return out
+
+
+def load_tfds(name: str = "cifar10", label: str = "fine", data_dir: Optional[str] = None):
+  """Loads CIFAR through ``tensorflow_datasets`` (lazy import; optional extra)."""
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # pragma: no cover - depends on the optional extra
+    raise ImportError("source='tfds' needs tensorflow-datasets: pip install 'logit_dp[tfds]'. "
+                      "Offline, use source='npz'.\n" + MISSING_NPZ_HELP) from e
+  key = "coarse_label" if (label == "coarse" and name == "cifar100") else "label"
+  out = {}
+  for split in ("train", "test"):
+    ds = tfds.load(name, split=split, batch_size=-1, data_dir=data_dir)
+    ds = tfds.as_numpy(ds)
+    out[f"x_{split}"] = np.asarray(ds["image"], np.uint8)
+    out[f"y_{split}"] = np.asarray(ds[key], np.int32)
+  out["num_classes"] = int(max(out["y_train"].max(), out["y_test"].max()) + 1)
+  return out
+
+
+def _subset(x, y, n, rng):
+  if n is None or n <= 0 or n >= len(y):
+    return x, y
+  idx = np.sort(rng.permutation(len(y))[:n])  # data may be grouped by class: shuffle first
+  return x[idx], y[idx]
+
+
+def load_dataset(data_config, seed: int = 0) -> Dict[str, np.ndarray]:
+  """Dispatches on ``data_config.source``; applies ``train_subset`` / ``test_subset``."""
+  source = data_config.source
+  if source == "digits":
+    ds = load_digits(seed=seed, test_fraction=data_config.get("test_fraction", 0.2))
+  elif source == "npz":
+    ds = load_npz(data_config.get("npz_dir"), data_config.name, data_config.get("label", "fine"))
+  elif source == "tfds":
+    ds = load_tfds(data_config.name, data_config.get("label", "fine"),
+                   data_config.get("tfds_data_dir"))
+  else:
+    raise ValueError(f"unknown data source {source!r} (digits, npz or tfds)")
+  rng = np.random.default_rng(seed + 1)
+  ds["x_train"], ds["y_train"] = _subset(ds["x_train"], ds["y_train"],
+                                         data_config.get("train_subset"), rng)
+  ds["x_test"], ds["y_test"] = _subset(ds["x_test"], ds["y_test"],
+                                       data_config.get("test_subset"), rng)
+  return ds
+
+
+# ---------------------------------------------------------------------------
+# Positive pairs.
+
+
+def same_class_pairs(labels: np.ndarray, seed: int) -> np.ndarray:
+  """Disjoint pairs of two different images of the same class, ``(R, 2)`` int32.
+
+  Every image index appears in at most one pair, so every record (pair) is
+  distinct and no image is over-represented.
+  """
+  rng = np.random.default_rng(seed)
+  labels = np.asarray(labels)
+  out = []
+  for c in np.unique(labels):
+    idx = rng.permutation(np.flatnonzero(labels == c))
+    m = len(idx) // 2 * 2
+    out.append(idx[:m].reshape(-1, 2))
+  pairs = np.concatenate(out, axis=0)
+  return pairs[rng.permutation(len(pairs))].astype(np.int32)
+
+
+def make_pairs(labels: np.ndarray, mode: str, seed: int) -> np.ndarray:
+  """Records as ``(R, 2)`` image-index pairs for ``mode`` in {'augment', 'same_class'}."""
+  if mode == "augment":
+    r = np.arange(len(labels), dtype=np.int32)
+    return np.stack([r, r], axis=1)
+  if mode == "same_class":
+    return same_class_pairs(labels, seed)
+  raise ValueError(f"unknown pair mode {mode!r} (augment or same_class)")
+
+
+# ---------------------------------------------------------------------------
+# Samplers (pure functions of a key: resuming at step t redraws the same batches).
+
+
+def max_batch_size(num_records: int, q: float, num_std: float = 6.0) -> int:
+  """A fixed padded size that a Poisson(q) batch exceeds with negligible probability."""
+  mean = q * num_records
+  return int(min(num_records, math.ceil(mean + num_std * math.sqrt(mean * (1 - q)) + 1)))
+
+
+def poisson_batch(key, num_records: int, q: float, max_batch: int):
+  """Poisson sampling: each record joins independently with probability exactly ``q``.
+
+  Returns ``(indices, mask, overflow)``: ``indices`` (max_batch,) int32 padded with 0,
+  ``mask`` (max_batch,) bool, ``overflow`` the number of selected records that did
+  not fit (0 with overwhelming probability for ``max_batch_size``; reported by the
+  trainer so a truncated step never goes unnoticed).
+  """
+  selected = jax.random.bernoulli(key, q, (num_records,))
+  count = jnp.sum(selected)
+  (idx,) = jnp.nonzero(selected, size=max_batch, fill_value=0)
+  mask = jnp.arange(max_batch) < count
+  return idx.astype(jnp.int32), mask, jnp.maximum(count - max_batch, 0)
+
+
+def epoch_batch(key, num_records: int, batch_size: int, step):
+  """Shuffled epochs: batch ``step`` of the epoch-``step // steps_per_epoch`` permutation.
+
+  Every record appears exactly once per epoch; the last batch is padded (mask).
+  ``key`` is the run's data key; each epoch uses ``fold_in(key, epoch)``.
+  """
+  steps_per_epoch = -(-num_records // batch_size)
+  epoch, j = step // steps_per_epoch, step % steps_per_epoch
+  perm = jax.random.permutation(jax.random.fold_in(key, epoch), num_records)
+  perm = jnp.concatenate([perm, jnp.zeros(steps_per_epoch * batch_size - num_records,
+                                          perm.dtype)])
+  pos = j * batch_size + jnp.arange(batch_size)
+  idx = jax.lax.dynamic_slice(perm, (j * batch_size,), (batch_size,))
+  return idx.astype(jnp.int32), pos < num_records
+
+
+def inclusion_counts(batch_fn: Callable[[int], tuple], num_records: int,
+                     steps: int) -> np.ndarray:
+  """How many times each record was (validly) drawn in ``steps`` calls of ``batch_fn(step)``.
+
+  ``batch_fn`` returns ``(indices, mask, ...)``.  Used to check that no record is
+  over-represented (e.g. a permutation of 2N indices folded onto N records).
+  """
+  counts = np.zeros(num_records, np.int64)
+  for t in range(steps):
+    out = batch_fn(t)
+    idx, mask = np.asarray(out[0]), np.asarray(out[1])
+    np.add.at(counts, idx[mask], 1)
+  return counts

@@ -1,0 +1,651 @@
+"""Contrastive pre-training with Logit-DP, Naive-DP and non-private training.
+
+``train_and_evaluate(config, workdir)`` trains every method in ``config.methods``
+with the same seed, data, pairs and initial parameters, evaluates the frozen
+embeddings (k-NN, linear probe) and writes a results folder::
+
+    workdir/
+      config.json                 the exact config
+      results.json, results.md    the comparison table (absolute and relative to non-private)
+      relative_loss.png           test-set contrastive loss relative to non-private (paper Fig. 1)
+      loss.png                    the same curves, absolute
+      confusion_matrices.png      k-NN confusion matrices
+      tensorboard/<method>/       TensorBoard events
+      <method>/metrics.csv        step, epoch, ε, steps/s, test loss, ...
+      <method>/checkpoints/       orbax checkpoints (params, optimizer state with the noise
+                                  key and count, privacy ledger); training resumes from here
+
+Privacy: DP methods use Poisson sampling of records with rate q = batch_size / R (R
+records) and σ from the accountant for (ε, δ) after ``steps = epochs·R/batch_size``
+steps; Logit-DP noise has scale σ·sensitivity(loss, B) (supremum over batch sizes,
+as Poisson batches have random size), Naive-DP σ·2B.  The training loss of a DP
+run is computed on private data and is not differentially private: it is only
+logged when ``config.log_private_train_loss`` is True, in a column named
+``train_loss_NONPRIVATE_diagnostic``.  The curves and tables use the test set.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import math
+import os
+import time
+from typing import Any, Dict, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+import logit_dp
+from logit_dp import models
+
+import logit_dp.accounting  # noqa: F401
+import logit_dp.ledger  # noqa: F401
+import logit_dp.sampling  # noqa: F401
+from experiments import augment as augment_lib
+from experiments import data as data_lib
+from experiments import evaluation
+
+METHOD_LABELS = {"logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "non_private": "Non-private"}
+PRIVATE_METHODS = ("logit_dp", "naive_dp")
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+# ---------------------------------------------------------------------------
+# Building blocks.
+
+
+def make_loss(config):
+  if config.loss == "contrastive":
+    return logit_dp.losses.contrastive(temperature=config.temperature)
+  if config.loss == "spreadout":
+    return logit_dp.losses.spreadout()
+  raise ValueError(f"unknown loss {config.loss!r}")
+
+
+def make_model(model_config):
+  kwargs = dict(model_config)
+  name = kwargs.pop("name")
+  return models.make_model(name, **kwargs)
+
+
+def learning_rate(config, method: str) -> float:
+  lrs = config.learning_rates
+  return float(lrs[method] if method in lrs else config.learning_rate)
+
+
+def _freeze(x):
+  """A hashable, order-independent version of a (nested) ConfigDict / dict / sequence."""
+  if isinstance(x, (ml_collections.ConfigDict, dict)):
+    return tuple(sorted((k, _freeze(v)) for k, v in dict(x).items()))
+  if isinstance(x, (list, tuple)):
+    return tuple(_freeze(v) for v in x)
+  return x
+
+
+# Fields that do not change what a training step computes (excluded from cache keys).
+_RUN_ONLY_FIELDS = ("log_every", "checkpoint_every", "stop_after_steps", "progress",
+                    "knn_k", "knn_train_size", "f_beta", "linear_probe", "methods",
+                    "log_private_train_loss", "eval_batch_size", "eval_num_batches",
+                    "max_checkpoints_to_keep")
+
+
+def _step_key(config, method, num_records):
+  d = {k: v for k, v in config.items() if k not in _RUN_ONLY_FIELDS and k != "data"}
+  return (method, num_records, _freeze(d))
+
+
+_MODEL_CACHE: Dict[Any, Any] = {}
+
+
+def get_model(model_config):
+  """(model, apply_fn, jitted apply) for a model config; cached so compilations are reused."""
+  key = _freeze(model_config)
+  if key not in _MODEL_CACHE:
+    model = make_model(model_config)
+    _MODEL_CACHE[key] = (model, model.apply, jax.jit(model.apply), jax.jit(model.init))
+  return _MODEL_CACHE[key]
+
+
+def privacy_plan(config, num_records: int) -> Dict[str, Any]:
+  """Sampling rate, number of steps and noise multiplier of the DP methods.
+
+  q = batch_size / R, T = ceil(num_epochs / q), σ = accounting.noise_multiplier(ε, δ, q, T).
+  """
+  q = logit_dp.accounting.sampling_rate_for(int(config.batch_size), num_records)
+  steps = logit_dp.accounting.steps_for_epochs(config.num_epochs, q)
+  if config.get("noise_multiplier") is not None:
+    sigma = float(config.noise_multiplier)
+  else:
+    sigma = _noise_multiplier_cached(float(config.target_epsilon), float(config.target_delta),
+                                     q, steps, config.accountant)
+  return dict(sampling_rate=q, steps=steps, noise_multiplier=sigma,
+              max_batch=logit_dp.sampling.max_batch_size_for(num_records, q))
+
+
+@functools.lru_cache(maxsize=64)
+def _noise_multiplier_cached(eps, delta, q, steps, accountant):
+  return float(logit_dp.accounting.noise_multiplier(eps, delta, q, steps, accountant))
+
+
+def make_method(config, method: str, apply_fn, num_records: int, noise_key):
+  """(grad_fn, optimizer, info) for one method; info has the privacy plan and step count."""
+  loss = make_loss(config)
+  lr = learning_rate(config, method)
+  batch = int(config.batch_size)
+  if method == "non_private":
+    def grad_fn(params, x, x_prime, mask):
+      def total(p):
+        z = logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, x_prime))
+        return loss(z, mask)
+      return jax.value_and_grad(total)(params)
+    steps_per_epoch = -(-num_records // batch)
+    tx = optax.chain(optax.scale(1.0 / batch), optax.adam(lr))
+    info = dict(noise_multiplier=0.0, sensitivity=0.0, sampling_rate=None,
+                steps=int(steps_per_epoch * config.num_epochs), max_batch=batch)
+    return grad_fn, tx, info
+  plan = privacy_plan(config, num_records)
+  if method == "logit_dp":
+    grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=config.clip_norm,
+                                    method=config.clip_method,
+                                    microbatch_size=config.get("microbatch_size"))
+    # Poisson batches have a random size: calibrate to the supremum over batch sizes.
+    sens = logit_dp.sensitivity(loss, config.clip_norm, batch_size=None)
+  elif method == "naive_dp":
+    grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=config.clip_norm,
+                                          microbatch_size=config.get("microbatch_size"))
+    sens = logit_dp.naive_sensitivity(config.clip_norm)
+  else:
+    raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp or non_private)")
+  tx = optax.chain(
+      logit_dp.transform(noise_multiplier=plan["noise_multiplier"], sensitivity=sens,
+                         key=noise_key),
+      optax.scale(1.0 / batch),  # noisy sum -> mean over the expected batch (post-processing)
+      optax.adam(lr))
+  return grad_fn, tx, dict(plan, sensitivity=sens)
+
+
+def gather_pairs(config, x_train, pairs, idx, aug_key, step):
+  """Images of the records ``idx`` as two views (x, x_prime) in [0, 1], augmented on device."""
+  rec = pairs[idx]
+  xa = data_lib.to_float(x_train[rec[:, 0]])
+  xb = data_lib.to_float(x_train[rec[:, 1]])
+  if config.pair_mode == "augment" or config.get("augment_same_class", False):
+    k1, k2 = jax.random.split(jax.random.fold_in(aug_key, step))
+    xa = augment_lib.augment_batch(k1, xa, **dict(config.augment))
+    xb = augment_lib.augment_batch(k2, xb, **dict(config.augment))
+  return xa, xb
+
+
+def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
+  """One pure update: (clipped) summed gradient -> optimizer (noise for DP) -> params.
+
+  ``metrics['train_loss']`` is computed on the (private) batch: not DP, see module doc.
+  """
+  loss_value, grads = grad_fn(state.params, x, x_prime, mask)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  n = jnp.maximum(jnp.sum(mask), 1)
+  metrics = dict(train_loss=loss_value / n, batch_size=jnp.sum(mask))
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+_STEP_CACHE: Dict[Any, Any] = {}
+
+
+def get_step_fn(config, method: str, num_records: int):
+  """(step_fn, tx, info), cached per (method, training config) so resumes reuse compilations.
+
+  ``step_fn(state, x_train, pairs, idx, mask)`` gathers and augments the batch on the
+  device and applies `train_step`; it is jitted.
+  """
+  key = _step_key(config, method, num_records)
+  if key not in _STEP_CACHE:
+    keys = _keys(config.seed)
+    _, apply_fn, _, _ = get_model(config.model)
+    grad_fn, tx, info = make_method(config, method, apply_fn, num_records, keys["noise"])
+
+    @jax.jit
+    def step_fn(state, x_train, pairs, idx, mask):
+      x, xp = gather_pairs(config, x_train, pairs, idx, keys["augment"], state.step)
+      return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
+
+    _STEP_CACHE[key] = (step_fn, tx, info)
+  return _STEP_CACHE[key]
+
+
+_EVAL_CACHE: Dict[Any, Any] = {}
+
+
+def eval_pairs(config, x_test, y_test, seed: int):
+  """Fixed test-set pairs ``(nb, bs, ...)`` x2 for the test contrastive loss."""
+  pairs = data_lib.make_pairs(y_test, config.pair_mode, seed + 7)
+  bs = int(min(config.get("eval_batch_size") or config.batch_size, len(pairs)))
+  nb = max(1, min(len(pairs) // bs, int(config.get("eval_num_batches") or 4)))
+  pairs = jnp.asarray(pairs[: nb * bs].reshape(nb, bs, 2))
+  xt = jnp.asarray(x_test)
+  key = jax.random.PRNGKey(seed + 11)
+  views = [gather_pairs(config, xt, pairs[b], jnp.arange(bs), key, b) for b in range(nb)]
+  return jnp.stack([v[0] for v in views]), jnp.stack([v[1] for v in views])
+
+
+def get_eval_loss(config):
+  """jitted eval_loss(params, xa, xb): mean per-pair loss on fixed test batches (public)."""
+  key = (_freeze(config.model), config.loss, config.temperature)
+  if key not in _EVAL_CACHE:
+    loss = make_loss(config)
+    _, apply_fn, _, _ = get_model(config.model)
+
+    @jax.jit
+    def eval_loss(params, xa_all, xb_all):
+      def one(ab):
+        xa, xb = ab
+        z = logit_dp.cosine_similarity(apply_fn(params, xa), apply_fn(params, xb))
+        return loss(z) / xa.shape[0]
+      return jnp.mean(jax.lax.map(one, (xa_all, xb_all)))
+
+    _EVAL_CACHE[key] = eval_loss
+  return _EVAL_CACHE[key]
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints (orbax).  DP runs use logit_dp.ledger (state and privacy ledger in
+# one atomic checkpoint); the non-private run has no ledger.
+
+
+def _plain_manager(directory: str, max_to_keep: Optional[int]):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return ocp.CheckpointManager(
+      os.path.abspath(directory),
+      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+
+
+def save_checkpoint(directory: str, state: TrainState, ledger, max_to_keep: Optional[int] = 2):
+  step = int(state.step)
+  if ledger is not None:
+    logit_dp.ledger.save_checkpoint(directory, step, state, ledger, max_to_keep=max_to_keep)
+    return
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  mngr = _plain_manager(directory, max_to_keep)
+  try:
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+    mngr.wait_until_finished()
+  finally:
+    mngr.close()
+
+
+def save_params(path: str, params):
+  """Final encoder params (read by finetune.py)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.abspath(path), params, force=True)
+
+
+def restore_checkpoint(directory: str, template: TrainState, private: bool):
+  """(state, ledger or None) from the newest checkpoint, or (None, None) if there is none."""
+  if not os.path.isdir(directory) or logit_dp.ledger.latest_step(directory) is None:
+    return None, None
+  if private:
+    state, ledger, _ = logit_dp.ledger.restore_checkpoint(directory, template)
+    return state, ledger
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  mngr = _plain_manager(directory, None)
+  try:
+    out = mngr.restore(mngr.latest_step(),
+                       args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))
+  finally:
+    mngr.close()
+  return out["state"], None
+
+
+# ---------------------------------------------------------------------------
+# One method.
+
+
+def _keys(seed: int):
+  root = jax.random.PRNGKey(seed)
+  names = ("init", "data", "augment", "noise")
+  return dict(zip(names, jax.random.split(root, len(names))))
+
+
+class _Batcher:
+  """Host-side batches: Poisson for DP methods, shuffled epochs for non-private.
+
+  Both are pure functions of (seed, step), so a resumed run sees the same batches.
+  """
+
+  def __init__(self, method, num_records, info, batch_size, seed):
+    self.private = method in PRIVATE_METHODS
+    if self.private:
+      self.sampler = logit_dp.sampling.PoissonSampler(
+          num_records=num_records, sampling_rate=info["sampling_rate"],
+          max_batch_size=info["max_batch"], seed=seed, overflow="error")
+    else:
+      self.batcher = logit_dp.sampling.ShuffledBatcher(num_records, batch_size, seed=seed)
+      self._epoch, self._batches = None, None
+
+  def __call__(self, step: int):
+    if self.private:
+      b = self.sampler(step)  # raises BatchOverflowError before anything is released
+      return b.indices, b.mask
+    nb = self.batcher.num_batches()
+    e, j = divmod(step, nb)
+    if e != self._epoch:
+      self._epoch, self._batches = e, list(self.batcher.epoch(e))
+    return self._batches[j]
+
+
+def _read_history(csv_path: str, upto: int):
+  if not os.path.exists(csv_path):
+    return []
+  with open(csv_path) as f:
+    rows = [{k: (float(v) if v not in ("", None) else float("nan")) for k, v in r.items()}
+            for r in csv.DictReader(f)]
+  out = [r for r in rows if r["step"] <= upto]
+  for r in out:
+    r["step"] = int(r["step"])
+  return out
+
+
+def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarray,
+                 workdir: str, quiet: bool = False, eval_data=None) -> Dict[str, Any]:
+  """Trains one method (resuming from its checkpoints if any) and returns its record."""
+  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+
+  mdir = os.path.join(workdir, method)
+  os.makedirs(mdir, exist_ok=True)
+  keys = _keys(config.seed)
+  _, apply_fn, _, init_fn = get_model(config.model)
+  num_records = int(pairs.shape[0])
+  step_fn, tx, info = get_step_fn(config, method, num_records)
+  total_steps = info["steps"]
+  private = method in PRIVATE_METHODS
+
+  params = init_fn(keys["init"], data_lib.to_float(jnp.asarray(ds["x_train"][:1])))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  batcher = _Batcher(method, num_records, info, int(config.batch_size), seed=config.seed + 1)
+  ledger = None
+  if private:
+    ledger = logit_dp.ledger.PrivacyLedger(
+        noise_multiplier=info["noise_multiplier"], sampling_rate=info["sampling_rate"],
+        target_delta=config.target_delta, accountant=config.accountant,
+        num_examples=num_records,
+        overflow_probability=batcher.sampler.step_overflow_probability)
+
+  ckpt_dir = os.path.join(mdir, "checkpoints")
+  restored, restored_ledger = restore_checkpoint(ckpt_dir, state, private)
+  csv_path = os.path.join(mdir, "metrics.csv")
+  if restored is not None:
+    state = restored
+    ledger = restored_ledger if private else None
+    if not quiet:
+      done = " (finished)" if int(state.step) >= total_steps else ""
+      print(f"[{method}] resumed from step {int(state.step)}{done}")
+  start = int(state.step)
+  history = _read_history(csv_path, start) if start else []
+
+  x_train, pairs_d = jnp.asarray(ds["x_train"]), jnp.asarray(pairs)
+  eval_loss = get_eval_loss(config)
+  if eval_data is None:
+    eval_data = eval_pairs(config, ds["x_test"], ds["y_test"], config.seed)
+  writer = SummaryWriter(os.path.join(workdir, "tensorboard", method))
+  fields = ["step", "epoch", "epsilon", "delta", "steps_per_sec", "test_loss"]
+  if config.log_private_train_loss:
+    fields.append("train_loss_NONPRIVATE_diagnostic")
+  batch = int(config.batch_size)
+
+  def write_row(row):
+    history.append(row)
+    with open(csv_path, "a", newline="") as f:
+      csv.DictWriter(f, fieldnames=fields, extrasaction="ignore").writerow(row)
+    for k, v in row.items():
+      if k != "step" and v == v and v is not None:
+        writer.add_scalar(k, v, row["step"])
+
+  with open(csv_path, "w", newline="") as f:  # rewrite: drops rows past the checkpoint
+    w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    for r in history:
+      w.writerow(r)
+  if start == 0:
+    write_row(dict(step=0, epoch=0.0, epsilon=0.0, delta=0.0, steps_per_sec=float("nan"),
+                   test_loss=float(eval_loss(state.params, *eval_data))))
+
+  stop = total_steps
+  if config.get("stop_after_steps"):
+    stop = min(total_steps, start + int(config.stop_after_steps))
+  log_every = max(1, int(config.log_every))
+  ckpt_every = max(1, int(config.checkpoint_every))
+  keep = config.get("max_checkpoints_to_keep", 2)
+  eps_now = ledger.epsilon() if ledger else 0.0
+  t_last, s_last, t_train = time.time(), start, 0.0
+  bar = tqdm(total=total_steps, initial=start, desc=METHOD_LABELS.get(method, method),
+             disable=quiet or not config.get("progress", True), dynamic_ncols=True)
+  step = start
+  while step < stop:
+    t0 = time.time()
+    idx, mask = batcher(step)
+    if ledger is not None:
+      # Record the step before its noisy update exists (ε is computed lazily at log time).
+      ledger.steps += 1
+    state, metrics = step_fn(state, x_train, pairs_d, idx, mask)
+    jax.block_until_ready(state.params)
+    step += 1
+    t_train += time.time() - t0
+    bar.update(1)
+    if step % log_every == 0 or step == stop:
+      sps = (step - s_last) / max(time.time() - t_last, 1e-9)
+      if ledger is not None:
+        eps_now = ledger.epsilon()
+      row = dict(step=step, epoch=step * batch / num_records, epsilon=eps_now,
+                 delta=ledger.delta() if ledger else 0.0, steps_per_sec=sps,
+                 test_loss=float(eval_loss(state.params, *eval_data)))
+      if config.log_private_train_loss:
+        row["train_loss_NONPRIVATE_diagnostic"] = float(metrics["train_loss"])
+      write_row(row)
+      bar.set_postfix({"steps/s": f"{sps:.2f}", "ε": f"{eps_now:.3g}",
+                       "test_loss": f"{row['test_loss']:.4f}"})
+      t_last, s_last = time.time(), step
+    if step % ckpt_every == 0 or step == stop:
+      save_checkpoint(ckpt_dir, state, ledger, max_to_keep=keep)
+  bar.close()
+  writer.close()
+  if int(state.step) >= total_steps:
+    save_params(os.path.join(mdir, "params"), state.params)
+  eps_final = ledger.epsilon() if ledger else 0.0
+  return dict(method=method, steps=int(state.step), total_steps=total_steps,
+              finished=int(state.step) >= total_steps, learning_rate=learning_rate(config, method),
+              noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
+              sampling_rate=info["sampling_rate"], epsilon=eps_final,
+              delta=ledger.delta() if ledger else 0.0, train_seconds=t_train,
+              history=history, params=state.params, apply_fn=apply_fn)
+
+
+_KNN_CACHE: Dict[Any, Any] = {}
+
+
+def evaluate_embeddings(config, params, ds) -> Dict[str, Any]:
+  """k-NN (test vs. train embeddings) summary + linear probe on frozen embeddings."""
+  _, _, apply_jit, _ = get_model(config.model)
+  n_knn = config.get("knn_train_size")
+  x_tr, y_tr = ds["x_train"], ds["y_train"]
+  if n_knn and n_knn < len(y_tr):
+    idx = np.random.default_rng(config.seed + 3).permutation(len(y_tr))[:n_knn]
+    x_tr, y_tr = x_tr[idx], y_tr[idx]
+  e_tr = evaluation.embed(apply_jit, params, x_tr, preprocess=data_lib.to_float)
+  e_te = evaluation.embed(apply_jit, params, ds["x_test"], preprocess=data_lib.to_float)
+  pred = evaluation.knn_predict(e_tr, y_tr, e_te, k=config.knn_k, num_classes=ds["num_classes"])
+  summary = evaluation.classification_summary(ds["y_test"], pred, ds["num_classes"],
+                                              beta=config.f_beta)
+  if config.get("linear_probe", True):
+    summary["linear_probe"] = evaluation.linear_probe_accuracy(e_tr, y_tr, e_te, ds["y_test"],
+                                                               seed=config.seed)
+  return summary
+
+
+# ---------------------------------------------------------------------------
+# Reporting.
+
+
+def format_table(rows, reference: Optional[str] = "non_private",
+                 acc_label: str = "k-NN acc") -> str:
+  """Markdown comparison table (absolute metrics, then relative to the reference)."""
+  head = (f"| method | ε | σ | {acc_label} | best recall | best precision | best F_β | "
+          "linear probe | rel. acc | rel. recall | rel. precision | rel. F_β | rel. probe |")
+  lines = [head, "|" + "---|" * 13]
+  ref = rows.get(reference)
+  for m, r in rows.items():
+    rel = evaluation.relative_metrics(r, ref) if ref else {}
+    eps = "∞ (non-private)" if m == "non_private" else f"{r['epsilon']:.3g}"
+
+    def f(d, k, fmt="{:.4f}"):
+      return fmt.format(d[k]) if k in d else "–"
+    lines.append(
+        f"| {METHOD_LABELS.get(m, m)} | {eps} | {r['noise_multiplier']:.3g} | "
+        f"{f(r, 'accuracy')} | {f(r, 'best_recall')} | {f(r, 'best_precision')} | "
+        f"{f(r, 'best_fbeta')} | {f(r, 'linear_probe')} | {f(rel, 'accuracy', '{:.3f}')} | "
+        f"{f(rel, 'best_recall', '{:.3f}')} | {f(rel, 'best_precision', '{:.3f}')} | "
+        f"{f(rel, 'best_fbeta', '{:.3f}')} | {f(rel, 'linear_probe', '{:.3f}')} |")
+  return "\n".join(lines)
+
+
+def plot_results(results: Dict[str, Dict], workdir: str, class_names=None):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  def curve(m):
+    h = results[m]["history"]
+    return (np.array([r["epoch"] for r in h]), np.array([r["test_loss"] for r in h]))
+
+  has_curves = all(results[m].get("history") for m in results)
+  fig, ax = plt.subplots(figsize=(5, 3.5)) if has_curves else (None, None)
+  for m in (results if has_curves else ()):
+    e, l = curve(m)
+    ax.plot(e, l, marker=".", label=METHOD_LABELS.get(m, m))
+  if has_curves:
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test contrastive loss (per pair)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "loss.png"), dpi=120)
+    plt.close(fig)
+
+  if has_curves and "non_private" in results:
+    e_ref, l_ref = curve("non_private")
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for m in results:
+      if m == "non_private":
+        continue
+      e, l = curve(m)
+      ax.plot(e, l / np.interp(e, e_ref, l_ref), marker=".", label=METHOD_LABELS.get(m, m))
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="Non-private")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test loss / non-private test loss")
+    ax.set_title("Relative loss (cf. paper Fig. 1)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "relative_loss.png"), dpi=120)
+    plt.close(fig)
+
+  ms = [m for m in results if "confusion_matrix" in results[m]]
+  if ms:
+    fig, axes = plt.subplots(1, len(ms), figsize=(4 * len(ms), 3.8), squeeze=False)
+    for ax, m in zip(axes[0], ms):
+      cm = np.asarray(results[m]["confusion_matrix"], np.float64)
+      cmn = cm / np.maximum(cm.sum(1, keepdims=True), 1)
+      ax.imshow(cmn, vmin=0, vmax=1, cmap="Blues")
+      ax.set_title(f"{METHOD_LABELS.get(m, m)}: acc {results[m]['accuracy']:.3f}")
+      ax.set_xlabel("predicted")
+      ax.set_ylabel("true")
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "confusion_matrices.png"), dpi=120)
+    plt.close(fig)
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {k: _jsonable(v) for k, v in x.items() if k not in ("params", "apply_fn")}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (np.ndarray, jax.Array)):
+    return np.asarray(x).tolist()
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  return x
+
+
+def default_workdir(config_path: str, prefix: str) -> str:
+  """runs/<prefix>_<config file name>."""
+  name = os.path.splitext(os.path.basename(config_path.split(":")[0]))[0]
+  return os.path.join("runs", f"{prefix}_{name}")
+
+
+def save_config(config, workdir: str):
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+
+def check_resumable(config, workdir: str):
+  """Refuses to resume a workdir whose checkpoints were made with another training config."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    old = ml_collections.ConfigDict(json.load(f))
+  new = ml_collections.ConfigDict(json.loads(config.to_json_best_effort()))
+  key = lambda c: _freeze({k: v for k, v in c.items() if k not in _RUN_ONLY_FIELDS})
+  if key(old) != key(new):
+    raise ValueError(
+        f"{workdir} holds a run with a different training config ({path}); resuming it "
+        "would mix two experiments. Use another --workdir (or delete this one).")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       quiet: bool = False) -> Dict[str, Dict[str, Any]]:
+  """Trains and evaluates every method of ``config.methods``; returns per-method results.
+
+  Re-running with the same ``workdir`` resumes every method from its last checkpoint.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  check_resumable(config, workdir)
+  save_config(config, workdir)
+  np.random.seed(config.seed)
+  ds = data_lib.load_dataset(config.data, seed=config.seed)
+  pairs = data_lib.make_pairs(ds["y_train"], config.pair_mode, config.seed)
+  if not quiet:
+    print(f"data: {config.data.source}/{config.data.get('name', '')} train {len(ds['y_train'])} "
+          f"test {len(ds['y_test'])}; {len(pairs)} records ({config.pair_mode} pairs)")
+  with open(os.path.join(workdir, "input_shape.json"), "w") as f:
+    json.dump(list(ds["x_train"].shape[1:]), f)
+  eval_data = eval_pairs(config, ds["x_test"], ds["y_test"], config.seed)
+  results = {}
+  for method in config.methods:
+    r = train_method(config, method, ds, pairs, workdir, quiet=quiet, eval_data=eval_data)
+    if r["finished"]:
+      r.update(evaluate_embeddings(config, r["params"], ds))
+    results[method] = r
+  done = {m: r for m, r in results.items() if r["finished"]}
+  if done:
+    table = format_table(done)
+    if not quiet:
+      print(table)
+    with open(os.path.join(workdir, "results.md"), "w") as f:
+      f.write(table + "\n")
+    plot_results(done, workdir)
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(_jsonable(results), f, indent=1)
+  return results

@@ -1,0 +1,28 @@
+"""logit_dp: differentially private training with non-decomposable similarity losses.
+
+Implements Logit-DP (Kong, Muñoz Medina & Ribero, "Differentially private
+optimization for non-decomposable objective functions", ICLR 2025) in JAX:
+per-pair clipped gradients (`clipped_grad`), their sensitivity (`sensitivity`),
+and the Gaussian noise as an optax transformation (`transform`).
+"""
+
+from logit_dp import losses
+from logit_dp._src.clipping import DEFAULT_COSINE_EPS
+from logit_dp._src.clipping import METHODS
+from logit_dp._src.clipping import clipped_grad
+from logit_dp._src.clipping import cosine_similarity
+from logit_dp._src.clipping import naive_clipped_grad
+from logit_dp._src.clipping import normalize
+from logit_dp._src.clipping import pair_grad_norms
+from logit_dp._src.noise import AddNoiseState
+from logit_dp._src.noise import transform
+from logit_dp._src.sensitivity import naive_sensitivity
+from logit_dp._src.sensitivity import sensitivity
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AddNoiseState", "DEFAULT_COSINE_EPS", "METHODS", "clipped_grad", "cosine_similarity",
+    "losses", "naive_clipped_grad", "naive_sensitivity", "normalize", "pair_grad_norms",
+    "sensitivity", "transform",
+]

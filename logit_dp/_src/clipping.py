@@ -1,0 +1,415 @@
+"""Logit-DP clipped gradients (and the Naive-DP baseline).
+
+Notation. A batch is n pairs (x_i, x'_i). Embeddings are normalised,
+û_i = n(Φ_w(x_i)), v̂_j = n(Φ_w(x'_j)) with n(u) = u/√(‖u‖² + ε²), and
+Z_ij = ⟨û_i, v̂_j⟩ is their cosine similarity (ε = 1e-6 keeps zero embeddings
+finite: |Z_ij| < 1 still holds and the gradient at u = 0 is I/ε, large but finite
+and clipped like any other). With τ_ij = ∂ℒ/∂Z_ij and pair gradients g_ij = ∇_w Z_ij,
+
+    ḡ = Σ_ij λ_ij g_ij,   λ_ij = τ_ij · min(1, B/‖g_ij‖)
+
+is the SUM of clipped, loss-weighted pair gradients (not a mean). Its
+sensitivity is `logit_dp.sensitivity(loss, B)`. Once λ is known,
+ḡ = ∇_w Σ_ij λ_ij Z_ij(w) with λ held fixed: one backward pass with cotangents
+∂/∂û_i = Σ_j λ_ij v̂_j and ∂/∂v̂_j = Σ_i λ_ij û_i.
+
+Pair norms without materialising pair gradients ("ghost"). With J_i = ∂û_i/∂w
+and J'_j = ∂v̂_j/∂w (d×p per-example Jacobians), g_ij = J_iᵀv̂_j + J'_jᵀû_i, so
+
+    ‖g_ij‖² = v̂_jᵀ K_i v̂_j + û_iᵀ K'_j û_i + 2 v̂_jᵀ (J_i J'_jᵀ) û_i,
+
+K_i = J_i J_iᵀ. This needs the n·d·p Jacobian entries (d backward passes per
+example) and an (nd)×(nd) cross-Gram contracted in row chunks, never n²·p
+floats. "triangle" clips with the upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖, which only
+needs the per-example Grams K_i: clipping by a larger norm is still private
+(each term has norm ≤ B), just less accurate. "materialize" is Algorithm 1 of
+the paper: it forms every g_ij by its own backward pass, in blocks of pairs.
+
+Requirement: embed_fn must treat examples independently (no batch norm); the
+per-example Jacobians and pair gradients assume it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from logit_dp._src import sensitivity as sensitivity_lib
+
+DEFAULT_COSINE_EPS = 1e-6
+METHODS = ("ghost", "materialize", "triangle")
+# Floats held by one chunk of the ghost cross-Gram (rows × n × d²).
+_CROSS_GRAM_CHUNK_FLOATS = 1 << 25
+# Floats held by one block of materialised pair gradients (pairs × p).
+_PAIR_BLOCK_FLOATS = 1 << 22
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+EmbedFn = Callable[[Any, jax.Array], jax.Array]
+
+
+def normalize(u: jax.Array, eps: float = DEFAULT_COSINE_EPS) -> jax.Array:
+  """n(u) = u/√(‖u‖² + ε²) along the last axis."""
+  return u / jnp.sqrt(jnp.sum(u * u, axis=-1, keepdims=True) + eps * eps)
+
+
+def cosine_similarity(u: jax.Array, v: jax.Array, eps: float = DEFAULT_COSINE_EPS) -> jax.Array:
+  """Z_ij = ⟨n(u_i), n(v_j)⟩ for u (n, d) and v (m, d)."""
+  return jnp.matmul(normalize(u, eps), normalize(v, eps).T, precision=_HIGHEST)
+
+
+def _is_traced(tree) -> bool:
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def _finite_rows(x: jax.Array) -> jax.Array:
+  return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+
+
+def _where_rows(ok: jax.Array, x: jax.Array) -> jax.Array:
+  return jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+
+
+class _Collective:
+  """Gathers over a shard_map axis, or the identity on a single device."""
+
+  def __init__(self, axis_name):
+    self.axis_name = axis_name
+
+  def gather(self, x):
+    if self.axis_name is None:
+      return x
+    return jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True)
+
+  def psum(self, tree):
+    if self.axis_name is None:
+      return tree
+    return jax.lax.psum(tree, self.axis_name)
+
+  def local_rows(self, n_local: int) -> jax.Array:
+    start = 0 if self.axis_name is None else jax.lax.axis_index(self.axis_name) * n_local
+    return start + jnp.arange(n_local)
+
+
+def _map(fn, xs, batch_size):
+  """fn over the leading axis in chunks of batch_size (vmap if None)."""
+  if batch_size is None or batch_size >= jax.tree_util.tree_leaves(xs)[0].shape[0]:
+    return jax.vmap(fn)(xs)
+  return jax.lax.map(fn, xs, batch_size=batch_size)
+
+
+class _Batch:
+  """The shared forward state of one gradient computation."""
+
+  def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective):
+    self.embed_fn, self.params, self.eps = embed_fn, params, eps
+    self.microbatch_size, self.c = microbatch_size, collective
+    n_local = x.shape[0]
+    inputs_ok = _finite_rows(x) & _finite_rows(x_prime)
+    # Zero non-finite inputs so that their NaNs cannot reach the backward pass.
+    self.x, self.x_prime = _where_rows(inputs_ok, x), _where_rows(inputs_ok, x_prime)
+    u_loc = self._embed(self.x)
+    v_loc = self._embed(self.x_prime)
+    ok = inputs_ok & _finite_rows(u_loc) & _finite_rows(v_loc)
+    self.u_loc, self.v_loc = _where_rows(ok, u_loc), _where_rows(ok, v_loc)
+    self.rows = collective.local_rows(n_local)
+    self.u, self.v = collective.gather(self.u_loc), collective.gather(self.v_loc)
+    self.valid = collective.gather(mask & ok)
+    self.num_nonfinite = jnp.sum(collective.gather(mask & ~ok))
+    self.z = jnp.matmul(self.u, self.v.T, precision=_HIGHEST)
+
+  def normalized_embedding(self, params, x_one):
+    return normalize(self.embed_fn(params, x_one[None])[0], self.eps)
+
+  def _embed(self, xs):
+    return _map(lambda xe: self.normalized_embedding(self.params, xe), xs, self.microbatch_size)
+
+  def jacobians(self, xs):
+    """Per-example Jacobians ∂n(Φ(x_e))/∂w, flattened to (m, d, p)."""
+    jac = jax.jacrev(self.normalized_embedding)
+
+    def one(xe):
+      leaves = jax.tree_util.tree_leaves(jac(self.params, xe))
+      return jnp.concatenate([leaf.reshape(leaf.shape[0], -1) for leaf in leaves], axis=1)
+
+    return _map(one, xs, self.microbatch_size)
+
+  def grams(self, xs):
+    """Per-example Grams K_e = J_e J_eᵀ (m, d, d), one chunk of Jacobians at a time."""
+    jac = jax.jacrev(self.normalized_embedding)
+
+    def one(xe):
+      leaves = jax.tree_util.tree_leaves(jac(self.params, xe))
+      return sum(jnp.einsum("kp,lp->kl", l.reshape(l.shape[0], -1), l.reshape(l.shape[0], -1),
+                            precision=_HIGHEST) for l in leaves)
+
+    return _map(one, xs, self.microbatch_size)
+
+  def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array):
+    """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ: one backward pass, summed over devices."""
+    cot_u = jnp.matmul(lam_local_rows, self.v, precision=_HIGHEST)
+    cot_v = jnp.matmul(lam_full[:, self.rows].T, self.u, precision=_HIGHEST)
+
+    def contribution(xs, cot):
+      def chunk_grad(args):
+        x_chunk, cot_chunk = args
+        embed = lambda p: jax.vmap(lambda xe: self.normalized_embedding(p, xe))(x_chunk)
+        _, vjp = jax.vjp(embed, self.params)
+        return vjp(cot_chunk)[0]
+
+      m = self.microbatch_size
+      n = xs.shape[0]
+      if m is None or m >= n:
+        return chunk_grad((xs, cot))
+      pad = (-n) % m
+      xs = jnp.concatenate([xs, jnp.zeros((pad,) + xs.shape[1:], xs.dtype)])
+      cot = jnp.concatenate([cot, jnp.zeros((pad,) + cot.shape[1:], cot.dtype)])
+      chunks = (xs.reshape((-1, m) + xs.shape[1:]), cot.reshape((-1, m) + cot.shape[1:]))
+      per_chunk = jax.lax.map(chunk_grad, chunks)
+      return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), per_chunk)
+
+    grads = jax.tree_util.tree_map(jnp.add, contribution(self.x, cot_u),
+                                   contribution(self.x_prime, cot_v))
+    return self.c.psum(grads)
+
+
+def _clip_factor(norms: jax.Array, clip_norm: float) -> jax.Array:
+  """min(1, B/‖g‖); a non-finite norm gives 0 (the pair is dropped, which is private)."""
+  scaled = clip_norm / jnp.where(norms > 0, norms, 1.0)
+  return jnp.where(norms <= clip_norm, 1.0, jnp.where(jnp.isfinite(norms), scaled, 0.0))
+
+
+def _quadratic_terms(k_local, k_prime, u_local, v):
+  """v̂_jᵀK_i v̂_j and û_iᵀK'_j û_i for local rows i and all columns j."""
+  anchor = jnp.einsum("ikl,jk,jl->ij", k_local, v, v, precision=_HIGHEST)
+  positive = jnp.einsum("jkl,ik,il->ij", k_prime, u_local, u_local, precision=_HIGHEST)
+  return anchor, positive
+
+
+def _ghost_sq_norms(batch: _Batch):
+  """Exact ‖g_ij‖² for local rows i and all columns j, shape (n_local, n)."""
+  jac_u = batch.jacobians(batch.x)                     # (n_loc, d, p)
+  jac_v = batch.c.gather(batch.jacobians(batch.x_prime))  # (n, d, p)
+  k_local = jnp.einsum("ikp,ilp->ikl", jac_u, jac_u, precision=_HIGHEST)
+  k_prime = jnp.einsum("jkp,jlp->jkl", jac_v, jac_v, precision=_HIGHEST)
+  anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
+
+  n_local, d, _ = jac_u.shape
+  n = jac_v.shape[0]
+  chunk = int(max(1, min(n_local, _CROSS_GRAM_CHUNK_FLOATS // (n * d * d))))
+
+  def cross(args):
+    """2 v̂_jᵀ(J_i J'_jᵀ)û_i for one row i and every column j."""
+    jac_i, u_i = args
+    gram = jnp.einsum("kp,jlp->jkl", jac_i, jac_v, precision=_HIGHEST)
+    return 2.0 * jnp.einsum("jk,jkl,l->j", batch.v, gram, u_i, precision=_HIGHEST)
+
+  cross_terms = jax.lax.map(cross, (jac_u, batch.u_loc), batch_size=chunk)
+  return anchor + positive + cross_terms
+
+
+def _triangle_norms(batch: _Batch):
+  """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖, from per-example Grams only."""
+  k_local = batch.grams(batch.x)
+  k_prime = batch.c.gather(batch.grams(batch.x_prime))
+  anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
+  return jnp.sqrt(jnp.maximum(anchor, 0.0)) + jnp.sqrt(jnp.maximum(positive, 0.0))
+
+
+def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size):
+  """Algorithm 1: every pair gradient by its own backward pass, in blocks of pairs.
+
+  Returns (ḡ summed over local rows and psum-ed over devices, norms (n_local, n)).
+  """
+  x_prime_all = batch.c.gather(batch.x_prime)
+  n_local, n = tau_local_rows.shape
+  num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(batch.params))
+  block = pair_block_size or max(1, min(n_local * n, _PAIR_BLOCK_FLOATS // max(num_params, 1)))
+  num_pairs = n_local * n
+  num_blocks = -(-num_pairs // block)
+  flat = jnp.arange(num_blocks * block)
+  real = flat < num_pairs
+  flat = jnp.where(real, flat, 0)
+  rows, cols = flat // n, flat % n
+  weights = jnp.where(real, tau_local_rows.reshape(-1)[flat], 0.0)
+
+  def pair_grad(i, j):
+    z = lambda p: jnp.dot(batch.normalized_embedding(p, batch.x[i]),
+                          batch.normalized_embedding(p, x_prime_all[j]), precision=_HIGHEST)
+    return jax.grad(z)(batch.params)
+
+  def step(acc, blk):
+    i, j, w = blk
+    grads = jax.vmap(pair_grad)(i, j)
+    sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
+             for g in jax.tree_util.tree_leaves(grads))
+    norms = jnp.sqrt(sq)
+    coef = w * _clip_factor(norms, clip_norm)
+    acc = jax.tree_util.tree_map(
+        lambda a, g: a + jnp.tensordot(coef, g, axes=1, precision=_HIGHEST), acc, grads)
+    return acc, norms
+
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, batch.params)
+  blocks = (rows.reshape(num_blocks, block), cols.reshape(num_blocks, block),
+            weights.reshape(num_blocks, block))
+  grads, norms = jax.lax.scan(step, zeros, blocks)
+  norms = norms.reshape(-1)[:num_pairs].reshape(n_local, n)
+  return batch.c.psum(grads), norms
+
+
+def _check_pair_inputs(x, x_prime, mask, min_batch_size):
+  x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
+  if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
+    raise ValueError(
+        f"x and x_prime must hold the same number of examples, got shapes "
+        f"{x.shape} and {x_prime.shape}.")
+  n = x.shape[0]
+  if n < min_batch_size:
+    raise ValueError(f"the loss needs at least {min_batch_size} pairs per batch, got {n}.")
+  if mask is None:
+    mask = jnp.ones((n,), dtype=bool)
+  else:
+    mask = jnp.asarray(mask)
+    if mask.shape != (n,):
+      raise ValueError(f"mask must have shape ({n},), got {mask.shape}.")
+    mask = mask.astype(bool)
+  return x, x_prime, mask
+
+
+def _make_grad_fn(core, loss, what):
+  """Wraps a jitted core: input checks, and a ValueError on non-finite values when eager."""
+  core = jax.jit(core)
+  min_batch_size = getattr(loss, "min_batch_size", 1)
+
+  def grad_fn(params, x, x_prime, mask=None):
+    x, x_prime, mask = _check_pair_inputs(x, x_prime, mask, min_batch_size)
+    loss_value, grads, num_nonfinite = core(params, x, x_prime, mask)
+    if not _is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
+      raise ValueError(
+          f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
+          "(NaN/inf). Nothing was released. Under jit such pairs are masked out "
+          "instead (see docs/PRIVACY.md).")
+    return loss_value, grads
+
+  grad_fn.core = core
+  return grad_fn
+
+
+def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost", *,
+                 microbatch_size: int | None = None, pair_block_size: int | None = None,
+                 axis_name: str | None = None, cosine_eps: float = DEFAULT_COSINE_EPS):
+  """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
+
+  ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
+  over the n² pairs, with L2 sensitivity `logit_dp.sensitivity(loss, B)` under
+  add-or-remove-one pair. Noise it with `logit_dp.transform`.
+
+  Args:
+    embed_fn: embed_fn(params, x) -> (n, d), acting on examples independently.
+    loss: a loss from `logit_dp.losses` (any loss(Z, mask) works for the
+      gradient, but only those have a known sensitivity).
+    clip_norm: B > 0; jnp.inf disables clipping (ḡ = ∇ℒ, not private).
+    method: "ghost" (exact pair norms from per-example Jacobians, default),
+      "materialize" (Algorithm 1, n² backward passes: the reference) or
+      "triangle" (clips by an upper bound of the pair norm: cheaper, private,
+      clips more than needed).
+    microbatch_size: process examples in chunks of this size (forward,
+      Jacobians, backward) to bound memory. The pair matrix still spans the
+      whole batch, so every negative is kept and the noise, added once to ḡ,
+      is unchanged: this is gradient accumulation without changing the mechanism.
+    pair_block_size: pairs per block for "materialize" (default: ~4M floats).
+    axis_name: call inside `jax.shard_map` over this mesh axis with the batch
+      split across devices; the pair matrix spans the global batch and every
+      device returns the same global (ℒ, ḡ).
+    cosine_eps: ε of the cosine similarity n(u) = u/√(‖u‖² + ε²).
+
+  grad_fn's mask is an optional (n,) boolean: False rows are padding and
+  contribute exactly nothing. x and x_prime must have the same leading size.
+  Called eagerly, grad_fn raises ValueError when any valid pair has non-finite
+  inputs or embeddings; under jit it masks those pairs out (still private: it is
+  the same as removing them).
+  """
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
+  _check_microbatch(microbatch_size)
+  collective = _Collective(axis_name)
+
+  def core(params, x, x_prime, mask):
+    batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
+                   microbatch_size=microbatch_size, collective=collective)
+    loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
+    pair_valid = batch.valid[:, None] & batch.valid[None, :]
+    tau = jnp.where(pair_valid, tau, 0.0)
+    tau_local = tau[batch.rows]
+    if method == "materialize":
+      grads, _ = _materialize(batch, tau_local, clip_norm, pair_block_size)
+      return loss_value, grads, batch.num_nonfinite
+    if method == "ghost":
+      norms = jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch), 0.0))
+    else:
+      norms = _triangle_norms(batch)
+    lam_local = tau_local * _clip_factor(norms, clip_norm)
+    grads = batch.weighted_backward(lam_local, collective.gather(lam_local))
+    return loss_value, grads, batch.num_nonfinite
+
+  return _make_grad_fn(core, loss, f"clipped_grad({method})")
+
+
+def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost", *,
+                    microbatch_size: int | None = None, cosine_eps: float = DEFAULT_COSINE_EPS):
+  """The (n, n) matrix of ‖∇_w Z_ij‖ (exact for "ghost"/"materialize", an upper bound for "triangle")."""
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  _check_microbatch(microbatch_size)
+  x, x_prime, _ = _check_pair_inputs(x, x_prime, None, 1)
+  return _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps):
+  mask = jnp.ones((x.shape[0],), dtype=bool)
+  batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
+                 microbatch_size=microbatch_size, collective=_Collective(None))
+  if method == "ghost":
+    return jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch), 0.0))
+  if method == "triangle":
+    return _triangle_norms(batch)
+  n = x.shape[0]
+  _, norms = _materialize(batch, jnp.zeros((n, n)), math.inf, None)
+  return norms
+
+
+def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
+                       microbatch_size: int | None = None, axis_name: str | None = None,
+                       cosine_eps: float = DEFAULT_COSINE_EPS):
+  """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
+
+  Sensitivity 2B under add-or-remove-one (`logit_dp.naive_sensitivity`). Same
+  signature and mask/axis semantics as `clipped_grad`.
+  """
+  clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
+  _check_microbatch(microbatch_size)
+  collective = _Collective(axis_name)
+
+  def core(params, x, x_prime, mask):
+    batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
+                   microbatch_size=microbatch_size, collective=collective)
+    loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
+    tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
+    grads = batch.weighted_backward(tau[batch.rows], tau)
+    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+    factor = _clip_factor(norm, clip_norm)
+    return loss_value, jax.tree_util.tree_map(lambda g: g * factor, grads), batch.num_nonfinite
+
+  return _make_grad_fn(core, loss, "naive_clipped_grad")
+
+
+def _check_microbatch(microbatch_size):
+  if microbatch_size is not None and (
+      isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
+      or microbatch_size < 1):
+    raise ValueError(f"microbatch_size must be a positive integer or None, got {microbatch_size!r}.")

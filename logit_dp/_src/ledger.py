@@ -1,0 +1,305 @@
+"""A privacy ledger that travels with the checkpoints of a training run.
+
+The ledger records everything the accountant needs — σ, q, δ, the accountant
+and the number of steps taken — and reports the ε spent so far. It is saved in
+the same orbax checkpoint as the model and optimizer state (`save_checkpoint`)
+and restored with it (`restore_checkpoint`), so:
+
+* a run killed after k steps and resumed reports exactly the ε of an
+  uninterrupted run of the same length (ε is a deterministic function of the
+  ledger, and the ledger is checkpointed atomically with the state);
+* noise keys are never re-used: `logit_dp.transform` derives the noise of step
+  t from fold_in(key, t) with t = the optimizer state's ``count``, which is
+  restored from the same checkpoint as the ledger;
+* a run refuses to take a step that would exceed its ε budget
+  (`PrivacyBudgetExceededError`) unless explicitly allowed.
+
+Formal guarantees. After ``steps`` steps, each a Poisson-sampled Gaussian
+mechanism with noise multiplier σ and sampling rate q on a released sum of
+sensitivity C (under add-or-remove-one-pair adjacency), the whole run —
+every intermediate model included — is (ε, δ)-DP with ε = `epsilon()` and
+δ = `delta()` = target_delta + overflow term, where the overflow term
+(1 + e^ε)·(1 − (1 − p_over)^steps) accounts for batches that could not be
+represented at the padded size (see `logit_dp.sampling`; it is 0 when
+``overflow_probability`` = 0, i.e. when no truncation/abort can occur).
+The guarantee assumes the ledger's σ and q are those actually used and that
+every step that touched the data was recorded: call `record_steps` *before*
+releasing (applying) each noisy update, and checkpoint ledger and state
+together. A step is one noisy update: gradient accumulation over micro-batches
+(`clipped_grad(..., microbatch_size=m)`) computes the same ḡ of the whole
+Poisson batch and adds noise once, so it is still one step.
+
+Resuming redoes the steps taken after the last checkpoint with the same
+batches (the sampler is a function of (seed, step)) and the same noise keys
+(fold_in(key, count)): if such an update had already been released, the redone
+one is identical to it, so no additional privacy is spent; fresh noise for a
+redone step would instead count as a second release.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Optional
+
+from logit_dp._src import accounting
+
+LEDGER_FORMAT_VERSION = 1
+
+
+class PrivacyBudgetExceededError(ValueError):
+  """Taking the requested steps would spend more than the ledger's ε budget."""
+
+
+@dataclasses.dataclass
+class PrivacyLedger:
+  """Privacy state of a training run: parameters of the mechanism and steps taken.
+
+  Attributes:
+    noise_multiplier: σ > 0 of `logit_dp.transform`.
+    sampling_rate: q ∈ (0, 1] of the Poisson sampler (1.0: full batch).
+    target_delta: δ ∈ (0, 1) at which ε is reported.
+    accountant: "pld" or "rdp".
+    steps: noisy steps taken so far (≥ 0).
+    epsilon_budget: optional ε budget; `record_steps` refuses to exceed it.
+    num_examples: optional dataset size N (warns if δ ≥ 1/N).
+    overflow_probability: per-step probability p_over that a Poisson batch
+      overflows the padded size (`PoissonSampler.step_overflow_probability`);
+      0.0 if overflow cannot happen.
+    pld_discretization: grid width of the PLD accountant.
+
+  Example:
+    >>> ledger = PrivacyLedger(noise_multiplier=sigma, sampling_rate=q,
+    ...                        target_delta=1e-5, epsilon_budget=5.0)
+    >>> for step in range(ledger.steps, total_steps):
+    ...   ledger.record_steps(1)        # raises before the budget is exceeded
+    ...   state = train_step(state, sampler(step))
+    ...   if step % 100 == 0: save_checkpoint(ckpt_dir, step + 1, state, ledger)
+    >>> print(ledger.epsilon())
+  """
+  noise_multiplier: float
+  sampling_rate: float
+  target_delta: float
+  accountant: str = "pld"
+  steps: int = 0
+  epsilon_budget: Optional[float] = None
+  num_examples: Optional[int] = None
+  overflow_probability: float = 0.0
+  pld_discretization: float = accounting.DEFAULT_PLD_DISCRETIZATION
+
+  def __post_init__(self):
+    self.noise_multiplier = accounting.check_noise_multiplier(self.noise_multiplier)
+    if self.noise_multiplier == 0:
+      raise ValueError("noise_multiplier must be > 0 for a private run (σ = 0 gives ε = ∞).")
+    self.sampling_rate = accounting.check_sampling_rate(self.sampling_rate)
+    self.target_delta = accounting.check_delta(self.target_delta)
+    accounting.check_accountant(self.accountant)
+    if isinstance(self.steps, bool) or int(self.steps) != self.steps or self.steps < 0:
+      raise ValueError(f"steps must be an integer ≥ 0, got {self.steps!r}.")
+    self.steps = int(self.steps)
+    if self.epsilon_budget is not None:
+      self.epsilon_budget = accounting.check_epsilon(self.epsilon_budget)
+    if self.num_examples is not None:
+      if (isinstance(self.num_examples, bool) or int(self.num_examples) != self.num_examples
+          or self.num_examples < 1):
+        raise ValueError(f"num_examples must be a positive integer, got {self.num_examples!r}.")
+      self.num_examples = int(self.num_examples)
+      # Frames: warn_if_large_delta, __post_init__, __init__, the caller.
+      accounting.warn_if_large_delta(self.target_delta, self.num_examples, stacklevel=4)
+    p = float(self.overflow_probability)
+    if not 0 <= p < 1:
+      raise ValueError(
+          f"overflow_probability must be in [0, 1), got {self.overflow_probability!r}.")
+    self.overflow_probability = p
+    d = float(self.pld_discretization)
+    if not 0 < d <= 1:
+      raise ValueError(f"pld_discretization must be in (0, 1], got {self.pld_discretization!r}.")
+    self.pld_discretization = d
+
+  @classmethod
+  def for_sampler(cls, sampler, noise_multiplier: float, target_delta: float,
+                  **kwargs) -> "PrivacyLedger":
+    """A ledger matching a `logit_dp.sampling.PoissonSampler`.
+
+    Takes q, N and the per-step overflow probability from the sampler, so the
+    reported δ includes the overflow term of its padded batch size.
+    """
+    return cls(noise_multiplier=noise_multiplier, sampling_rate=sampler.sampling_rate,
+               target_delta=target_delta, num_examples=sampler.num_records,
+               overflow_probability=sampler.step_overflow_probability, **kwargs)
+
+  # -- Reporting. -------------------------------------------------------------
+
+  def epsilon(self, steps: Optional[int] = None) -> float:
+    """ε after ``steps`` steps (default: the steps taken so far); 0.0 for 0 steps.
+
+    Computed by `logit_dp.accounting.epsilon` (results are cached).
+    """
+    t = self.steps if steps is None else steps
+    if isinstance(t, bool) or int(t) != t or t < 0:
+      raise ValueError(f"steps must be an integer ≥ 0, got {steps!r}.")
+    if t == 0:
+      return 0.0
+    return accounting.epsilon(self.noise_multiplier, self.target_delta, self.sampling_rate,
+                              int(t), self.accountant,
+                              pld_discretization=self.pld_discretization)
+
+  def delta(self, steps: Optional[int] = None) -> float:
+    """δ of the guarantee: target_delta + (1 + e^ε)·(1 − (1 − p_over)^steps)."""
+    t = self.steps if steps is None else int(steps)
+    if self.overflow_probability == 0.0 or t == 0:
+      return self.target_delta
+    eps = self.epsilon(t)
+    eta = -math.expm1(t * math.log1p(-self.overflow_probability))
+    return min(1.0, self.target_delta + (1.0 + math.exp(min(eps, 700.0))) * eta)
+
+  def guarantee(self) -> tuple[float, float]:
+    """(ε, δ) of the run so far."""
+    return self.epsilon(), self.delta()
+
+  def remaining_steps(self) -> Optional[int]:
+    """How many more steps fit in the budget (None if there is no budget)."""
+    if self.epsilon_budget is None:
+      return None
+    total = accounting.max_steps(self.noise_multiplier, self.epsilon_budget, self.target_delta,
+                                 self.sampling_rate, self.accountant,
+                                 pld_discretization=self.pld_discretization)
+    return max(0, total - self.steps)
+
+  def __str__(self) -> str:
+    eps, dlt = self.guarantee()
+    budget = "" if self.epsilon_budget is None else f" of budget {self.epsilon_budget:g}"
+    return (f"({eps:.4g}, {dlt:.3g})-DP after {self.steps} steps{budget} "
+            f"[σ={self.noise_multiplier:.6g}, q={self.sampling_rate:.6g}, {self.accountant}]")
+
+  # -- Recording. -------------------------------------------------------------
+
+  def record_steps(self, k: int = 1, *, allow_exceeding_budget: bool = False) -> float:
+    """Records k more noisy steps and returns the new ε.
+
+    Call it before the k updates are released. If the budget would be exceeded
+    (ε(steps + k) > epsilon_budget), nothing is recorded and
+    `PrivacyBudgetExceededError` is raised, unless allow_exceeding_budget=True.
+    """
+    if isinstance(k, bool) or int(k) != k or k < 0:
+      raise ValueError(f"k must be an integer ≥ 0, got {k!r}.")
+    k = int(k)
+    new_eps = self.epsilon(self.steps + k)
+    if (self.epsilon_budget is not None and new_eps > self.epsilon_budget
+        and not allow_exceeding_budget):
+      raise PrivacyBudgetExceededError(
+          f"Taking {k} more step(s) (to {self.steps + k}) would spend ε = {new_eps:.4g} > "
+          f"budget {self.epsilon_budget:g} at δ = {self.target_delta:g} (currently ε = "
+          f"{self.epsilon():.4g} after {self.steps} steps). Stop training, or pass "
+          "allow_exceeding_budget=True to continue knowingly.")
+    self.steps += k
+    return new_eps
+
+  # -- Serialisation. ---------------------------------------------------------
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-serialisable dict (plain floats/ints/str/None) with a format version."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out["format_version"] = LEDGER_FORMAT_VERSION
+    return out
+
+  @classmethod
+  def from_dict(cls, data: dict[str, Any]) -> "PrivacyLedger":
+    """Inverse of `to_dict`; rejects unknown keys and unknown format versions."""
+    data = dict(data)
+    version = data.pop("format_version", LEDGER_FORMAT_VERSION)
+    if version != LEDGER_FORMAT_VERSION:
+      raise ValueError(f"Unsupported ledger format_version {version!r}.")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+      raise ValueError(f"Unknown ledger fields: {sorted(unknown)}.")
+    return cls(**data)
+
+
+# ----------------------------------------------------------------------------
+# Orbax integration.
+# ----------------------------------------------------------------------------
+
+_STATE_ITEM = "state"
+_LEDGER_ITEM = "privacy_ledger"
+
+
+def _manager(directory, max_to_keep: Optional[int] = None, create: bool = True):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create)
+  return ocp.CheckpointManager(os.fspath(os.path.abspath(directory)), options=options)
+
+
+def save_checkpoint(directory, step: int, state: Any, ledger: PrivacyLedger, *,
+                    max_to_keep: Optional[int] = None) -> None:
+  """Saves ``state`` (any pytree of arrays) and the ledger as one orbax checkpoint.
+
+  Both go into the same checkpoint step (items "state" and "privacy_ledger"),
+  written atomically by `orbax.checkpoint.CheckpointManager`; the call blocks
+  until the checkpoint is on disk.
+
+  Args:
+    directory: checkpoint root directory (created if needed).
+    step: checkpoint step number; use the number of steps taken.
+    state: pytree with the params and the optimizer state (including the
+      `logit_dp.AddNoiseState`, whose count keys the noise).
+    ledger: the run's `PrivacyLedger`.
+    max_to_keep: keep only the newest checkpoints (None: keep all).
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  if not isinstance(ledger, PrivacyLedger):
+    raise TypeError(f"ledger must be a PrivacyLedger, got {type(ledger).__name__}.")
+  mngr = _manager(directory, max_to_keep=max_to_keep)
+  try:
+    mngr.save(int(step), args=ocp.args.Composite(**{
+        _STATE_ITEM: ocp.args.StandardSave(state),
+        _LEDGER_ITEM: ocp.args.JsonSave(ledger.to_dict()),
+    }), force=True)
+    mngr.wait_until_finished()
+  finally:
+    mngr.close()
+
+
+def latest_step(directory) -> Optional[int]:
+  """Newest checkpoint step in ``directory`` (None if there is none)."""
+  if not os.path.isdir(directory):
+    return None
+  mngr = _manager(directory, create=False)
+  try:
+    return mngr.latest_step()
+  finally:
+    mngr.close()
+
+
+def restore_checkpoint(directory, template: Any, step: Optional[int] = None
+                       ) -> tuple[Any, PrivacyLedger, int]:
+  """Restores (state, ledger, step) saved by `save_checkpoint`.
+
+  Args:
+    directory: checkpoint root directory.
+    template: a pytree with the structure, shapes and dtypes of the saved state
+      (e.g. a freshly initialised state); its values are not used.
+    step: which checkpoint (default: the newest).
+
+  Raises:
+    FileNotFoundError: no checkpoint in ``directory``.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No checkpoint directory {directory!r}.")
+  mngr = _manager(directory, create=False)
+  try:
+    if step is None:
+      step = mngr.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"No checkpoint in {directory!r}.")
+    restored = mngr.restore(int(step), args=ocp.args.Composite(**{
+        _STATE_ITEM: ocp.args.StandardRestore(template),
+        _LEDGER_ITEM: ocp.args.JsonRestore(),
+    }))
+  finally:
+    mngr.close()
+  ledger = PrivacyLedger.from_dict(restored[_LEDGER_ITEM])
+  return restored[_STATE_ITEM], ledger, int(step)

@@ -1,0 +1,17 @@
+"""Privacy ledger saved in every (orbax) checkpoint; see `logit_dp._src.ledger`."""
+
+from logit_dp._src.ledger import LEDGER_FORMAT_VERSION
+from logit_dp._src.ledger import PrivacyBudgetExceededError
+from logit_dp._src.ledger import PrivacyLedger
+from logit_dp._src.ledger import latest_step
+from logit_dp._src.ledger import restore_checkpoint
+from logit_dp._src.ledger import save_checkpoint
+
+__all__ = [
+    "LEDGER_FORMAT_VERSION",
+    "PrivacyBudgetExceededError",
+    "PrivacyLedger",
+    "latest_step",
+    "restore_checkpoint",
+    "save_checkpoint",
+]

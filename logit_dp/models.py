@@ -1,0 +1,153 @@
+"""Flax models used in the Logit-DP experiments (NHWC throughout).
+
+* :class:`EmbeddingNet` -- the paper's small embedding network: three 3x3
+  stride-2 convolutions with 8/16/32 channels and ReLU (Kaiming-normal init),
+  global mean pooling and a dense projection to ``embedding_dim`` (8 in the
+  paper, Xavier-normal init).
+* :class:`ResNet18` -- ResNet-18 (CIFAR variant: 3x3 stem, no max-pool) without
+  batch normalisation, optionally with GroupNorm.  Batch norm mixes examples in a
+  batch, which breaks per-example clipping, so it is never used.
+* :class:`FinetuneHead` -- the 64-32-``num_classes`` MLP trained on top of a
+  frozen encoder for CIFAR-100 (20 coarse classes) fine-tuning.
+
+Every model maps a batch ``(n, H, W, C)`` to ``(n, d)`` and treats examples
+independently, as required by :func:`logit_dp.clipped_grad`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+__all__ = ["EmbeddingNet", "ResNet18", "ResNetBlock", "FinetuneHead", "MLPEmbedding",
+           "make_model"]
+
+kaiming_normal = nn.initializers.variance_scaling(2.0, "fan_in", "normal")
+xavier_normal = nn.initializers.xavier_normal()
+
+
+class EmbeddingNet(nn.Module):
+  """Three 3x3 stride-2 convolutions (8/16/32), mean pool, dense to ``embedding_dim``."""
+
+  embedding_dim: int = 8
+  channels: Sequence[int] = (8, 16, 32)
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    x = jnp.asarray(x, self.dtype)
+    for c in self.channels:
+      x = nn.Conv(c, (3, 3), strides=(2, 2), padding="SAME",
+                  kernel_init=kaiming_normal, dtype=self.dtype)(x)
+      x = nn.relu(x)
+    x = jnp.mean(x, axis=(1, 2))  # global mean pool over H, W (NHWC)
+    return nn.Dense(self.embedding_dim, kernel_init=xavier_normal,
+                    dtype=self.dtype)(x)
+
+
+class ResNetBlock(nn.Module):
+  """Basic residual block (two 3x3 convs) with an optional per-example norm."""
+
+  filters: int
+  strides: int = 1
+  norm: Optional[Callable[..., nn.Module]] = None
+
+  @nn.compact
+  def __call__(self, x):
+    residual = x
+    y = nn.Conv(self.filters, (3, 3), strides=(self.strides,) * 2, padding="SAME",
+                use_bias=self.norm is None, kernel_init=kaiming_normal)(x)
+    if self.norm is not None:
+      y = self.norm()(y)
+    y = nn.relu(y)
+    y = nn.Conv(self.filters, (3, 3), padding="SAME", use_bias=self.norm is None,
+                kernel_init=kaiming_normal)(y)
+    if self.norm is not None:
+      # Zero-initialised last scale: each block starts as the identity, which
+      # keeps a norm-free-ish ResNet trainable.
+      y = self.norm(scale_init=nn.initializers.zeros)(y)
+    if residual.shape != y.shape:
+      residual = nn.Conv(self.filters, (1, 1), strides=(self.strides,) * 2,
+                         use_bias=self.norm is None, kernel_init=kaiming_normal,
+                         name="proj")(residual)
+      if self.norm is not None:
+        residual = self.norm(name="proj_norm")(residual)
+    return nn.relu(residual + y)
+
+
+class ResNet18(nn.Module):
+  """ResNet-18 without batch norm; ``norm="group"`` adds GroupNorm, ``None`` nothing.
+
+  CIFAR variant (3x3 stride-1 stem, no max-pool), stages of 2 blocks with
+  ``width, 2*width, 4*width, 8*width`` filters, global mean pool and a dense
+  projection to ``embedding_dim``.
+  """
+
+  embedding_dim: int = 8
+  width: int = 64
+  stage_sizes: Sequence[int] = (2, 2, 2, 2)
+  norm: Optional[str] = None
+  num_groups: int = 32
+
+  @nn.compact
+  def __call__(self, x):
+    if self.norm is None or self.norm == "none":
+      norm = None
+    elif self.norm == "group":
+      def norm(**kw):
+        return nn.GroupNorm(num_groups=self.num_groups, **kw)
+    else:
+      raise ValueError(f"unknown norm {self.norm!r}: use None or 'group' "
+                       "(batch norm would mix examples and break per-example clipping)")
+    x = jnp.asarray(x, jnp.float32)
+    x = nn.Conv(self.width, (3, 3), padding="SAME", use_bias=norm is None,
+                kernel_init=kaiming_normal, name="stem")(x)
+    if norm is not None:
+      x = norm(name="stem_norm")(x)
+    x = nn.relu(x)
+    for i, n_blocks in enumerate(self.stage_sizes):
+      for j in range(n_blocks):
+        strides = 2 if i > 0 and j == 0 else 1
+        x = ResNetBlock(self.width * 2**i, strides=strides, norm=norm)(x)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(self.embedding_dim, kernel_init=xavier_normal)(x)
+
+
+class FinetuneHead(nn.Module):
+  """MLP head ``hidden -> ... -> num_classes`` (64-32-20 in the paper)."""
+
+  hidden: Sequence[int] = (64, 32)
+  num_classes: int = 20
+
+  @nn.compact
+  def __call__(self, x):
+    for h in self.hidden:
+      x = nn.relu(nn.Dense(h, kernel_init=kaiming_normal)(x))
+    return nn.Dense(self.num_classes, kernel_init=xavier_normal)(x)
+
+
+class MLPEmbedding(nn.Module):
+  """A tiny MLP embedding (flattens the image): for tests and the quickstart notebook."""
+
+  embedding_dim: int = 8
+  hidden: Sequence[int] = (32,)
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.asarray(x, jnp.float32).reshape(x.shape[0], -1)
+    for h in self.hidden:
+      x = nn.relu(nn.Dense(h, kernel_init=kaiming_normal)(x))
+    return nn.Dense(self.embedding_dim, kernel_init=xavier_normal)(x)
+
+
+def make_model(name: str, **kwargs) -> nn.Module:
+  """Builds a model by name: ``embedding_net``, ``resnet18`` or ``mlp``."""
+  if name == "embedding_net":
+    return EmbeddingNet(**kwargs)
+  if name == "resnet18":
+    return ResNet18(**kwargs)
+  if name == "mlp":
+    return MLPEmbedding(**kwargs)
+  raise ValueError(f"unknown model {name!r}")

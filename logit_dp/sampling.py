@@ -1,0 +1,30 @@
+"""Poisson batch sampling (matching the accounting) and shuffled batching for
+non-private baselines; see `logit_dp._src.sampling`."""
+
+from logit_dp._src.sampling import BatchOverflowError
+from logit_dp._src.sampling import DEFAULT_OVERFLOW_PROBABILITY
+from logit_dp._src.sampling import OVERFLOW_POLICIES
+from logit_dp._src.sampling import PoissonBatch
+from logit_dp._src.sampling import PoissonSampler
+from logit_dp._src.sampling import ShuffledBatcher
+from logit_dp._src.sampling import check_overflow
+from logit_dp._src.sampling import inclusion_threshold
+from logit_dp._src.sampling import max_batch_size_for
+from logit_dp._src.sampling import overflow_delta
+from logit_dp._src.sampling import overflow_probability
+from logit_dp._src.sampling import poisson_batch
+
+__all__ = [
+    "BatchOverflowError",
+    "DEFAULT_OVERFLOW_PROBABILITY",
+    "OVERFLOW_POLICIES",
+    "PoissonBatch",
+    "PoissonSampler",
+    "ShuffledBatcher",
+    "check_overflow",
+    "inclusion_threshold",
+    "max_batch_size_for",
+    "overflow_delta",
+    "overflow_probability",
+    "poisson_batch",
+]

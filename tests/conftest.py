@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny embedding models. Eight simulated CPU devices for sharding tests."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+class MLP(nn.Module):
+  features: tuple = (16, 6)
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape(x.shape[0], -1)
+    for f in self.features[:-1]:
+      x = nn.tanh(nn.Dense(f)(x))
+    return nn.Dense(self.features[-1])(x)
+
+
+class SmallConv(nn.Module):
+  """The paper's embedding net, narrower: 3×3 stride-2 convs, ReLU, mean pool, dense."""
+  channels: tuple = (4, 8)
+  dim: int = 5
+
+  @nn.compact
+  def __call__(self, x):
+    for c in self.channels:
+      x = nn.relu(nn.Conv(c, (3, 3), strides=2, kernel_init=nn.initializers.kaiming_normal())(x))
+    return nn.Dense(self.dim, kernel_init=nn.initializers.xavier_normal())(x.mean(axis=(1, 2)))
+
+
+def make_model(kind: str, n: int, seed: int = 0):
+  """Returns (embed_fn, params, x, x_prime) for a batch of n pairs."""
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+  if kind == "mlp":
+    model, shape = MLP(), (n, 7)
+  elif kind == "conv":
+    model, shape = SmallConv(), (n, 8, 8, 3)
+  else:
+    raise ValueError(kind)
+  x = jax.random.normal(k1, shape)
+  x_prime = x + 0.5 * jax.random.normal(k2, shape)
+  params = model.init(k3, x[:1])
+  return model.apply, params, x, x_prime
+
+
+@pytest.fixture(params=["mlp", "conv"])
+def model_kind(request):
+  return request.param

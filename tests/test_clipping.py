@@ -1,0 +1,169 @@
+"""clipped_grad against independent computations: jax.grad and the materialised reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import logit_dp
+from conftest import make_model
+from helpers import reference_grad, rel_err, tree_norm
+
+LOSSES = {
+    "contrastive": logit_dp.losses.contrastive(temperature=0.5),
+    "spreadout": logit_dp.losses.spreadout(),
+}
+
+
+@pytest.mark.parametrize("loss_name", sorted(LOSSES))
+@pytest.mark.parametrize("method", logit_dp.METHODS)
+def test_infinite_clip_norm_is_jax_grad(model_kind, loss_name, method):
+  embed_fn, params, x, x_prime = make_model(model_kind, n=6)
+  loss = LOSSES[loss_name]
+  ref_loss, ref_grads = reference_grad(embed_fn, loss, params, x, x_prime)
+  value, grads = logit_dp.clipped_grad(embed_fn, loss, jnp.inf, method=method)(params, x, x_prime)
+  np.testing.assert_allclose(value, ref_loss, rtol=1e-5)
+  assert rel_err(grads, ref_grads) < 1e-5
+
+
+@pytest.mark.parametrize("loss_name", sorted(LOSSES))
+def test_ghost_matches_materialize_with_clipping(model_kind, loss_name):
+  embed_fn, params, x, x_prime = make_model(model_kind, n=8, seed=1)
+  loss = LOSSES[loss_name]
+  norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
+  clip_norm = float(jnp.median(norms))  # about half of the pairs are clipped
+  _, exact = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="materialize")(
+      params, x, x_prime)
+  _, ghost = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="ghost")(params, x, x_prime)
+  assert rel_err(ghost, exact) < 1e-4
+  # Clipping really happened: the clipped gradient differs from the unclipped one.
+  _, unclipped = reference_grad(embed_fn, loss, params, x, x_prime)
+  assert rel_err(exact, unclipped) > 1e-2
+
+
+def test_ghost_pair_norms_match_materialized_pair_gradients(model_kind):
+  embed_fn, params, x, x_prime = make_model(model_kind, n=7, seed=2)
+  ghost = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost")
+  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
+  # Independent check of one entry: the norm of jax.grad of Z_ij.
+  i, j = 3, 5
+  z = lambda p: logit_dp.cosine_similarity(embed_fn(p, x[i:i + 1]), embed_fn(p, x_prime[j:j + 1]))[0, 0]
+  np.testing.assert_allclose(exact[i, j], tree_norm(jax.grad(z)(params)), rtol=1e-5)
+  np.testing.assert_allclose(ghost, exact, rtol=1e-4)
+
+
+def test_triangle_bound_is_an_upper_bound_and_clips_every_pair_to_b(model_kind):
+  embed_fn, params, x, x_prime = make_model(model_kind, n=7, seed=3)
+  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
+  bound = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="triangle")
+  assert np.all(np.asarray(bound) >= np.asarray(exact) * (1 - 1e-5))
+  assert np.any(np.asarray(bound) > np.asarray(exact) * 1.01)  # a real bound, not the exact norm
+
+
+@pytest.mark.parametrize("method", logit_dp.METHODS)
+def test_mask_padding_contributes_nothing(method):
+  embed_fn, params, x, x_prime = make_model("mlp", n=9, seed=4)
+  loss = LOSSES["contrastive"]
+  mask = jnp.array([1, 1, 0, 1, 1, 1, 0, 1, 0], bool)
+  keep = np.flatnonzero(np.asarray(mask))
+  padded_x = x.at[~mask].set(jnp.nan)  # garbage in padded rows must not leak
+  padded_xp = x_prime.at[~mask].set(1e30)
+  fn = logit_dp.clipped_grad(embed_fn, loss, 0.5, method=method)
+  value_masked, grads_masked = fn(params, padded_x, padded_xp, mask)
+  value_small, grads_small = fn(params, x[keep], x_prime[keep])
+  np.testing.assert_allclose(value_masked, value_small, rtol=1e-5)
+  assert rel_err(grads_masked, grads_small) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["ghost", "triangle"])
+def test_microbatching_keeps_the_whole_pair_matrix(method):
+  embed_fn, params, x, x_prime = make_model("conv", n=10, seed=5)
+  loss = LOSSES["contrastive"]
+  _, whole = logit_dp.clipped_grad(embed_fn, loss, 0.3, method=method)(params, x, x_prime)
+  _, micro = logit_dp.clipped_grad(embed_fn, loss, 0.3, method=method, microbatch_size=3)(
+      params, x, x_prime)
+  assert rel_err(micro, whole) < 1e-5
+
+
+def test_naive_clipped_grad_is_jax_grad_clipped_to_b(model_kind):
+  embed_fn, params, x, x_prime = make_model(model_kind, n=6)
+  loss = LOSSES["contrastive"]
+  _, ref = reference_grad(embed_fn, loss, params, x, x_prime)
+  _, unclipped = logit_dp.naive_clipped_grad(embed_fn, loss, jnp.inf)(params, x, x_prime)
+  assert rel_err(unclipped, ref) < 1e-5
+  clip_norm = tree_norm(ref) / 3
+  _, clipped = logit_dp.naive_clipped_grad(embed_fn, loss, clip_norm)(params, x, x_prime)
+  np.testing.assert_allclose(tree_norm(clipped), clip_norm, rtol=1e-5)
+  assert rel_err(jax.tree_util.tree_map(lambda g: 3 * g, clipped), ref) < 1e-5
+
+
+def test_grad_fn_jits_and_does_not_retrace():
+  embed_fn, params, x, x_prime = make_model("mlp", n=6)
+  traces = []
+
+  def counting_embed(p, xs):
+    traces.append(1)
+    return embed_fn(p, xs)
+
+  fn = logit_dp.clipped_grad(counting_embed, LOSSES["spreadout"], 1.0)
+  fn(params, x, x_prime)
+  first = len(traces)
+  for s in range(3):
+    fn(params, x + s, x_prime)
+  assert len(traces) == first
+  jitted = jax.jit(fn)
+  eager = fn(params, x, x_prime)
+  np.testing.assert_allclose(jitted(params, x, x_prime)[0], eager[0], rtol=1e-6)
+
+
+def test_zero_embedding_gives_finite_gradients():
+  def embed_fn(params, xs):
+    return xs * params["scale"]  # the first example embeds to exactly 0
+
+  params = {"scale": jnp.ones((4,))}
+  x = jnp.array([[0.0, 0, 0, 0], [1, 2, 0, 1], [0, 1, 1, 0]])
+  x_prime = jnp.array([[1.0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+  for method in logit_dp.METHODS:
+    value, grads = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method)(
+        params, x, x_prime)
+    assert np.isfinite(value) and np.all(np.isfinite(grads["scale"]))
+
+
+def test_nonfinite_embeddings_raise_eagerly_and_are_masked_under_jit():
+  embed_fn, params, x, x_prime = make_model("mlp", n=5)
+  bad = x.at[2, 0].set(jnp.inf)
+  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0)
+  with pytest.raises(ValueError, match="non-finite"):
+    fn(params, bad, x_prime)
+  with pytest.raises(ValueError, match="non-finite"):
+    logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], 1.0)(params, bad, x_prime)
+  value, grads = jax.jit(fn)(params, bad, x_prime)
+  mask = jnp.arange(5) != 2
+  expected_value, expected = fn(params, x, x_prime, mask)
+  np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+  assert rel_err(grads, expected) < 1e-6
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(clip_norm=0.0), "clip_norm"),
+    (dict(clip_norm=-1.0), "clip_norm"),
+    (dict(clip_norm=float("nan")), "clip_norm"),
+    (dict(clip_norm="big"), "clip_norm"),
+    (dict(clip_norm=1.0, method="exact"), "method"),
+    (dict(clip_norm=1.0, microbatch_size=0), "microbatch_size"),
+])
+def test_bad_construction_arguments(kwargs, match):
+  embed_fn, _, _, _ = make_model("mlp", n=4)
+  with pytest.raises(ValueError, match=match):
+    logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], **kwargs)
+
+
+def test_bad_batches():
+  embed_fn, params, x, x_prime = make_model("mlp", n=4)
+  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0)
+  with pytest.raises(ValueError, match="same number of examples"):
+    fn(params, x, x_prime[:3])
+  with pytest.raises(ValueError, match="at least 2 pairs"):
+    fn(params, x[:1], x_prime[:1])
+  with pytest.raises(ValueError, match="mask"):
+    fn(params, x, x_prime, jnp.ones((3,), bool))

@@ -1,0 +1,177 @@
+"""Sensitivity constants: formulas, the τ-level worst case, and ḡ on neighbouring batches."""
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import logit_dp
+from conftest import make_model
+from helpers import flat
+
+
+def weight_change(loss, z, k):
+  """Σ_j|τ_kj| + Σ_{i≠k}|τ_ik| + Σ_{i,j≠k}|τ_ij − τ'_ij| from jax.grad of the loss.
+
+  This is ‖ḡ(X) − ḡ(X∖k)‖/B when every clipped pair gradient has norm B and the
+  directions align with the signs: the quantity the sensitivity must bound.
+  """
+  n = z.shape[0]
+  grad = _jitted_grad(loss)
+  tau = np.asarray(grad(z), np.float64)
+  keep = np.arange(n) != k
+  tau_without = np.asarray(grad(z[keep][:, keep]), np.float64)
+  others = tau[keep][:, keep]
+  return (np.abs(tau[k]).sum() + np.abs(tau[keep, k]).sum()
+          + np.abs(others - tau_without).sum())
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_grad(loss):
+  return jax.jit(jax.grad(loss))
+
+
+def adversarial_contrastive_z(n, k=0):
+  """Row k's diagonal least similar, every other row's column k most similar.
+
+  Realised by 1-D unit embeddings û_k = 1, v̂_k = −1, û_i = −1, v̂_j = 1 (i, j ≠ k).
+  """
+  u = -np.ones(n); u[k] = 1.0
+  v = np.ones(n); v[k] = -1.0
+  return jnp.asarray(np.outer(u, v), jnp.float32)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("n", [2, 3, 8, 40])
+def test_contrastive_constant_is_attained_and_exceeds_the_papers_lemma(temperature, n):
+  loss = logit_dp.losses.contrastive(temperature)
+  factor = loss.sensitivity_factor(n)
+  a = math.exp(2 / temperature)
+  p = a / (a + n - 1)
+  np.testing.assert_allclose(factor, (2 + 2 * (n - 1) * p) / temperature, rtol=1e-12)
+  worst = weight_change(loss, adversarial_contrastive_z(n), k=0)
+  assert worst <= factor * (1 + 1e-5)
+  # Attained exactly, up to the diagonal softmax s_kk = 1/(1 + (n−1)a) of row k.
+  s_kk = 1 / (1 + (n - 1) * a)
+  np.testing.assert_allclose(worst, (2 * (1 - s_kk) + 2 * (n - 1) * p) / temperature, rtol=1e-5)
+  paper = 2 * (1 + (n - 2) * p) / temperature
+  if n >= 3:
+    assert worst > paper  # Lemma 3.4's constant is too small
+
+
+@pytest.mark.parametrize("loss", [logit_dp.losses.contrastive(0.7), logit_dp.losses.spreadout()],
+                         ids=["contrastive", "spreadout"])
+def test_random_similarity_matrices_stay_below_the_constant(loss):
+  rng = np.random.default_rng(0)
+  for n in (2, 3, 5, 12):
+    for _ in range(20):
+      u = rng.normal(size=(n, 3)); v = rng.normal(size=(n, 3))
+      z = logit_dp.cosine_similarity(jnp.asarray(u), jnp.asarray(v))
+      worst = max(weight_change(loss, z, k) for k in range(n))
+      assert worst <= loss.sensitivity_factor(n) * (1 + 1e-5)
+
+
+def test_spreadout_extreme_configuration():
+  loss = logit_dp.losses.spreadout()
+  for n in (3, 6, 20):
+    z = jnp.ones((n, n))  # every pair maximally similar
+    worst = weight_change(loss, z, k=0)
+    assert worst <= 6 * (1 + 1e-6)
+    assert worst >= 5.0  # G1 = G2 = 2 attained, L close to its bound
+
+
+def test_sensitivity_values_supremum_and_monotonicity():
+  loss = logit_dp.losses.contrastive(1.0)
+  sup = logit_dp.sensitivity(loss, clip_norm=1.0)
+  np.testing.assert_allclose(sup, 2 * (1 + math.exp(2)), rtol=1e-12)
+  values = [logit_dp.sensitivity(loss, 1.0, batch_size=n) for n in (2, 10, 100, 10**4, 10**8)]
+  assert all(a < b for a, b in zip(values, values[1:])) and values[-1] < sup
+  np.testing.assert_allclose(values[-1], sup, rtol=1e-5)
+  assert logit_dp.sensitivity(loss, clip_norm=3.0) == pytest.approx(3 * sup)
+  assert logit_dp.sensitivity(logit_dp.losses.spreadout(), 0.5, batch_size=7) == 3.0
+  assert logit_dp.naive_sensitivity(0.25) == 0.5
+
+
+def test_low_temperature_price_is_visible():
+  with pytest.warns(logit_dp.losses.LargeSensitivityWarning, match="temperature 0.2"):
+    c = logit_dp.sensitivity(logit_dp.losses.contrastive(0.2), clip_norm=1.0)
+  assert 2.0e5 < c < 2.3e5
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    logit_dp.sensitivity(logit_dp.losses.contrastive(1.0), clip_norm=1.0)  # no warning
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_sensitivity_arguments(bad):
+  with pytest.raises(ValueError):
+    logit_dp.sensitivity(logit_dp.losses.spreadout(), clip_norm=bad)
+  with pytest.raises(ValueError):
+    logit_dp.naive_sensitivity(bad)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), 1e-4])
+def test_bad_temperature(bad):
+  with pytest.raises(ValueError, match="temperature"):
+    logit_dp.losses.contrastive(bad)
+
+
+def test_bad_batch_size_and_unknown_loss():
+  with pytest.raises(ValueError, match="batch_size"):
+    logit_dp.sensitivity(logit_dp.losses.contrastive(1.0), 1.0, batch_size=1)
+  with pytest.raises(ValueError, match="No sensitivity"):
+    logit_dp.sensitivity(lambda z, mask=None: jnp.sum(z), 1.0)
+
+
+def _neighbour_differences(fn, params, x, x_prime):
+  n = x.shape[0]
+  _, full = fn(params, x, x_prime, jnp.ones((n,), bool))
+  diffs = []
+  for k in range(n):
+    mask = jnp.arange(n) != k
+    _, without = fn(params, x, x_prime, mask)  # mask == removing pair k
+    diffs.append(np.linalg.norm(flat(full) - flat(without)))
+  return np.array(diffs)
+
+
+@pytest.mark.parametrize("loss", [logit_dp.losses.contrastive(0.5), logit_dp.losses.spreadout()],
+                         ids=["contrastive", "spreadout"])
+def test_removing_any_pair_moves_clipped_gradient_by_at_most_c(model_kind, loss):
+  clip_norm = 0.05  # every pair is clipped
+  c = logit_dp.sensitivity(loss, clip_norm, batch_size=6)
+  fn = None
+  for seed in range(2):
+    embed_fn, params, x, x_prime = make_model(model_kind, n=6, seed=seed)
+    fn = fn or jax.jit(logit_dp.clipped_grad(embed_fn, loss, clip_norm))
+    assert np.all(_neighbour_differences(fn, params, x, x_prime) <= c)
+
+
+def test_adversarial_embeddings_respect_the_bound():
+  """Linear embeddings placed at the τ-level worst case, all pairs clipped."""
+  n, d = 6, 3
+  loss = logit_dp.losses.contrastive(0.5)
+  rng = np.random.default_rng(1)
+  u = -np.ones(n); u[0] = 1.0
+  v = np.ones(n); v[0] = -1.0
+  x = np.zeros((n, d)); x[:, 0] = u
+  x_prime = np.zeros((n, d)); x_prime[:, 0] = v
+  x += 0.05 * rng.normal(size=x.shape); x_prime += 0.05 * rng.normal(size=x.shape)
+  embed_fn = lambda w, xs: xs @ w
+  params = jnp.eye(d)
+  clip_norm = 1e-3
+  fn = jax.jit(logit_dp.clipped_grad(embed_fn, loss, clip_norm))
+  diffs = _neighbour_differences(fn, params, jnp.asarray(x, jnp.float32),
+                                 jnp.asarray(x_prime, jnp.float32))
+  c = logit_dp.sensitivity(loss, clip_norm, batch_size=n)
+  assert np.all(diffs <= c)
+  assert diffs[0] > 0.1 * c  # the worst-case pair moves ḡ by a sizeable share of C
+
+
+def test_naive_dp_neighbours_within_2b(model_kind):
+  loss = logit_dp.losses.contrastive(0.5)
+  embed_fn, params, x, x_prime = make_model(model_kind, n=6)
+  fn = jax.jit(logit_dp.naive_clipped_grad(embed_fn, loss, 0.1))
+  assert np.all(_neighbour_differences(fn, params, x, x_prime) <= logit_dp.naive_sensitivity(0.1))
