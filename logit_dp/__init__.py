@@ -6,7 +6,10 @@ per-pair clipped gradients (`clipped_grad`), their sensitivity (`sensitivity`),
 and the Gaussian noise as an optax transformation (`transform`).
 """
 
+from logit_dp import accounting
+from logit_dp import ledger
 from logit_dp import losses
+from logit_dp import sampling
 from logit_dp._src.clipping import DEFAULT_COSINE_EPS
 from logit_dp._src.clipping import METHODS
 from logit_dp._src.clipping import clipped_grad
@@ -14,15 +17,19 @@ from logit_dp._src.clipping import cosine_similarity
 from logit_dp._src.clipping import naive_clipped_grad
 from logit_dp._src.clipping import normalize
 from logit_dp._src.clipping import pair_grad_norms
+from logit_dp._src.ledger import PrivacyBudgetExceededError
+from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.noise import AddNoiseState
 from logit_dp._src.noise import transform
+from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sensitivity import naive_sensitivity
 from logit_dp._src.sensitivity import sensitivity
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AddNoiseState", "DEFAULT_COSINE_EPS", "METHODS", "clipped_grad", "cosine_similarity",
+    "PoissonSampler", "PrivacyBudgetExceededError", "PrivacyLedger", "accounting", "ledger",
+    "sampling", "AddNoiseState", "DEFAULT_COSINE_EPS", "METHODS", "clipped_grad", "cosine_similarity",
     "losses", "naive_clipped_grad", "naive_sensitivity", "normalize", "pair_grad_norms",
     "sensitivity", "transform",
 ]

@@ -73,7 +73,7 @@ class Contrastive:
   which row k's diagonal is its least similar entry while every other row's
   column k is its most similar entry attains the larger value above.
 
-  The price of temperature: τ = 1 gives sup C/B ≈ 16.8, τ = 0.5 ≈ 113,
+  The price of temperature: τ = 1 gives sup C/B ≈ 16.8, τ = 0.5 ≈ 222,
   τ = 0.2 ≈ 2.2·10⁵ (a warning is emitted above 10³).
   """
 

@@ -36,7 +36,9 @@ also reveals the overflow event, by aborting) and is what
 `overflow_delta` returns and `PrivacyLedger` adds to δ. The default
 ``max_batch_size`` makes p_over ≤ 1e-12, so the extra δ is small (≈ 1.3e-7
 for N = 50,000, q = 0.02, T = 1000, ε = 5); choose a smaller p_over for very
-long runs or very small δ.
+long runs or very small δ. After a `BatchOverflowError`, do not simply rerun
+with another seed: the aborted run is a release too; raise ``max_batch_size``
+and resume from the last checkpoint (same seed, same steps) instead.
 We do not use the truncation-specific amplification analysis of
 `dp_accounting.TruncatedSubsampledGaussianDpEvent`: it assumes random-subset
 truncation and a decomposable sum, whose sensitivity is not the Logit-DP one.

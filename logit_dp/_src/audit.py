@@ -1,0 +1,276 @@
+"""Sensitivity audits: measure ‖ḡ(X) − ḡ(X∖k)‖ and search for batches that maximise it.
+
+`logit_dp.sensitivity` is a proof (Theorem 3.3 of Kong, Muñoz Medina & Ribero
+2025, with the corrected contrastive constant, see `losses.Contrastive`). This
+module tests it numerically on the code that is actually run: it calls the
+same jitted core as `logit_dp.clipped_grad` / `logit_dp.naive_clipped_grad`,
+removes each pair k in turn (by masking it out, which the clipping tests show is
+identical to deleting it) and compares the largest change with the bound.
+
+    gap_k  = ‖ḡ(X) − ḡ(X∖k)‖₂            (k over the valid pairs of X)
+    ratio  = max_k gap_k / C(n)           (C(n) = sensitivity(loss, B, batch_size=n))
+    ratio∞ = max_k gap_k / C(∞)           (C(∞) = sensitivity(loss, B), the Poisson bound)
+
+For Naive-DP the bound is 2B for every n. A ratio above 1 is a privacy bug.
+
+`search_worst_case` makes the ratio as large as it can: gradient ascent (Adam)
+on the inputs (x, x′) — and optionally on the parameters w, since the bound
+must hold for every w — of the smooth surrogate
+
+    f(x, x′) = logsumexp_k log(gap_k² + 1e-30)
+
+(≈ log max_k gap_k²), from the given batch and from ``num_restarts − 1``
+random restarts, keeping the best ratio seen at any step. The clip factor
+min(1, B/‖g_ij‖) makes f piecewise smooth; plain `jax.grad` through it is used
+(non-finite gradient entries are zeroed). A search is a lower bound on the worst
+case, never a proof; the proof is the derivation in `logit_dp.losses`.
+
+Formal guarantees: none (this is a test instrument). A ratio > 1 returned by
+these functions is a counterexample to the claimed sensitivity for the
+returned inputs and parameters, up to float32 rounding (≈ 1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from logit_dp._src import clipping
+from logit_dp._src import sensitivity as sensitivity_lib
+
+EmbedFn = Callable[[Any, jax.Array], jax.Array]
+_TINY = 1e-30
+
+
+@dataclasses.dataclass(frozen=True)
+class RemovalAudit:
+  """The result of one removal audit.
+
+  Attributes:
+    ratio: max_k gap_k / C(n), n the number of valid pairs in the batch (for
+      Naive-DP: / 2B). Must be ≤ 1.
+    ratio_sup: max_k gap_k / C(∞), the bound used with Poisson sampling (equal
+      to ``ratio`` for spreadout and Naive-DP).
+    max_gap: max_k gap_k.
+    worst_pair: the k attaining it.
+    bound: C(n) (Naive-DP: 2B).
+    bound_sup: C(∞) (Naive-DP: 2B).
+    gaps: np.ndarray (n,), gap_k for every k (0 for pairs already masked out).
+    method: the clipping method ("ghost", "materialize", "triangle" or "naive").
+    x, x_prime, params: the batch and parameters the audit ran on (for
+      `search_worst_case`, the worst ones found).
+  """
+  ratio: float
+  ratio_sup: float
+  max_gap: float
+  worst_pair: int
+  bound: float
+  bound_sup: float
+  gaps: np.ndarray
+  method: str
+  x: Any = None
+  x_prime: Any = None
+  params: Any = None
+
+
+def _bounds(loss, clip_norm: float, n_valid: int, naive: bool) -> tuple[float, float]:
+  if naive:
+    c = sensitivity_lib.naive_sensitivity(clip_norm)
+    return c, c
+  return (sensitivity_lib.sensitivity(loss, clip_norm, batch_size=max(n_valid, 2)),
+          sensitivity_lib.sensitivity(loss, clip_norm, batch_size=None))
+
+
+def _make_core(embed_fn, loss, clip_norm, method, cosine_eps):
+  if method == "naive":
+    fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps)
+  else:
+    fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps)
+  return fn.core
+
+
+def _flat(tree) -> jax.Array:
+  return jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree_util.tree_leaves(tree)])
+
+
+def _gaps_fn(core, params, x, x_prime, mask, chunk):
+  """gap_k for every k: ḡ(X) against ḡ(X with pair k masked out)."""
+  n = x.shape[0]
+  _, full, _ = core(params, x, x_prime, mask)
+  full = _flat(full)
+
+  def one(k):
+    _, g, _ = core(params, x, x_prime, mask & (jnp.arange(n) != k))
+    d = _flat(g) - full
+    return jnp.sum(d * d)
+
+  sq = jax.lax.map(one, jnp.arange(n), batch_size=chunk)
+  return jnp.where(mask, sq, 0.0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _gaps_jit(core, params, x, x_prime, mask, chunk):
+  return jnp.sqrt(_gaps_fn(core, params, x, x_prime, mask, chunk))
+
+
+def _check_method(method: str) -> str:
+  allowed = clipping.METHODS + ("naive",)
+  if method not in allowed:
+    raise ValueError(f"method must be one of {allowed}, got {method!r}.")
+  return method
+
+
+def _prepare(loss, x, x_prime, mask):
+  x, x_prime = jnp.asarray(x, jnp.float32), jnp.asarray(x_prime, jnp.float32)
+  mask = clipping._check_pair_inputs(x, x_prime, mask, getattr(loss, "min_batch_size", 1))[2]
+  if not (bool(jnp.all(jnp.isfinite(x))) and bool(jnp.all(jnp.isfinite(x_prime)))):
+    raise ValueError("audit inputs must be finite.")
+  return x, x_prime, mask
+
+
+def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *,
+                 mask=None, method: str = "ghost", chunk: Optional[int] = None,
+                 cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> np.ndarray:
+  """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, as an (n,) array.
+
+  Args:
+    embed_fn, params, loss, clip_norm: as for `logit_dp.clipped_grad`.
+    x, x_prime: the batch, (n, ...) each.
+    mask: optional (n,) bool of valid pairs (invalid ones get gap 0).
+    method: a `logit_dp.METHODS` entry, or "naive" for `naive_clipped_grad`.
+    chunk: removals computed at once (None: all n, vmapped).
+    cosine_eps: as for `logit_dp.clipped_grad`.
+  """
+  method = _check_method(method)
+  x, x_prime, mask = _prepare(loss, x, x_prime, mask)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps)
+  return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk), np.float64)
+
+
+def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *,
+                      mask=None, method: str = "ghost", chunk: Optional[int] = None,
+                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> RemovalAudit:
+  """max_k ‖ḡ(X) − ḡ(X∖k)‖₂ and its ratio to the sensitivity.
+
+  Args: as for `removal_gaps`; method="naive" audits Naive-DP against 2B.
+
+  Returns:
+    A `RemovalAudit`. ``ratio`` compares with C(n) for the n valid pairs of X
+    (the exact claim for a batch of that size), ``ratio_sup`` with the supremum
+    C(∞) that Poisson training calibrates its noise to.
+  """
+  naive = _check_method(method) == "naive"
+  clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
+  gaps = removal_gaps(embed_fn, params, loss, clip_norm, x, x_prime, mask=mask, method=method,
+                      chunk=chunk, cosine_eps=cosine_eps)
+  _, _, mask_arr = _prepare(loss, x, x_prime, mask)
+  n_valid = int(jnp.sum(mask_arr))
+  bound, bound_sup = _bounds(loss, clip_norm, n_valid, naive)
+  k = int(np.argmax(gaps))
+  return RemovalAudit(ratio=float(gaps[k] / bound), ratio_sup=float(gaps[k] / bound_sup),
+                      max_gap=float(gaps[k]), worst_pair=k, bound=bound, bound_sup=bound_sup,
+                      gaps=gaps, method=method, x=x, x_prime=x_prime, params=params)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x_prime, mask):
+  """Adam ascent on (x, x′[, w]); returns the best max_k gap_k² seen and its arguments."""
+  opt = optax.adam(learning_rate)
+
+  def objective(variables):
+    p = variables["params"] if optimize_params else params
+    sq = _gaps_fn(core, p, variables["x"], variables["x_prime"], mask, chunk)
+    surrogate = jax.nn.logsumexp(jnp.where(mask, jnp.log(sq + _TINY), -jnp.inf))
+    return surrogate, jnp.max(sq)
+
+  variables = {"x": x, "x_prime": x_prime}
+  if optimize_params:
+    variables["params"] = params
+
+  def step(carry, _):
+    v, state, best, best_v = carry
+    (_, max_sq), g = jax.value_and_grad(objective, has_aux=True)(v)
+    better = jnp.isfinite(max_sq) & (max_sq > best)
+    best_v = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), v, best_v)
+    best = jnp.where(better, max_sq, best)
+    g = jax.tree_util.tree_map(lambda t: jnp.where(jnp.isfinite(t), -t, 0.0), g)  # ascent
+    updates, state = opt.update(g, state, v)
+    return (optax.apply_updates(v, updates), state, best, best_v), max_sq
+
+  init = (variables, opt.init(variables), jnp.asarray(-1.0), variables)
+  (v, _, best, best_v), _ = jax.lax.scan(step, init, None, length=num_steps)
+  _, last = objective(v)  # the final iterate, never evaluated inside the scan
+  better = jnp.isfinite(last) & (last > best)
+  best_v = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), v, best_v)
+  return jnp.where(better, last, best), best_v
+
+
+def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *,
+                      key, num_restarts: int = 4, num_steps: int = 50,
+                      learning_rate: float = 0.05, init_scale: float = 1.0,
+                      optimize_params: bool = False, method: str = "ghost",
+                      chunk: Optional[int] = None,
+                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> RemovalAudit:
+  """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
+
+  Restart 0 starts from (x, x′, params); restart r ≥ 1 from inputs drawn
+  i.i.d. N(0, init_scale²) with the shapes of x, x′ (and, with
+  optimize_params, params + N(0, (init_scale·|params|_rms)²) per leaf). Each
+  restart runs ``num_steps`` Adam steps of ascent on
+  logsumexp_k log(gap_k² + 1e-30) (one jit-compiled scan, compiled once for all
+  restarts). The best iterate over all restarts and steps is re-audited with
+  `max_removal_ratio` and returned.
+
+  Args:
+    embed_fn, params, loss, clip_norm: as for `logit_dp.clipped_grad`.
+    x, x_prime: the starting batch; its shapes are kept.
+    key: a JAX PRNG key for the restarts.
+    num_restarts: ≥ 1.
+    num_steps: Adam steps per restart (≥ 1).
+    learning_rate: Adam step size on the inputs.
+    init_scale: scale of the random restarts.
+    optimize_params: also move the parameters w (the bound holds for every w).
+    method: a `logit_dp.METHODS` entry or "naive" (audits against 2B).
+    chunk: removals computed at once (None: all n).
+    cosine_eps: as for `logit_dp.clipped_grad`.
+
+  Returns:
+    The `RemovalAudit` of the worst (x, x′, params) found.
+  """
+  method = _check_method(method)
+  clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
+  if isinstance(num_restarts, bool) or int(num_restarts) != num_restarts or num_restarts < 1:
+    raise ValueError(f"num_restarts must be an integer ≥ 1, got {num_restarts!r}.")
+  if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
+    raise ValueError(f"num_steps must be an integer ≥ 1, got {num_steps!r}.")
+  x, x_prime, mask = _prepare(loss, x, x_prime, None)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps)
+  best, best_args = -1.0, (params, x, x_prime)
+  for r in range(int(num_restarts)):
+    p0, x0, xp0 = params, x, x_prime
+    if r > 0:
+      kx, kxp, kp = jax.random.split(jax.random.fold_in(key, r), 3)
+      x0 = init_scale * jax.random.normal(kx, x.shape, jnp.float32)
+      xp0 = init_scale * jax.random.normal(kxp, x_prime.shape, jnp.float32)
+      if optimize_params:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        keys = jax.random.split(kp, len(leaves))
+        p0 = jax.tree_util.tree_unflatten(treedef, [
+            leaf + init_scale * jnp.sqrt(jnp.mean(leaf * leaf) + 1e-12)
+            * jax.random.normal(k, leaf.shape, leaf.dtype) for leaf, k in zip(leaves, keys)])
+    value, v = _ascent(core, int(num_steps), float(learning_rate), bool(optimize_params), chunk,
+                       p0, x0, xp0, mask)
+    value = float(value)
+    if math.isfinite(value) and value > best:
+      best = value
+      best_args = (v["params"] if optimize_params else p0, v["x"], v["x_prime"])
+  p, bx, bxp = best_args
+  return max_removal_ratio(embed_fn, p, loss, clip_norm, bx, bxp, method=method, chunk=chunk,
+                           cosine_eps=cosine_eps)
