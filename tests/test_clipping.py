@@ -167,3 +167,20 @@ def test_bad_batches():
     fn(params, x[:1], x_prime[:1])
   with pytest.raises(ValueError, match="mask"):
     fn(params, x, x_prime, jnp.ones((3,), bool))
+
+
+def test_ghost_never_allocates_n_squared_p_floats():
+  """XLA's own buffer assignment for the ghost step: O(n·d·p + n²·d²) floats, never n²·p."""
+  from conftest import SmallConv
+  model, d = SmallConv(channels=(16, 32), dim=5), 5
+  for n in (64, 256):
+    x = jax.random.normal(jax.random.PRNGKey(0), (n, 8, 8, 3))
+    params = model.init(jax.random.PRNGKey(1), x[:1])
+    p = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
+    fn = logit_dp.clipped_grad(model.apply, LOSSES["contrastive"], 1.0, method="ghost")
+    compiled = fn.core.lower(params, x, x, jnp.ones((n,), bool)).compile()
+    temp_floats = compiled.memory_analysis().temp_size_in_bytes / 4
+    budget = 2 * n * d * p + n * n * d * d   # both views' Jacobians + the cross-Gram
+    assert temp_floats < 2 * budget, (n, temp_floats, budget)
+  # At n = 256 (n ≫ d) that is an order of magnitude below one n²·p buffer.
+  assert temp_floats < n * n * p / 10, (n, temp_floats, n * n * p)

@@ -1,0 +1,768 @@
+r"""Side-by-side benchmark of one full training step: non-private vs Naive-DP vs Logit-DP.
+
+    python -m benchmarks.step_benchmark --out results/bench.json
+
+For every model and batch size n it builds, in ONE process, the jitted full step
+
+    (ℒ, g) = gradient(params, x, x')           # method-specific
+    updates = chain(logit_dp.transform(σ, C), adam).update(g)   # non-private: adam only
+    params  = apply_updates(params, updates)
+
+for non-private training, Naive-DP, and every Logit-DP method in `logit_dp.METHODS`
+("ghost", "triangle", "materialize", ...), compiles each ahead of time, runs each once
+(warm-up), and then times `--repeats` runs of all of them INTERLEAVED (round r runs
+method 1, method 2, ... once each), with `jax.block_until_ready`. It reports the median
+and min of each, and the headline ratio  Logit-DP step / non-private step  measured in
+the same process on the same batch: the machines are shared and noisy, so ratios, not
+absolute times, are what to compare.
+
+Peak memory (`--memory`):
+  subprocess (default)  one fresh child process per (model, n, method) compiles the same
+                        step and runs it once; it reports its peak RSS (ru_maxrss, which
+                        includes Python + JAX, ~0.3-0.5 GB, also reported as `base`) on
+                        CPU, or `peak_bytes_in_use` of jax.devices()[0].memory_stats() on
+                        an accelerator. This is the number the targets are checked on.
+  sampler               no child processes: a background thread samples this process's
+                        RSS every 5 ms and reports, per method, the largest increase over
+                        the RSS just before a run (a lower bound of the step's working set
+                        because the allocator may reuse memory freed by earlier runs).
+  none                  no memory measurement.
+The sampler always runs; its number is in the JSON as `inproc_rss_delta_bytes`.
+
+Configurations that cannot fit are not launched: before running, each step is
+compiled and XLA's own buffer assignment (`compiled.memory_analysis()`: arguments +
+outputs + temporaries) is compared with `--memory-limit-gb`; above it the entry is
+recorded as skipped with the size it needs. "materialize" is skipped where its
+estimated time (≈ n × the non-private step: n² pair backward passes instead of 2n
+example ones) exceeds `--max-step-s`.
+
+Method specs: a name, optionally with a microbatch size, e.g. `triangle@8` runs
+`clipped_grad(..., method="triangle", microbatch_size=8)`. `nonprivate` and `naive` are
+the baselines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import logit_dp
+
+SCHEMA = "logit_dp.step_benchmark/1"
+BASELINE = "nonprivate"
+NAIVE = "naive"
+RESULT_MARKER = "@@STEP_BENCHMARK_CHILD@@ "
+
+DEFAULT_SIZES = {"embedding": (64, 256, 1000, 4096), "resnet18": (64, 256)}
+QUICK_SIZES = {"embedding": (8,), "resnet18": (8,)}
+# ResNet-18 without batch norm has p ≈ 11.2M parameters: per-example Jacobians are d·p
+# floats (≈ 358 MB) each, so the Logit-DP methods run in microbatches of this size.
+RESNET_MICROBATCH = 8
+
+GB = 1e9
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _embedding_net():
+  try:
+    from logit_dp import models  # pylint: disable=g-import-not-at-top
+    return models.EmbeddingNet()
+  except (ImportError, AttributeError):  # fallback: the paper's net, defined here
+    import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+    class EmbeddingNet(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        for c in (8, 16, 32):
+          x = nn.relu(nn.Conv(c, (3, 3), strides=(2, 2), padding="SAME",
+                              kernel_init=nn.initializers.kaiming_normal())(x))
+        return nn.Dense(8, kernel_init=nn.initializers.xavier_normal())(x.mean(axis=(1, 2)))
+
+    return EmbeddingNet()
+
+
+def _resnet18():
+  from logit_dp import models  # pylint: disable=g-import-not-at-top
+  return models.ResNet18(norm=None)
+
+
+MODELS = {"embedding": _embedding_net, "resnet18": _resnet18}
+
+
+def build_problem(model_name: str, n: int, image_size: int, seed: int = 0):
+  """(embed_fn, params, x, x_prime, num_params) for a batch of n CIFAR-shaped pairs."""
+  model = MODELS[model_name]()
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  shape = (n, image_size, image_size, 3)
+  x = jax.random.uniform(k1, shape)
+  x_prime = x + 0.1 * jax.random.normal(k2, shape)
+  params = jax.jit(model.init)(k3, x[:1])
+  num_params = int(sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)))
+  return model.apply, params, x, x_prime, num_params
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def parse_method(spec: str) -> tuple[str, Optional[int]]:
+  name, _, mb = spec.partition("@")
+  name = name.strip()
+  if name not in (BASELINE, NAIVE) + tuple(logit_dp.METHODS):
+    raise ValueError(f"unknown method {name!r}: use {BASELINE}, {NAIVE} or one of "
+                     f"{logit_dp.METHODS} (optionally with @microbatch_size)")
+  return name, (int(mb) if mb else None)
+
+
+def default_methods(model_name: str) -> list[str]:
+  dp = [m for m in logit_dp.METHODS if m != "materialize"]
+  dp = ["ghost"] + [m for m in dp if m != "ghost"] if "ghost" in dp else dp
+  dp.append("materialize")
+  if model_name == "resnet18":
+    dp = [m if m == "materialize" else f"{m}@{RESNET_MICROBATCH}" for m in dp]
+  return [BASELINE, NAIVE] + dp
+
+
+def make_step(spec: str, embed_fn, n: int, args):
+  """Returns (step, tx): step(params, opt_state, x, x') -> (loss, params, opt_state)."""
+  method, mb = parse_method(spec)
+  loss = logit_dp.losses.contrastive(temperature=args.temperature)
+  adam = optax.adam(args.learning_rate)
+  key = jax.random.key(1)
+  if method == BASELINE:
+    def grads(params, x, x_prime):
+      def total(p):
+        return loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)))
+      return jax.value_and_grad(total)(params)
+    tx = adam
+  elif method == NAIVE:
+    grads = logit_dp.naive_clipped_grad(embed_fn, loss, args.clip_norm, microbatch_size=mb)
+    tx = optax.chain(logit_dp.transform(args.noise_multiplier,
+                                        logit_dp.naive_sensitivity(args.clip_norm), key), adam)
+  else:
+    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=method,
+                                  microbatch_size=mb)
+    c = logit_dp.sensitivity(loss, args.clip_norm, batch_size=n)
+    tx = optax.chain(logit_dp.transform(args.noise_multiplier, c, key), adam)
+
+  def step(params, opt_state, x, x_prime):
+    loss_value, g = grads(params, x, x_prime)
+    updates, opt_state = tx.update(g, opt_state, params)
+    return loss_value, optax.apply_updates(params, updates), opt_state
+
+  return step, tx
+
+
+def compile_step(spec, embed_fn, params, x, x_prime, args):
+  """AOT-compiles the step. Returns (compiled, opt_state, info dict)."""
+  step, tx = make_step(spec, embed_fn, x.shape[0], args)
+  opt_state = tx.init(params)
+  t0 = time.perf_counter()
+  compiled = jax.jit(step).lower(params, opt_state, x, x_prime).compile()
+  info = {"compile_s": time.perf_counter() - t0}
+  try:
+    ma = compiled.memory_analysis()
+    info["xla_bytes"] = int(ma.argument_size_in_bytes + ma.output_size_in_bytes
+                            + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+    info["xla_temp_bytes"] = int(ma.temp_size_in_bytes)
+  except Exception:  # pylint: disable=broad-except
+    pass
+  try:
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    if ca and "flops" in ca:
+      info["flops"] = float(ca["flops"])
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return compiled, opt_state, info
+
+
+class Runner:
+  """Holds a compiled step and its (chained) state; run() times one step."""
+
+  def __init__(self, compiled, params, opt_state, x, x_prime):
+    self.compiled, self.x, self.x_prime = compiled, x, x_prime
+    self.params, self.opt_state = params, opt_state
+
+  def run(self) -> float:
+    t0 = time.perf_counter()
+    out = self.compiled(self.params, self.opt_state, self.x, self.x_prime)
+    jax.block_until_ready(out)
+    dt = time.perf_counter() - t0
+    loss_value, self.params, self.opt_state = out
+    if not np.isfinite(float(loss_value)):
+      raise FloatingPointError(f"non-finite loss {float(loss_value)}")
+    return dt
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _rss() -> int:
+  try:
+    import psutil  # pylint: disable=g-import-not-at-top
+    return int(psutil.Process().memory_info().rss)
+  except ImportError:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _max_rss() -> int:
+  r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return int(r if sys.platform == "darwin" else r * 1024)
+
+
+def _on_accelerator() -> bool:
+  return jax.devices()[0].platform != "cpu"
+
+
+def _device_peak() -> Optional[int]:
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return int(peak) if peak is not None else None
+
+
+class RssSampler:
+  """Background thread: per label, the largest RSS increase over the RSS before a run."""
+
+  def __init__(self, interval_s: float = 0.005):
+    self.interval_s = interval_s
+    self.deltas: dict[str, int] = {}
+    self._label, self._start, self._peak = None, 0, 0
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, daemon=True)
+    self._thread.start()
+
+  def _loop(self):
+    while not self._stop.is_set():
+      rss = _rss()
+      with self._lock:
+        if self._label is not None:
+          self._peak = max(self._peak, rss)
+      time.sleep(self.interval_s)
+
+  def begin(self, label: str):
+    with self._lock:
+      self._label, self._start = label, _rss()
+      self._peak = self._start
+
+  def end(self):
+    with self._lock:
+      self._peak = max(self._peak, _rss())
+      if self._label is not None:
+        delta = self._peak - self._start
+        self.deltas[self._label] = max(self.deltas.get(self._label, 0), delta)
+      self._label = None
+
+  def close(self):
+    self._stop.set()
+    self._thread.join(timeout=1)
+
+
+def child_main(config: dict) -> dict:
+  """One step in a fresh process: its peak memory (and one step's time, for reference)."""
+  args = argparse.Namespace(**config["args"])
+  embed_fn, params, x, x_prime, _ = build_problem(config["model"], config["n"],
+                                                  args.image_size)
+  jax.block_until_ready((params, x, x_prime))
+  base = _rss()
+  compiled, opt_state, info = compile_step(config["spec"], embed_fn, params, x, x_prime, args)
+  after_compile = _max_rss()
+  runner = Runner(compiled, params, opt_state, x, x_prime)
+  info["child_step_s"] = runner.run()
+  out = {"base_rss_bytes": base, "max_rss_after_compile_bytes": after_compile,
+         "peak_rss_bytes": _max_rss(), **info}
+  if _on_accelerator():
+    out["peak_device_bytes"] = _device_peak()
+  return out
+
+
+def measure_in_child(model, n, spec, args) -> dict:
+  config = {"model": model, "n": n, "spec": spec,
+            "args": {k: getattr(args, k) for k in ("image_size", "temperature", "clip_norm",
+                                                   "noise_multiplier", "learning_rate")}}
+  cmd = [sys.executable, "-m", "benchmarks.step_benchmark", "--child", json.dumps(config)]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ)
+  env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+  try:
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                          timeout=args.child_timeout_s, check=False)
+  except subprocess.TimeoutExpired:
+    return {"error": f"memory child timed out after {args.child_timeout_s} s"}
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith(RESULT_MARKER):
+      return json.loads(line[len(RESULT_MARKER):])
+  return {"error": f"memory child failed (rc={proc.returncode}): {proc.stderr[-600:]}"}
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def _entry(model, n, spec, num_params):
+  method, mb = parse_method(spec)
+  return {"model": model, "n": n, "method": method, "spec": spec, "microbatch_size": mb,
+          "num_params": num_params, "status": "ok", "reason": None, "times_s": []}
+
+
+def _log(msg: str):
+  print(f"[{datetime.datetime.now(datetime.timezone.utc):%H:%M:%S}] {msg}", file=sys.stderr,
+        flush=True)
+
+
+def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler) -> list[dict]:
+  """All methods for one (model, n), timed interleaved in this process."""
+  embed_fn, params, x, x_prime, num_params = build_problem(model, n, args.image_size)
+  jax.block_until_ready((params, x, x_prime))
+  limit = args.memory_limit_gb * GB
+  entries, runners = [], {}
+  # Baseline first: its warm-up time prices "materialize" before compiling it.
+  specs = sorted(specs, key=lambda s: parse_method(s)[0] != BASELINE)
+  t_np = None
+  for spec in specs:
+    e = _entry(model, n, spec, num_params)
+    entries.append(e)
+    method = e["method"]
+    if method == "materialize" and t_np is not None:
+      est = n * t_np
+      e["est_step_s"] = est
+      if est > args.max_step_s:
+        e["status"], e["reason"] = "skipped", (
+            f"estimated {est:.0f} s per step (≈ n × non-private; n² pair backward "
+            f"passes) > --max-step-s {args.max_step_s:g}")
+        _log(f"{model} n={n} {spec}: {e['reason']}")
+        continue
+    try:
+      compiled, opt_state, info = compile_step(spec, embed_fn, params, x, x_prime, args)
+    except Exception as err:  # pylint: disable=broad-except
+      e["status"], e["reason"] = "error", f"compile failed: {type(err).__name__}: {err}"[:500]
+      _log(f"{model} n={n} {spec}: {e['reason']}")
+      continue
+    e.update(info)
+    if info.get("xla_bytes", 0) > limit:
+      e["status"], e["reason"] = "skipped", (
+          f"does not fit: XLA buffer assignment needs {info['xla_bytes'] / GB:.1f} GB "
+          f"> --memory-limit-gb {args.memory_limit_gb:g}")
+      _log(f"{model} n={n} {spec}: {e['reason']}")
+      del compiled
+      continue
+    runner = Runner(compiled, params, opt_state, x, x_prime)
+    sampler.begin(spec)
+    try:
+      e["warmup_s"] = runner.run()
+    except Exception as err:  # pylint: disable=broad-except
+      e["status"], e["reason"] = "error", f"run failed: {type(err).__name__}: {err}"[:500]
+      _log(f"{model} n={n} {spec}: {e['reason']}")
+      continue
+    finally:
+      sampler.end()
+    if method == BASELINE:
+      t_np = e["warmup_s"]
+    runners[spec] = runner
+    _log(f"{model} n={n} {spec}: compiled in {e['compile_s']:.1f} s, "
+         f"warm-up step {e['warmup_s']:.3f} s")
+
+  # Repeats: `--repeats`, fewer where a step is slow (total per method ≤ --time-budget-s),
+  # and `--materialize-repeats` for the reference.
+  todo = {}
+  for e in entries:
+    if e["spec"] in runners:
+      r = args.repeats if e["method"] != "materialize" else min(args.repeats,
+                                                                args.materialize_repeats)
+      r = max(1, min(r, int(args.time_budget_s // max(e["warmup_s"], 1e-9))))
+      todo[e["spec"]] = r
+  for rnd in range(max(todo.values(), default=0)):
+    for e in entries:
+      spec = e["spec"]
+      if todo.get(spec, 0) > rnd:
+        sampler.begin(spec)
+        try:
+          e["times_s"].append(runners[spec].run())
+        finally:
+          sampler.end()
+  runners.clear()
+
+  for e in entries:
+    if e["times_s"]:
+      e["median_s"] = statistics.median(e["times_s"])
+      e["min_s"] = min(e["times_s"])
+      e["repeats"] = len(e["times_s"])
+      e["inproc_rss_delta_bytes"] = sampler.deltas.get(e["spec"])
+      _log(f"{model} n={n} {e['spec']}: median {e['median_s']:.4f} s over {e['repeats']}")
+  base = next((e for e in entries if e["method"] == BASELINE and e.get("median_s")), None)
+  for e in entries:
+    if base is not None and e.get("median_s"):
+      e["ratio_median"] = e["median_s"] / base["median_s"]
+      e["ratio_min"] = e["min_s"] / base["min_s"]
+
+  if args.memory == "subprocess":
+    for e in entries:
+      if e["status"] != "ok":
+        continue
+      _log(f"{model} n={n} {e['spec']}: measuring peak memory in a fresh process")
+      m = measure_in_child(model, n, e["spec"], args)
+      if "error" in m:
+        e["memory_error"] = m["error"]
+        _log(f"  {m['error']}")
+      else:
+        e["peak_rss_bytes"] = m["peak_rss_bytes"]
+        e["base_rss_bytes"] = m["base_rss_bytes"]
+        if m.get("peak_device_bytes") is not None:
+          e["peak_device_bytes"] = m["peak_device_bytes"]
+        e["child_step_s"] = m.get("child_step_s")
+  return entries
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def scaling_exponents(results: list[dict]) -> dict:
+  """Least-squares slope of log(median step time) vs log(n), per model and method."""
+  out: dict[str, dict] = {}
+  for model in sorted({r["model"] for r in results}):
+    for spec in _ordered_specs([r for r in results if r["model"] == model]):
+      pts = sorted((r["n"], r["median_s"]) for r in results
+                   if r["model"] == model and r["spec"] == spec and r.get("median_s"))
+      if len(pts) < 2:
+        continue
+      ns, ts = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+      local = [float((ts[i + 1] - ts[i]) / (ns[i + 1] - ns[i])) for i in range(len(pts) - 1)]
+      out.setdefault(model, {})[spec] = {
+          "sizes": [p[0] for p in pts],
+          "exponent": float(np.polyfit(ns, ts, 1)[0]),
+          "local_exponents": local,
+      }
+  return out
+
+
+def _get(results, model, n, method):
+  for r in results:
+    if r["model"] == model and r["n"] == n and r["spec"] == method:
+      return r
+  return None
+
+
+def peak_memory(r: dict) -> Optional[int]:
+  if r is None:
+    return None
+  if r.get("peak_device_bytes") is not None:
+    return r["peak_device_bytes"]
+  return r.get("peak_rss_bytes")
+
+
+def check_targets(results: list[dict]) -> list[dict]:
+  """The CPU targets of issue #6 (embedding net), as measured."""
+  out = []
+  g = _get(results, "embedding", 1000, "ghost")
+  if g is not None:
+    ratio = g.get("ratio_median")
+    out.append({"target": "n=1000: Logit-DP ghost step ≤ 15× non-private", "limit": 15.0,
+                "measured": ratio,
+                "met": None if ratio is None else bool(ratio <= 15.0)})
+    mem = peak_memory(g)
+    out.append({"target": "n=1000: Logit-DP ghost peak memory ≤ 3 GB", "limit": 3.0,
+                "measured": None if mem is None else mem / GB,
+                "met": None if mem is None else bool(mem <= 3 * GB)})
+  g, m = _get(results, "embedding", 256, "ghost"), _get(results, "embedding", 256, "materialize")
+  if g is not None and m is not None:
+    sp = m["median_s"] / g["median_s"] if g.get("median_s") and m.get("median_s") else None
+    out.append({"target": "n=256: ghost ≥ 100× faster than materialize", "limit": 100.0,
+                "measured": sp, "met": None if sp is None else bool(sp >= 100.0)})
+  g = _get(results, "embedding", 4096, "ghost")
+  if g is not None:
+    mem = peak_memory(g)
+    ok = g["status"] == "ok" and g.get("median_s") is not None
+    out.append({"target": "n=4096: ghost runs on a 24 GB machine", "limit": 24.0,
+                "measured": None if mem is None else mem / GB,
+                "met": bool(ok and (mem is None or mem <= 24 * GB))})
+  return out
+
+
+def machine_info() -> dict:
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  try:
+    import psutil  # pylint: disable=g-import-not-at-top
+    ram = psutil.virtual_memory().total
+  except ImportError:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  dev = jax.devices()[0]
+  import flax  # pylint: disable=g-import-not-at-top
+  return {"cpu": cpu, "cpu_count": os.cpu_count(),
+          "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+          "ram_bytes": int(ram), "platform": dev.platform, "device_kind": dev.device_kind,
+          "device_count": jax.device_count(), "python": platform.python_version(),
+          "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None) or
+          __import__("jaxlib").__version__, "flax": flax.__version__,
+          "optax": optax.__version__, "numpy": np.__version__,
+          "logit_dp": getattr(logit_dp, "__version__", None)}
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def _fmt_s(t):
+  if t is None:
+    return "—"
+  return f"{t:.3g}" if t < 100 else f"{t:.0f}"
+
+
+def _fmt_ratio(x):
+  if x is None:
+    return "—"
+  return f"{x:.2f}×" if x < 10 else f"{x:.1f}×" if x < 100 else f"{x:.0f}×"
+
+
+def _fmt_gb(b):
+  return "—" if b is None else f"{b / GB:.2f} GB"
+
+
+def _ordered_specs(results):
+  seen = []
+  for r in results:
+    if r["spec"] not in seen:
+      seen.append(r["spec"])
+  key = lambda s: (0 if s == BASELINE else 1 if s == NAIVE else
+                   2 if s.startswith("ghost") else 4 if s.startswith("materialize") else 3)
+  return sorted(seen, key=key)
+
+
+def _label(spec):
+  method, mb = parse_method(spec)
+  name = {BASELINE: "non-private", NAIVE: "Naive-DP"}.get(method, f"Logit-DP {method}")
+  return name + (f" (microbatch {mb})" if mb else "")
+
+
+def _short(r):
+  if r is None:
+    return "—"
+  if r["status"] != "ok":
+    return "skip" if r["status"] == "skipped" else "error"
+  return _fmt_ratio(r.get("ratio_median"))
+
+
+def markdown(report: dict) -> str:
+  results = report["results"]
+  lines = []
+  m = report.get("machine", {})
+  if m:
+    lines.append(f"Machine: {m.get('cpu')}, {m.get('affinity') or m.get('cpu_count')} cores, "
+                 f"{m.get('ram_bytes', 0) / 2**30:.0f} GiB RAM, {m.get('platform')} "
+                 f"({m.get('device_kind')}), jax {m.get('jax')}. Run {report.get('created_utc')}.")
+    lines.append("")
+  mem_kind = "peak device memory" if m.get("platform") not in (None, "cpu") else "peak RSS"
+  # Headline: ratio to non-private per method.
+  for model in sorted({r["model"] for r in results}, key=lambda s: s != "embedding"):
+    rows = [r for r in results if r["model"] == model]
+    specs = [s for s in _ordered_specs(rows) if s != BASELINE]
+    sizes = sorted({r["n"] for r in rows})
+    head = ["n", "non-private step (s)"] + [f"{_label(s)} / non-private" for s in specs]
+    head.append(f"ghost {mem_kind}")
+    lines.append(f"**{model}** (p = {rows[0]['num_params']:,} parameters): step time ratio "
+                 "to the non-private step (median of interleaved runs)")
+    lines.append("")
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("---:" for _ in head) + "|")
+    for n in sizes:
+      b = _get(results, model, n, BASELINE)
+      gh = next((_get(results, model, n, s) for s in specs if s.startswith("ghost")), None)
+      cells = [str(n), _fmt_s(b.get("median_s") if b else None)]
+      cells += [_short(_get(results, model, n, s)) for s in specs]
+      cells.append(_fmt_gb(peak_memory(gh)))
+      lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+  # Details.
+  lines.append(f"Details (times in seconds; ratio = method / non-private, same process; "
+               f"{mem_kind} of a fresh process running one step, Python+JAX included):")
+  lines.append("")
+  head = ["model", "n", "method", "ratio (median)", "ratio (min)", "median s", "min s", "runs",
+          mem_kind, "compile s", "note"]
+  lines.append("| " + " | ".join(head) + " |")
+  lines.append("|" + "|".join(["---", "---:", "---"] + ["---:"] * 7 + ["---"]) + "|")
+  for model in sorted({r["model"] for r in results}, key=lambda s: s != "embedding"):
+    for n in sorted({r["n"] for r in results if r["model"] == model}):
+      for s in _ordered_specs([r for r in results if r["model"] == model]):
+        r = _get(results, model, n, s)
+        if r is None:
+          continue
+        note = r.get("reason") or r.get("memory_error") or ""
+        lines.append("| " + " | ".join([
+            model, str(n), _label(s), _fmt_ratio(r.get("ratio_median")),
+            _fmt_ratio(r.get("ratio_min")), _fmt_s(r.get("median_s")), _fmt_s(r.get("min_s")),
+            str(r.get("repeats", "—")), _fmt_gb(peak_memory(r)),
+            _fmt_s(r.get("compile_s")), note.replace("|", "/")]) + " |")
+  lines.append("")
+  sc = report.get("scaling", {})
+  if sc:
+    lines.append("Scaling exponent k of step time ∝ n^k (least-squares fit of log time vs "
+                 "log n; local = between consecutive sizes):")
+    lines.append("")
+    lines.append("| model | method | sizes | k (fit) | local k |")
+    lines.append("|---|---|---|---:|---|")
+    for model, per in sc.items():
+      for s, v in per.items():
+        lines.append(f"| {model} | {_label(s)} | {', '.join(map(str, v['sizes']))} | "
+                     f"{v['exponent']:.2f} | "
+                     f"{', '.join(f'{k:.2f}' for k in v['local_exponents'])} |")
+    lines.append("")
+  tg = report.get("targets", [])
+  if tg:
+    lines.append("| target | measured | met |")
+    lines.append("|---|---:|---|")
+    for t in tg:
+      meas = "—" if t["measured"] is None else f"{t['measured']:.3g}"
+      met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+      lines.append(f"| {t['target']} | {meas} | {met} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def finalize(report: dict) -> dict:
+  report["scaling"] = scaling_exponents(report["results"])
+  report["targets"] = check_targets(report["results"])
+  return report
+
+
+def write(report: dict, path: Optional[str]):
+  if not path:
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(report, f, indent=1, default=float)
+  os.replace(tmp, path)
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m benchmarks.step_benchmark",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", default="results/bench.json", help="JSON output path")
+  p.add_argument("--markdown", default=None, help="also write the markdown table here")
+  p.add_argument("--sizes", default=None,
+                 help="comma-separated batch sizes for every model (default: 64,256,1000,4096 "
+                      "for embedding, 64,256 for resnet18)")
+  p.add_argument("--models", default="embedding,resnet18")
+  p.add_argument("--methods", default=None,
+                 help="comma-separated method specs (default: nonprivate, naive, and every "
+                      "logit_dp.METHODS; on resnet18 with microbatch 8)")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--materialize-repeats", type=int, default=1)
+  p.add_argument("--time-budget-s", type=float, default=300.0,
+                 help="timed runs per method and config are cut to fit this budget (≥ 1 run)")
+  p.add_argument("--max-step-s", type=float, default=120.0,
+                 help="skip 'materialize' where its estimated step time exceeds this")
+  p.add_argument("--memory", choices=("subprocess", "sampler", "none"), default="subprocess")
+  p.add_argument("--memory-limit-gb", type=float, default=12.0,
+                 help="skip configurations whose compiled working set exceeds this")
+  p.add_argument("--child-timeout-s", type=float, default=1800.0)
+  p.add_argument("--image-size", type=int, default=32)
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--clip-norm", type=float, default=1.0)
+  p.add_argument("--noise-multiplier", type=float, default=1.0)
+  p.add_argument("--learning-rate", type=float, default=1e-3)
+  p.add_argument("--quick", action="store_true",
+                 help="smoke test: n=8, 16×16 images, 2 repeats, embedding net, sampler memory")
+  p.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                 help="merge these result files (later ones win) and print the tables")
+  p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.quick:
+    args.models = "embedding" if args.models == "embedding,resnet18" else args.models
+    args.sizes = args.sizes or "8"
+    args.repeats = min(args.repeats, 2)
+    args.image_size = 16
+    if "--memory" not in " ".join(argv or []):
+      args.memory = "sampler"
+  return args
+
+
+def main(argv=None) -> dict:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  if args.child is not None:
+    out = child_main(json.loads(args.child))
+    print(RESULT_MARKER + json.dumps(out), flush=True)
+    return out
+  if args.render:
+    merged: dict = {}
+    for path in args.render:
+      with open(path) as f:
+        rep = json.load(f)
+      for r in rep["results"]:
+        merged[(r["model"], r["n"], r["spec"])] = r
+      base = rep
+    base["results"] = list(merged.values())
+    report = finalize(base)
+    write(report, args.out if args.out != "results/bench.json" else None)
+    print(markdown(report))
+    return report
+
+  models = [m.strip() for m in args.models.split(",") if m.strip()]
+  report = {"schema": SCHEMA,
+            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+            "command": "python -m benchmarks.step_benchmark " + " ".join(argv),
+            "machine": machine_info(), "settings": {k: v for k, v in vars(args).items()
+                                                    if k not in ("child", "render")},
+            "memory_method": args.memory, "results": []}
+  sampler = RssSampler()
+  try:
+    for model in models:
+      if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}: use {sorted(MODELS)}")
+      sizes = ([int(s) for s in args.sizes.split(",")] if args.sizes
+               else list((QUICK_SIZES if args.quick else DEFAULT_SIZES)[model]))
+      specs = ([s.strip() for s in args.methods.split(",") if s.strip()] if args.methods
+               else default_methods(model))
+      for spec in specs:
+        parse_method(spec)
+      if BASELINE not in specs:
+        specs = [BASELINE] + specs
+      for n in sizes:
+        _log(f"=== {model}, n = {n}: {', '.join(specs)}")
+        report["results"].extend(bench_config(model, n, specs, args, sampler))
+        write(finalize(report), args.out)
+  finally:
+    sampler.close()
+  report["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds")
+  finalize(report)
+  write(report, args.out)
+  md = markdown(report)
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write(md + "\n")
+  print(md)
+  return report
+
+
+if __name__ == "__main__":
+  main()

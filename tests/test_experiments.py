@@ -1,0 +1,179 @@
+"""End-to-end tests of the experiment scripts (tiny digits config, seconds)."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import finetuning
+from experiments import train
+from experiments.configs import default as default_config
+from experiments.configs import tiny
+from experiments.configs import tiny_finetune
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """One uninterrupted tiny run of the three methods (shared by the tests below)."""
+  workdir = str(tmp_path_factory.mktemp("pretrain"))
+  results = train.train_and_evaluate(tiny.get_config(), workdir, quiet=True)
+  return workdir, results
+
+
+def _params_equal(a, b):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y))
+                                    for x, y in zip(la, lb))
+
+
+def test_pretrain_results_folder(pretrained):
+  workdir, results = pretrained
+  assert set(results) == {"logit_dp", "naive_dp", "non_private"}
+  for name in ("config.json", "results.json", "results.md", "relative_loss.png", "loss.png",
+               "confusion_matrices.png"):
+    assert os.path.getsize(os.path.join(workdir, name)) > 0, name
+  for m in results:
+    assert os.listdir(os.path.join(workdir, "tensorboard", m))
+    assert os.path.isdir(os.path.join(workdir, m, "checkpoints"))
+    with open(os.path.join(workdir, m, "metrics.csv")) as f:
+      rows = list(csv.DictReader(f))
+    assert int(rows[-1]["step"]) == results[m]["total_steps"]
+    # The private training loss is not logged by default.
+    assert not any("train_loss" in k for k in rows[0])
+    assert 0.0 <= results[m]["accuracy"] <= 1.0 and 0.0 <= results[m]["linear_probe"] <= 1.0
+    cm = np.asarray(results[m]["confusion_matrix"])
+    assert cm.sum() == 100 and cm.shape == (10, 10)
+  table = open(os.path.join(workdir, "results.md")).read()
+  assert "Logit-DP" in table and "Naive-DP" in table and "rel. acc" in table
+
+
+def test_privacy_of_dp_runs(pretrained):
+  _, results = pretrained
+  cfg = tiny.get_config()
+  for m in ("logit_dp", "naive_dp"):
+    r = results[m]
+    assert 0.9 * cfg.target_epsilon < r["epsilon"] <= cfg.target_epsilon
+    assert r["noise_multiplier"] > 0
+  assert results["logit_dp"]["sensitivity"] == pytest.approx(
+      2 * (1 + np.exp(2.0)) * cfg.clip_norm)  # contrastive, tau = 1, sup over batch sizes
+  assert results["naive_dp"]["sensitivity"] == 2 * cfg.clip_norm
+  assert results["non_private"]["epsilon"] == 0.0
+
+
+@pytest.mark.parametrize("method", ["logit_dp", "non_private"])
+def test_resume_matches_uninterrupted_run(pretrained, tmp_path, method):
+  ref_dir, ref = pretrained
+  cfg = tiny.get_config()
+  cfg.methods = (method,)
+  cfg.stop_after_steps = 2
+  first = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)[method]
+  assert not first["finished"] and first["steps"] == 2
+  cfg.stop_after_steps = None
+  second = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)[method]
+  assert second["finished"]
+  assert _params_equal(second["params"], ref[method]["params"])
+  assert second["epsilon"] == ref[method]["epsilon"]
+  assert second["accuracy"] == ref[method]["accuracy"]
+  with open(os.path.join(tmp_path, method, "metrics.csv")) as f:
+    steps = [int(r["step"]) for r in csv.DictReader(f)]
+  with open(os.path.join(ref_dir, method, "metrics.csv")) as f:
+    ref_steps = [int(r["step"]) for r in csv.DictReader(f)]
+  assert steps == ref_steps  # no duplicated or missing rows after the resume
+
+
+def test_resume_refuses_a_different_config(pretrained):
+  workdir, _ = pretrained
+  cfg = tiny.get_config()
+  cfg.learning_rates.logit_dp = 0.5
+  with pytest.raises(ValueError, match="different training config"):
+    train.train_and_evaluate(cfg, workdir, quiet=True)
+
+
+def test_private_train_loss_only_as_labelled_diagnostic(tmp_path):
+  cfg = tiny.get_config()
+  cfg.methods = ("non_private",)
+  cfg.log_private_train_loss = True
+  train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
+  with open(os.path.join(tmp_path, "non_private", "metrics.csv")) as f:
+    header = next(csv.reader(f))
+  assert "train_loss_NONPRIVATE_diagnostic" in header
+
+
+def test_finetune_on_frozen_encoders(pretrained, tmp_path):
+  workdir, _ = pretrained
+  cfg = tiny_finetune.get_config()
+  cfg.pretrain_workdir = workdir
+  results = finetuning.finetune_and_evaluate(cfg, str(tmp_path), quiet=True)
+  assert set(results) == {"logit_dp", "naive_dp", "non_private"}
+  for r in results.values():
+    assert 0.0 <= r["accuracy"] <= 1.0
+  assert os.path.exists(os.path.join(tmp_path, "confusion_matrices.png"))
+  with open(os.path.join(tmp_path, "results.json")) as f:
+    saved = json.load(f)
+  assert saved["logit_dp"]["epsilon"] == pytest.approx(results["logit_dp"]["epsilon"])
+
+
+def test_scripts_from_the_command_line(pretrained, tmp_path):
+  """Both absl entry points, as a user runs them (cheap settings)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "experiments/pretrain.py", "--config=experiments/configs/tiny.py",
+       f"--workdir={tmp_path / 'pre'}", "--config.methods=('non_private',)"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "Non-private" in out.stdout and "| method |" in out.stdout
+  workdir, _ = pretrained
+  out = subprocess.run(
+      [sys.executable, "experiments/finetune.py", "--config=experiments/configs/tiny_finetune.py",
+       f"--config.pretrain_workdir={workdir}", f"--workdir={tmp_path / 'ft'}",
+       "--config.methods=('logit_dp','non_private')"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "head acc" in out.stdout and "Logit-DP" in out.stdout
+
+
+def test_default_config_is_the_offline_digits_demo():
+  cfg = default_config.get_config()
+  assert cfg.data.source == "digits"
+  assert tuple(cfg.methods) == ("logit_dp", "naive_dp", "non_private")
+  assert cfg.model.name == "embedding_net" and cfg.target_epsilon == 5.0
+
+
+@pytest.mark.parametrize("name", ["cifar10_embedding_net", "cifar10_resnet18",
+                                  "cifar10_embedding_net_cpu", "cifar100_finetune"])
+def test_paper_configs(name):
+  import importlib
+  cfg = importlib.import_module(f"experiments.configs.{name}").get_config()
+  if name == "cifar100_finetune":
+    assert (cfg.batch_size, cfg.num_epochs, cfg.learning_rate) == (400, 10, 1e-2)
+    assert tuple(cfg.head_hidden) == (64, 32) and cfg.data.label == "coarse"
+    return
+  assert cfg.data.source == "npz" and cfg.data.name == "cifar10" and cfg.target_epsilon == 5.0
+  lrs = dict(cfg.learning_rates)
+  assert lrs == dict(logit_dp=1e-2, naive_dp=1e-2, non_private=1e-3)
+  if name == "cifar10_embedding_net":
+    assert (cfg.batch_size, cfg.num_epochs) == (10_000, 20)
+  if name == "cifar10_resnet18":
+    assert (cfg.batch_size, cfg.num_epochs, cfg.model.name) == (1_000, 2, "resnet18")
+
+
+@pytest.mark.slow
+def test_cifar_embedding_net_smoke(tmp_path):
+  d = os.environ.get("LOGIT_DP_CIFAR_DIR")
+  if not d or not os.path.exists(os.path.join(d, "cifar10.npz")):
+    pytest.skip("set LOGIT_DP_CIFAR_DIR to a folder made by `python <shared>/data/unpack.py --out DIR`")
+  from experiments.configs import cifar10_embedding_net
+  cfg = cifar10_embedding_net.get_config()
+  cfg.data.npz_dir = d
+  cfg.data.train_subset, cfg.data.test_subset = 2000, 500
+  cfg.batch_size, cfg.num_epochs, cfg.clip_method = 200, 1, "triangle"
+  cfg.eval_batch_size, cfg.eval_num_batches = 200, 1
+  results = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
+  assert all(r["finished"] for r in results.values())
