@@ -19,8 +19,10 @@ Two parts, both written to ``--out`` (JSON) and printed as Markdown tables:
 Usage (from the repository root)::
 
     python benchmarks/audit_canaries.py --part canary --epsilons 1 5 20 --controls \
-        --out benchmarks/results/audit_canaries.json
-    python benchmarks/audit_canaries.py --part sensitivity \
+        --control-epsilons 1 5 20 --out benchmarks/results/audit_canaries.json
+    python benchmarks/audit_canaries.py --part canary --runs 1:0.25 \
+        --out benchmarks/results/audit_canaries_quarter_noise.json
+    python benchmarks/audit_canaries.py --part sensitivity --restarts 3 --search-steps 60 \
         --out benchmarks/results/audit_sensitivity.json
 """
 
@@ -49,7 +51,7 @@ from logit_dp._src import sampling  # noqa: E402
 
 
 class MLP(nn.Module):
-  features: tuple = (64, 16)
+  features: tuple = (32, 16)
 
   @nn.compact
   def __call__(self, x):
@@ -141,6 +143,78 @@ def run_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: int,
       seconds=train_seconds, seed=seed)
 
 
+def run_input_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: int,
+                           sampling_rate: float, steps: int, delta: float, clip_norm: float,
+                           temperature: float, learning_rate: float, seed: int) -> dict:
+  """Black-box audit: canary PAIRS (unique random images and a slightly perturbed copy).
+
+  Each canary pair is a record included with probability 1/2, then Poisson-sampled
+  like every real pair; nothing else differs from ordinary Logit-DP training. The
+  auditor sees only the initial and final parameters and scores canary k by how
+  much the final model prefers its positive among all canary positives:
+  score_k = log softmax(Z_k/τ)_k(final) − log softmax(Z_k/τ)_k(initial), Z the
+  m×m cosine matrix of canary anchors and positives.
+  """
+  x_real, xp_real = digits_pairs(seed)
+  rng = np.random.default_rng(seed + 100)
+  canary_x = rng.random((num_canaries, 64)).astype(np.float32)
+  canary_xp = np.clip(canary_x + 0.05 * rng.standard_normal(canary_x.shape), 0, 1).astype(
+      np.float32)
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+  included = np.asarray(jax.random.bernoulli(keys[2], 0.5, (num_canaries,)))
+  x_all = jnp.asarray(np.concatenate([x_real, canary_x[included]]))
+  xp_all = jnp.asarray(np.concatenate([xp_real, canary_xp[included]]))
+  num_records = int(x_all.shape[0])
+  loss = logit_dp.losses.contrastive(temperature=temperature)
+  c = logit_dp.sensitivity(loss, clip_norm, batch_size=None)
+  sigma_claim = accounting.noise_multiplier(epsilon, delta, sampling_rate, steps)
+  sigma = noise_scale * sigma_claim
+  model = MLP()
+  params0 = model.init(keys[0], jnp.zeros((1, 64)))
+  grad_fn = logit_dp.clipped_grad(model.apply, loss, clip_norm, method="ghost")
+  noise = logit_dp.transform(sigma, c, keys[3], allow_zero_noise=(sigma == 0))
+  opt = optax.adam(learning_rate)
+  sampler = sampling.PoissonSampler(num_records=num_records, sampling_rate=sampling_rate,
+                                    seed=seed + 1)
+
+  @jax.jit
+  def step(params, noise_state, opt_state, indices, mask):
+    loss_value, g = grad_fn(params, x_all[indices], xp_all[indices], mask)
+    noisy, noise_state = noise.update(g, noise_state)
+    mean = jax.tree_util.tree_map(lambda u: u / (sampling_rate * num_records), noisy)
+    updates, opt_state = opt.update(mean, opt_state, params)
+    return (optax.apply_updates(params, updates), noise_state, opt_state,
+            loss_value / jnp.maximum(jnp.sum(mask), 1))
+
+  def canary_log_prob(params):
+    z = logit_dp.cosine_similarity(model.apply(params, jnp.asarray(canary_x)),
+                                   model.apply(params, jnp.asarray(canary_xp)))
+    return np.asarray(jnp.diagonal(jax.nn.log_softmax(z / temperature, axis=1)))
+
+  params, noise_state, opt_state = params0, noise.init(params0), opt.init(params0)
+  start, losses = time.time(), []
+  for t in range(steps):
+    batch = sampler(t)
+    params, noise_state, opt_state, lv = step(params, noise_state, opt_state, batch.indices,
+                                              batch.mask)
+    losses.append(float(lv))
+  train_seconds = time.time() - start
+  scores = canary_log_prob(params) - canary_log_prob(params0)
+  result = canary.audit_scores(scores, included, delta=delta, confidence=0.95)
+  return dict(
+      canary_type="input", epsilon_claimed=epsilon, noise_scale=noise_scale,
+      sigma_calibrated=sigma_claim, sigma_used=sigma, epsilon_of_sigma_used=(
+          math.inf if sigma == 0 else accounting.epsilon(sigma, delta, sampling_rate, steps)),
+      delta=delta, sensitivity=c, clip_norm=clip_norm, temperature=temperature,
+      sampling_rate=sampling_rate, steps=steps, num_records=num_records,
+      num_canaries=num_canaries, num_included=int(included.sum()),
+      epsilon_lower_bound=result.epsilon_lower_bound, num_guesses=result.num_guesses,
+      num_correct=result.num_correct, grid=[list(g) for g in result.grid],
+      mean_score_in=float(scores[included].mean()), mean_score_out=float(scores[~included].mean()),
+      train_loss_first=float(np.mean(losses[:5])), train_loss_last=float(np.mean(losses[-5:])),
+      seconds=train_seconds, seed=seed)
+
+
 def run_sensitivity_search(seed: int, restarts: int, steps: int) -> list:
   records = []
   model = MLP(features=(8, 4))
@@ -181,13 +255,18 @@ def main(argv=None):
   parser.add_argument("--controls", action="store_true",
                       help="also run σ = 0 and σ/2 (at --control-epsilons)")
   parser.add_argument("--control-epsilons", type=float, nargs="+", default=[1.0, 5.0])
+  parser.add_argument("--runs", nargs="+", default=None, metavar="EPS:SCALE",
+                      help="explicit runs, e.g. 1:0.25 (claimed ε 1, noise ×0.25); "
+                           "overrides --epsilons/--controls")
+  parser.add_argument("--canary-type", choices=("gradient", "input"), default="gradient",
+                      help="white-box gradient canaries, or black-box input canary pairs")
   parser.add_argument("--num-canaries", type=int, default=2000)
   parser.add_argument("--sampling-rate", type=float, default=0.1)
   parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--delta", type=float, default=1e-5)
   parser.add_argument("--clip-norm", type=float, default=1.0)
   parser.add_argument("--temperature", type=float, default=1.0)
-  parser.add_argument("--learning-rate", type=float, default=1e-3)
+  parser.add_argument("--learning-rate", type=float, default=1e-2)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--restarts", type=int, default=4)
   parser.add_argument("--search-steps", type=int, default=60)
@@ -205,9 +284,12 @@ def main(argv=None):
     runs = [(e, 1.0) for e in args.epsilons]
     if args.controls:
       runs += [(e, 0.5) for e in args.control_epsilons] + [(args.epsilons[0], 0.0)]
+    if args.runs:
+      runs = [(float(r.split(":")[0]), float(r.split(":")[1])) for r in args.runs]
     records = []
     for eps, scale in runs:
-      rec = run_canary_audit(epsilon=eps, noise_scale=scale, num_canaries=args.num_canaries,
+      audit_fn = run_canary_audit if args.canary_type == "gradient" else run_input_canary_audit
+      rec = audit_fn(epsilon=eps, noise_scale=scale, num_canaries=args.num_canaries,
                              sampling_rate=args.sampling_rate, steps=args.steps,
                              delta=args.delta, clip_norm=args.clip_norm,
                              temperature=args.temperature, learning_rate=args.learning_rate,
@@ -218,7 +300,8 @@ def main(argv=None):
           "correct v | train loss first→last | s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in records:
-      noise = {1.0: "calibrated", 0.5: "σ/2", 0.0: "off"}.get(r["noise_scale"], r["noise_scale"])
+      noise = {1.0: "calibrated", 0.5: "σ/2", 0.0: "off"}.get(r["noise_scale"],
+                                                              f"σ×{r['noise_scale']:g}")
       print(f"| {r['epsilon_claimed']:g} | {noise} | {r['sigma_used']:.3f} | "
             f"{r['epsilon_of_sigma_used']:.3g} | {r['epsilon_lower_bound']:.3f} | "
             f"{r['num_guesses']} | {r['num_correct']} | "

@@ -17,24 +17,35 @@ the same process on the same batch: the machines are shared and noisy, so ratios
 absolute times, are what to compare.
 
 Peak memory (`--memory`):
-  subprocess (default)  one fresh child process per (model, n, method) compiles the same
-                        step and runs it once; it reports its peak RSS (ru_maxrss, which
-                        includes Python + JAX, ~0.3-0.5 GB, also reported as `base`) on
-                        CPU, or `peak_bytes_in_use` of jax.devices()[0].memory_stats() on
-                        an accelerator. This is the number the targets are checked on.
+  subprocess (default)  one fresh child process per (model, n, method) loads the same
+                        compiled step (persistent compilation cache) and runs it once;
+                        it reports its peak RSS (VmHWM, which includes Python + JAX,
+                        ~0.3-0.6 GB, also reported as `base_rss_bytes`) on CPU, or
+                        `peak_bytes_in_use` of jax.devices()[0].memory_stats() on an
+                        accelerator. `--memory-methods` limits which methods get a child.
   sampler               no child processes: a background thread samples this process's
-                        RSS every 5 ms and reports, per method, the largest increase over
-                        the RSS just before a run (a lower bound of the step's working set
+                        RSS every 5 ms while each step runs; reported per method as the
+                        peak RSS of the process (`inproc_rss_peak_bytes`, marked * in the
+                        table) and the largest increase over the RSS just before a run
+                        (`inproc_rss_delta_bytes`, a lower bound of the step's working set
                         because the allocator may reuse memory freed by earlier runs).
-  none                  no memory measurement.
-The sampler always runs; its number is in the JSON as `inproc_rss_delta_bytes`.
+  none                  no child processes.
+The sampler always runs.
 
-Configurations that cannot fit are not launched: before running, each step is
-compiled and XLA's own buffer assignment (`compiled.memory_analysis()`: arguments +
-outputs + temporaries) is compared with `--memory-limit-gb`; above it the entry is
-recorded as skipped with the size it needs. "materialize" is skipped where its
+Timing: `--repeats` interleaved runs per method after one warm-up run, fewer where a
+step is slow (the runs of one method fit in `--time-budget-s`, at least one); a step
+slower than the whole budget is timed once, by its warm-up run (the first run after the
+ahead-of-time compilation; noted in the table). Materialize gets
+`--materialize-repeats` (1).
+
+Configurations that cannot run are not launched (`pre_gate`): "materialize" where its
 estimated time (≈ n × the non-private step: n² pair backward passes instead of 2n
-example ones) exceeds `--max-step-s`.
+example ones) exceeds `--max-step-s`, "ghost"/"triangle" where even d × the
+non-private step (d backward passes per example for the Jacobians) exceeds it, and
+"ghost" where the per-example Jacobians of both views, 2·n·d·p floats, exceed
+`--memory-limit-gb`. Every other step is compiled and XLA's own buffer assignment
+(`compiled.memory_analysis()`: arguments + outputs + temporaries) is compared with
+`--memory-limit-gb` before it runs.
 
 Method specs: a name, optionally with a microbatch size, e.g. `triangle@8` runs
 `clipped_grad(..., method="triangle", microbatch_size=8)`. `nonprivate` and `naive` are
@@ -225,6 +236,15 @@ def _rss() -> int:
 
 
 def _max_rss() -> int:
+  """Peak RSS of this process image: VmHWM (reset by exec, unlike ru_maxrss, which on
+  Linux carries the forking parent's RSS into a child across fork + exec)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
   r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   return int(r if sys.platform == "darwin" else r * 1024)
 
@@ -245,6 +265,7 @@ class RssSampler:
   def __init__(self, interval_s: float = 0.005):
     self.interval_s = interval_s
     self.deltas: dict[str, int] = {}
+    self.peaks: dict[str, int] = {}
     self._label, self._start, self._peak = None, 0, 0
     self._lock = threading.Lock()
     self._stop = threading.Event()
@@ -270,6 +291,7 @@ class RssSampler:
       if self._label is not None:
         delta = self._peak - self._start
         self.deltas[self._label] = max(self.deltas.get(self._label, 0), delta)
+        self.peaks[self._label] = max(self.peaks.get(self._label, 0), self._peak)
       self._label = None
 
   def close(self):
@@ -277,9 +299,20 @@ class RssSampler:
     self._thread.join(timeout=1)
 
 
+def enable_compile_cache(path: Optional[str]):
+  """Persistent XLA cache: the memory children load the parent's executables."""
+  if not path:
+    return
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def child_main(config: dict) -> dict:
   """One step in a fresh process: its peak memory (and one step's time, for reference)."""
   args = argparse.Namespace(**config["args"])
+  enable_compile_cache(config.get("compile_cache"))
   embed_fn, params, x, x_prime, _ = build_problem(config["model"], config["n"],
                                                   args.image_size)
   jax.block_until_ready((params, x, x_prime))
@@ -296,7 +329,7 @@ def child_main(config: dict) -> dict:
 
 
 def measure_in_child(model, n, spec, args) -> dict:
-  config = {"model": model, "n": n, "spec": spec,
+  config = {"model": model, "n": n, "spec": spec, "compile_cache": args.compile_cache,
             "args": {k: getattr(args, k) for k in ("image_size", "temperature", "clip_norm",
                                                    "noise_multiplier", "learning_rate")}}
   cmd = [sys.executable, "-m", "benchmarks.step_benchmark", "--child", json.dumps(config)]
@@ -328,10 +361,37 @@ def _log(msg: str):
         flush=True)
 
 
+def pre_gate(e: dict, n: int, p: int, d: int, t_np: Optional[float], args) -> Optional[str]:
+  """Reason to skip a configuration before compiling it, or None.
+
+  Time: "materialize" costs ≈ n × the non-private step (n² pair backward passes of 2
+  examples instead of 2n examples once); the per-example-Jacobian methods ("ghost",
+  "triangle") cost at least ≈ d × the non-private step (d backward passes per example).
+  Memory: "ghost" as implemented holds the per-example Jacobians of both views,
+  2·n·d·p floats, whatever the microbatch size.
+  """
+  method = e["method"]
+  if t_np is not None and method not in (BASELINE, NAIVE):
+    factor, why = ((n, "≈ n × non-private: n² pair backward passes") if method == "materialize"
+                   else (d, f"≥ d × non-private: d = {d} backward passes per example"))
+    est = factor * t_np
+    e["est_step_s"] = est
+    if est > args.max_step_s:
+      return f"estimated {est:.0f} s per step ({why}) > --max-step-s {args.max_step_s:g}"
+  if method == "ghost" and args.analytic_gate:
+    need = 2 * n * d * p * 4
+    e["est_bytes"] = need
+    if need > args.memory_limit_gb * GB:
+      return (f"does not fit: per-example Jacobians of both views need 2·n·d·p·4 B = "
+              f"{need / GB:.1f} GB > --memory-limit-gb {args.memory_limit_gb:g}")
+  return None
+
+
 def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler) -> list[dict]:
   """All methods for one (model, n), timed interleaved in this process."""
   embed_fn, params, x, x_prime, num_params = build_problem(model, n, args.image_size)
   jax.block_until_ready((params, x, x_prime))
+  d = int(jax.eval_shape(embed_fn, params, x[:1]).shape[-1])
   limit = args.memory_limit_gb * GB
   entries, runners = [], {}
   # Baseline first: its warm-up time prices "materialize" before compiling it.
@@ -341,15 +401,11 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
     e = _entry(model, n, spec, num_params)
     entries.append(e)
     method = e["method"]
-    if method == "materialize" and t_np is not None:
-      est = n * t_np
-      e["est_step_s"] = est
-      if est > args.max_step_s:
-        e["status"], e["reason"] = "skipped", (
-            f"estimated {est:.0f} s per step (≈ n × non-private; n² pair backward "
-            f"passes) > --max-step-s {args.max_step_s:g}")
-        _log(f"{model} n={n} {spec}: {e['reason']}")
-        continue
+    reason = pre_gate(e, n, num_params, d, t_np, args)
+    if reason:
+      e["status"], e["reason"] = "skipped", reason
+      _log(f"{model} n={n} {spec}: {e['reason']}")
+      continue
     try:
       compiled, opt_state, info = compile_step(spec, embed_fn, params, x, x_prime, args)
     except Exception as err:  # pylint: disable=broad-except
@@ -385,6 +441,12 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
   todo = {}
   for e in entries:
     if e["spec"] in runners:
+      if e["warmup_s"] >= args.time_budget_s:
+        # One step takes longer than the whole budget: the first run after the AOT
+        # compilation is the only sample (its one-off overhead is negligible here).
+        e["times_s"].append(e["warmup_s"])
+        e["timing_note"] = "single run (the warm-up itself): step > --time-budget-s"
+        continue
       r = args.repeats if e["method"] != "materialize" else min(args.repeats,
                                                                 args.materialize_repeats)
       r = max(1, min(r, int(args.time_budget_s // max(e["warmup_s"], 1e-9))))
@@ -406,6 +468,7 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
       e["min_s"] = min(e["times_s"])
       e["repeats"] = len(e["times_s"])
       e["inproc_rss_delta_bytes"] = sampler.deltas.get(e["spec"])
+      e["inproc_rss_peak_bytes"] = sampler.peaks.get(e["spec"])
       _log(f"{model} n={n} {e['spec']}: median {e['median_s']:.4f} s over {e['repeats']}")
   base = next((e for e in entries if e["method"] == BASELINE and e.get("median_s")), None)
   for e in entries:
@@ -414,8 +477,11 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
       e["ratio_min"] = e["min_s"] / base["min_s"]
 
   if args.memory == "subprocess":
+    wanted = None if args.memory_methods is None else {
+        m.strip() for m in args.memory_methods.split(",")}
     for e in entries:
-      if e["status"] != "ok":
+      if e["status"] != "ok" or (wanted is not None and e["method"] not in wanted
+                                 and e["spec"] not in wanted):
         continue
       _log(f"{model} n={n} {e['spec']}: measuring peak memory in a fresh process")
       m = measure_in_child(model, n, e["spec"], args)
@@ -460,12 +526,22 @@ def _get(results, model, n, method):
   return None
 
 
-def peak_memory(r: dict) -> Optional[int]:
+def peak_memory(r: dict, fallback: bool = True) -> Optional[int]:
+  """Peak memory of the step: fresh-process measurement, else the in-process sampler's."""
   if r is None:
     return None
   if r.get("peak_device_bytes") is not None:
     return r["peak_device_bytes"]
-  return r.get("peak_rss_bytes")
+  if r.get("peak_rss_bytes") is not None or not fallback:
+    return r.get("peak_rss_bytes")
+  return r.get("inproc_rss_peak_bytes")
+
+
+def _fmt_mem(r):
+  b = peak_memory(r)
+  if b is None:
+    return "—"
+  return _fmt_gb(b) + ("" if peak_memory(r, fallback=False) is not None else " *")
 
 
 def check_targets(results: list[dict]) -> list[dict]:
@@ -496,16 +572,46 @@ def check_targets(results: list[dict]) -> list[dict]:
   return out
 
 
+def code_version() -> dict:
+  """Git commit of the checkout and a hash of the clipping code that was measured."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = {}
+  try:
+    out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, text=True,
+                                       capture_output=True, check=True).stdout.strip()
+    out["git_dirty_files"] = [l[3:] for l in subprocess.run(
+        ["git", "--no-optional-locks", "status", "--porcelain"], cwd=root, text=True, capture_output=True,
+        check=True).stdout.splitlines()]
+  except (OSError, subprocess.CalledProcessError):
+    pass
+  try:
+    from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
+    with open(clipping.__file__, "rb") as f:
+      data = f.read()
+    out["clipping_py_sha256"] = hashlib.sha256(data).hexdigest()[:16]
+    out["clipping_py_mtime_utc"] = datetime.datetime.fromtimestamp(
+        os.path.getmtime(clipping.__file__), datetime.timezone.utc).isoformat(timespec="seconds")
+  except (ImportError, OSError):
+    pass
+  return out
+
+
 def machine_info() -> dict:
   cpu = platform.processor() or platform.machine()
+  cpuinfo = {}
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
+        if ":" in line:
+          k, v = (t.strip() for t in line.split(":", 1))
+          cpuinfo.setdefault(k, v)
+    cpu = cpuinfo.get("model name", cpu)
   except OSError:
     pass
+  flags = set(cpuinfo.get("flags", "").split())
+  isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+  virt = "hypervisor" in flags
   try:
     import psutil  # pylint: disable=g-import-not-at-top
     ram = psutil.virtual_memory().total
@@ -513,7 +619,8 @@ def machine_info() -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   dev = jax.devices()[0]
   import flax  # pylint: disable=g-import-not-at-top
-  return {"cpu": cpu, "cpu_count": os.cpu_count(),
+  return {"cpu": cpu, "cpu_family": cpuinfo.get("cpu family"), "cpu_model": cpuinfo.get("model"),
+          "isa": isa, "virtualized": virt, "cpu_count": os.cpu_count(),
           "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
           "ram_bytes": int(ram), "platform": dev.platform, "device_kind": dev.device_kind,
           "device_count": jax.device_count(), "python": platform.python_version(),
@@ -571,9 +678,15 @@ def markdown(report: dict) -> str:
   lines = []
   m = report.get("machine", {})
   if m:
-    lines.append(f"Machine: {m.get('cpu')}, {m.get('affinity') or m.get('cpu_count')} cores, "
+    lines.append(f"Machine: {m.get('cpu')} (family {m.get('cpu_family')}, model "
+                 f"{m.get('cpu_model')}; {', '.join(m.get('isa') or [])}"
+                 f"{', virtualised' if m.get('virtualized') else ''}), "
+                 f"{m.get('affinity') or m.get('cpu_count')} cores, "
                  f"{m.get('ram_bytes', 0) / 2**30:.0f} GiB RAM, {m.get('platform')} "
-                 f"({m.get('device_kind')}), jax {m.get('jax')}. Run {report.get('created_utc')}.")
+                 f"({m.get('device_kind')}), jax {m.get('jax')}. Run {report.get('created_utc')}"
+                 + (f" to {report['finished_utc']}" if report.get("finished_utc") else "")
+                 + (f"; load average {report['load_average_start'][0]:.1f} at the start"
+                    if report.get("load_average_start") else "") + ".")
     lines.append("")
   mem_kind = "peak device memory" if m.get("platform") not in (None, "cpu") else "peak RSS"
   # Headline: ratio to non-private per method.
@@ -593,7 +706,7 @@ def markdown(report: dict) -> str:
       gh = next((_get(results, model, n, s) for s in specs if s.startswith("ghost")), None)
       cells = [str(n), _fmt_s(b.get("median_s") if b else None)]
       cells += [_short(_get(results, model, n, s)) for s in specs]
-      cells.append(_fmt_gb(peak_memory(gh)))
+      cells.append(_fmt_mem(gh))
       lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
   # Details.
@@ -610,12 +723,15 @@ def markdown(report: dict) -> str:
         r = _get(results, model, n, s)
         if r is None:
           continue
-        note = r.get("reason") or r.get("memory_error") or ""
+        note = r.get("reason") or r.get("memory_error") or r.get("timing_note") or ""
         lines.append("| " + " | ".join([
             model, str(n), _label(s), _fmt_ratio(r.get("ratio_median")),
             _fmt_ratio(r.get("ratio_min")), _fmt_s(r.get("median_s")), _fmt_s(r.get("min_s")),
-            str(r.get("repeats", "—")), _fmt_gb(peak_memory(r)),
+            str(r.get("repeats", "—")), _fmt_mem(r),
             _fmt_s(r.get("compile_s")), note.replace("|", "/")]) + " |")
+  lines.append("")
+  lines.append("(* = no fresh-process measurement: peak RSS of the benchmark process itself "
+               "while the step ran, sampled every 5 ms.)")
   lines.append("")
   sc = report.get("scaling", {})
   if sc:
@@ -677,12 +793,25 @@ def parse_args(argv):
   p.add_argument("--materialize-repeats", type=int, default=1)
   p.add_argument("--time-budget-s", type=float, default=300.0,
                  help="timed runs per method and config are cut to fit this budget (≥ 1 run)")
-  p.add_argument("--max-step-s", type=float, default=120.0,
-                 help="skip 'materialize' where its estimated step time exceeds this")
+  p.add_argument("--max-step-s", type=float, default=300.0,
+                 help="skip a DP method where its estimated step time (materialize: n × "
+                      "non-private; ghost/triangle: ≥ d × non-private) exceeds this")
   p.add_argument("--memory", choices=("subprocess", "sampler", "none"), default="subprocess")
   p.add_argument("--memory-limit-gb", type=float, default=12.0,
                  help="skip configurations whose compiled working set exceeds this")
+  p.add_argument("--no-analytic-gate", dest="analytic_gate", action="store_false",
+                 help="do not skip 'ghost' on the 2·n·d·p-float Jacobian estimate; rely "
+                      "on XLA's buffer assignment only")
   p.add_argument("--child-timeout-s", type=float, default=1800.0)
+  p.add_argument("--memory-only", action="store_true",
+                 help="only the fresh-process memory measurements (no timing); merge "
+                      "into a timing run with --render")
+  p.add_argument("--memory-methods", default=None,
+                 help="with --memory subprocess: only these methods get a memory child "
+                      "(default: all); the others report the in-process sampler's peak")
+  p.add_argument("--compile-cache", default=None,
+                 help="persistent XLA compilation cache directory, shared with the memory "
+                      "child processes (default: .jax_cache next to --out; '' disables)")
   p.add_argument("--image-size", type=int, default=32)
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--clip-norm", type=float, default=1.0)
@@ -694,6 +823,8 @@ def parse_args(argv):
                  help="merge these result files (later ones win) and print the tables")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args.compile_cache is None:
+    args.compile_cache = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".jax_cache")
   if args.quick:
     args.models = "embedding" if args.models == "embedding,resnet18" else args.models
     args.sizes = args.sizes or "8"
@@ -717,7 +848,11 @@ def main(argv=None) -> dict:
       with open(path) as f:
         rep = json.load(f)
       for r in rep["results"]:
-        merged[(r["model"], r["n"], r["spec"])] = r
+        key = (r["model"], r["n"], r["spec"])
+        if r.get("memory_only") and key in merged:
+          merged[key].update({k: v for k, v in r.items() if k != "memory_only"})
+        else:
+          merged[key] = dict(r)
       base = rep
     base["results"] = list(merged.values())
     report = finalize(base)
@@ -725,14 +860,16 @@ def main(argv=None) -> dict:
     print(markdown(report))
     return report
 
+  enable_compile_cache(args.compile_cache)
   models = [m.strip() for m in args.models.split(",") if m.strip()]
   report = {"schema": SCHEMA,
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"),
             "command": "python -m benchmarks.step_benchmark " + " ".join(argv),
-            "machine": machine_info(), "settings": {k: v for k, v in vars(args).items()
+            "machine": machine_info(), "code": code_version(), "settings": {k: v for k, v in vars(args).items()
                                                     if k not in ("child", "render")},
-            "memory_method": args.memory, "results": []}
+            "memory_method": args.memory, "load_average_start": list(os.getloadavg()),
+            "results": []}
   sampler = RssSampler()
   try:
     for model in models:
@@ -747,6 +884,25 @@ def main(argv=None) -> dict:
       if BASELINE not in specs:
         specs = [BASELINE] + specs
       for n in sizes:
+        if args.memory_only:
+          # Only the fresh-process memory measurement; `--render` merges it into a
+          # timing run's entries.
+          for spec in specs:
+            if spec == BASELINE and BASELINE not in (args.methods or ""):
+              continue
+            _log(f"{model} n={n} {spec}: measuring peak memory in a fresh process")
+            m = measure_in_child(model, n, spec, args)
+            method, mb = parse_method(spec)
+            e = {"model": model, "n": n, "method": method, "spec": spec,
+                 "microbatch_size": mb, "memory_only": True}
+            if "error" in m:
+              e["memory_error"] = m["error"]
+            else:
+              e.update({k: m[k] for k in ("peak_rss_bytes", "base_rss_bytes",
+                                          "peak_device_bytes") if m.get(k) is not None})
+            report["results"].append(e)
+            write(report, args.out)
+          continue
         _log(f"=== {model}, n = {n}: {', '.join(specs)}")
         report["results"].extend(bench_config(model, n, specs, args, sampler))
         write(finalize(report), args.out)
@@ -754,6 +910,10 @@ def main(argv=None) -> dict:
     sampler.close()
   report["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds")
+  report["load_average_end"] = list(os.getloadavg())
+  if args.memory_only:
+    write(report, args.out)
+    return report
   finalize(report)
   write(report, args.out)
   md = markdown(report)

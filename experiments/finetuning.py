@@ -15,6 +15,7 @@ fine-tuned model by post-processing.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 from typing import Any, Dict
@@ -60,6 +61,26 @@ def _read_pretrain(pretrain_workdir: str):
   return pre_config, results
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _head_step(head, lr, params, opt_state, e_tr, y_tr, idx, mask):
+  """One Adam step of cross-entropy on the frozen embeddings (compiled once per head)."""
+  tx = optax.adam(lr)
+
+  def loss_fn(p):
+    logits = head.apply(p, e_tr[idx])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y_tr[idx])
+    return jnp.sum(jnp.where(mask, ce, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+  loss, g = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = tx.update(g, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _head_predict(head, params, e):
+  return jnp.argmax(head.apply(params, e), -1)
+
+
 def train_head(config, e_tr, y_tr, e_te, num_classes: int, csv_path: str, y_te=None):
   """Trains the head on frozen embeddings; returns (params, test predictions)."""
   head = models.FinetuneHead(hidden=tuple(config.head_hidden), num_classes=num_classes)
@@ -68,18 +89,8 @@ def train_head(config, e_tr, y_tr, e_te, num_classes: int, csv_path: str, y_te=N
   tx = optax.adam(config.learning_rate)
   opt_state = tx.init(params)
   e_tr_d, y_tr_d = jnp.asarray(e_tr), jnp.asarray(y_tr)
-
-  @jax.jit
-  def step(params, opt_state, idx, mask):
-    def loss_fn(p):
-      logits = head.apply(p, e_tr_d[idx])
-      ce = optax.softmax_cross_entropy_with_integer_labels(logits, y_tr_d[idx])
-      return jnp.sum(jnp.where(mask, ce, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
-    loss, g = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  predict = jax.jit(lambda p, e: jnp.argmax(head.apply(p, e), -1))
+  step = functools.partial(_head_step, head, float(config.learning_rate))
+  predict = functools.partial(_head_predict, head)
   batcher = logit_dp.sampling.ShuffledBatcher(len(y_tr), int(config.batch_size), seed=config.seed)
   with open(csv_path, "w", newline="") as f:
     w = csv.writer(f)
@@ -87,7 +98,7 @@ def train_head(config, e_tr, y_tr, e_te, num_classes: int, csv_path: str, y_te=N
     for epoch in range(int(config.num_epochs)):
       losses = []
       for idx, mask in batcher.epoch(epoch):
-        params, opt_state, loss = step(params, opt_state, idx, mask)
+        params, opt_state, loss = step(params, opt_state, e_tr_d, y_tr_d, idx, mask)
         losses.append(float(loss))
       acc = float("nan")
       if y_te is not None:

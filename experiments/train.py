@@ -405,6 +405,9 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
   if config.log_private_train_loss:
     fields.append("train_loss_NONPRIVATE_diagnostic")
   batch = int(config.batch_size)
+  # Epochs seen: q per Poisson step; 1 / (batches per epoch) for shuffled epochs.
+  epoch_per_step = (info["sampling_rate"] if private
+                    else 1.0 / -(-num_records // batch))
 
   def write_row(row):
     history.append(row)
@@ -449,7 +452,7 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
       sps = (step - s_last) / max(time.time() - t_last, 1e-9)
       if ledger is not None:
         eps_now = ledger.epsilon()
-      row = dict(step=step, epoch=step * batch / num_records, epsilon=eps_now,
+      row = dict(step=step, epoch=step * epoch_per_step, epsilon=eps_now,
                  delta=ledger.delta() if ledger else 0.0, steps_per_sec=sps,
                  test_loss=float(eval_loss(state.params, *eval_data)))
       if config.log_private_train_loss:

@@ -1,10 +1,16 @@
 """End-to-end tests of the experiment scripts (tiny digits config, seconds)."""
 
+import os
+import sys
+
+# `experiments/` is not an installed package: make the repository root importable
+# (also when pytest is started as `pytest` rather than `python -m pytest`).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 import csv
 import json
-import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -177,3 +183,14 @@ def test_cifar_embedding_net_smoke(tmp_path):
   cfg.eval_batch_size, cfg.eval_num_batches = 200, 1
   results = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
   assert all(r["finished"] for r in results.values())
+
+
+def test_augment_pair_mode_trains(tmp_path):
+  """The unsupervised mode: two on-device augmentations of each image, one record per image."""
+  cfg = tiny.get_config()
+  cfg.methods = ("naive_dp",)
+  cfg.pair_mode = "augment"
+  cfg.data.train_subset = 128
+  cfg.batch_size = 32
+  r = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["naive_dp"]
+  assert r["finished"] and r["sampling_rate"] == pytest.approx(32 / 128)

@@ -1,9 +1,9 @@
 """Empirical lower bounds on ε from canaries in ONE training run.
 
 Implements the audit of Steinke, Nasr & Jagielski, "Privacy Auditing with One
-(1) Training Run", NeurIPS 2023 (arXiv:2305.08846), Theorem 3.1/Algorithm 1
-with the exact p-value computation of their Appendix (their Python code,
-re-implemented here with scipy):
+(1) Training Run", NeurIPS 2023 (arXiv:2305.08846): their audit procedure and
+their (ε, δ) analysis, with the exact p-value computation of their published
+Python code, re-implemented here with scipy:
 
 1. m canaries are drawn; each is included in the training data independently
    with probability 1/2 (S ∈ {−1, +1}^m, ``included``).
@@ -33,10 +33,10 @@ rate q" against "absent". This audits the noise transform, its calibration,
 Poisson sampling and the accountant of a real training run; it does not audit
 the clipping (that is `logit_dp.audit.search_worst_case`'s job).
 
-Formal guarantees: `epsilon_lower_bound` is a (1 − p)-confidence lower bound
+Formal guarantees: `epsilon_lower_bound` is a lower bound, at the given confidence,
 on the ε of any (ε, δ)-DP mechanism whose canaries were included by fair,
 independent coin flips that the guesses did not see (Steinke et al. 2023,
-Theorem 3.1 with δ > 0, Proposition 5.1 for the p-value).
+main theorem for (ε, δ)-DP and its p-value computation).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.stats
 
 DEFAULT_GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -66,8 +65,10 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
   """P[≥ v correct out of r guesses] for an (ε, δ)-DP run with m canaries (upper bound).
 
   β = P[Binomial(r, e^ε/(1+e^ε)) ≥ v] plus the δ term α·2mδ with
-  α = max_{1≤i≤v} P[v > Binomial(r, q) ≥ v − i]/i (Steinke et al. 2023, Prop. 5.1).
+  α = max_{1≤i≤v} P[v > Binomial(r, q) ≥ v − i]/i (Steinke et al. 2023, the
+  (ε, δ) case of their main theorem; the same computation as their code).
   """
+  import scipy.stats  # pylint: disable=g-import-not-at-top (keeps `import logit_dp` light)
   m, r, v = _check_counts(m, r, v)
   if not epsilon >= 0 or not 0 <= delta <= 1:
     raise ValueError(f"need ε ≥ 0 and 0 ≤ δ ≤ 1, got {epsilon!r}, {delta!r}.")

@@ -73,11 +73,39 @@ def _where_rows(ok: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
 
 
+def _varying_axes(x) -> frozenset:
+  """Mesh axes x is typed as varying over (empty outside shard_map or with check_vma=False)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))  # jax 0.6 - 0.9
+
+
 class _Collective:
   """Gathers over a shard_map axis, or the identity on a single device."""
 
   def __init__(self, axis_name):
     self.axis_name = axis_name
+
+  def checks_vma(self) -> bool:
+    """True inside shard_map(check_vma=True), where values carry varying-axis types."""
+    if self.axis_name is None:
+      return False
+    return self.axis_name in _varying_axes(jax.lax.axis_index(self.axis_name))
+
+  def local_params(self, params):
+    """Params as a per-device value.
+
+    Under check_vma=True, differentiating w.r.t. a replicated (invariant) value
+    inside shard_map implicitly psums the derivative over the axis, which would
+    add up the per-example Jacobians / pair gradients of different devices.
+    Casting params to varying keeps every derivative local; `psum` below then
+    sums the backward pass explicitly, as with check_vma=False.
+    """
+    if not self.checks_vma():
+      return params
+    return jax.lax.pcast(params, self.axis_name, to="varying")
 
   def gather(self, x):
     if self.axis_name is None:
@@ -88,6 +116,20 @@ class _Collective:
     if self.axis_name is None:
       return tree
     return jax.lax.psum(tree, self.axis_name)
+
+  def replicated(self, x):
+    """A value computed identically on every device, typed as replicated.
+
+    all_gather's output is typed varying under check_vma=True, so a loss
+    computed from gathered embeddings cannot be returned with out_specs=P().
+    pmean of identical values restores the type (exact for power-of-two axes,
+    one rounding otherwise; identical on every device either way).
+    """
+    if not self.checks_vma():
+      return x
+    if jnp.issubdtype(x.dtype, jnp.integer):
+      return jax.lax.psum(x, self.axis_name) // jax.lax.psum(1, self.axis_name)
+    return jax.lax.pmean(x, self.axis_name)
 
   def local_rows(self, n_local: int) -> jax.Array:
     start = 0 if self.axis_name is None else jax.lax.axis_index(self.axis_name) * n_local
@@ -260,15 +302,16 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size):
   return batch.c.psum(grads), norms
 
 
-def _check_pair_inputs(x, x_prime, mask, min_batch_size):
+def _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1):
   x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
   if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
     raise ValueError(
         f"x and x_prime must hold the same number of examples, got shapes "
         f"{x.shape} and {x_prime.shape}.")
   n = x.shape[0]
-  if n < min_batch_size:
-    raise ValueError(f"the loss needs at least {min_batch_size} pairs per batch, got {n}.")
+  if n * num_shards < min_batch_size:  # the pair matrix spans the global batch
+    raise ValueError(
+        f"the loss needs at least {min_batch_size} pairs per batch, got {n * num_shards}.")
   if mask is None:
     mask = jnp.ones((n,), dtype=bool)
   else:
@@ -279,13 +322,14 @@ def _check_pair_inputs(x, x_prime, mask, min_batch_size):
   return x, x_prime, mask
 
 
-def _make_grad_fn(core, loss, what):
+def _make_grad_fn(core, loss, what, axis_name=None):
   """Wraps a jitted core: input checks, and a ValueError on non-finite values when eager."""
   core = jax.jit(core)
   min_batch_size = getattr(loss, "min_batch_size", 1)
 
   def grad_fn(params, x, x_prime, mask=None):
-    x, x_prime, mask = _check_pair_inputs(x, x_prime, mask, min_batch_size)
+    num_shards = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+    x, x_prime, mask = _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards)
     loss_value, grads, num_nonfinite = core(params, x, x_prime, mask)
     if not _is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
       raise ValueError(
@@ -339,6 +383,7 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
   collective = _Collective(axis_name)
 
   def core(params, x, x_prime, mask):
+    params = collective.local_params(params)
     batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                    microbatch_size=microbatch_size, collective=collective)
     loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
@@ -347,16 +392,16 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
     tau_local = tau[batch.rows]
     if method == "materialize":
       grads, _ = _materialize(batch, tau_local, clip_norm, pair_block_size)
-      return loss_value, grads, batch.num_nonfinite
+      return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
     if method == "ghost":
       norms = jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch), 0.0))
     else:
       norms = _triangle_norms(batch)
     lam_local = tau_local * _clip_factor(norms, clip_norm)
     grads = batch.weighted_backward(lam_local, collective.gather(lam_local))
-    return loss_value, grads, batch.num_nonfinite
+    return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
 
-  return _make_grad_fn(core, loss, f"clipped_grad({method})")
+  return _make_grad_fn(core, loss, f"clipped_grad({method})", axis_name)
 
 
 def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost", *,
@@ -396,6 +441,7 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
   collective = _Collective(axis_name)
 
   def core(params, x, x_prime, mask):
+    params = collective.local_params(params)
     batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                    microbatch_size=microbatch_size, collective=collective)
     loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
@@ -403,9 +449,10 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
     grads = batch.weighted_backward(tau[batch.rows], tau)
     norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
     factor = _clip_factor(norm, clip_norm)
-    return loss_value, jax.tree_util.tree_map(lambda g: g * factor, grads), batch.num_nonfinite
+    return (collective.replicated(loss_value), jax.tree_util.tree_map(lambda g: g * factor, grads),
+            collective.replicated(batch.num_nonfinite))
 
-  return _make_grad_fn(core, loss, "naive_clipped_grad")
+  return _make_grad_fn(core, loss, "naive_clipped_grad", axis_name)
 
 
 def _check_microbatch(microbatch_size):

@@ -1,0 +1,188 @@
+r"""Where the time of a Logit-DP "ghost" step goes (embedding net, CPU or accelerator).
+
+    python -m benchmarks.profile_ghost --sizes 256,1000 --out results/profile_ghost.json
+
+Each piece is jitted on its own and timed (median of --repeats runs after a warm-up):
+
+  forward        both views' normalised embeddings, Z and τ = ∂ℒ/∂Z       (_Batch)
+  jacobians      per-example Jacobians ∂û_i/∂w of both views, (n, d, p) each
+                 (jacrev: d backward passes per example)                  (_Batch.jacobians)
+  pair norms     all exact ‖g_ij‖²: Jacobians + Grams K_i + cross-Gram     (_ghost_sq_norms)
+  cross-Gram     pair norms − jacobians − forward: the Grams and the n²·d²·p
+                 cross-Gram contraction of the current implementation
+  backward ḡ     one backward pass with λ-weighted cotangents              (_Batch.weighted_backward)
+  noise + adam   logit_dp.transform + optax.adam on a p-vector
+  ghost grad     the whole logit_dp.clipped_grad(method="ghost") call
+  non-private    jax.value_and_grad of ℒ + adam (the denominator of the ratio)
+  GEMM floor     one (n·d × p)·(p × n·d) float32 matmul: the same n²·d²·p multiply-adds
+                 the exact cross-Gram needs, at this machine's matmul speed
+
+The pieces use private internals of logit_dp/_src/clipping.py; when those change,
+the pieces that no longer apply are reported as unavailable (the whole-step timings
+and the GEMM floor still run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import logit_dp
+from benchmarks import step_benchmark as sb
+
+
+def _time(fn, *args, repeats: int):
+  jax.block_until_ready(fn(*args))  # compile + warm-up
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts), min(ts)
+
+
+def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
+            temperature: float = 1.0) -> dict:
+  from logit_dp._src import clipping as C  # pylint: disable=g-import-not-at-top
+
+  embed_fn, params, x, xp, p = sb.build_problem("embedding", n, image_size)
+  loss = logit_dp.losses.contrastive(temperature=temperature)
+  d = embed_fn(params, x[:1]).shape[-1]
+  out = {"n": n, "d": int(d), "p": p, "pieces": {}, "unavailable": {}}
+  rows = out["pieces"]
+
+  def record(name, fn, *args):
+    try:
+      med, mn = _time(jax.jit(fn), *args, repeats=repeats)
+      rows[name] = {"median_s": med, "min_s": mn}
+      sb._log(f"profile n={n} {name}: {med:.4f} s")
+    except Exception as err:  # pylint: disable=broad-except
+      out["unavailable"][name] = f"{type(err).__name__}: {err}"[:300]
+      sb._log(f"profile n={n} {name}: unavailable ({out['unavailable'][name][:120]})")
+
+  mask = jnp.ones((n,), bool)
+
+  def batch(pp, xx, xxp):
+    return C._Batch(embed_fn, pp, xx, xxp, mask, eps=C.DEFAULT_COSINE_EPS,
+                    microbatch_size=None, collective=C._Collective(None))
+
+  def forward(pp, xx, xxp):
+    b = batch(pp, xx, xxp)
+    return jax.value_and_grad(loss)(b.z, b.valid)
+
+  def jacobians(pp, xx, xxp):
+    b = batch(pp, xx, xxp)
+    return b.jacobians(b.x), b.jacobians(b.x_prime)
+
+  def pair_norms(pp, xx, xxp):
+    return C._ghost_sq_norms(batch(pp, xx, xxp))
+
+  def backward(pp, xx, xxp):
+    b = batch(pp, xx, xxp)
+    tau = jax.grad(loss)(b.z, b.valid)
+    return b.weighted_backward(tau, tau)
+
+  record("forward", forward, params, x, xp)
+  record("jacobians", jacobians, params, x, xp)
+  record("pair norms", pair_norms, params, x, xp)
+  record("backward ḡ", backward, params, x, xp)
+
+  key = jax.random.key(1)
+  tx = optax.chain(logit_dp.transform(1.0, logit_dp.sensitivity(loss, clip_norm, n), key),
+                   optax.adam(1e-3))
+  state = tx.init(params)
+
+  def noise_adam(pp, g, st):
+    upd, st = tx.update(g, st, pp)
+    return optax.apply_updates(pp, upd), st
+
+  record("noise + adam", noise_adam, params, params, state)
+  grad_fn = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="ghost")
+  record("ghost grad", grad_fn, params, x, xp)
+
+  args = argparse.Namespace(temperature=temperature, clip_norm=clip_norm, noise_multiplier=1.0,
+                            learning_rate=1e-3)
+  for name, spec in (("non-private step", sb.BASELINE),):
+    step, stx = sb.make_step(spec, embed_fn, n, args)
+    record(name, step, params, stx.init(params), x, xp)
+
+  a = jax.random.normal(jax.random.key(2), (n * d, p))
+  b = jax.random.normal(jax.random.key(3), (n * d, p))
+  record("GEMM floor", lambda u, v: jnp.matmul(u, v.T), a, b)
+  del a, b
+
+  if {"pair norms", "jacobians", "forward"} <= rows.keys():
+    rest = rows["pair norms"]["median_s"] - rows["jacobians"]["median_s"] - rows["forward"][
+        "median_s"]
+    rows["cross-Gram (derived)"] = {"median_s": max(rest, 0.0), "derived": True}
+  flops = 2.0 * (n * d) ** 2 * p
+  out["cross_gram_flops"] = flops
+  if "GEMM floor" in rows:
+    out["gemm_gflops_per_s"] = flops / rows["GEMM floor"]["median_s"] / 1e9
+  return out
+
+
+def markdown(results: list[dict]) -> str:
+  names = ["forward", "jacobians", "cross-Gram (derived)", "pair norms", "backward ḡ",
+           "noise + adam", "ghost grad", "non-private step", "GEMM floor"]
+  ns = [r["n"] for r in results]
+  lines = ["| piece | " + " | ".join(f"n={n} (s)" for n in ns) + " | " +
+           " | ".join(f"n={n} share of ghost grad" for n in ns) + " |",
+           "|---|" + "---:|" * (2 * len(ns))]
+  for name in names:
+    cells = []
+    for r in results:
+      v = r["pieces"].get(name)
+      cells.append("—" if v is None else f"{v['median_s']:.3g}")
+    for r in results:
+      v, g = r["pieces"].get(name), r["pieces"].get("ghost grad")
+      cells.append("—" if v is None or g is None or name in ("non-private step", "GEMM floor")
+                   else f"{100 * v['median_s'] / g['median_s']:.0f}%")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  lines.append("")
+  for r in results:
+    extra = ""
+    if "gemm_gflops_per_s" in r:
+      extra = f"; matmul speed {r['gemm_gflops_per_s']:.0f} GFLOP/s"
+    lines.append(f"- n={r['n']}: d={r['d']}, p={r['p']:,}; cross-Gram needs 2·(nd)²·p = "
+                 f"{r['cross_gram_flops']:.3g} flops{extra}.")
+    for k, v in r["unavailable"].items():
+      lines.append(f"  - {k}: unavailable ({v})")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m benchmarks.profile_ghost",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--sizes", default="256,1000")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--image-size", type=int, default=32)
+  p.add_argument("--out", default=None, help="JSON output path")
+  p.add_argument("--compile-cache", default="results/.jax_cache",
+                 help="persistent XLA compilation cache ('' disables)")
+  args = p.parse_args(argv)
+  sb.enable_compile_cache(args.compile_cache)
+  results = [profile(int(n), args.repeats, args.image_size) for n in args.sizes.split(",")]
+  report = {"created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"), "machine": sb.machine_info(), "code": sb.code_version(),
+            "results": results}
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(report, f, indent=1)
+  md = markdown(results)
+  print(md)
+  return report
+
+
+if __name__ == "__main__":
+  sys.exit(main() and 0)

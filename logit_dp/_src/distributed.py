@@ -1,0 +1,323 @@
+"""Data-parallel Logit-DP over a device mesh with `jax.sharding` and `jax.shard_map`.
+
+The global batch of n pairs is split along one mesh axis ("data"): each of the
+k devices holds n/k pairs and a replicated copy of the parameters. Inside
+`jax.shard_map`, `logit_dp.clipped_grad(..., axis_name="data")` all-gathers
+the normalised embeddings (as distributed CLIP/SimCLR training does), so the
+n×n similarity matrix, the loss and the weights τ_ij span the whole global
+batch; each device computes the pair norms and λ_ij for its own rows against
+all n columns, the λ rows are gathered, each device runs the backward pass for
+its own examples, and a psum leaves the same global ḡ on every device. The
+mechanism is exactly the single-device one on the concatenated batch: same ḡ
+(to float rounding), same sensitivity, same noise (drawn once from the same key
+on every device), so the privacy accounting does not depend on k.
+
+This module adds the plumbing around that core:
+
+* `data_mesh`: a 1-D mesh over all (or some) visible devices.
+* `pad_to_multiple`: pads a batch with masked rows so that it splits evenly.
+* `shard_batch` / `replicate`: place a batch (each process feeding its own
+  rows, via `jax.make_array_from_process_local_data`) and the replicated state.
+* `make_sharded_grad_fn`: the jitted shard_map of `clipped_grad` /
+  `naive_clipped_grad`, returning the global (ℒ, ḡ), replicated.
+* `make_private_optimizer` / `make_private_train_step`: ḡ → `logit_dp.transform`
+  (noise) → optax, the optimizer running replicated on every device.
+
+Multi-host: call `jax.distributed.initialize()` first on every process; then
+`jax.devices()` lists the devices of all hosts, `data_mesh()` spans them, and
+every process calls `shard_batch` with its own equal-sized slice of the
+global batch. The multi-host path is the same code as the single-process one
+but has only been run with simulated devices in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from logit_dp._src import clipping
+from logit_dp._src import noise as noise_lib
+
+DATA_AXIS = "data"
+
+__all__ = [
+    "DATA_AXIS", "data_mesh", "make_private_optimizer", "make_private_train_step",
+    "make_sharded_grad_fn", "pad_to_multiple", "replicate", "resolve_devices", "shard_batch",
+]
+
+DevicesArg = Union[None, int, Sequence[Any]]
+
+
+def resolve_devices(devices: DevicesArg = None) -> list:
+  """The devices to use: None or -1 means all visible devices (of all hosts).
+
+  An int k ≥ 1 takes the first k of `jax.devices()`; a sequence is used as given.
+  With several processes (multi-host) a mesh must span every process's devices
+  (each process feeds its own rows), so only "all devices" is accepted there.
+  """
+  all_devices = jax.devices()
+  if devices is None or (isinstance(devices, int) and not isinstance(devices, bool)
+                         and devices == -1):
+    return list(all_devices)
+  if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
+    k = int(devices)
+    if not 1 <= k <= len(all_devices):
+      raise ValueError(
+          f"num_devices must be -1 (all) or between 1 and {len(all_devices)} (the visible "
+          f"devices), got {k}.")
+    if jax.process_count() > 1 and k != len(all_devices):
+      raise ValueError(
+          f"with {jax.process_count()} processes the mesh must use all {len(all_devices)} "
+          f"devices (num_devices=-1), got {k}.")
+    return list(all_devices[:k])
+  devices = list(devices)
+  if not devices:
+    raise ValueError("devices must not be empty.")
+  return devices
+
+
+def data_mesh(devices: DevicesArg = None, axis_name: str = DATA_AXIS) -> Mesh:
+  """A 1-D mesh with one axis `axis_name` over `devices` (default: all visible).
+
+  `devices` is None / -1 (all), a count k (the first k devices), or a sequence
+  of devices. The axis type is Auto, so jitted code may receive inputs with any
+  sharding and XLA moves them (`make_sharded_grad_fn` also places them itself).
+  """
+  devs = resolve_devices(devices)
+  return Mesh(np.asarray(devs, dtype=object).reshape(len(devs)), (axis_name,),
+              axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _axis_size(mesh: Mesh, axis_name: str) -> int:
+  if axis_name not in mesh.shape:
+    raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}, not {axis_name!r}.")
+  return int(mesh.shape[axis_name])
+
+
+def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1):
+  """Pads the batch with masked rows so that its size divides by `multiple`.
+
+  Padded rows are zeros with mask False: they contribute exactly nothing to the
+  loss or to ḡ (see `clipped_grad`), so a batch of 13 pairs padded to 16 on 4
+  devices gives the same (ℒ, ḡ) as the 13 pairs on one device. numpy inputs
+  give numpy outputs (pad on the host, before `shard_batch`), others jax arrays.
+
+  Returns:
+    (x, x_prime, mask) with leading size ⌈n/multiple⌉·multiple; mask is bool.
+  """
+  if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or multiple < 1:
+    raise ValueError(f"multiple must be a positive integer, got {multiple!r}.")
+  host = all(isinstance(a, np.ndarray) for a in (x, x_prime) + (() if mask is None else (mask,)))
+  xp = np if host else jnp
+  x, x_prime = xp.asarray(x), xp.asarray(x_prime)
+  if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
+    raise ValueError(
+        f"x and x_prime must hold the same number of examples, got shapes {x.shape} and "
+        f"{x_prime.shape}.")
+  n = x.shape[0]
+  mask = xp.ones((n,), bool) if mask is None else xp.asarray(mask).astype(bool)
+  if mask.shape != (n,):
+    raise ValueError(f"mask must have shape ({n},), got {mask.shape}.")
+  pad = (-n) % int(multiple)
+  if pad == 0:
+    return x, x_prime, mask
+
+  def padded(a):
+    return xp.concatenate([a, xp.zeros((pad,) + a.shape[1:], a.dtype)])
+
+  return padded(x), padded(x_prime), padded(mask)
+
+
+def replicate(tree, mesh: Mesh):
+  """Places a pytree (params, optimizer state) replicated on every device of the mesh.
+
+  Multi-host: every process must pass the same values (e.g. params initialised
+  from the same seed, or restored from the same checkpoint).
+  """
+  return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def shard_batch(mesh: Mesh, x, x_prime, mask=None, *, axis_name: str = DATA_AXIS):
+  """Builds the global batch, sharded along `axis_name`, from this process's rows.
+
+  Single process: x, x_prime (and mask) are the whole batch. Multi-host: each
+  process passes its own slice (all processes the same number of rows, in
+  process order); `jax.make_array_from_process_local_data` assembles the global
+  array without any host seeing the whole batch. The local rows are first
+  padded with masked rows to a multiple of this process's devices in the mesh.
+
+  Returns:
+    (x, x_prime, mask) as global jax.Arrays sharded P(axis_name).
+  """
+  _axis_size(mesh, axis_name)
+  local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  x, x_prime, mask = pad_to_multiple(np.asarray(x), np.asarray(x_prime),
+                                     None if mask is None else np.asarray(mask),
+                                     max(int(local_devices), 1))
+  sharding = NamedSharding(mesh, P(axis_name))
+  return tuple(jax.make_array_from_process_local_data(sharding, a) for a in (x, x_prime, mask))
+
+
+def _check_global_batch(x, x_prime, mask, k: int, min_batch_size: int):
+  if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
+    raise ValueError(
+        f"x and x_prime must hold the same number of examples, got shapes {x.shape} and "
+        f"{x_prime.shape}.")
+  n = x.shape[0]
+  if n < min_batch_size:
+    raise ValueError(f"the loss needs at least {min_batch_size} pairs per batch, got {n}.")
+  if n % k:
+    raise ValueError(
+        f"the global batch ({n} pairs) must split evenly over the {k} devices of the mesh; "
+        f"pad it with masked rows first: logit_dp.distributed.pad_to_multiple(x, x_prime, "
+        f"mask, {k}).")
+  if mask is not None and tuple(mask.shape) != (n,):
+    raise ValueError(f"mask must have shape ({n},), got {tuple(mask.shape)}.")
+
+
+def _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs):
+  """The (un-checked, jitted) core of clipped_grad / naive_clipped_grad for one shard.
+
+  The public grad_fn checks the batch size on the LOCAL shard (so 1 pair per
+  device fails for the contrastive loss, which needs 2 in the batch); the core
+  is called directly and the checks are done here on the global batch instead.
+  """
+  if naive:  # Naive-DP has no pair norms, hence no method
+    grad_fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, axis_name=axis_name,
+                                          **kwargs)
+  else:
+    grad_fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method,
+                                    axis_name=axis_name, **kwargs)
+  return grad_fn.core
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+  # JAX's default check_vma=True: the core casts params to per-device values so
+  # that derivatives stay local (tests/test_distributed.py checks both modes).
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: str = "ghost", *,
+                         naive: bool = False, axis_name: str = DATA_AXIS, **kwargs):
+  """Data-parallel `clipped_grad` (or `naive_clipped_grad`) over `mesh`.
+
+  Returns grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ): x, x_prime, mask
+  hold the GLOBAL batch (any sharding; it is placed P(axis_name), so its size
+  must divide by the number of devices: use `pad_to_multiple`); params are
+  replicated. ℒ and ḡ are the values of the single-device call on the whole
+  batch, replicated on every device. Called eagerly it raises ValueError on
+  non-finite valid pairs, like `clipped_grad`; `grad_fn.shard_mapped` is the
+  un-jitted shard_map (returning (ℒ, ḡ, num_nonfinite)) for use inside your
+  own jitted step.
+
+  Args:
+    embed_fn, loss, clip_norm, method: as in `logit_dp.clipped_grad`.
+    mesh: a mesh with axis `axis_name` (e.g. `data_mesh()`).
+    naive: use `naive_clipped_grad` (Naive-DP) instead.
+    axis_name: the mesh axis the batch is split along.
+    **kwargs: microbatch_size, pair_block_size, cosine_eps (per device).
+  """
+  k = _axis_size(mesh, axis_name)
+  core = _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
+  batch_spec = P(axis_name)
+  shard_mapped = _shard_map(core, mesh, (P(), batch_spec, batch_spec, batch_spec),
+                            (P(), P(), P()))
+  data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
+  jitted = jax.jit(shard_mapped)
+  min_batch_size = getattr(loss, "min_batch_size", 1)
+  what = "naive_clipped_grad" if naive else f"clipped_grad({method})"
+
+  def grad_fn(params, x, x_prime, mask=None):
+    x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
+    _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    mask = jnp.ones((x.shape[0],), bool) if mask is None else jnp.asarray(mask).astype(bool)
+    if not clipping._is_traced((params, x, x_prime, mask)):
+      # One placement whatever the caller's: no resharding inside, one jit cache entry.
+      params = jax.device_put(params, replicated)
+      x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))
+    loss_value, grads, num_nonfinite = jitted(params, x, x_prime, mask)
+    if not clipping._is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
+      raise ValueError(
+          f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
+          "(NaN/inf). Nothing was released. Under jit such pairs are masked out "
+          "instead (see docs/PRIVACY.md).")
+    return loss_value, grads
+
+  grad_fn.shard_mapped = shard_mapped
+  grad_fn.mesh = mesh
+  return grad_fn
+
+
+def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
+                           optimizer: optax.GradientTransformation, *,
+                           expected_batch_size: Optional[float] = None,
+                           allow_zero_noise: bool = False) -> optax.GradientTransformation:
+  """ḡ → N(0, (σC)²) noise (`logit_dp.transform`) → optional 1/E[n] scaling → optimizer.
+
+  The noise comes first, on the summed ḡ; everything after it is
+  post-processing. C is the sensitivity of the GLOBAL ḡ
+  (`logit_dp.sensitivity(loss, B, batch_size)` with the global number of real
+  pairs, or None under Poisson sampling), never a per-device quantity: the
+  mechanism, hence the accounting, does not depend on the number of devices.
+  """
+  parts = [noise_lib.transform(noise_multiplier, sensitivity, key,
+                               allow_zero_noise=allow_zero_noise)]
+  if expected_batch_size is not None:
+    parts.append(optax.scale(1.0 / float(expected_batch_size)))
+  parts.append(optimizer)
+  return optax.chain(*parts)
+
+
+def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
+                            optimizer: optax.GradientTransformation, method: str = "ghost", *,
+                            naive: bool = False, axis_name: str = DATA_AXIS,
+                            donate: bool = False, **kwargs) -> Callable:
+  """One data-parallel private step: (params, opt_state, x, x_prime, mask) -> (params, opt_state, ℒ).
+
+  `optimizer` must add the noise (build it with `make_private_optimizer` or
+  start it with `logit_dp.transform`). Each device computes the global ḡ,
+  then runs the same optimizer update on the same replicated state; the
+  noise key lives in that state, so every device draws the same noise and the
+  released update and new params are identical everywhere (no extra
+  communication). params/opt_state should be `replicate`d and the batch
+  sharded along `axis_name` (`shard_batch`); the step is jitted, and with
+  donate=True params and opt_state are donated. As with `clipped_grad` under
+  jit, valid pairs with non-finite inputs or embeddings are masked out.
+
+  The returned step has `.shard_mapped`, the un-jitted body, whose outputs are
+  per-device values typed replicated (out_specs=P()).
+  """
+  k = _axis_size(mesh, axis_name)
+  core = _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
+  min_batch_size = getattr(loss, "min_batch_size", 1)
+
+  def body(params, opt_state, x, x_prime, mask):
+    loss_value, grads, _ = core(params, x, x_prime, mask)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss_value
+
+  batch_spec = P(axis_name)
+  shard_mapped = _shard_map(body, mesh, (P(), P(), batch_spec, batch_spec, batch_spec),
+                            (P(), P(), P()))
+  jitted = jax.jit(shard_mapped, donate_argnums=(0, 1) if donate else ())
+  data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
+
+  def step(params, opt_state, x, x_prime, mask=None):
+    x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
+    _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    mask = jnp.ones((x.shape[0],), bool) if mask is None else jnp.asarray(mask).astype(bool)
+    if not clipping._is_traced((params, opt_state, x, x_prime, mask)):
+      params, opt_state = jax.device_put((params, opt_state), replicated)
+      x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))
+    return jitted(params, opt_state, x, x_prime, mask)
+
+  step.shard_mapped = shard_mapped
+  step.mesh = mesh
+  return step

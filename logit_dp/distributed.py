@@ -1,0 +1,23 @@
+"""Data-parallel Logit-DP across devices and hosts; see `logit_dp._src.distributed`."""
+
+from logit_dp._src.distributed import DATA_AXIS
+from logit_dp._src.distributed import data_mesh
+from logit_dp._src.distributed import make_private_optimizer
+from logit_dp._src.distributed import make_private_train_step
+from logit_dp._src.distributed import make_sharded_grad_fn
+from logit_dp._src.distributed import pad_to_multiple
+from logit_dp._src.distributed import replicate
+from logit_dp._src.distributed import resolve_devices
+from logit_dp._src.distributed import shard_batch
+
+__all__ = [
+    "DATA_AXIS",
+    "data_mesh",
+    "make_private_optimizer",
+    "make_private_train_step",
+    "make_sharded_grad_fn",
+    "pad_to_multiple",
+    "replicate",
+    "resolve_devices",
+    "shard_batch",
+]

@@ -1,0 +1,87 @@
+"""Smoke test of the step benchmark harness (benchmarks/step_benchmark.py).
+
+Runs the harness end to end at n = 8 and checks what it writes: the JSON schema, that
+every ratio is positive and finite, and the markdown table. No timing assertions.
+"""
+
+import json
+import math
+
+import pytest
+
+from benchmarks import step_benchmark
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench") / "bench.json"
+  md = out.with_suffix(".md")
+  report = step_benchmark.main([
+      "--quick", "--methods", "nonprivate,ghost",
+      "--memory", "sampler", "--compile-cache", "", "--out", str(out), "--markdown", str(md)])
+  return report, out, md
+
+
+def test_json_schema(quick_run):
+  report, out, _ = quick_run
+  on_disk = json.loads(out.read_text())
+  assert on_disk["schema"] == step_benchmark.SCHEMA
+  for key in ("created_utc", "finished_utc", "command", "machine", "code", "settings",
+              "results", "scaling", "targets"):
+    assert key in on_disk, key
+  assert on_disk["machine"]["jax"]
+  by_method = {r["method"]: r for r in on_disk["results"]}
+  assert set(by_method) == {"nonprivate", "ghost"}
+  for r in on_disk["results"]:
+    assert r["model"] == "embedding" and r["n"] == 8
+  for method in ("nonprivate", "ghost"):
+    r = by_method[method]
+    assert r["status"] == "ok", r.get("reason")
+    assert len(r["times_s"]) == r["repeats"] >= 1
+    for key in ("median_s", "min_s", "ratio_median", "ratio_min", "compile_s", "warmup_s"):
+      assert math.isfinite(r[key]) and r[key] > 0, (method, key, r[key])
+  assert by_method["nonprivate"]["ratio_median"] == 1.0
+  assert report["results"] == on_disk["results"]
+
+
+def test_markdown(quick_run):
+  report, _, md = quick_run
+  text = md.read_text()
+  assert "Logit-DP ghost / non-private" in text
+  assert "| embedding | 8 | Logit-DP ghost |" in text
+  assert text.strip() == step_benchmark.markdown(report).strip()
+
+
+def test_render_merges(quick_run, capsys):
+  _, out, _ = quick_run
+  merged = step_benchmark.main(["--render", str(out), str(out)])
+  assert len(merged["results"]) == 2
+  assert "Logit-DP ghost" in capsys.readouterr().out
+
+
+def test_scaling_exponent_fit():
+  results = [{"model": "embedding", "n": n, "spec": "ghost", "median_s": 1e-3 * n ** 2}
+             for n in (64, 256, 1000)]
+  sc = step_benchmark.scaling_exponents(results)
+  assert sc["embedding"]["ghost"]["exponent"] == pytest.approx(2.0)
+
+
+def test_unknown_method_rejected():
+  with pytest.raises(ValueError, match="unknown method"):
+    step_benchmark.parse_method("nope")
+  assert step_benchmark.parse_method("triangle@8") == ("triangle", 8)
+
+
+def test_pre_gate_skips_what_cannot_run():
+  args = step_benchmark.parse_args(["--max-step-s", "100", "--memory-limit-gb", "12"])
+
+  def gate(method, n, p=6296, d=8, t_np=0.5):
+    e = {"method": method}
+    return step_benchmark.pre_gate(e, n, p, d, t_np, args)
+
+  assert gate("materialize", 1000) and "max-step-s" in gate("materialize", 1000)  # 500 s
+  assert gate("materialize", 64) is None                                          # 32 s
+  assert gate("triangle", 64, t_np=20.0)                                          # ≥ 160 s
+  assert gate("ghost", 4096) is None                                              # 1.6 GB
+  assert "does not fit" in gate("ghost", 64, p=11_200_000, t_np=1.0)              # 46 GB
+  assert gate("nonprivate", 10**6, t_np=1e3) is None

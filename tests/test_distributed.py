@@ -1,0 +1,274 @@
+"""Data-parallel Logit-DP over 1, 2, 4, 8 simulated CPU devices against the single-device call.
+
+conftest.py sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax is
+imported. Multi-host (jax.distributed.initialize) cannot be exercised here; the
+process-local feeding path (make_array_from_process_local_data) is run in one process.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import logit_dp
+from logit_dp import distributed
+from conftest import make_model
+from helpers import rel_err, tree_norm
+
+LOSSES = {
+    "contrastive": logit_dp.losses.contrastive(temperature=0.5),
+    "spreadout": logit_dp.losses.spreadout(),
+}
+DEVICE_COUNTS = (1, 2, 4, 8)
+N = 16
+MASK = np.array([1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1], bool)  # padding rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _enough_devices():
+  if jax.device_count() < max(DEVICE_COUNTS):
+    pytest.skip(f"needs {max(DEVICE_COUNTS)} devices (XLA_FLAGS from conftest), "
+                f"got {jax.device_count()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _batch(kind="mlp", n=N, seed=0):
+  embed_fn, params, x, x_prime = make_model(kind, n, seed)
+  # A clip norm below most pair norms, so that clipping changes the result.
+  norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost")
+  return embed_fn, params, x, x_prime, float(np.quantile(np.asarray(norms), 0.4))
+
+
+@functools.lru_cache(maxsize=None)
+def _single(loss_name, method="ghost", kind="mlp", n=N, seed=0):
+  """The single-device reference grad_fn (cached: one compile per configuration)."""
+  embed_fn, _, _, _, clip_norm = _batch(kind, n, seed)
+  return logit_dp.clipped_grad(embed_fn, LOSSES[loss_name], clip_norm, method=method)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded(k, loss_name, method="ghost", kind="mlp", n=N, seed=0):
+  """The data-parallel grad_fn on k devices (cached, shared between tests)."""
+  embed_fn, _, _, _, clip_norm = _batch(kind, n, seed)
+  return distributed.make_sharded_grad_fn(embed_fn, LOSSES[loss_name], clip_norm,
+                                          distributed.data_mesh(k), method=method)
+
+
+def _assert_same_on_every_device(tree):
+  """Each device's own copy of a replicated output is bitwise the same."""
+  for leaf in jax.tree_util.tree_leaves(tree):
+    shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert len(shards) == len(leaf.sharding.device_set)
+    for s in shards[1:]:
+      np.testing.assert_array_equal(s, shards[0])
+
+
+def _assert_matches(sharded, reference, tol=1e-5):
+  (value, grads), (ref_value, ref_grads) = sharded, reference
+  np.testing.assert_allclose(value, ref_value, rtol=tol, atol=1e-6)
+  assert rel_err(grads, ref_grads) < tol
+
+
+@pytest.mark.parametrize("method", ["ghost", "triangle"])
+@pytest.mark.parametrize("loss_name", sorted(LOSSES))
+@pytest.mark.parametrize("k", DEVICE_COUNTS)
+def test_sharded_equals_single_device(k, loss_name, method):
+  _, params, x, x_prime, _ = _batch()
+  single, sharded = _single(loss_name, method), _sharded(k, loss_name, method)
+  out = sharded(params, x, x_prime)
+  _assert_matches(out, single(params, x, x_prime))
+  _assert_same_on_every_device(out)
+  # Padding masks: masked rows contribute nothing, wherever they sit.
+  masked = sharded(params, x, x_prime, MASK)
+  _assert_matches(masked, single(params, x, x_prime, MASK))
+  _assert_same_on_every_device(masked)
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_uneven_global_batch_is_padded(k):
+  embed_fn, params, x, x_prime, clip_norm = _batch()
+  x, x_prime = x[:13], x_prime[:13]
+  sharded = _sharded(k, "contrastive")
+  with pytest.raises(ValueError, match="pad_to_multiple"):
+    sharded(params, x, x_prime)
+  px, pxp, pmask = distributed.pad_to_multiple(x, x_prime, None, k)
+  assert px.shape[0] == 16 and int(pmask.sum()) == 13
+  reference = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm)(
+      params, x, x_prime)
+  _assert_matches(sharded(params, px, pxp, pmask), reference)
+  # The host-feeding path (make_array_from_process_local_data; one process here).
+  mesh = sharded.mesh
+  gx, gxp, gmask = distributed.shard_batch(mesh, np.asarray(x), np.asarray(x_prime))
+  assert gx.shape[0] == 16 and gx.sharding.spec == P("data")
+  _assert_matches(sharded(distributed.replicate(params, mesh), gx, gxp, gmask), reference)
+
+
+def test_one_pair_per_device():
+  embed_fn, params, x, x_prime, clip_norm = _batch()
+  x, x_prime = x[:8], x_prime[:8]
+  loss = LOSSES["contrastive"]
+  sharded = distributed.make_sharded_grad_fn(embed_fn, loss, clip_norm, distributed.data_mesh(8))
+  reference = logit_dp.clipped_grad(embed_fn, loss, clip_norm)(params, x, x_prime)
+  _assert_matches(sharded(params, x, x_prime), reference)
+
+
+def test_materialize_sharded():
+  embed_fn, params, x, x_prime, clip_norm = _batch("mlp", 6, 2)
+  loss = LOSSES["spreadout"]
+  mask = np.array([1, 1, 1, 0, 1, 1], bool)
+  sharded = distributed.make_sharded_grad_fn(embed_fn, loss, clip_norm, distributed.data_mesh(2),
+                                             method="materialize")
+  reference = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="materialize")(
+      params, x, x_prime, mask)
+  _assert_matches(sharded(params, x, x_prime, mask), reference)
+
+
+def test_naive_sharded():
+  embed_fn, params, x, x_prime, _ = _batch()
+  loss = LOSSES["contrastive"]
+  single = logit_dp.naive_clipped_grad(embed_fn, loss, 0.1)
+  sharded = distributed.make_sharded_grad_fn(embed_fn, loss, 0.1, distributed.data_mesh(8),
+                                             naive=True)
+  out = sharded(params, x, x_prime, MASK)
+  _assert_matches(out, single(params, x, x_prime, MASK))
+  np.testing.assert_allclose(tree_norm(out[1]), 0.1, rtol=1e-5)  # clipping was active
+
+
+def _direct(k, method, check_vma):
+  """The raw API: jax.shard_map(clipped_grad(..., axis_name="data"))."""
+  embed_fn, params, x, x_prime, clip_norm = _batch()
+  grad_fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm, method=method,
+                                  axis_name="data")
+  mesh = Mesh(np.array(jax.devices()[:k]), ("data",))
+  fn = jax.jit(jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
+                             out_specs=(P(), P()), check_vma=check_vma))
+  mask = jnp.asarray(MASK)
+  out = fn(params, x, x_prime, mask)
+  _assert_matches(out, _single("contrastive", method)(params, x, x_prime, mask))
+
+
+def test_direct_shard_map_api():
+  _direct(4, "ghost", check_vma=False)
+
+
+@pytest.mark.parametrize("method", ["ghost", "triangle", "materialize"])
+def test_direct_shard_map_default_check_vma(method):
+  """JAX's default check_vma=True: derivatives must stay per device (no implicit psum)."""
+  _direct(2, method, check_vma=True)
+
+
+def test_direct_shard_map_default_check_vma_naive():
+  embed_fn, params, x, x_prime, clip_norm = _batch()
+  grad_fn = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm,
+                                        axis_name="data")
+  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  fn = jax.jit(jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
+                             out_specs=(P(), P())))
+  mask = jnp.asarray(MASK)
+  expected = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm)(
+      params, x, x_prime, mask)
+  _assert_matches(fn(params, x, x_prime, mask), expected)
+
+
+SIGMA, NOISE_KEY = 2.0, jax.random.PRNGKey(3)
+
+
+def _private_optimizer():
+  _, _, _, _, clip_norm = _batch()
+  # C of the global ḡ: (loss, B) and optionally the global batch size; no device count.
+  c = logit_dp.sensitivity(LOSSES["contrastive"], clip_norm)
+  return distributed.make_private_optimizer(SIGMA, c, NOISE_KEY, optax.sgd(1.0)), c
+
+
+@functools.lru_cache(maxsize=None)
+def _step_outputs(k):
+  """One private step (sgd, lr 1) on k devices: (new_params, new_state)."""
+  embed_fn, params, x, x_prime, clip_norm = _batch()
+  mesh = distributed.data_mesh(k)
+  opt, _ = _private_optimizer()
+  step = distributed.make_private_train_step(embed_fn, LOSSES["contrastive"], clip_norm, mesh, opt)
+  new_params, new_state, _ = step(distributed.replicate(params, mesh),
+                                  distributed.replicate(opt.init(params), mesh), x, x_prime, MASK)
+  return new_params, new_state
+
+
+def test_noise_is_identical_on_every_device_and_matches_single_device():
+  _, params, x, x_prime, _ = _batch()
+  opt, _ = _private_optimizer()
+  # Single device: ḡ -> transform -> sgd, with the same key.
+  _, grads = _single("contrastive")(params, x, x_prime, MASK)
+  update = jax.jit(lambda g, p: optax.apply_updates(p, opt.update(g, opt.init(p), p)[0]))
+  expected = update(grads, params)
+  for k in (2, 8):
+    new_params, new_state = _step_outputs(k)
+    _assert_same_on_every_device((new_params, new_state))
+    assert rel_err(new_params, expected) < 1e-5
+    assert int(new_state[0].count) == 1
+
+
+def _flat(tree):
+  return np.concatenate([np.ravel(np.asarray(l, np.float64)) for l in jax.tree_util.tree_leaves(tree)])
+
+
+def test_accounting_does_not_depend_on_device_count():
+  """Same sensitivity, same noise, same (σ, q, T): the same ε for any number of devices."""
+  _, params, x, x_prime, _ = _batch()
+  _, c = _private_optimizer()
+  noises, diffs = [], []
+  for k in DEVICE_COUNTS:
+    sharded = _sharded(k, "contrastive")
+    g = _flat(sharded(params, x, x_prime, MASK)[1])
+    # Add-or-remove one pair (row 3 masked out): the change of ḡ is the same
+    # for every k and within the sensitivity, so the Gaussian mechanism is too.
+    diffs.append(g - _flat(sharded(params, x, x_prime, MASK & (np.arange(N) != 3))[1]))
+    # The released update with sgd(lr=1) is ḡ + noise.
+    new_params, _ = _step_outputs(k)
+    noises.append(_flat(params) - _flat(new_params) - g)
+  assert abs(np.std(noises[0]) / (SIGMA * c) - 1) < 0.25  # N(0, (σC)²) per coordinate
+  for noise, diff in zip(noises[1:], diffs[1:]):
+    # The same noise vector (up to ḡ's float rounding, tiny next to σC).
+    np.testing.assert_allclose(noise, noises[0], rtol=0, atol=1e-4 * SIGMA * c)
+    np.testing.assert_allclose(diff, diffs[0], rtol=0, atol=1e-5 * np.linalg.norm(diffs[0]))
+  assert max(np.linalg.norm(d) for d in diffs) <= c
+  # The accountant sees only (σ, δ, q, T).
+  eps = {k: logit_dp.accounting.epsilon(SIGMA, 1e-5, 0.01, 100) for k in DEVICE_COUNTS}
+  assert len(set(eps.values())) == 1 and np.isfinite(eps[1])
+
+
+def test_data_mesh_and_padding_helpers():
+  assert distributed.data_mesh().shape == {"data": jax.device_count()}
+  assert distributed.data_mesh(-1).shape == {"data": jax.device_count()}
+  assert distributed.data_mesh(2, axis_name="batch").shape == {"batch": 2}
+  assert distributed.data_mesh(jax.devices()[2:5]).devices.tolist() == jax.devices()[2:5]
+  for bad in (0, jax.device_count() + 1, -2):
+    with pytest.raises(ValueError, match="num_devices"):
+      distributed.data_mesh(bad)
+  x, xp = np.ones((5, 3), np.float32), np.ones((5, 3), np.float32)
+  px, pxp, pm = distributed.pad_to_multiple(x, xp, None, 4)
+  assert isinstance(px, np.ndarray) and px.shape == (8, 3) and pm.tolist() == [True] * 5 + [False] * 3
+  assert not px[5:].any()
+  jx, _, jm = distributed.pad_to_multiple(jnp.asarray(x), jnp.asarray(xp), np.arange(5) < 4, 5)
+  assert isinstance(jx, jax.Array) and jx.shape == (5, 3) and jm.tolist() == [True] * 4 + [False]
+  with pytest.raises(ValueError, match="multiple"):
+    distributed.pad_to_multiple(x, xp, None, 0)
+  with pytest.raises(ValueError, match="same number"):
+    distributed.pad_to_multiple(x, xp[:4], None, 2)
+  with pytest.raises(ValueError, match="axes"):
+    distributed.make_sharded_grad_fn(lambda p, a: a, LOSSES["spreadout"], 1.0,
+                                     distributed.data_mesh(2, axis_name="batch"))
+
+
+def test_nonfinite_pairs_raise_eagerly_like_single_device():
+  _, params, x, x_prime, _ = _batch()
+  sharded = _sharded(4, "spreadout")
+  bad = x.at[5].set(jnp.nan)
+  with pytest.raises(ValueError, match="non-finite"):
+    sharded(params, bad, x_prime)
+  # Masked garbage rows are padding and are fine.
+  out = sharded(params, bad, x_prime, np.arange(N) != 5)
+  _assert_matches(out, _single("spreadout")(params, x, x_prime, np.arange(N) != 5))
