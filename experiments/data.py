@@ -20,25 +20,23 @@ pair of image indices ``pairs[r] = (i, j)``:
   belongs to at most one record (an odd image out per class is dropped).  A record
   is therefore the unit of privacy.
 
-Samplers never over-represent a record: :func:`poisson_batch` includes every record
-independently with probability exactly ``q`` (padded to a fixed ``max_batch`` with a
-validity mask), :func:`epoch_batch` visits every record exactly once per epoch.
+Batches never over-represent a record: DP runs use ``logit_dp.sampling.PoissonSampler``
+(every record joins independently with probability exactly ``q``, padded to a fixed
+size with a validity mask), the non-private run ``logit_dp.sampling.ShuffledBatcher``
+(every record exactly once per epoch).  :func:`inclusion_counts` checks this.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Callable, Dict, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
     "load_dataset", "load_digits", "load_npz", "load_tfds", "make_pairs",
-    "same_class_pairs", "poisson_batch", "epoch_batch", "max_batch_size",
-    "inclusion_counts", "to_float", "MISSING_NPZ_HELP",
+    "same_class_pairs", "inclusion_counts", "to_float", "MISSING_NPZ_HELP",
 ]
 
 MISSING_NPZ_HELP = (
@@ -165,44 +163,8 @@ def make_pairs(labels: np.ndarray, mode: str, seed: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
-# Samplers (pure functions of a key: resuming at step t redraws the same batches).
-
-
-def max_batch_size(num_records: int, q: float, num_std: float = 6.0) -> int:
-  """A fixed padded size that a Poisson(q) batch exceeds with negligible probability."""
-  mean = q * num_records
-  return int(min(num_records, math.ceil(mean + num_std * math.sqrt(mean * (1 - q)) + 1)))
-
-
-def poisson_batch(key, num_records: int, q: float, max_batch: int):
-  """Poisson sampling: each record joins independently with probability exactly ``q``.
-
-  Returns ``(indices, mask, overflow)``: ``indices`` (max_batch,) int32 padded with 0,
-  ``mask`` (max_batch,) bool, ``overflow`` the number of selected records that did
-  not fit (0 with overwhelming probability for ``max_batch_size``; reported by the
-  trainer so a truncated step never goes unnoticed).
-  """
-  selected = jax.random.bernoulli(key, q, (num_records,))
-  count = jnp.sum(selected)
-  (idx,) = jnp.nonzero(selected, size=max_batch, fill_value=0)
-  mask = jnp.arange(max_batch) < count
-  return idx.astype(jnp.int32), mask, jnp.maximum(count - max_batch, 0)
-
-
-def epoch_batch(key, num_records: int, batch_size: int, step):
-  """Shuffled epochs: batch ``step`` of the epoch-``step // steps_per_epoch`` permutation.
-
-  Every record appears exactly once per epoch; the last batch is padded (mask).
-  ``key`` is the run's data key; each epoch uses ``fold_in(key, epoch)``.
-  """
-  steps_per_epoch = -(-num_records // batch_size)
-  epoch, j = step // steps_per_epoch, step % steps_per_epoch
-  perm = jax.random.permutation(jax.random.fold_in(key, epoch), num_records)
-  perm = jnp.concatenate([perm, jnp.zeros(steps_per_epoch * batch_size - num_records,
-                                          perm.dtype)])
-  pos = j * batch_size + jnp.arange(batch_size)
-  idx = jax.lax.dynamic_slice(perm, (j * batch_size,), (batch_size,))
-  return idx.astype(jnp.int32), pos < num_records
+# Batches come from logit_dp.sampling (PoissonSampler for DP runs, ShuffledBatcher
+# for the non-private run); see experiments.train._Batcher.
 
 
 def inclusion_counts(batch_fn: Callable[[int], tuple], num_records: int,

@@ -29,7 +29,6 @@ from __future__ import annotations
 import csv
 import functools
 import json
-import math
 import os
 import time
 from typing import Any, Dict, Optional
@@ -139,32 +138,56 @@ def _noise_multiplier_cached(eps, delta, q, steps, accountant):
   return float(logit_dp.accounting.noise_multiplier(eps, delta, q, steps, accountant))
 
 
+def make_mesh(config):
+  """A data-parallel mesh over config.num_devices devices (-1: all visible), or None for 1."""
+  num_devices = config.get("num_devices", 1)
+  if num_devices == 1:
+    return None
+  return logit_dp.distributed.data_mesh(None if num_devices == -1 else num_devices)
+
+
 def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   """(grad_fn, optimizer, info) for one method; info has the privacy plan and step count."""
   loss = make_loss(config)
   lr = learning_rate(config, method)
   batch = int(config.batch_size)
+  if method == "non_private" and make_mesh(config) is not None:
+    # The exact gradient, data parallel: Naive-DP's path without clipping.
+    grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, jnp.inf,
+                                                        make_mesh(config), naive=True)
   if method == "non_private":
-    def grad_fn(params, x, x_prime, mask):
+    def local_grad_fn(params, x, x_prime, mask):
       def total(p):
         z = logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, x_prime))
         return loss(z, mask)
       return jax.value_and_grad(total)(params)
+    if make_mesh(config) is None:
+      grad_fn = local_grad_fn
     steps_per_epoch = -(-num_records // batch)
     tx = optax.chain(optax.scale(1.0 / batch), optax.adam(lr))
     info = dict(noise_multiplier=0.0, sensitivity=0.0, sampling_rate=None,
                 steps=int(steps_per_epoch * config.num_epochs), max_batch=batch)
     return grad_fn, tx, info
   plan = privacy_plan(config, num_records)
+  microbatch = dict(microbatch_size=config.get("microbatch_size"))
+  mesh = make_mesh(config)
   if method == "logit_dp":
-    grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=config.clip_norm,
-                                    method=config.clip_method,
-                                    microbatch_size=config.get("microbatch_size"))
+    if mesh is None:
+      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=config.clip_norm,
+                                      method=config.clip_method, **microbatch)
+    else:
+      grad_fn = logit_dp.distributed.make_sharded_grad_fn(
+          apply_fn, loss, config.clip_norm, mesh, method=config.clip_method, **microbatch)
     # Poisson batches have a random size: calibrate to the supremum over batch sizes.
+    # The sensitivity is of the global ḡ: it does not depend on the number of devices.
     sens = logit_dp.sensitivity(loss, config.clip_norm, batch_size=None)
   elif method == "naive_dp":
-    grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=config.clip_norm,
-                                          microbatch_size=config.get("microbatch_size"))
+    if mesh is None:
+      grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=config.clip_norm,
+                                            **microbatch)
+    else:
+      grad_fn = logit_dp.distributed.make_sharded_grad_fn(
+          apply_fn, loss, config.clip_norm, mesh, naive=True, **microbatch)
     sens = logit_dp.naive_sensitivity(config.clip_norm)
   else:
     raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp or non_private)")
@@ -216,9 +239,13 @@ def get_step_fn(config, method: str, num_records: int):
     _, apply_fn, _, _ = get_model(config.model)
     grad_fn, tx, info = make_method(config, method, apply_fn, num_records, keys["noise"])
 
+    mesh = make_mesh(config)
+
     @jax.jit
     def step_fn(state, x_train, pairs, idx, mask):
       x, xp = gather_pairs(config, x_train, pairs, idx, keys["augment"], state.step)
+      if mesh is not None:  # masked rows so the global batch divides by the device count
+        x, xp, mask = logit_dp.distributed.pad_to_multiple(x, xp, mask, mesh.size)
       return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
 
     _STEP_CACHE[key] = (step_fn, tx, info)
@@ -382,7 +409,8 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
         noise_multiplier=info["noise_multiplier"], sampling_rate=info["sampling_rate"],
         target_delta=config.target_delta, accountant=config.accountant,
         num_examples=num_records,
-        overflow_probability=batcher.sampler.step_overflow_probability)
+        overflow_probability=batcher.sampler.step_overflow_probability,
+        epsilon_budget=float(config.target_epsilon))
 
   ckpt_dir = os.path.join(mdir, "checkpoints")
   restored, restored_ledger = restore_checkpoint(ckpt_dir, state, private)
@@ -432,6 +460,14 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
   log_every = max(1, int(config.log_every))
   ckpt_every = max(1, int(config.checkpoint_every))
   keep = config.get("max_checkpoints_to_keep", 2)
+  if ledger is not None:
+    ledger.epsilon_budget = float(config.target_epsilon)  # a resumed run keeps today's budget
+    planned = ledger.epsilon(stop)
+    if planned > ledger.epsilon_budget and not config.get("allow_exceeding_budget", False):
+      raise logit_dp.PrivacyBudgetExceededError(
+          f"[{method}] running to step {stop} would spend ε = {planned:.4g} > budget "
+          f"target_epsilon = {ledger.epsilon_budget:g} (δ = {ledger.target_delta:g}). Set "
+          "--config.allow_exceeding_budget=True to continue knowingly.")
   eps_now = ledger.epsilon() if ledger else 0.0
   t_last, s_last, t_train = time.time(), start, 0.0
   bar = tqdm(total=total_steps, initial=start, desc=METHOD_LABELS.get(method, method),
@@ -441,7 +477,8 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
     t0 = time.time()
     idx, mask = batcher(step)
     if ledger is not None:
-      # Record the step before its noisy update exists (ε is computed lazily at log time).
+      # Record the step before its noisy update exists. The whole run's ε was checked
+      # against the budget above, so ε itself is computed lazily, at log time.
       ledger.steps += 1
     state, metrics = step_fn(state, x_train, pairs_d, idx, mask)
     jax.block_until_ready(state.params)
@@ -476,7 +513,6 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
               history=history, params=state.params, apply_fn=apply_fn)
 
 
-_KNN_CACHE: Dict[Any, Any] = {}
 
 
 def evaluate_embeddings(config, params, ds) -> Dict[str, Any]:

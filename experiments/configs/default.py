@@ -51,6 +51,7 @@ def get_config():
   config.clip_method = "ghost"         # ghost | triangle | materialize
   config.microbatch_size = config_dict.placeholder(int)
   config.log_private_train_loss = False
+  config.allow_exceeding_budget = False  # refuse to train past target_epsilon (e.g. more epochs on resume)
 
   # Evaluation.
   config.knn_k = 3
@@ -61,6 +62,7 @@ def get_config():
   config.eval_num_batches = 3
 
   # Running.
+  config.num_devices = 1               # data-parallel devices: 1, k, or -1 for every visible device
   config.log_every = 10
   config.checkpoint_every = 50
   config.stop_after_steps = config_dict.placeholder(int)       # stop early (simulate an interruption); rerun resumes
