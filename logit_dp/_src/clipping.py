@@ -322,6 +322,16 @@ def _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1):
   return x, x_prime, mask
 
 
+def _forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective):
+  """(batch, ℒ, τ): the embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs)."""
+  params = collective.local_params(params)
+  batch = _Batch(embed_fn, params, x, x_prime, mask, eps=eps,
+                 microbatch_size=microbatch_size, collective=collective)
+  loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
+  tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
+  return batch, loss_value, tau
+
+
 def _make_grad_fn(core, loss, what, axis_name=None):
   """Wraps a jitted core: input checks, and a ValueError on non-finite values when eager."""
   core = jax.jit(core)
@@ -383,12 +393,8 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
   collective = _Collective(axis_name)
 
   def core(params, x, x_prime, mask):
-    params = collective.local_params(params)
-    batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
-                   microbatch_size=microbatch_size, collective=collective)
-    loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
-    pair_valid = batch.valid[:, None] & batch.valid[None, :]
-    tau = jnp.where(pair_valid, tau, 0.0)
+    batch, loss_value, tau = _forward(embed_fn, loss, params, x, x_prime, mask, cosine_eps,
+                                      microbatch_size, collective)
     tau_local = tau[batch.rows]
     if method == "materialize":
       grads, _ = _materialize(batch, tau_local, clip_norm, pair_block_size)
@@ -441,11 +447,8 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
   collective = _Collective(axis_name)
 
   def core(params, x, x_prime, mask):
-    params = collective.local_params(params)
-    batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
-                   microbatch_size=microbatch_size, collective=collective)
-    loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
-    tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
+    batch, loss_value, tau = _forward(embed_fn, loss, params, x, x_prime, mask, cosine_eps,
+                                      microbatch_size, collective)
     grads = batch.weighted_backward(tau[batch.rows], tau)
     norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
     factor = _clip_factor(norm, clip_norm)
