@@ -11,9 +11,10 @@ Two parts, both written to ``--out`` (JSON) and printed as Markdown tables:
    sum before the noise. The auditor sees every noisy gradient, scores each
    canary by its log-likelihood ratio and turns the guesses into a 95 %
    lower bound on ε. Controls: noise off (σ = 0) and noise cut in half (σ/2
-   while the claim stays ε).
+   while the claim stays ε). ``--canary-type input`` instead runs a black-box
+   audit with canary *pairs* of random images, scored from the final model only.
 2. ``--part sensitivity``: `logit_dp.audit.search_worst_case` for Logit-DP
-   (contrastive at several temperatures, spreadout; ghost/materialize/triangle)
+   (contrastive at several temperatures, spreadout; ghost and triangle clipping)
    and Naive-DP, reporting the largest ratio ‖ḡ(X) − ḡ(X∖k)‖/C found.
 
 Usage (from the repository root)::
@@ -22,6 +23,8 @@ Usage (from the repository root)::
         --control-epsilons 1 5 20 --out benchmarks/results/audit_canaries.json
     python benchmarks/audit_canaries.py --part canary --runs 1:0.25 \
         --out benchmarks/results/audit_canaries_quarter_noise.json
+    python benchmarks/audit_canaries.py --part canary --canary-type input --num-canaries 1000 \
+        --steps 300 --runs 20:0 20:1 --out benchmarks/results/audit_input_canaries.json
     python benchmarks/audit_canaries.py --part sensitivity --restarts 3 --search-steps 60 \
         --out benchmarks/results/audit_sensitivity.json
 """

@@ -7,6 +7,7 @@ and the Gaussian noise as an optax transformation (`transform`).
 """
 
 from logit_dp import accounting
+from logit_dp import audit
 from logit_dp import distributed
 from logit_dp import ledger
 from logit_dp import losses
@@ -29,7 +30,7 @@ from logit_dp._src.sensitivity import sensitivity
 __version__ = "0.1.0"
 
 __all__ = [
-    "PoissonSampler", "PrivacyBudgetExceededError", "PrivacyLedger", "accounting", "distributed", "ledger",
+    "PoissonSampler", "PrivacyBudgetExceededError", "PrivacyLedger", "accounting", "audit", "distributed", "ledger",
     "sampling", "AddNoiseState", "DEFAULT_COSINE_EPS", "METHODS", "clipped_grad", "cosine_similarity",
     "losses", "naive_clipped_grad", "naive_sensitivity", "normalize", "pair_grad_norms",
     "sensitivity", "transform",

@@ -212,10 +212,6 @@ def _sqrt_embed(params, x):
   return jnp.concatenate([jnp.sqrt(jnp.abs(h)), jnp.ones_like(h)], axis=-1)
 
 
-@pytest.mark.xfail(reason="core bug (reported): a finite embedding with a non-finite Jacobian "
-                   "makes ḡ NaN (0·inf in the backward pass), even when the pair is masked; "
-                   "deleting the pair gives a finite ḡ, so the NaN reveals its presence.",
-                   strict=False)
 @pytest.mark.parametrize("method", ["ghost", "materialize", "triangle", "naive"])
 def test_nonfinite_jacobian_is_dropped_not_released(method):
   params = {"w": jnp.array([[1.0], [1.0]])}

@@ -190,6 +190,15 @@ class _Batch:
 
     return _map(one, xs, self.microbatch_size)
 
+  def _selected_backward(self, xs, cot):
+    """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
+    def one(xe, ce):
+      _, vjp = jax.vjp(lambda p: self.normalized_embedding(p, xe), self.params)
+      keep = jnp.any(ce != 0)
+      return jax.tree_util.tree_map(lambda g: jnp.where(keep, g, jnp.zeros_like(g)), vjp(ce)[0])
+
+    return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), jax.vmap(one)(xs, cot))
+
   def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array):
     """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ: one backward pass, summed over devices."""
     cot_u = jnp.matmul(lam_local_rows, self.v, precision=_HIGHEST)
@@ -200,7 +209,14 @@ class _Batch:
         x_chunk, cot_chunk = args
         embed = lambda p: jax.vmap(lambda xe: self.normalized_embedding(p, xe))(x_chunk)
         _, vjp = jax.vjp(embed, self.params)
-        return vjp(cot_chunk)[0]
+        batched = vjp(cot_chunk)[0]
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
+                                    for g in jax.tree_util.tree_leaves(batched)]))
+        # A non-finite Jacobian times a zero cotangent is NaN, not 0: that would release
+        # whether a dropped or masked example is present. Only then, redo the chunk
+        # example by example and *select* 0 for every example with a zero cotangent.
+        return jax.lax.cond(finite, lambda: batched,
+                            lambda: self._selected_backward(x_chunk, cot_chunk))
 
       m = self.microbatch_size
       n = xs.shape[0]
@@ -290,8 +306,13 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size):
              for g in jax.tree_util.tree_leaves(grads))
     norms = jnp.sqrt(sq)
     coef = w * _clip_factor(norms, clip_norm)
-    acc = jax.tree_util.tree_map(
-        lambda a, g: a + jnp.tensordot(coef, g, axes=1, precision=_HIGHEST), acc, grads)
+    finite = jnp.isfinite(norms)  # dropped pairs must add exactly 0, not 0·inf = NaN
+
+    def add(a, g):
+      g = jnp.where(finite.reshape((-1,) + (1,) * (g.ndim - 1)), g, jnp.zeros_like(g))
+      return a + jnp.tensordot(coef, g, axes=1, precision=_HIGHEST)
+
+    acc = jax.tree_util.tree_map(add, acc, grads)
     return acc, norms
 
   zeros = jax.tree_util.tree_map(jnp.zeros_like, batch.params)
@@ -452,7 +473,8 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
     grads = batch.weighted_backward(tau[batch.rows], tau)
     norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
     factor = _clip_factor(norm, clip_norm)
-    return (collective.replicated(loss_value), jax.tree_util.tree_map(lambda g: g * factor, grads),
+    clipped = jax.tree_util.tree_map(lambda g: jnp.where(factor > 0, g * factor, 0.0), grads)
+    return (collective.replicated(loss_value), clipped,
             collective.replicated(batch.num_nonfinite))
 
   return _make_grad_fn(core, loss, "naive_clipped_grad", axis_name)
