@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import secrets
 import os
 import time
 from typing import Any, Dict, Optional
@@ -340,6 +341,42 @@ def restore_checkpoint(directory: str, template: TrainState, private: bool):
 # One method.
 
 
+SECRET_SEEDS_FILE = "SECRET_privacy_seeds.json"
+
+
+def privacy_seeds(config, method_dir: str):
+  """(noise_seed, sampling_seed) of a DP run.
+
+  The noise key and the Poisson sampling seed are part of the mechanism: whoever
+  knows them can subtract the noise or see which records each batch holds. With
+  config.privacy_seed = None (the default) they are drawn with `secrets` and kept
+  only in ``<method>/SECRET_privacy_seeds.json`` (mode 0600) beside the checkpoints,
+  which hold the noise key too: keep both private. A set privacy_seed makes the run
+  reproducible and NOT private against anyone who reads the config (tests, debugging).
+  """
+  if config.get("privacy_seed") is not None:
+    return int(config.privacy_seed), int(config.privacy_seed) + 1
+  path = os.path.join(method_dir, SECRET_SEEDS_FILE)
+  if os.path.exists(path):
+    with open(path) as f:
+      seeds = json.load(f)
+  else:
+    seeds = dict(noise_seed=secrets.randbits(63), sampling_seed=secrets.randbits(63))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+      json.dump(seeds, f)
+  return int(seeds["noise_seed"]), int(seeds["sampling_seed"])
+
+
+def _with_noise_key(opt_state, key):
+  """opt_state with the noise transform's base key replaced (a chain starting with it)."""
+  noise_state = opt_state[0]
+  if not isinstance(noise_state, logit_dp.AddNoiseState):
+    raise ValueError("the private optimizer must start with logit_dp.transform")
+  return (noise_state._replace(rng_key=jax.random.key_data(key) if jnp.issubdtype(
+      key.dtype, jax.dtypes.prng_key) else key),) + tuple(opt_state[1:])
+
+
 def _keys(seed: int):
   root = jax.random.PRNGKey(seed)
   names = ("init", "data", "augment", "noise")
@@ -401,8 +438,13 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
   private = method in PRIVATE_METHODS
 
   params = init_fn(keys["init"], data_lib.to_float(jnp.asarray(ds["x_train"][:1])))
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-  batcher = _Batcher(method, num_records, info, int(config.batch_size), seed=config.seed + 1)
+  opt_state = tx.init(params)
+  sampling_seed = config.seed + 1
+  if private:
+    noise_seed, sampling_seed = privacy_seeds(config, mdir)
+    opt_state = _with_noise_key(opt_state, jax.random.PRNGKey(noise_seed))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  batcher = _Batcher(method, num_records, info, int(config.batch_size), seed=sampling_seed)
   ledger = None
   if private:
     ledger = logit_dp.ledger.PrivacyLedger(

@@ -129,6 +129,28 @@ def test_num_devices_flag_reproduces_the_single_device_run(pretrained, tmp_path,
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
+def test_privacy_seeds_are_secret_by_default_and_survive_a_resume(tmp_path):
+  cfg = tiny.get_config()
+  cfg.methods = ("logit_dp",)
+  cfg.privacy_seed = None  # the default of every real config
+  cfg.stop_after_steps = 1
+  seeds = []
+  for run in ("a", "b"):
+    workdir = tmp_path / run
+    train.train_and_evaluate(cfg, str(workdir), quiet=True)
+    path = workdir / "logit_dp" / train.SECRET_SEEDS_FILE
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    seeds.append(json.loads(path.read_text()))
+    for public in workdir.rglob("*.json"):
+      if public.name != train.SECRET_SEEDS_FILE:
+        text = public.read_text()
+        assert str(seeds[-1]["noise_seed"]) not in text and str(seeds[-1]["sampling_seed"]) not in text
+  assert seeds[0] != seeds[1]  # drawn afresh, not derived from config.seed
+  cfg.stop_after_steps = None
+  train.train_and_evaluate(cfg, str(tmp_path / "a"), quiet=True)  # resume
+  assert json.loads((tmp_path / "a" / "logit_dp" / train.SECRET_SEEDS_FILE).read_text()) == seeds[0]
+
+
 def test_private_train_loss_only_as_labelled_diagnostic(tmp_path):
   cfg = tiny.get_config()
   cfg.methods = ("non_private",)

@@ -12,7 +12,10 @@ from ml_collections import config_dict
 
 def get_config():
   config = ml_collections.ConfigDict()
-  config.seed = 0
+  config.seed = 0                      # data split, pairs, init, augmentation (public)
+  # Noise key and Poisson sampling seed of DP runs: None draws them secretly (see
+  # experiments.train.privacy_seeds); an int makes runs reproducible but not private.
+  config.privacy_seed = config_dict.placeholder(int)
   config.methods = ("logit_dp", "naive_dp", "non_private")
 
   config.data = ml_collections.ConfigDict()
