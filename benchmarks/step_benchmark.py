@@ -516,6 +516,13 @@ def scaling_exponents(results: list[dict]) -> dict:
           "exponent": float(np.polyfit(ns, ts, 1)[0]),
           "local_exponents": local,
       }
+      # The ratio to the non-private step is measured side by side, so its slope is far
+      # less sensitive to the machine's load than the absolute times are.
+      rat = sorted((r["n"], r["ratio_median"]) for r in results
+                   if r["model"] == model and r["spec"] == spec and r.get("ratio_median"))
+      if len(rat) >= 2 and spec != BASELINE:
+        out[model][spec]["ratio_exponent"] = float(np.polyfit(
+            np.log([q[0] for q in rat]), np.log([q[1] for q in rat]), 1)[0])
   return out
 
 
@@ -581,8 +588,8 @@ def code_version() -> dict:
     out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, text=True,
                                        capture_output=True, check=True).stdout.strip()
     out["git_dirty_files"] = [l[3:] for l in subprocess.run(
-        ["git", "--no-optional-locks", "status", "--porcelain"], cwd=root, text=True, capture_output=True,
-        check=True).stdout.splitlines()]
+        ["git", "--no-optional-locks", "status", "--porcelain"], cwd=root, text=True,
+        capture_output=True, check=True).stdout.splitlines()]
   except (OSError, subprocess.CalledProcessError):
     pass
   try:
@@ -736,15 +743,18 @@ def markdown(report: dict) -> str:
   sc = report.get("scaling", {})
   if sc:
     lines.append("Scaling exponent k of step time ∝ n^k (least-squares fit of log time vs "
-                 "log n; local = between consecutive sizes):")
+                 "log n; local = between consecutive sizes; k of ratio = slope of the "
+                 "side-by-side ratio to non-private, so k ≈ k(non-private) + k of ratio):")
     lines.append("")
-    lines.append("| model | method | sizes | k (fit) | local k |")
-    lines.append("|---|---|---|---:|---|")
+    lines.append("| model | method | sizes | k (fit) | local k | k of ratio |")
+    lines.append("|---|---|---|---:|---|---:|")
     for model, per in sc.items():
       for s, v in per.items():
+        kr = v.get("ratio_exponent")
         lines.append(f"| {model} | {_label(s)} | {', '.join(map(str, v['sizes']))} | "
                      f"{v['exponent']:.2f} | "
-                     f"{', '.join(f'{k:.2f}' for k in v['local_exponents'])} |")
+                     f"{', '.join(f'{k:.2f}' for k in v['local_exponents'])} | "
+                     f"{'—' if kr is None else f'{kr:.2f}'} |")
     lines.append("")
   tg = report.get("targets", [])
   if tg:
@@ -844,6 +854,7 @@ def main(argv=None) -> dict:
     return out
   if args.render:
     merged: dict = {}
+    base = None
     for path in args.render:
       with open(path) as f:
         rep = json.load(f)
@@ -853,7 +864,7 @@ def main(argv=None) -> dict:
           merged[key].update({k: v for k, v in r.items() if k != "memory_only"})
         else:
           merged[key] = dict(r)
-      base = rep
+      base = base or rep  # machine, command and times of the first file
     base["results"] = list(merged.values())
     report = finalize(base)
     write(report, args.out if args.out != "results/bench.json" else None)
@@ -866,8 +877,8 @@ def main(argv=None) -> dict:
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"),
             "command": "python -m benchmarks.step_benchmark " + " ".join(argv),
-            "machine": machine_info(), "code": code_version(), "settings": {k: v for k, v in vars(args).items()
-                                                    if k not in ("child", "render")},
+            "machine": machine_info(), "code": code_version(),
+            "settings": {k: v for k, v in vars(args).items() if k not in ("child", "render")},
             "memory_method": args.memory, "load_average_start": list(os.getloadavg()),
             "results": []}
   sampler = RssSampler()
