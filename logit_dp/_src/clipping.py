@@ -169,24 +169,20 @@ class _Batch:
   def _embed(self, xs):
     return _map(lambda xe: self.normalized_embedding(self.params, xe), xs, self.microbatch_size)
 
+  def _flat_jacobian(self, x_one):
+    """∂n(Φ(x_e))/∂w of one example, flattened to (d, p)."""
+    leaves = jax.tree_util.tree_leaves(jax.jacrev(self.normalized_embedding)(self.params, x_one))
+    return jnp.concatenate([leaf.reshape(leaf.shape[0], -1) for leaf in leaves], axis=1)
+
   def jacobians(self, xs):
-    """Per-example Jacobians ∂n(Φ(x_e))/∂w, flattened to (m, d, p)."""
-    jac = jax.jacrev(self.normalized_embedding)
-
-    def one(xe):
-      leaves = jax.tree_util.tree_leaves(jac(self.params, xe))
-      return jnp.concatenate([leaf.reshape(leaf.shape[0], -1) for leaf in leaves], axis=1)
-
-    return _map(one, xs, self.microbatch_size)
+    """Per-example Jacobians, (m, d, p)."""
+    return _map(self._flat_jacobian, xs, self.microbatch_size)
 
   def grams(self, xs):
     """Per-example Grams K_e = J_e J_eᵀ (m, d, d), one chunk of Jacobians at a time."""
-    jac = jax.jacrev(self.normalized_embedding)
-
     def one(xe):
-      leaves = jax.tree_util.tree_leaves(jac(self.params, xe))
-      return sum(jnp.einsum("kp,lp->kl", l.reshape(l.shape[0], -1), l.reshape(l.shape[0], -1),
-                            precision=_HIGHEST) for l in leaves)
+      jac = self._flat_jacobian(xe)
+      return jnp.matmul(jac, jac.T, precision=_HIGHEST)
 
     return _map(one, xs, self.microbatch_size)
 
@@ -275,6 +271,13 @@ def _triangle_norms(batch: _Batch):
   k_prime = batch.c.gather(batch.grams(batch.x_prime))
   anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
   return jnp.sqrt(jnp.maximum(anchor, 0.0)) + jnp.sqrt(jnp.maximum(positive, 0.0))
+
+
+# Pair-norm methods that do not form pair gradients: (n_local, n) norms from a batch.
+_PAIR_NORMS = {
+    "ghost": lambda batch: jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch), 0.0)),
+    "triangle": _triangle_norms,
+}
 
 
 def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size):
@@ -420,10 +423,7 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
     if method == "materialize":
       grads, _ = _materialize(batch, tau_local, clip_norm, pair_block_size)
       return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
-    if method == "ghost":
-      norms = jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch), 0.0))
-    else:
-      norms = _triangle_norms(batch)
+    norms = _PAIR_NORMS[method](batch)
     lam_local = tau_local * _clip_factor(norms, clip_norm)
     grads = batch.weighted_backward(lam_local, collective.gather(lam_local))
     return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
@@ -446,10 +446,8 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosi
   mask = jnp.ones((x.shape[0],), dtype=bool)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                  microbatch_size=microbatch_size, collective=_Collective(None))
-  if method == "ghost":
-    return jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch), 0.0))
-  if method == "triangle":
-    return _triangle_norms(batch)
+  if method in _PAIR_NORMS:
+    return _PAIR_NORMS[method](batch)
   n = x.shape[0]
   _, norms = _materialize(batch, jnp.zeros((n, n)), math.inf, None)
   return norms
