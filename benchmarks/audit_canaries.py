@@ -133,17 +133,25 @@ def run_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: int,
     losses.append(float(lv))
   train_seconds = time.time() - start
   result = canary.audit_scores(np.asarray(scores), included, delta=delta, confidence=0.95)
+  return _audit_record(
+      result, included, losses, epsilon=epsilon, noise_scale=noise_scale,
+      sigma_calibrated=sigma_claim, sigma_used=sigma, delta=delta, sensitivity=c,
+      clip_norm=clip_norm, temperature=temperature, sampling_rate=sampling_rate, steps=steps,
+      num_records=num_records, seconds=train_seconds, seed=seed)
+
+
+def _audit_record(result, included, losses, *, epsilon, sigma_used, delta, sampling_rate, steps,
+                  **settings):
+  """The JSON record of one canary run: its settings, ε of the noise used, and the bound."""
   return dict(
-      epsilon_claimed=epsilon, noise_scale=noise_scale, sigma_calibrated=sigma_claim,
-      sigma_used=sigma, epsilon_of_sigma_used=(
-          math.inf if sigma == 0 else accounting.epsilon(sigma, delta, sampling_rate, steps)),
-      delta=delta, sensitivity=c, clip_norm=clip_norm, temperature=temperature,
-      sampling_rate=sampling_rate, steps=steps, num_records=num_records,
-      num_canaries=num_canaries, num_included=int(included.sum()),
+      epsilon_claimed=epsilon, sigma_used=sigma_used, epsilon_of_sigma_used=(
+          math.inf if sigma_used == 0
+          else accounting.epsilon(sigma_used, delta, sampling_rate, steps)),
+      delta=delta, sampling_rate=sampling_rate, steps=steps, **settings,
+      num_canaries=len(included), num_included=int(included.sum()),
       epsilon_lower_bound=result.epsilon_lower_bound, num_guesses=result.num_guesses,
       num_correct=result.num_correct, grid=[list(g) for g in result.grid],
-      train_loss_first=float(np.mean(losses[:5])), train_loss_last=float(np.mean(losses[-5:])),
-      seconds=train_seconds, seed=seed)
+      train_loss_first=float(np.mean(losses[:5])), train_loss_last=float(np.mean(losses[-5:])))
 
 
 def run_input_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: int,
@@ -206,17 +214,14 @@ def run_input_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: 
   scores = canary_log_prob(params) - canary_log_prob(params0)
   result = canary.audit_scores(scores, included, delta=delta, confidence=0.95)
   return dict(
-      canary_type="input", epsilon_claimed=epsilon, noise_scale=noise_scale,
-      sigma_calibrated=sigma_claim, sigma_used=sigma, epsilon_of_sigma_used=(
-          math.inf if sigma == 0 else accounting.epsilon(sigma, delta, sampling_rate, steps)),
-      delta=delta, sensitivity=c, clip_norm=clip_norm, temperature=temperature,
-      sampling_rate=sampling_rate, steps=steps, num_records=num_records,
-      num_canaries=num_canaries, num_included=int(included.sum()),
-      epsilon_lower_bound=result.epsilon_lower_bound, num_guesses=result.num_guesses,
-      num_correct=result.num_correct, grid=[list(g) for g in result.grid],
-      mean_score_in=float(scores[included].mean()), mean_score_out=float(scores[~included].mean()),
-      train_loss_first=float(np.mean(losses[:5])), train_loss_last=float(np.mean(losses[-5:])),
-      seconds=train_seconds, seed=seed)
+      canary_type="input",
+      **_audit_record(
+          result, included, losses, epsilon=epsilon, noise_scale=noise_scale,
+          sigma_calibrated=sigma_claim, sigma_used=sigma, delta=delta, sensitivity=c,
+          clip_norm=clip_norm, temperature=temperature, sampling_rate=sampling_rate,
+          steps=steps, num_records=num_records, seconds=train_seconds, seed=seed),
+      mean_score_in=float(scores[included].mean()),
+      mean_score_out=float(scores[~included].mean()))
 
 
 def run_sensitivity_search(seed: int, restarts: int, steps: int) -> list:
