@@ -38,12 +38,15 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from logit_dp._src import layerwise
 from logit_dp._src import sensitivity as sensitivity_lib
 
 DEFAULT_COSINE_EPS = 1e-6
 METHODS = ("ghost", "materialize", "triangle")
 # Floats held by one chunk of the ghost cross-Gram (rows × n × d²).
-_CROSS_GRAM_CHUNK_FLOATS = 1 << 25
+_CROSS_GRAM_CHUNK_FLOATS = 1 << 23
+# Floats held by one chunk of a ghost layer's pair terms (rows × n × (2T² + 2TC)).
+_GHOST_LAYER_CHUNK_FLOATS = 1 << 24
 # Floats held by one block of materialised pair gradients (pairs × p).
 _PAIR_BLOCK_FLOATS = 1 << 22
 
@@ -107,10 +110,15 @@ class _Collective:
       return params
     return jax.lax.pcast(params, self.axis_name, to="varying")
 
-  def gather(self, x):
+  def varying(self, x):
+    """x typed as per-device (a local value to differentiate against, see local_params)."""
+    return self.local_params(x)
+
+  def gather(self, tree):
     if self.axis_name is None:
-      return x
-    return jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True)
+      return tree
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.all_gather(x, self.axis_name, axis=0, tiled=True), tree)
 
   def psum(self, tree):
     if self.axis_name is None:
@@ -169,22 +177,44 @@ class _Batch:
   def _embed(self, xs):
     return _map(lambda xe: self.normalized_embedding(self.params, xe), xs, self.microbatch_size)
 
-  def _flat_jacobian(self, x_one):
-    """∂n(Φ(x_e))/∂w of one example, flattened to (d, p)."""
-    leaves = jax.tree_util.tree_leaves(jax.jacrev(self.normalized_embedding)(self.params, x_one))
-    return jnp.concatenate([leaf.reshape(leaf.shape[0], -1) for leaf in leaves], axis=1)
+  @functools.cached_property
+  def plan(self) -> layerwise.Plan:
+    """Which parameters get per-layer factors and which generic per-example Jacobians."""
+    return layerwise.make_plan(self.embed_fn, self.params, self.x, self.u_loc.shape[-1])
 
-  def jacobians(self, xs):
-    """Per-example Jacobians, (m, d, p)."""
-    return _map(self._flat_jacobian, xs, self.microbatch_size)
+  def _generic_jacobian(self, indices, xs):
+    """Per-example Jacobians w.r.t. the leaves `indices` (jacrev per example): (m, d, q)."""
+    leaves, treedef = jax.tree_util.tree_flatten(self.params)
 
-  def grams(self, xs):
-    """Per-example Grams K_e = J_e J_eᵀ (m, d, d), one chunk of Jacobians at a time."""
-    def one(xe):
-      jac = self._flat_jacobian(xe)
-      return jnp.matmul(jac, jac.T, precision=_HIGHEST)
+    def one(x_one):
+      def embed(selected):
+        full = list(leaves)
+        for i, value in zip(indices, selected):
+          full[i] = value
+        return self.normalized_embedding(jax.tree_util.tree_unflatten(treedef, full), x_one)
 
-    return _map(one, xs, self.microbatch_size)
+      jac = jax.jacrev(embed)([leaves[i] for i in indices])
+      return jnp.concatenate([j.reshape(j.shape[0], -1) for j in jac], axis=1)
+
+    return jax.vmap(one)(xs)
+
+  def factors(self, xs) -> layerwise.Factors:
+    """Per-example Jacobian factors of one view (see layerwise), microbatch by microbatch."""
+    plan = self.plan
+
+    def chunk_factors(x_chunk):
+      _, factors = layerwise.layer_factors(
+          self.embed_fn, self.params, plan, x_chunk, lambda e: normalize(e, self.eps),
+          lambda indices: self._generic_jacobian(indices, x_chunk), self.c.varying)
+      return factors
+
+    m, n = self.microbatch_size, xs.shape[0]
+    if m is None or m >= n:
+      return chunk_factors(xs)
+    pad = (-n) % m
+    xs = jnp.concatenate([xs, jnp.zeros((pad,) + xs.shape[1:], xs.dtype)])
+    per_chunk = jax.lax.map(chunk_factors, xs.reshape((-1, m) + xs.shape[1:]))
+    return jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:])[:n], per_chunk)
 
   def _selected_backward(self, xs, cot):
     """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
@@ -243,32 +273,46 @@ def _quadratic_terms(k_local, k_prime, u_local, v):
   return anchor, positive
 
 
+def _row_chunks(fn, rows, row_floats: int, budget: int):
+  """fn(chunk of rows) -> (chunk, n), over all rows in chunks holding about `budget` floats."""
+  n_rows = jax.tree_util.tree_leaves(rows)[0].shape[0]
+  chunk = int(max(1, min(n_rows, budget // max(row_floats, 1))))
+  num_chunks = -(-n_rows // chunk)
+  pad = num_chunks * chunk - n_rows
+
+  def split(a):
+    a = jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
+    return a.reshape((num_chunks, chunk) + a.shape[1:])
+
+  out = jax.lax.map(lambda chunk_rows: fn(*chunk_rows), jax.tree_util.tree_map(split, rows))
+  return out.reshape((num_chunks * chunk,) + out.shape[2:])[:n_rows]
+
+
 def _ghost_sq_norms(batch: _Batch):
   """Exact ‖g_ij‖² for local rows i and all columns j, shape (n_local, n)."""
-  jac_u = batch.jacobians(batch.x)                     # (n_loc, d, p)
-  jac_v = batch.c.gather(batch.jacobians(batch.x_prime))  # (n, d, p)
-  k_local = jnp.einsum("ikp,ilp->ikl", jac_u, jac_u, precision=_HIGHEST)
-  k_prime = jnp.einsum("jkp,jlp->jkl", jac_v, jac_v, precision=_HIGHEST)
-  anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
-
-  n_local, d, _ = jac_u.shape
-  n = jac_v.shape[0]
-  chunk = int(max(1, min(n_local, _CROSS_GRAM_CHUNK_FLOATS // (n * d * d))))
-
-  def cross(args):
-    """2 v̂_jᵀ(J_i J'_jᵀ)û_i for one row i and every column j."""
-    jac_i, u_i = args
-    gram = jnp.einsum("kp,jlp->jkl", jac_i, jac_v, precision=_HIGHEST)
-    return 2.0 * jnp.einsum("jk,jkl,l->j", batch.v, gram, u_i, precision=_HIGHEST)
-
-  cross_terms = jax.lax.map(cross, (jac_u, batch.u_loc), batch_size=chunk)
-  return anchor + positive + cross_terms
+  f_u = batch.factors(batch.x)
+  f_v = batch.c.gather(batch.factors(batch.x_prime))
+  anchor, positive = _quadratic_terms(f_u.gram, f_v.gram, batch.u_loc, batch.v)
+  n, d, q = f_v.flat.shape
+  cross = jnp.zeros_like(anchor)
+  if q:
+    cross += _row_chunks(
+        lambda flat_rows, u_rows: layerwise.flat_cross(flat_rows, u_rows, f_v.flat, batch.v),
+        (f_u.flat, batch.u_loc), n * d * d, _CROSS_GRAM_CHUNK_FLOATS)
+  for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas,
+                                        f_v.ghost_patches, f_v.ghost_deltas):
+    t, c = delta_v.shape[1], delta_v.shape[3]
+    layer = lambda a_rows, delta_rows, u_rows, a_v=a_v, delta_v=delta_v: (
+        layerwise.ghost_layer_cross(a_rows, delta_rows, u_rows, a_v, delta_v, batch.v))
+    cross += _row_chunks(layer, (a_u, delta_u, batch.u_loc), n * (2 * t * t + 2 * t * c),
+                         _GHOST_LAYER_CHUNK_FLOATS)
+  return anchor + positive + 2.0 * cross
 
 
 def _triangle_norms(batch: _Batch):
   """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖, from per-example Grams only."""
-  k_local = batch.grams(batch.x)
-  k_prime = batch.c.gather(batch.grams(batch.x_prime))
+  k_local = batch.factors(batch.x).gram
+  k_prime = batch.c.gather(batch.factors(batch.x_prime).gram)
   anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
   return jnp.sqrt(jnp.maximum(anchor, 0.0)) + jnp.sqrt(jnp.maximum(positive, 0.0))
 

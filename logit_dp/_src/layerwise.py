@@ -1,0 +1,401 @@
+"""Per-layer factors of per-example Jacobians for flax Dense and Conv layers.
+
+A flax ``nn.Dense`` or ``nn.Conv`` call y_t = W·a_t + b (t over the T output
+positions, a_t the input patch of position t, P = its size, C = the output
+features) has per-example weight gradient
+
+    ∂û_k/∂(W, b) = Σ_t [a_t; 1] ⊗ δ_t^k,      δ_t^k = ∂û_k/∂y_t  (k = 1..d),
+
+so one batched backward pass with d cotangents w.r.t. a zero perturbation ξ added
+to every layer output gives all per-example Jacobians of these layers (δ), without
+per-example weight-gradient backward passes; the patches a_t are recorded on the
+way forward. With this factorisation the cross term of two pair gradients of a layer
+is
+
+    ⟨J_iᵀv̂_j, J'_jᵀû_i⟩ = Σ_{t,s} ⟨a_it, a'_js⟩ ⟨α_ij,t, β_ij,s⟩,
+    α_ij,t = Σ_k v̂_jk δ_it^k,   β_ij,s = Σ_l û_il δ'_js^l,
+
+which costs T²(P + C) per pair instead of d²·P·C ("ghost" layers); layers where
+that is not cheaper are flattened into ordinary per-example Jacobians ("flat").
+
+Soundness. `make_plan` traces ``embed_fn`` with every parameter leaf replaced by
+a placeholder and the recognised layers computed from the real leaves instead.
+A leaf is factored only if the traced embedding does not depend on its placeholder
+(a conservative data-flow check of the jaxpr: the layer is then the leaf's only
+use), it belongs to exactly one recognised call, and that call's leading axis is
+the example axis (checked at two batch sizes). Every other leaf the embedding
+depends on gets ordinary per-example Jacobians. Only layers whose semantics are
+reproduced exactly are recognised: ``nn.Dense`` (2-D kernel, last axis) and
+``nn.Conv`` (one batch axis, feature_group_count 1, no mask, zero padding), float32,
+default promotion and dot/conv functions; anything else falls back.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+from flax.linen import dtypes as flax_dtypes
+from flax.linen import linear as flax_linear
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+# A pair cost unit of a ghost layer's α/β/⟨α,β⟩ work is ~this many GEMM multiply-adds
+# (batched small contractions run well below matmul speed on CPU).
+_GHOST_OVERHEAD = 8
+# Embedding sizes up to this get one backward pass per coordinate (unrolled), not a vmap.
+_UNROLLED_COTANGENTS = 32
+
+
+class LayerCall(NamedTuple):
+  """One recognised layer call: kind, parameter leaves and factor sizes."""
+  kind: str                  # "dense" or "conv"
+  leaves: tuple[int, ...]    # flat indices of (kernel,) or (kernel, bias)
+  out_shape: tuple[int, ...]  # per-example shape of y
+  positions: int             # T
+  fan_in: int                # P (with the bias column)
+  features: int              # C
+
+  def pair_cost(self, d: int, ghost: bool) -> float:
+    if ghost:
+      t, c = self.positions, self.features
+      return t * t * self.fan_in + _GHOST_OVERHEAD * (2 * t * c * d + t * t * c)
+    return d * d * self.fan_in * self.features
+
+
+class Plan(NamedTuple):
+  """Which leaves are factored through which layer calls, and which are generic."""
+  layers: tuple[LayerCall, ...]
+  ghost: tuple[bool, ...]   # per layer: cross term from factors (True) or flattened
+  generic: tuple[int, ...]  # leaves the embedding uses outside recognised layers
+  num_leaves: int
+
+  @property
+  def factored_leaves(self) -> frozenset:
+    return frozenset(i for layer in self.layers for i in layer.leaves)
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _conv_config(module, x):
+  """(strides, padding, lhs_dil, rhs_dil) if this nn.Conv call is reproduced exactly."""
+  kernel_size = ((module.kernel_size,) if isinstance(module.kernel_size, int)
+                 else tuple(module.kernel_size))
+  if (len(kernel_size) > 3 or x.ndim != len(kernel_size) + 2 or module.feature_group_count != 1
+      or module.mask is not None or getattr(module, "conv_general_dilated", None) is not None
+      or getattr(module, "conv_general_dilated_cls", None) is not None):
+    return None
+
+  def broadcast(v):
+    v = 1 if v is None else v
+    return (v,) * len(kernel_size) if isinstance(v, int) else tuple(v)
+
+  padding = flax_linear.canonicalize_padding(module.padding, len(kernel_size))
+  if isinstance(padding, str) and padding not in ("SAME", "VALID"):
+    return None  # CIRCULAR / REFLECT / CAUSAL pad the input themselves
+  return (kernel_size, broadcast(module.strides), padding,
+          broadcast(module.input_dilation), broadcast(module.kernel_dilation))
+
+
+def _layer_inputs(context, args, kwargs, placeholder_index):
+  """(kind, leaves, config) when this call is a recognised layer on placeholders."""
+  module = context.module
+  if (context.method_name != "__call__" or kwargs or len(args) != 1
+      or type(module) not in (nn.Dense, nn.Conv)):
+    return None
+  x = args[0]
+  if (not hasattr(x, "dtype") or x.dtype != jnp.float32 or x.ndim < 2
+      or module.dtype not in (None, jnp.float32) or module.param_dtype != jnp.float32
+      or getattr(module, "promote_dtype", flax_dtypes.promote_dtype)
+      is not flax_dtypes.promote_dtype):
+    return None
+  if not module.has_variable("params", "kernel"):
+    return None
+  leaves = [placeholder_index.get(id(module.get_variable("params", "kernel")))]
+  if module.use_bias:
+    if not module.has_variable("params", "bias"):
+      return None
+    leaves.append(placeholder_index.get(id(module.get_variable("params", "bias"))))
+  if any(i is None for i in leaves):
+    return None
+  if type(module) is nn.Dense:
+    if (not isinstance(module.features, int)
+        or getattr(module, "dot_general", None) is not None
+        or getattr(module, "dot_general_cls", None) is not None):
+      return None
+    return "dense", tuple(leaves), None
+  config = _conv_config(module, x)
+  if config is None:
+    return None
+  return "conv", tuple(leaves), config
+
+
+def _apply_layer(kind, config, x, kernel, bias, precision):
+  """(y, patches (N, T, P)) of a recognised layer, computed from the real leaves."""
+  if kind == "dense":
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    patches = x.reshape(x.shape[0], -1, x.shape[-1])
+  else:
+    kernel_size, strides, padding, lhs_dil, rhs_dil = config
+    dimension_numbers = flax_linear._conv_dimension_numbers(x.shape)  # pylint: disable=protected-access
+    y = jax.lax.conv_general_dilated(
+        x, kernel, strides, padding, lhs_dilation=lhs_dil, rhs_dilation=rhs_dil,
+        dimension_numbers=dimension_numbers, precision=precision)
+    patches = conv_patches(x, kernel_size, strides, padding, lhs_dil, rhs_dil)
+  if bias is not None:
+    y = y + bias.reshape((1,) * (y.ndim - 1) + bias.shape)
+    patches = jnp.concatenate([patches, jnp.ones(patches.shape[:-1] + (1,), patches.dtype)], -1)
+  return y, jax.lax.stop_gradient(patches)
+
+
+def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation):
+  """Input patches of a channels-last convolution: (N, T, K·C_in), kernel-offset major.
+
+  Row t, column (o, c) is the input value that kernel offset o, input channel c multiply
+  at output position t (zero where padded), so y_t = patches_t · kernel.reshape(K·C_in, C_out)
+  for a kernel of shape (*kernel_size, C_in, C_out), exactly as lax.conv_general_dilated.
+  """
+  spatial = x.shape[1:-1]
+  dilated_in = [(s - 1) * d + 1 for s, d in zip(spatial, lhs_dilation)]
+  dilated_k = [(k - 1) * d + 1 for k, d in zip(kernel_size, rhs_dilation)]
+  if isinstance(padding, str):
+    padding = jax.lax.padtype_to_pads(dilated_in, dilated_k, strides, padding)
+  config = [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation)] + [(0, 0, 0)]
+  padded = jax.lax.pad(x, jnp.zeros((), x.dtype), config)
+  out = [(p - k) // s + 1 for p, k, s in zip(padded.shape[1:-1], dilated_k, strides)]
+  columns = []
+  for offset in np.ndindex(*kernel_size):
+    start = [0] + [o * d for o, d in zip(offset, rhs_dilation)] + [0]
+    limit = ([x.shape[0]] + [st + (m - 1) * s + 1 for st, m, s in zip(start[1:-1], out, strides)]
+             + [x.shape[-1]])
+    columns.append(jax.lax.slice(padded, start, limit, [1] + list(strides) + [1]))
+  patches = jnp.stack(columns, axis=-2)  # (N, *out, K, C_in)
+  return patches.reshape(x.shape[0], int(np.prod(out)), -1)
+
+
+@dataclasses.dataclass
+class _Interceptor:
+  """Computes recognised layers from the real leaves (plus ξ), recording patches."""
+  placeholder_index: dict          # id(placeholder) -> leaf index
+  real_leaves: list
+  perturbations: Any = None        # list of ξ in call order (None while planning)
+  allowed: Any = None              # tuple of (kind, leaves) to factor, in order (None: any)
+  calls: list = dataclasses.field(default_factory=list)
+  records: list = dataclasses.field(default_factory=list)  # (x shape, y shape) per call
+  patches: list = dataclasses.field(default_factory=list)
+
+  def __call__(self, next_fun, args, kwargs, context):
+    found = _layer_inputs(context, args, kwargs, self.placeholder_index)
+    if found is None:
+      return next_fun(*args, **kwargs)
+    kind, leaves, config = found
+    position = len(self.calls)
+    if self.allowed is not None:
+      if position >= len(self.allowed) or self.allowed[position] != (kind, leaves):
+        raise RuntimeError(  # the plan and this trace disagree: never silently mis-factor
+            "logit_dp: embed_fn's layer calls differ from its plan; "
+            "embed_fn must trace the same way on every call.")
+    x = args[0]
+    kernel = self.real_leaves[leaves[0]]
+    bias = self.real_leaves[leaves[1]] if len(leaves) > 1 else None
+    y, patches = _apply_layer(kind, config, x, kernel, bias, context.module.precision)
+    if self.perturbations is not None:
+      y = y + self.perturbations[position]
+    self.calls.append((kind, leaves))
+    self.records.append((x.shape, y.shape, patches.shape))
+    self.patches.append(patches)
+    return y
+
+
+def _with_placeholders(leaves, treedef, placeholder_leaves, indices):
+  out = list(leaves)
+  for i, value in zip(indices, placeholder_leaves):
+    out[i] = value
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _dependent_inputs(closed_jaxpr) -> set:
+  """Indices of the jaxpr's inputs that any output depends on (conservative data flow)."""
+  jaxpr = closed_jaxpr.jaxpr
+  labels = {}
+  for k, var in enumerate(jaxpr.invars):
+    labels[var] = frozenset([k])
+  empty = frozenset()
+
+  def of(atom):
+    return labels.get(atom, empty) if not hasattr(atom, "val") else empty
+
+  for eqn in jaxpr.eqns:
+    deps = frozenset().union(*[of(a) for a in eqn.invars]) if eqn.invars else empty
+    for out in eqn.outvars:
+      labels[out] = deps
+  result = set()
+  for out in jaxpr.outvars:
+    result |= of(out)
+  return result
+
+
+def _trace(embed_fn, leaves, treedef, candidates, x_struct):
+  """Traces embed_fn once: (recognised calls, leaves the output depends on, records)."""
+  candidates = sorted(candidates)
+  interceptor_box = []
+
+  def fn(placeholders, reals, x):
+    index = {id(p): i for p, i in zip(placeholders, candidates)}
+    interceptor = _Interceptor(index, reals)
+    interceptor_box.append(interceptor)
+    params = _with_placeholders(reals, treedef, placeholders, candidates)
+    with nn.intercept_methods(interceptor):
+      return embed_fn(params, x)
+
+  placeholders = [jax.ShapeDtypeStruct(np.shape(leaves[i]), jnp.result_type(leaves[i]))
+                  for i in candidates]
+  reals = [jax.ShapeDtypeStruct(np.shape(l), jnp.result_type(l)) for l in leaves]
+  closed = jax.make_jaxpr(fn)(placeholders, reals, x_struct)
+  interceptor = interceptor_box[-1]
+  depends = _dependent_inputs(closed)
+  # Flat inputs: placeholders first, then every real leaf, then x.
+  num_placeholders = len(candidates)
+  placeholder_deps = {candidates[k] for k in depends if k < num_placeholders}
+  real_deps = {k - num_placeholders for k in depends
+               if num_placeholders <= k < num_placeholders + len(leaves)}
+  return interceptor.calls, interceptor.records, placeholder_deps, real_deps
+
+
+def make_plan(embed_fn, params, x, d: int) -> Plan:
+  """Finds the recognised layers of embed_fn and the leaves they fully own (see module doc)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  n = x.shape[0]
+  structs = [jax.ShapeDtypeStruct((m,) + tuple(x.shape[1:]), x.dtype) for m in (n, n + 1)]
+  candidates = {i for i, leaf in enumerate(leaves) if _is_float(leaf)}
+  while True:
+    calls, records, placeholder_deps, real_deps = _trace(
+        embed_fn, leaves, treedef, candidates, structs[0])
+    owners = collections.Counter(i for _, ls in calls for i in ls)
+    _, records_plus, _, _ = _trace(embed_fn, leaves, treedef, candidates, structs[1])
+    bad = set(placeholder_deps) | {i for i, c in owners.items() if c > 1}
+    if len(records_plus) != len(records):
+      bad |= set(owners)
+    else:
+      for (kind, ls), (xs, ys, _), (xs1, ys1, _) in zip(calls, records, records_plus):
+        if not (xs[0] == n and ys[0] == n and xs1[0] == n + 1 and ys1[0] == n + 1
+                and xs[1:] == xs1[1:] and ys[1:] == ys1[1:]):
+          bad |= set(ls)  # the leading axis is not the example axis
+    if not bad & candidates:
+      break
+    candidates -= bad
+  layers = []
+  for (kind, ls), (_, y_shape, p_shape) in zip(calls, records):
+    layers.append(LayerCall(kind, ls, tuple(y_shape[1:]), int(p_shape[1]), int(p_shape[2]),
+                            int(y_shape[-1])))
+  factored = {i for layer in layers for i in layer.leaves}
+  generic = tuple(sorted(i for i in real_deps | placeholder_deps
+                         if i not in factored and _is_float(leaves[i])))
+  return Plan(tuple(layers), tuple(use_ghost(layer, d) for layer in layers), generic, len(leaves))
+
+
+def use_ghost(layer: LayerCall, d: int) -> bool:
+  """Cross terms from the layer's factors when that is cheaper per pair than flattening."""
+  return layer.pair_cost(d, ghost=True) < layer.pair_cost(d, ghost=False)
+
+
+class Factors(NamedTuple):
+  """Per-example Jacobian factors of one view (leading axis = examples).
+
+  flat: (m, d, q) per-example Jacobians of the flattened layers and generic leaves
+    (q may be 0); ghost_patches[l]: (m, T, P); ghost_deltas[l]: (m, T, d, C);
+  gram: (m, d, d) per-example Grams J_e J_eᵀ over all parameters.
+  """
+  flat: jax.Array
+  ghost_patches: tuple
+  ghost_deltas: tuple
+  gram: jax.Array
+
+
+def ghost_layer_gram(patches, deltas):
+  """Σ_{t,s} ⟨a_t, a_s⟩⟨δ_t^k, δ_s^l⟩ per example: (m, d, d)."""
+  a = jnp.einsum("mtp,msp->mts", patches, patches, precision=_HIGHEST)
+  a_delta = jnp.einsum("mts,mslc->mtlc", a, deltas, precision=_HIGHEST)
+  return jnp.einsum("mtkc,mtlc->mkl", deltas, a_delta, precision=_HIGHEST)
+
+
+def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobian,
+                  varying=lambda a: a) -> tuple:
+  """(û (m, d), Factors) for a batch x under plan.
+
+  generic_jacobian(leaf_indices) -> (m, d, q) per-example Jacobians of those leaves;
+  varying(a) types a as per-device inside shard_map (so that derivatives w.r.t. the
+  perturbations stay local instead of being summed over devices).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  factored = sorted(plan.factored_leaves)
+  allowed = tuple((layer.kind, layer.leaves) for layer in plan.layers)
+  m = x.shape[0]
+  xis = [varying(jnp.zeros((m,) + layer.out_shape, jnp.float32)) for layer in plan.layers]
+
+  def embed(perturbations):
+    placeholders = [jnp.zeros_like(leaves[i]) for i in factored]
+    index = {id(p): i for p, i in zip(placeholders, factored)}
+    interceptor = _Interceptor(index, leaves, perturbations, allowed)
+    with nn.intercept_methods(interceptor):
+      e = embed_fn(_with_placeholders(leaves, treedef, placeholders, factored), x)
+    if interceptor.calls != list(allowed):
+      raise RuntimeError("logit_dp: embed_fn's layer calls differ from its plan.")
+    return normalize_fn(e), interceptor.patches
+
+  u, vjp_fn, patches = jax.vjp(embed, xis, has_aux=True)
+  d = u.shape[-1]
+  eye = jnp.eye(d, dtype=u.dtype)
+  if d <= _UNROLLED_COTANGENTS:  # d separate backward passes: ~2x faster than vmap on CPU
+    per_k = [vjp_fn(jnp.zeros_like(u) + eye[k])[0] for k in range(d)]
+    deltas = [jnp.stack(layer_deltas) for layer_deltas in zip(*per_k)]  # [(d, m, ...)]
+  else:
+    deltas = jax.vmap(lambda c: vjp_fn(jnp.zeros_like(u) + c)[0])(eye)
+  flat, ghost_patches, ghost_deltas = [], [], []
+  gram = jnp.zeros((m, d, d), u.dtype)
+  for layer, is_ghost, a, delta in zip(plan.layers, plan.ghost, patches, deltas):
+    delta = jnp.moveaxis(delta.reshape(d, m, layer.positions, layer.features), 0, 2)  # (m,T,d,C)
+    if is_ghost:
+      ghost_patches.append(a)
+      ghost_deltas.append(delta)
+      gram = gram + ghost_layer_gram(a, delta)
+    else:
+      grads = jnp.einsum("mtp,mtn->mpn", a, delta.reshape(m, layer.positions, d * layer.features),
+                         precision=_HIGHEST)
+      grads = grads.reshape(m, layer.fan_in, d, layer.features)
+      flat.append(jnp.moveaxis(grads, 2, 1).reshape(m, d, -1))
+  if plan.generic:
+    flat.append(generic_jacobian(plan.generic))
+  flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
+  gram = gram + jnp.einsum("mkq,mlq->mkl", flat, flat, precision=_HIGHEST)
+  return u, Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
+
+
+def flat_cross(flat_rows, u_rows, flat_all, v_all):
+  """v̂_jᵀ J_i J'_jᵀ û_i over the flattened parameters, rows i × all columns j: (I, n).
+
+  One (I·d × q)·(q × n·d) matmul per chunk of rows: n²d²q multiply-adds in all.
+  """
+  rows, d, q = flat_rows.shape
+  n = flat_all.shape[0]
+  gram = jnp.matmul(flat_rows.reshape(rows * d, q), flat_all.reshape(n * d, q).T,
+                    precision=_HIGHEST).reshape(rows, d, n, d)
+  return jnp.einsum("jk,ikjl,il->ij", v_all, gram, u_rows, precision=_HIGHEST)
+
+
+def ghost_layer_cross(a_rows, delta_rows, u_rows, a_all, delta_all, v_all):
+  """Σ_{t,s} ⟨a_it, a'_js⟩⟨α_ij,t, β_ij,s⟩ of one ghost layer, rows i × all columns j: (I, n)."""
+  rows, t, p = a_rows.shape
+  n = a_all.shape[0]
+  patch_inner = jnp.matmul(a_rows.reshape(rows * t, p), a_all.reshape(n * t, p).T,
+                           precision=_HIGHEST).reshape(rows, t, n, t)
+  alpha = jnp.einsum("jk,itkc->ijtc", v_all, delta_rows, precision=_HIGHEST)
+  beta = jnp.einsum("il,jslc->ijsc", u_rows, delta_all, precision=_HIGHEST)
+  inner = jnp.einsum("ijtc,ijsc->ijts", alpha, beta, precision=_HIGHEST)
+  return jnp.einsum("itjs,ijts->ij", patch_inner, inner, precision=_HIGHEST)

@@ -1,0 +1,222 @@
+"""Per-layer Jacobian factors: exact against materialised pair gradients, safe fallbacks.
+
+Every pair-norm check compares "ghost" with "materialize" (Algorithm 1: each pair
+gradient by its own backward pass through the user's embed_fn), so a layer whose
+factors were wrong, or a parameter wrongly treated as owned by one layer, shows up as
+a norm mismatch.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import logit_dp
+from logit_dp._src import layerwise
+from logit_dp.models import EmbeddingNet
+
+CONV_CONFIGS = {
+    "same_stride2": dict(kernel_size=(3, 3), strides=2, padding="SAME"),
+    "valid": dict(kernel_size=(3, 2), strides=1, padding="VALID"),
+    "explicit_pad": dict(kernel_size=(3, 3), strides=(1, 2), padding=((2, 0), (1, 1))),
+    "kernel_dilation": dict(kernel_size=(3, 3), kernel_dilation=2, padding="SAME"),
+    "input_dilation": dict(kernel_size=(2, 2), input_dilation=2, padding=((1, 1), (0, 1))),
+    "no_bias": dict(kernel_size=(3, 3), padding="SAME", use_bias=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONV_CONFIGS))
+def test_conv_patches_times_kernel_is_the_convolution(name):
+  conv = nn.Conv(5, **CONV_CONFIGS[name])
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 6, 4))
+  params = conv.init(jax.random.PRNGKey(1), x)["params"]
+  config = layerwise._conv_config(conv, x)  # pylint: disable=protected-access
+  assert config is not None
+  patches = layerwise.conv_patches(x, *config)
+  kernel = params["kernel"]
+  y = conv.apply({"params": {"kernel": kernel, "bias": jnp.zeros(5)}} if conv.use_bias
+                 else {"params": {"kernel": kernel}}, x)
+  via_patches = patches @ kernel.reshape(-1, kernel.shape[-1])
+  np.testing.assert_allclose(via_patches, y.reshape(3, -1, 5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_conv_patches_other_ranks(rank):
+  conv = nn.Conv(3, (2,) * rank, strides=2, padding="SAME")
+  x = jax.random.normal(jax.random.PRNGKey(0), (2,) + (5,) * rank + (2,))
+  params = conv.init(jax.random.PRNGKey(1), x)["params"]
+  patches = layerwise.conv_patches(x, *layerwise._conv_config(conv, x))  # pylint: disable=protected-access
+  y = conv.apply({"params": {"kernel": params["kernel"], "bias": jnp.zeros(3)}}, x)
+  np.testing.assert_allclose(patches @ params["kernel"].reshape(-1, 3), y.reshape(2, -1, 3),
+                             rtol=1e-5, atol=1e-5)
+
+
+class ConvNet(nn.Module):
+  conv: dict
+  dim: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Conv(6, **self.conv)(x))
+    x = nn.tanh(nn.Conv(5, (2, 2), strides=2, padding="VALID")(x))
+    return nn.Dense(self.dim)(x.mean(axis=(1, 2)))
+
+
+class SequenceNet(nn.Module):
+  """Dense layers on (n, L, F) inputs: T = L positions per example."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Dense(6)(x))
+    x = nn.tanh(nn.Dense(5, use_bias=False)(x))
+    return nn.Dense(4)(x.mean(axis=1))
+
+
+class TiedNet(nn.Module):
+  """One Dense applied twice: its kernel belongs to two calls."""
+
+  @nn.compact
+  def __call__(self, x):
+    shared = nn.Dense(5)
+    h = nn.tanh(shared(x))
+    return nn.Dense(4)(nn.tanh(shared(h[..., :5] * 0.5 + x)))
+
+
+class KernelAlsoUsedElsewhere(nn.Module):
+  """A Dense whose kernel also enters the output outside the layer call."""
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.Dense(5)
+    h = nn.tanh(dense(x))
+    return nn.Dense(4)(h) + 0.3 * jnp.sum(jnp.sin(dense.variables["params"]["kernel"]))
+
+
+class ExamplesNotLeading(nn.Module):
+  """Moves the example axis away from axis 0 before a Dense."""
+
+  @nn.compact
+  def __call__(self, x):            # x: (n, L, F)
+    h = jnp.swapaxes(x, 0, 1)       # (L, n, F): the Dense sees L as its leading axis
+    h = nn.tanh(nn.Dense(5)(h))
+    return nn.Dense(4)(jnp.swapaxes(h, 0, 1).mean(axis=1))
+
+
+class MixedNet(nn.Module):
+  """Recognised layers next to GroupNorm, a circular conv and a raw parameter."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (3, 3), padding="CIRCULAR")(x)
+    x = nn.relu(nn.GroupNorm(num_groups=2)(x))
+    x = nn.relu(nn.Conv(6, (3, 3), strides=2)(x))
+    scale = self.param("scale", nn.initializers.ones, (6,))
+    return nn.Dense(4)(x.mean(axis=(1, 2)) * scale)
+
+
+def pure_jax_embed(params, x):
+  h = jnp.tanh(x.reshape(x.shape[0], -1) @ params["w1"] + params["b1"])
+  return h @ params["w2"]
+
+
+def _problem(model, shape, n=6, seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(k1, (n,) + shape)
+  x_prime = x + 0.5 * jax.random.normal(k2, x.shape)
+  if model is None:
+    f = int(np.prod(shape))
+    params = {"w1": jax.random.normal(k3, (f, 5)) / np.sqrt(f), "b1": jnp.zeros(5),
+              "w2": jax.random.normal(k1, (5, 4))}
+    return pure_jax_embed, params, x, x_prime
+  return model.apply, model.init(k3, x[:1]), x, x_prime
+
+
+# "auto" mixes the two per layer; tests/test_clipping.py covers it on the default plans.
+MODES = {"all_ghost": True, "all_flat": False}
+
+
+def _check_norms(embed_fn, params, x, x_prime, monkeypatch, modes=MODES):
+  """Ghost pair norms equal materialised ones, and triangle bounds them, in every layer mode."""
+  exact = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
+  for mode, ghost_everywhere in modes.items():
+    with monkeypatch.context() as patch:
+      if ghost_everywhere is not None:
+        patch.setattr(layerwise, "use_ghost", lambda layer, d, g=ghost_everywhere: g)
+        assert all(g == ghost_everywhere for g in _plan(embed_fn, params, x).ghost)
+      fresh = lambda p, xs: embed_fn(p, xs)  # a new function: no compiled plan is reused
+      ghost = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost")
+      bound = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "triangle")
+    # ‖g‖² = a + b + 2c in float32 loses ~1e-7·(a + b) to cancellation, so the relative error
+    # of a norm far below the batch's largest grows as 1e-7·(max/‖g‖)²; atol covers that.
+    np.testing.assert_allclose(ghost, exact, rtol=1e-4, atol=1e-5 * float(np.max(exact)),
+                               err_msg=mode)
+    assert np.all(np.asarray(bound) >= exact * (1 - 1e-5)), mode
+
+
+def _plan(embed_fn, params, x):
+  d = embed_fn(params, x[:1]).shape[-1]
+  return layerwise.make_plan(embed_fn, params, x, d)
+
+
+@pytest.mark.parametrize("name", sorted(CONV_CONFIGS))
+def test_ghost_norms_exact_for_conv_configs(name, monkeypatch):
+  embed_fn, params, x, x_prime = _problem(ConvNet(CONV_CONFIGS[name]), (7, 6, 3))
+  plan = _plan(embed_fn, params, x)
+  assert [layer.kind for layer in plan.layers] == ["conv", "conv", "dense"]
+  assert plan.generic == ()
+  _check_norms(embed_fn, params, x, x_prime, monkeypatch)
+
+
+def test_ghost_norms_exact_for_dense_on_sequences(monkeypatch):
+  embed_fn, params, x, x_prime = _problem(SequenceNet(), (5, 3))
+  plan = _plan(embed_fn, params, x)
+  assert [layer.positions for layer in plan.layers] == [5, 5, 1]
+  _check_norms(embed_fn, params, x, x_prime, monkeypatch)
+
+
+def test_embedding_net_plan():
+  """The paper's net: conv1/conv2 flattened, conv3 and the head from factors."""
+  model = EmbeddingNet()
+  x = jnp.zeros((4, 32, 32, 3))
+  params = model.init(jax.random.PRNGKey(0), x[:1])
+  plan = _plan(model.apply, params, x)
+  assert [(layer.kind, layer.positions, layer.fan_in, layer.features) for layer in plan.layers] == [
+      ("conv", 256, 28, 8), ("conv", 64, 73, 16), ("conv", 16, 145, 32), ("dense", 1, 33, 8)]
+  assert plan.ghost == (False, False, True, True)
+  assert plan.generic == ()
+
+
+def _leaf_names(params, indices):
+  """Leaf paths without the leading 'params' key, e.g. ("Dense_0", "kernel")."""
+  paths = [tuple(k.key for k in path if k.key != "params")
+           for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  return {paths[i] for i in indices}
+
+
+@pytest.mark.parametrize("model,shape,generic", [
+    (TiedNet(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
+    (KernelAlsoUsedElsewhere(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
+    (ExamplesNotLeading(), (3, 5), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
+    (MixedNet(), (6, 6, 2), {("Conv_0", "bias"), ("Conv_0", "kernel"), ("GroupNorm_0", "bias"),
+                             ("GroupNorm_0", "scale"), ("scale",)}),
+    (None, (3, 2), {("b1",), ("w1",), ("w2",)}),
+], ids=["tied", "kernel_used_elsewhere", "examples_not_leading", "mixed", "pure_jax"])
+def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic, monkeypatch):
+  """Leaves not owned by exactly one recognised call get ordinary per-example Jacobians."""
+  embed_fn, params, x, x_prime = _problem(model, shape)
+  plan = _plan(embed_fn, params, x)
+  assert _leaf_names(params, plan.generic) == generic
+  assert not plan.factored_leaves & set(plan.generic)
+  _check_norms(embed_fn, params, x, x_prime, monkeypatch, {"auto": None})
+
+
+def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix():
+  embed_fn, params, x, x_prime = _problem(MixedNet(), (6, 6, 2))
+  loss = logit_dp.losses.contrastive(temperature=0.5)
+  norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize")
+  clip = float(np.median(np.asarray(norms)))
+  _, ghost = logit_dp.clipped_grad(embed_fn, loss, clip, "ghost")(params, x, x_prime)
+  _, exact = logit_dp.clipped_grad(embed_fn, loss, clip, "materialize")(params, x, x_prime)
+  flat = lambda t: np.concatenate([np.ravel(l) for l in jax.tree_util.tree_leaves(t)])
+  np.testing.assert_allclose(flat(ghost), flat(exact), rtol=1e-4, atol=1e-6)
