@@ -5,11 +5,12 @@ r"""Where the time of a Logit-DP "ghost" step goes (embedding net, CPU or accele
 Each piece is jitted on its own and timed (median of --repeats runs after a warm-up):
 
   forward        both views' normalised embeddings, Z and τ = ∂ℒ/∂Z       (_Batch)
-  jacobians      per-example Jacobians ∂û_i/∂w of both views, (n, d, p) each
-                 (jacrev: d backward passes per example)                  (_Batch.jacobians)
-  pair norms     all exact ‖g_ij‖²: Jacobians + Grams K_i + cross-Gram     (_ghost_sq_norms)
-  cross-Gram     pair norms − jacobians − forward: the Grams and the n²·d²·p
-                 cross-Gram contraction of the current implementation
+  factors        per-example Jacobian factors of both views: patches + one
+                 backward pass per embedding coordinate, per-example weight
+                 gradients of the flattened layers, per-example Grams    (_Batch.factors)
+  flat cross     the n²·d²·q cross-Gram of the flattened layers           (layerwise.flat_cross)
+  ghost layer L  the per-layer cross terms of ghost layer L               (layerwise.ghost_layer_cross)
+  pair norms     all exact ‖g_ij‖²: factors + quadratic + cross terms     (_ghost_sq_norms)
   backward ḡ     one backward pass with λ-weighted cotangents              (_Batch.weighted_backward)
   noise + adam   logit_dp.transform + optax.adam on a p-vector
   ghost grad     the whole logit_dp.clipped_grad(method="ghost") call
@@ -53,6 +54,7 @@ def _time(fn, *args, repeats: int):
 def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
             temperature: float = 1.0) -> dict:
   from logit_dp._src import clipping as C  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import layerwise as L  # pylint: disable=g-import-not-at-top
 
   embed_fn, params, x, xp, p = sb.build_problem("embedding", n, image_size)
   loss = logit_dp.losses.contrastive(temperature=temperature)
@@ -79,9 +81,9 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
     b = batch(pp, xx, xxp)
     return jax.value_and_grad(loss)(b.z, b.valid)
 
-  def jacobians(pp, xx, xxp):
+  def factors(pp, xx, xxp):
     b = batch(pp, xx, xxp)
-    return b.jacobians(b.x), b.jacobians(b.x_prime)
+    return b.factors(b.x), b.factors(b.x_prime), b.u, b.v
 
   def pair_norms(pp, xx, xxp):
     return C._ghost_sq_norms(batch(pp, xx, xxp))
@@ -92,7 +94,25 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
     return b.weighted_backward(tau, tau)
 
   record("forward", forward, params, x, xp)
-  record("jacobians", jacobians, params, x, xp)
+  record("factors", factors, params, x, xp)
+  f_u, f_v, u, v = jax.jit(factors)(params, x, xp)
+  out["flat_params"] = int(f_v.flat.shape[-1])
+  record("flat cross", lambda fu, fv, uu, vv: C._row_chunks(  # pylint: disable=g-long-lambda
+      lambda rows, u_rows: L.flat_cross(rows, u_rows, fv.flat, vv), (fu.flat, uu),
+      n * d * d, C._CROSS_GRAM_CHUNK_FLOATS), f_u, f_v, u, v)
+  for i in range(len(f_u.ghost_patches)):
+    def layer_cross(fu, fv, uu, vv, i=i):
+      a_v, delta_v = fv.ghost_patches[i], fv.ghost_deltas[i]
+      t, c = delta_v.shape[1], delta_v.shape[3]
+      return C._row_chunks(
+          lambda a_rows, d_rows, u_rows: L.ghost_layer_cross(a_rows, d_rows, u_rows, a_v,
+                                                             delta_v, vv),
+          (fu.ghost_patches[i], fu.ghost_deltas[i], uu), n * (2 * t * t + 2 * t * c),
+          C._GHOST_LAYER_CHUNK_FLOATS, C._GHOST_LAYER_CHUNK_ROWS)
+    t, p_i = f_u.ghost_patches[i].shape[1:]
+    record(f"ghost layer {i} (T={t}, P={p_i}, C={f_u.ghost_deltas[i].shape[-1]})", layer_cross,
+           f_u, f_v, u, v)
+  del f_u, f_v
   record("pair norms", pair_norms, params, x, xp)
   record("backward ḡ", backward, params, x, xp)
 
@@ -120,10 +140,6 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
   record("GEMM floor", lambda u, v: jnp.matmul(u, v.T), a, b)
   del a, b
 
-  if {"pair norms", "jacobians", "forward"} <= rows.keys():
-    rest = rows["pair norms"]["median_s"] - rows["jacobians"]["median_s"] - rows["forward"][
-        "median_s"]
-    rows["cross-Gram (derived)"] = {"median_s": max(rest, 0.0), "derived": True}
   flops = 2.0 * (n * d) ** 2 * p
   out["cross_gram_flops"] = flops
   if "GEMM floor" in rows:
@@ -132,8 +148,10 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
 
 def markdown(results: list[dict]) -> str:
-  names = ["forward", "jacobians", "cross-Gram (derived)", "pair norms", "backward ḡ",
-           "noise + adam", "ghost grad", "non-private step", "GEMM floor"]
+  layer_names = sorted({k for r in results for k in r["pieces"] if k.startswith("ghost layer")})
+  names = (["forward", "factors", "flat cross"] + layer_names +
+           ["pair norms", "backward ḡ", "noise + adam", "ghost grad", "non-private step",
+            "GEMM floor"])
   ns = [r["n"] for r in results]
   lines = ["| piece | " + " | ".join(f"n={n} (s)" for n in ns) + " | " +
            " | ".join(f"n={n} share of ghost grad" for n in ns) + " |",
@@ -153,8 +171,9 @@ def markdown(results: list[dict]) -> str:
     extra = ""
     if "gemm_gflops_per_s" in r:
       extra = f"; matmul speed {r['gemm_gflops_per_s']:.0f} GFLOP/s"
-    lines.append(f"- n={r['n']}: d={r['d']}, p={r['p']:,}; cross-Gram needs 2·(nd)²·p = "
-                 f"{r['cross_gram_flops']:.3g} flops{extra}.")
+    lines.append(f"- n={r['n']}: d={r['d']}, p={r['p']:,} ({r.get('flat_params', '?'):,} in "
+                 f"flattened layers); a full cross-Gram would need 2·(nd)²·p = "
+                 f"{r['cross_gram_flops']:.3g} flops (GEMM floor row){extra}.")
     for k, v in r["unavailable"].items():
       lines.append(f"  - {k}: unavailable ({v})")
   return "\n".join(lines)
