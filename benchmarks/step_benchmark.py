@@ -42,8 +42,8 @@ Configurations that cannot run are not launched (`pre_gate`): "materialize" wher
 estimated time (≈ n × the non-private step: n² pair backward passes instead of 2n
 example ones) exceeds `--max-step-s`, "ghost"/"triangle" where even d × the
 non-private step (d backward passes per example for the Jacobians) exceeds it, and
-"ghost" where the per-example Jacobians of both views, 2·n·d·p floats, exceed
-`--memory-limit-gb`. Every other step is compiled and XLA's own buffer assignment
+"ghost" where the Jacobian factors of both views (2·n·(d·q + ghost-layer factors)
+floats, q = flattened parameters) exceed `--memory-limit-gb`. Every other step is compiled and XLA's own buffer assignment
 (`compiled.memory_analysis()`: arguments + outputs + temporaries) is compared with
 `--memory-limit-gb` before it runs.
 
@@ -82,8 +82,8 @@ RESULT_MARKER = "@@STEP_BENCHMARK_CHILD@@ "
 
 DEFAULT_SIZES = {"embedding": (64, 256, 1000, 4096), "resnet18": (64, 256)}
 QUICK_SIZES = {"embedding": (8,), "resnet18": (8,)}
-# ResNet-18 without batch norm has p ≈ 11.2M parameters: per-example Jacobians are d·p
-# floats (≈ 358 MB) each, so the Logit-DP methods run in microbatches of this size.
+# ResNet-18 without batch norm has p ≈ 11.2M parameters and activations of 32×32×64 per
+# example, so the Logit-DP methods run in microbatches of this size.
 RESNET_MICROBATCH = 8
 
 GB = 1e9
@@ -361,14 +361,32 @@ def _log(msg: str):
         flush=True)
 
 
-def pre_gate(e: dict, n: int, p: int, d: int, t_np: Optional[float], args) -> Optional[str]:
+def factor_floats_per_example(embed_fn, params, x, d: int) -> int:
+  """Floats "ghost" holds per example and view: d·q flat Jacobian + each ghost layer's factors."""
+  from logit_dp._src import layerwise  # pylint: disable=g-import-not-at-top
+  plan = layerwise.make_plan(embed_fn, params, x, d)
+  q = sum(int(np.prod(np.shape(leaf)))
+          for i, leaf in enumerate(jax.tree_util.tree_leaves(params))
+          if i in set(plan.generic))
+  held = 0
+  for layer, ghost in zip(plan.layers, plan.ghost):
+    if ghost:
+      held += layer.positions * (layer.fan_in + d * layer.features)
+    else:
+      q += layer.fan_in * layer.features
+  return held + d * q
+
+
+def pre_gate(e: dict, n: int, p: int, d: int, t_np: Optional[float], args,
+             held_per_example: Optional[int] = None) -> Optional[str]:
   """Reason to skip a configuration before compiling it, or None.
 
   Time: "materialize" costs ≈ n × the non-private step (n² pair backward passes of 2
   examples instead of 2n examples once); the per-example-Jacobian methods ("ghost",
-  "triangle") cost at least ≈ d × the non-private step (d backward passes per example).
-  Memory: "ghost" as implemented holds the per-example Jacobians of both views,
-  2·n·d·p floats, whatever the microbatch size.
+  "triangle") cost at least ≈ d × the non-private step (d backward passes).
+  Memory: "ghost" holds the Jacobian factors of both views whatever the microbatch size,
+  2·n·held_per_example floats (`factor_floats_per_example`; d·p, the full per-example
+  Jacobians, when not given).
   """
   method = e["method"]
   if t_np is not None and method not in (BASELINE, NAIVE):
@@ -379,10 +397,11 @@ def pre_gate(e: dict, n: int, p: int, d: int, t_np: Optional[float], args) -> Op
     if est > args.max_step_s:
       return f"estimated {est:.0f} s per step ({why}) > --max-step-s {args.max_step_s:g}"
   if method == "ghost" and args.analytic_gate:
-    need = 2 * n * d * p * 4
+    held = d * p if held_per_example is None else held_per_example
+    need = 2 * n * held * 4
     e["est_bytes"] = need
     if need > args.memory_limit_gb * GB:
-      return (f"does not fit: per-example Jacobians of both views need 2·n·d·p·4 B = "
+      return (f"does not fit: the Jacobian factors of both views need 2·n·{held:,}·4 B = "
               f"{need / GB:.1f} GB > --memory-limit-gb {args.memory_limit_gb:g}")
   return None
 
@@ -401,7 +420,9 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
     e = _entry(model, n, spec, num_params)
     entries.append(e)
     method = e["method"]
-    reason = pre_gate(e, n, num_params, d, t_np, args)
+    held = (factor_floats_per_example(embed_fn, params, x, d) if e["method"] == "ghost"
+            else None)
+    reason = pre_gate(e, n, num_params, d, t_np, args, held)
     if reason:
       e["status"], e["reason"] = "skipped", reason
       _log(f"{model} n={n} {spec}: {e['reason']}")

@@ -75,13 +75,14 @@ def test_unknown_method_rejected():
 def test_pre_gate_skips_what_cannot_run():
   args = step_benchmark.parse_args(["--max-step-s", "100", "--memory-limit-gb", "12"])
 
-  def gate(method, n, p=6296, d=8, t_np=0.5):
+  def gate(method, n, p=6296, d=8, t_np=0.5, held=None):
     e = {"method": method}
-    return step_benchmark.pre_gate(e, n, p, d, t_np, args)
+    return step_benchmark.pre_gate(e, n, p, d, t_np, args, held)
 
   assert gate("materialize", 1000) and "max-step-s" in gate("materialize", 1000)  # 500 s
   assert gate("materialize", 64) is None                                          # 32 s
   assert gate("triangle", 64, t_np=20.0)                                          # ≥ 160 s
   assert gate("ghost", 4096) is None                                              # 1.6 GB
   assert "does not fit" in gate("ghost", 64, p=11_200_000, t_np=1.0)              # 46 GB
+  assert gate("ghost", 64, p=11_200_000, t_np=1.0, held=5_000_000) is None        # 2.6 GB
   assert gate("nonprivate", 10**6, t_np=1e3) is None

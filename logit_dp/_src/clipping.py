@@ -18,9 +18,11 @@ and J'_j = ∂v̂_j/∂w (d×p per-example Jacobians), g_ij = J_iᵀv̂_j + J'_j
 
     ‖g_ij‖² = v̂_jᵀ K_i v̂_j + û_iᵀ K'_j û_i + 2 v̂_jᵀ (J_i J'_jᵀ) û_i,
 
-K_i = J_i J_iᵀ. This needs the n·d·p Jacobian entries (d backward passes per
-example) and an (nd)×(nd) cross-Gram contracted in row chunks, never n²·p
-floats. "triangle" clips with the upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖, which only
+K_i = J_i J_iᵀ. The Jacobians come as per-layer factors (layerwise.py: flax
+Dense/Conv layers from d batched backward passes; any other parameter from
+per-example jacrev). The cross term is an (nd)×(nd) cross-Gram over the
+"flattened" parameters plus per-layer pair terms for "ghost" layers, in row
+chunks; never n²·p floats. "triangle" clips with the upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖, which only
 needs the per-example Grams K_i: clipping by a larger norm is still private
 (each term has norm ≤ B), just less accurate. "materialize" is Algorithm 1 of
 the paper: it forms every g_ij by its own backward pass, in blocks of pairs.
