@@ -101,7 +101,7 @@ class _Collective:
     return self.axis_name in _varying_axes(jax.lax.axis_index(self.axis_name))
 
   def local_params(self, params):
-    """Params as a per-device value.
+    """Params (or any value to differentiate against, e.g. layer perturbations) as per-device.
 
     Under check_vma=True, differentiating w.r.t. a replicated (invariant) value
     inside shard_map implicitly psums the derivative over the axis, which would
@@ -112,10 +112,6 @@ class _Collective:
     if not self.checks_vma():
       return params
     return jax.lax.pcast(params, self.axis_name, to="varying")
-
-  def varying(self, x):
-    """x typed as per-device (a local value to differentiate against, see local_params)."""
-    return self.local_params(x)
 
   def gather(self, tree):
     if self.axis_name is None:
@@ -152,6 +148,25 @@ def _map(fn, xs, batch_size):
   if batch_size is None or batch_size >= jax.tree_util.tree_leaves(xs)[0].shape[0]:
     return jax.vmap(fn)(xs)
   return jax.lax.map(fn, xs, batch_size=batch_size)
+
+
+def _map_chunks(fn, xs, chunk: int):
+  """fn(*chunk of rows) over the leading axis of xs (a tuple of arrays) in chunks of `chunk`
+  rows, the last one zero-padded; the results stacked per chunk, (num_chunks, ...)."""
+  n = xs[0].shape[0]
+  num_chunks = -(-n // chunk)
+  pad = num_chunks * chunk - n
+
+  def split(a):
+    a = jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
+    return a.reshape((num_chunks, chunk) + a.shape[1:])
+
+  return jax.lax.map(lambda rows: fn(*rows), tuple(split(a) for a in xs))
+
+
+def _unchunk_rows(tree, n: int):
+  """(num_chunks, chunk, ...) per-row results of _map_chunks back to their n rows."""
+  return jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:])[:n], tree)
 
 
 class _Batch:
@@ -191,10 +206,8 @@ class _Batch:
 
     def one(x_one):
       def embed(selected):
-        full = list(leaves)
-        for i, value in zip(indices, selected):
-          full[i] = value
-        return self.normalized_embedding(jax.tree_util.tree_unflatten(treedef, full), x_one)
+        params = layerwise.replace_leaves(leaves, treedef, indices, selected)
+        return self.normalized_embedding(params, x_one)
 
       jac = jax.jacrev(embed)([leaves[i] for i in indices])
       return jnp.concatenate([j.reshape(j.shape[0], -1) for j in jac], axis=1)
@@ -208,16 +221,13 @@ class _Batch:
     def chunk_factors(x_chunk):
       _, factors = layerwise.layer_factors(
           self.embed_fn, self.params, plan, x_chunk, lambda e: normalize(e, self.eps),
-          lambda indices: self._generic_jacobian(indices, x_chunk), self.c.varying)
+          lambda indices: self._generic_jacobian(indices, x_chunk), self.c.local_params)
       return factors
 
     m, n = self.microbatch_size, xs.shape[0]
     if m is None or m >= n:
       return chunk_factors(xs)
-    pad = (-n) % m
-    xs = jnp.concatenate([xs, jnp.zeros((pad,) + xs.shape[1:], xs.dtype)])
-    per_chunk = jax.lax.map(chunk_factors, xs.reshape((-1, m) + xs.shape[1:]))
-    return jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:])[:n], per_chunk)
+    return _unchunk_rows(_map_chunks(chunk_factors, (xs,), m), n)
 
   def _selected_backward(self, xs, cot):
     """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
@@ -234,8 +244,7 @@ class _Batch:
     cot_v = jnp.matmul(lam_full[:, self.rows].T, self.u, precision=_HIGHEST)
 
     def contribution(xs, cot):
-      def chunk_grad(args):
-        x_chunk, cot_chunk = args
+      def chunk_grad(x_chunk, cot_chunk):
         embed = lambda p: jax.vmap(lambda xe: self.normalized_embedding(p, xe))(x_chunk)
         _, vjp = jax.vjp(embed, self.params)
         batched = vjp(cot_chunk)[0]
@@ -248,15 +257,11 @@ class _Batch:
                             lambda: self._selected_backward(x_chunk, cot_chunk))
 
       m = self.microbatch_size
-      n = xs.shape[0]
-      if m is None or m >= n:
-        return chunk_grad((xs, cot))
-      pad = (-n) % m
-      xs = jnp.concatenate([xs, jnp.zeros((pad,) + xs.shape[1:], xs.dtype)])
-      cot = jnp.concatenate([cot, jnp.zeros((pad,) + cot.shape[1:], cot.dtype)])
-      chunks = (xs.reshape((-1, m) + xs.shape[1:]), cot.reshape((-1, m) + cot.shape[1:]))
-      per_chunk = jax.lax.map(chunk_grad, chunks)
-      return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), per_chunk)
+      if m is None or m >= xs.shape[0]:
+        return chunk_grad(xs, cot)
+      # Padded examples have zero cotangents and add exactly 0.
+      return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0),
+                                    _map_chunks(chunk_grad, (xs, cot), m))
 
     grads = jax.tree_util.tree_map(jnp.add, contribution(self.x, cot_u),
                                    contribution(self.x_prime, cot_v))
@@ -278,17 +283,9 @@ def _quadratic_terms(k_local, k_prime, u_local, v):
 
 def _row_chunks(fn, rows, row_floats: int, budget: int, max_rows: int | None = None):
   """fn(chunk of rows) -> (chunk, n), over all rows in chunks holding about `budget` floats."""
-  n_rows = jax.tree_util.tree_leaves(rows)[0].shape[0]
+  n_rows = rows[0].shape[0]
   chunk = int(max(1, min(n_rows, max_rows or n_rows, budget // max(row_floats, 1))))
-  num_chunks = -(-n_rows // chunk)
-  pad = num_chunks * chunk - n_rows
-
-  def split(a):
-    a = jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
-    return a.reshape((num_chunks, chunk) + a.shape[1:])
-
-  out = jax.lax.map(lambda chunk_rows: fn(*chunk_rows), jax.tree_util.tree_map(split, rows))
-  return out.reshape((num_chunks * chunk,) + out.shape[2:])[:n_rows]
+  return _unchunk_rows(_map_chunks(fn, rows, chunk), n_rows)
 
 
 def _ghost_sq_norms(batch: _Batch):
@@ -373,23 +370,26 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size):
   return batch.c.psum(grads), norms
 
 
-def _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1):
-  x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
+def check_pairs(x, x_prime, mask=None, xp=jnp):
+  """(x, x_prime, mask) as `xp` arrays, mask all-True if None; ValueError on mismatched shapes."""
+  x, x_prime = xp.asarray(x), xp.asarray(x_prime)
   if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
     raise ValueError(
         f"x and x_prime must hold the same number of examples, got shapes "
         f"{x.shape} and {x_prime.shape}.")
   n = x.shape[0]
+  mask = xp.ones((n,), dtype=bool) if mask is None else xp.asarray(mask)
+  if mask.shape != (n,):
+    raise ValueError(f"mask must have shape ({n},), got {mask.shape}.")
+  return x, x_prime, mask.astype(bool)
+
+
+def _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1):
+  x, x_prime, mask = check_pairs(x, x_prime, mask)
+  n = x.shape[0]
   if n * num_shards < min_batch_size:  # the pair matrix spans the global batch
     raise ValueError(
         f"the loss needs at least {min_batch_size} pairs per batch, got {n * num_shards}.")
-  if mask is None:
-    mask = jnp.ones((n,), dtype=bool)
-  else:
-    mask = jnp.asarray(mask)
-    if mask.shape != (n,):
-      raise ValueError(f"mask must have shape ({n},), got {mask.shape}.")
-    mask = mask.astype(bool)
   return x, x_prime, mask
 
 

@@ -116,15 +116,8 @@ def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1):
     raise ValueError(f"multiple must be a positive integer, got {multiple!r}.")
   host = all(isinstance(a, np.ndarray) for a in (x, x_prime) + (() if mask is None else (mask,)))
   xp = np if host else jnp
-  x, x_prime = xp.asarray(x), xp.asarray(x_prime)
-  if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
-    raise ValueError(
-        f"x and x_prime must hold the same number of examples, got shapes {x.shape} and "
-        f"{x_prime.shape}.")
+  x, x_prime, mask = clipping.check_pairs(x, x_prime, mask, xp)
   n = x.shape[0]
-  mask = xp.ones((n,), bool) if mask is None else xp.asarray(mask).astype(bool)
-  if mask.shape != (n,):
-    raise ValueError(f"mask must have shape ({n},), got {mask.shape}.")
   pad = (-n) % int(multiple)
   if pad == 0:
     return x, x_prime, mask

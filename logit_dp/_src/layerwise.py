@@ -74,7 +74,6 @@ class Plan(NamedTuple):
   layers: tuple[LayerCall, ...]
   ghost: tuple[bool, ...]   # per layer: cross term from factors (True) or flattened
   generic: tuple[int, ...]  # leaves the embedding uses outside recognised layers
-  num_leaves: int
 
   @property
   def factored_leaves(self) -> frozenset:
@@ -86,7 +85,7 @@ def _is_float(x) -> bool:
 
 
 def _conv_config(module, x):
-  """(strides, padding, lhs_dil, rhs_dil) if this nn.Conv call is reproduced exactly."""
+  """(kernel_size, strides, padding, lhs_dil, rhs_dil) if this nn.Conv call is reproduced exactly."""
   kernel_size = ((module.kernel_size,) if isinstance(module.kernel_size, int)
                  else tuple(module.kernel_size))
   if (len(kernel_size) > 3 or x.ndim != len(kernel_size) + 2 or module.feature_group_count != 1
@@ -187,9 +186,8 @@ class _Interceptor:
   placeholder_index: dict          # id(placeholder) -> leaf index
   real_leaves: list
   perturbations: Any = None        # list of ξ in call order (None while planning)
-  allowed: Any = None              # tuple of (kind, leaves) to factor, in order (None: any)
-  calls: list = dataclasses.field(default_factory=list)
-  records: list = dataclasses.field(default_factory=list)  # (x shape, y shape) per call
+  calls: list = dataclasses.field(default_factory=list)    # (kind, leaves) per call
+  records: list = dataclasses.field(default_factory=list)  # (x, y, patches) shapes per call
   patches: list = dataclasses.field(default_factory=list)
 
   def __call__(self, next_fun, args, kwargs, context):
@@ -198,26 +196,22 @@ class _Interceptor:
       return next_fun(*args, **kwargs)
     kind, leaves, config = found
     position = len(self.calls)
-    if self.allowed is not None:
-      if position >= len(self.allowed) or self.allowed[position] != (kind, leaves):
-        raise RuntimeError(  # the plan and this trace disagree: never silently mis-factor
-            "logit_dp: embed_fn's layer calls differ from its plan; "
-            "embed_fn must trace the same way on every call.")
     x = args[0]
     kernel = self.real_leaves[leaves[0]]
     bias = self.real_leaves[leaves[1]] if len(leaves) > 1 else None
     y, patches = _apply_layer(kind, config, x, kernel, bias, context.module.precision)
-    if self.perturbations is not None:
-      y = y + self.perturbations[position]
+    if self.perturbations is not None and position < len(self.perturbations):
+      y = y + self.perturbations[position]  # a call beyond the plan fails layer_factors' check
     self.calls.append((kind, leaves))
     self.records.append((x.shape, y.shape, patches.shape))
     self.patches.append(patches)
     return y
 
 
-def _with_placeholders(leaves, treedef, placeholder_leaves, indices):
+def replace_leaves(leaves, treedef, indices, values):
+  """The pytree of `leaves` with leaves[i] replaced by values[k] for i = indices[k]."""
   out = list(leaves)
-  for i, value in zip(indices, placeholder_leaves):
+  for i, value in zip(indices, values):
     out[i] = value
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -244,7 +238,11 @@ def _dependent_inputs(closed_jaxpr) -> set:
 
 
 def _trace(embed_fn, leaves, treedef, candidates, x_struct):
-  """Traces embed_fn once: (recognised calls, leaves the output depends on, records)."""
+  """Traces embed_fn once with placeholders for `candidates`.
+
+  Returns (recognised calls, their shape records, candidates whose placeholder the output
+  depends on, leaves whose real value it depends on).
+  """
   candidates = sorted(candidates)
   interceptor_box = []
 
@@ -252,7 +250,7 @@ def _trace(embed_fn, leaves, treedef, candidates, x_struct):
     index = {id(p): i for p, i in zip(placeholders, candidates)}
     interceptor = _Interceptor(index, reals)
     interceptor_box.append(interceptor)
-    params = _with_placeholders(reals, treedef, placeholders, candidates)
+    params = replace_leaves(reals, treedef, candidates, placeholders)
     with nn.intercept_methods(interceptor):
       return embed_fn(params, x)
 
@@ -299,7 +297,7 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
   factored = {i for layer in layers for i in layer.leaves}
   generic = tuple(sorted(i for i in real_deps | placeholder_deps
                          if i not in factored and _is_float(leaves[i])))
-  return Plan(tuple(layers), tuple(use_ghost(layer, d) for layer in layers), generic, len(leaves))
+  return Plan(tuple(layers), tuple(use_ghost(layer, d) for layer in layers), generic)
 
 
 def use_ghost(layer: LayerCall, d: int) -> bool:
@@ -337,18 +335,19 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   """
   leaves, treedef = jax.tree_util.tree_flatten(params)
   factored = sorted(plan.factored_leaves)
-  allowed = tuple((layer.kind, layer.leaves) for layer in plan.layers)
+  planned = [(layer.kind, layer.leaves) for layer in plan.layers]
   m = x.shape[0]
   xis = [varying(jnp.zeros((m,) + layer.out_shape, jnp.float32)) for layer in plan.layers]
 
   def embed(perturbations):
     placeholders = [jnp.zeros_like(leaves[i]) for i in factored]
     index = {id(p): i for p, i in zip(placeholders, factored)}
-    interceptor = _Interceptor(index, leaves, perturbations, allowed)
+    interceptor = _Interceptor(index, leaves, perturbations)
     with nn.intercept_methods(interceptor):
-      e = embed_fn(_with_placeholders(leaves, treedef, placeholders, factored), x)
-    if interceptor.calls != list(allowed):
-      raise RuntimeError("logit_dp: embed_fn's layer calls differ from its plan.")
+      e = embed_fn(replace_leaves(leaves, treedef, factored, placeholders), x)
+    if interceptor.calls != planned:  # never silently mis-factor (a missing ξ means δ = 0)
+      raise RuntimeError("logit_dp: embed_fn's layer calls differ from its plan; "
+                         "embed_fn must trace the same way on every call.")
     return normalize_fn(e), interceptor.patches
 
   u, vjp_fn, patches = jax.vjp(embed, xis, has_aux=True)
