@@ -11,7 +11,8 @@ Each piece is jitted on its own and timed (median of --repeats runs after a warm
   flat cross     the n²·d²·q cross-Gram of the flattened layers           (layerwise.flat_cross)
   ghost layer L  the per-layer cross terms of ghost layer L               (layerwise.ghost_layer_cross)
   pair norms     all exact ‖g_ij‖²: factors + quadratic + cross terms     (_ghost_sq_norms)
-  backward ḡ     one backward pass with λ-weighted cotangents              (_Batch.weighted_backward)
+  backward ḡ     ḡ contracted from the factors with λ-weighted cotangents, plus
+                 the forward pass that gives λ                           (_Batch.weighted_backward)
   noise + adam   logit_dp.transform + optax.adam on a p-vector
   ghost grad     the whole logit_dp.clipped_grad(method="ghost") call
   non-private    jax.value_and_grad of ℒ + adam (the denominator of the ratio)
@@ -86,35 +87,30 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
     return b.factors(b.x), b.factors(b.x_prime), b.u, b.v
 
   def pair_norms(pp, xx, xxp):
-    return C._ghost_sq_norms(batch(pp, xx, xxp))
+    b = batch(pp, xx, xxp)
+    return C._ghost_sq_norms(b, b.factors(b.x), b.factors(b.x_prime))
 
-  def backward(pp, xx, xxp):
+  def backward_from_factors(fu, fv, pp, xx, xxp):
     b = batch(pp, xx, xxp)
     tau = jax.grad(loss)(b.z, b.valid)
-    return b.weighted_backward(tau, tau)
+    return b.weighted_backward(tau, tau, (fu, fv))
 
   record("forward", forward, params, x, xp)
   record("factors", factors, params, x, xp)
   f_u, f_v, u, v = jax.jit(factors)(params, x, xp)
   out["flat_params"] = int(f_v.flat.shape[-1])
-  record("flat cross", lambda fu, fv, uu, vv: C._row_chunks(  # pylint: disable=g-long-lambda
-      lambda rows, u_rows: L.flat_cross(rows, u_rows, fv.flat, vv), (fu.flat, uu),
-      n * d * d, C._CROSS_GRAM_CHUNK_FLOATS), f_u, f_v, u, v)
+  record("flat cross", lambda fu, fv, uu, vv: C._flat_cross_terms(fu.flat, uu, fv.flat, vv),
+         f_u, f_v, u, v)
   for i in range(len(f_u.ghost_patches)):
     def layer_cross(fu, fv, uu, vv, i=i):
-      a_v, delta_v = fv.ghost_patches[i], fv.ghost_deltas[i]
-      t, c = delta_v.shape[1], delta_v.shape[3]
-      return C._row_chunks(
-          lambda a_rows, d_rows, u_rows: L.ghost_layer_cross(a_rows, d_rows, u_rows, a_v,
-                                                             delta_v, vv),
-          (fu.ghost_patches[i], fu.ghost_deltas[i], uu), n * (2 * t * t + 2 * t * c),
-          C._GHOST_LAYER_CHUNK_FLOATS, C._GHOST_LAYER_CHUNK_ROWS)
+      return C._ghost_layer_cross_terms(fu.ghost_patches[i], fu.ghost_deltas[i], uu,
+                                        fv.ghost_patches[i], fv.ghost_deltas[i], vv)
     t, p_i = f_u.ghost_patches[i].shape[1:]
     record(f"ghost layer {i} (T={t}, P={p_i}, C={f_u.ghost_deltas[i].shape[-1]})", layer_cross,
            f_u, f_v, u, v)
+  record("backward ḡ", backward_from_factors, f_u, f_v, params, x, xp)
   del f_u, f_v
   record("pair norms", pair_norms, params, x, xp)
-  record("backward ḡ", backward, params, x, xp)
 
   key = jax.random.key(1)
   tx = optax.chain(logit_dp.transform(1.0, logit_dp.sensitivity(loss, clip_norm, n), key),

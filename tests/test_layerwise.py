@@ -237,3 +237,80 @@ def test_unrolled_and_vmapped_backward_passes_give_the_same_factors(monkeypatch)
     _, factors[min_batch] = layerwise.layer_factors(embed_fn, params, plan, x, normalize, None)
   for a, b in zip(jax.tree_util.tree_leaves(factors[1]), jax.tree_util.tree_leaves(factors[10**9])):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+class SqrtNet(nn.Module):
+  """Finite embedding whose Jacobian is not finite for an all-zero input (√|h| at h = 0)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(3, use_bias=False)(x)
+    return nn.Dense(4)(jnp.sqrt(jnp.abs(h)) + 1.0)
+
+
+def _batch(embed_fn, params, x):
+  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
+  return clipping._Batch(embed_fn, params, x, x, jnp.ones((x.shape[0],), bool),
+                         eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
+                         collective=clipping._Collective(None))
+
+
+def _backward_pass(batch, params, x, cotangents):
+  """Σ_e J_eᵀ c_e by jax.vjp of the normalised embeddings: the reference."""
+  embed = lambda p: jax.vmap(lambda xe: batch.normalized_embedding(p, xe))(x)
+  return jax.vjp(embed, params)[1](cotangents)[0]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("model,shape", [
+    (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
+    (ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2)),
+    (SequenceNet(), (5, 3)),
+    (MixedNet(), (6, 6, 2)),
+    (None, (3, 2)),
+], ids=["conv", "conv_no_bias", "sequence", "mixed", "pure_jax"])
+def test_factor_contraction_is_the_backward_pass(model, shape, mode, monkeypatch):
+  """ḡ contracted from the factors = jax.vjp, per leaf, for factored, flat and generic leaves."""
+  embed_fn, params, x, _ = _problem(model, shape)
+  if model is None:
+    params = dict(params, unused=jnp.ones((3,)))  # a leaf the embedding never reads: ḡ = 0
+  monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d, g=MODES[mode]: g)
+  batch = _batch(embed_fn, params, x)
+  cotangents = jax.random.normal(jax.random.PRNGKey(7), (x.shape[0], 4)).at[2].set(0.0)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  grads = layerwise.factors_transpose(batch.plan, batch.factors(x), cotangents, leaves)
+  expected = jax.tree_util.tree_leaves(_backward_pass(batch, params, x, cotangents))
+  assert len(grads) == len(expected)
+  for got, want in zip(grads, expected):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(want))))
+  if model is None:
+    np.testing.assert_array_equal(jax.tree_util.tree_unflatten(treedef, grads)["unused"], 0.0)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_nonfinite_factors_with_zero_cotangent_contribute_exactly_zero(mode, monkeypatch):
+  """A finite embedding with a non-finite Jacobian (dropped pairs, λ = 0) must not leak NaN."""
+  monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d, g=MODES[mode]: g)
+  embed_fn, params, x, x_prime = _problem(SqrtNet(), (5,))
+  x = x.at[1].set(0.0)
+  batch = _batch(embed_fn, params, x)
+  factors = batch.factors(x)
+  assert not all(np.all(np.isfinite(f)) for f in jax.tree_util.tree_leaves(factors))
+  cotangents = jax.random.normal(jax.random.PRNGKey(8), (x.shape[0], 4)).at[1].set(0.0)
+  leaves, _ = jax.tree_util.tree_flatten(params)
+  grads = layerwise.factors_transpose(batch.plan, factors, cotangents, leaves)
+  keep = np.arange(x.shape[0]) != 1
+  expected = jax.tree_util.tree_leaves(
+      _backward_pass(batch, params, x[keep], cotangents[keep]))
+  for got, want in zip(grads, expected):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  # End to end: the pairs (1, j), whose gradients are not finite, are dropped, exactly as
+  # Algorithm 1 drops them; the example stays a negative of the others.
+  loss = logit_dp.losses.contrastive(temperature=0.5)
+  grads = {method: jax.jit(logit_dp.clipped_grad(embed_fn, loss, 0.5, method))(params, x, x_prime)[1]
+           for method in ("ghost", "materialize")}
+  flat = lambda t: np.concatenate([np.ravel(l) for l in jax.tree_util.tree_leaves(t)])
+  assert np.all(np.isfinite(flat(grads["ghost"])))
+  np.testing.assert_allclose(flat(grads["ghost"]), flat(grads["materialize"]), rtol=1e-4,
+                             atol=1e-6)

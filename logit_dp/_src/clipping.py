@@ -11,7 +11,8 @@ and clipped like any other). With τ_ij = ∂ℒ/∂Z_ij and pair gradients g_ij
 is the SUM of clipped, loss-weighted pair gradients (not a mean). Its
 sensitivity is `logit_dp.sensitivity(loss, B)`. Once λ is known,
 ḡ = ∇_w Σ_ij λ_ij Z_ij(w) with λ held fixed: one backward pass with cotangents
-∂/∂û_i = Σ_j λ_ij v̂_j and ∂/∂v̂_j = Σ_i λ_ij û_i.
+∂/∂û_i = Σ_j λ_ij v̂_j and ∂/∂v̂_j = Σ_i λ_ij û_i ("ghost" contracts its per-example
+Jacobian factors with them instead).
 
 Pair norms without materialising pair gradients ("ghost"). With J_i = ∂û_i/∂w
 and J'_j = ∂v̂_j/∂w (d×p per-example Jacobians), g_ij = J_iᵀv̂_j + J'_jᵀû_i, so
@@ -47,7 +48,7 @@ DEFAULT_COSINE_EPS = 1e-6
 METHODS = ("ghost", "materialize", "triangle")
 # Floats held by one chunk of the ghost cross-Gram (rows × n × d²).
 _CROSS_GRAM_CHUNK_FLOATS = 1 << 23
-# Floats held by one chunk of a ghost layer's pair terms (rows × n × (2T² + 2TC)).
+# Floats held by one chunk of a ghost layer's pair terms (rows × n × (T² + 2TC + d)).
 _GHOST_LAYER_CHUNK_FLOATS = 1 << 24
 _GHOST_LAYER_CHUNK_ROWS = 8  # its batched small contractions run fastest in small chunks (CPU)
 # Floats held by one block of materialised pair gradients (pairs × p).
@@ -238,10 +239,20 @@ class _Batch:
 
     return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), jax.vmap(one)(xs, cot))
 
-  def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array):
-    """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ: one backward pass, summed over devices."""
+  def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array, factors=None):
+    """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ, summed over devices.
+
+    = Σ_i J_iᵀ(Σ_j λ_ij v̂_j) + Σ_j J'_jᵀ(Σ_i λ_ij û_i): one backward pass, or, given the
+    Jacobian factors (f_u, f_v) of the local examples of both views, their contraction.
+    """
     cot_u = jnp.matmul(lam_local_rows, self.v, precision=_HIGHEST)
     cot_v = jnp.matmul(lam_full[:, self.rows].T, self.u, precision=_HIGHEST)
+    if factors is not None:
+      leaves, treedef = jax.tree_util.tree_flatten(self.params)
+      grads = [jnp.add(*g) for g in zip(
+          *(layerwise.factors_transpose(self.plan, f, cot, leaves)
+            for f, cot in zip(factors, (cot_u, cot_v))))]
+      return self.c.psum(jax.tree_util.tree_unflatten(treedef, grads))
 
     def contribution(xs, cot):
       def chunk_grad(x_chunk, cot_chunk):
@@ -288,24 +299,35 @@ def _row_chunks(fn, rows, row_floats: int, budget: int, max_rows: int | None = N
   return _unchunk_rows(_map_chunks(fn, rows, chunk), n_rows)
 
 
-def _ghost_sq_norms(batch: _Batch):
-  """Exact ‖g_ij‖² for local rows i and all columns j, shape (n_local, n)."""
-  f_u = batch.factors(batch.x)
-  f_v = batch.c.gather(batch.factors(batch.x_prime))
+def _flat_cross_terms(flat_rows, u_rows, flat_columns, v):
+  """layerwise.flat_cross for all local rows, in row chunks of about _CROSS_GRAM_CHUNK_FLOATS."""
+  n, d, _ = flat_columns.shape
+  return _row_chunks(lambda f, u: layerwise.flat_cross(f, u, flat_columns, v),
+                     (flat_rows, u_rows), n * d * d, _CROSS_GRAM_CHUNK_FLOATS)
+
+
+def _ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v):
+  """layerwise.ghost_layer_cross of one layer for all local rows, in small row chunks."""
+  deltas_rows, deltas_columns = layerwise.ghost_cross_layouts(deltas_rows, deltas_columns)
+  d, n, t, c = deltas_columns.shape
+  return _row_chunks(
+      lambda a, delta, u: layerwise.ghost_layer_cross(a, delta, u, a_columns, deltas_columns, v),
+      (a_rows, deltas_rows, u_rows), n * (t * t + 2 * t * c + d),
+      _GHOST_LAYER_CHUNK_FLOATS, _GHOST_LAYER_CHUNK_ROWS)
+
+
+def _ghost_sq_norms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors):
+  """Exact ‖g_ij‖² for local rows i and all columns j, shape (n_local, n).
+
+  f_u: factors of the local rows of x; f_v: factors of all of x_prime (gathered).
+  """
   anchor, positive = _quadratic_terms(f_u.gram, f_v.gram, batch.u_loc, batch.v)
-  n, d, q = f_v.flat.shape
   cross = jnp.zeros_like(anchor)
-  if q:
-    cross += _row_chunks(
-        lambda flat_rows, u_rows: layerwise.flat_cross(flat_rows, u_rows, f_v.flat, batch.v),
-        (f_u.flat, batch.u_loc), n * d * d, _CROSS_GRAM_CHUNK_FLOATS)
+  if f_v.flat.shape[-1]:
+    cross += _flat_cross_terms(f_u.flat, batch.u_loc, f_v.flat, batch.v)
   for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas,
                                         f_v.ghost_patches, f_v.ghost_deltas):
-    t, c = delta_v.shape[1], delta_v.shape[3]
-    layer = lambda a_rows, delta_rows, u_rows, a_v=a_v, delta_v=delta_v: (
-        layerwise.ghost_layer_cross(a_rows, delta_rows, u_rows, a_v, delta_v, batch.v))
-    cross += _row_chunks(layer, (a_u, delta_u, batch.u_loc), n * (2 * t * t + 2 * t * c),
-                         _GHOST_LAYER_CHUNK_FLOATS, _GHOST_LAYER_CHUNK_ROWS)
+    cross += _ghost_layer_cross_terms(a_u, delta_u, batch.u_loc, a_v, delta_v, batch.v)
   return anchor + positive + 2.0 * cross
 
 
@@ -317,11 +339,8 @@ def _triangle_norms(batch: _Batch):
   return jnp.sqrt(jnp.maximum(anchor, 0.0)) + jnp.sqrt(jnp.maximum(positive, 0.0))
 
 
-# Pair-norm methods that do not form pair gradients: (n_local, n) norms from a batch.
-_PAIR_NORMS = {
-    "ghost": lambda batch: jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch), 0.0)),
-    "triangle": _triangle_norms,
-}
+def _ghost_norms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors):
+  return jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch, f_u, f_v), 0.0))
 
 
 def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size):
@@ -470,9 +489,13 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
     if method == "materialize":
       grads, _ = _materialize(batch, tau_local, clip_norm, pair_block_size)
       return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
-    norms = _PAIR_NORMS[method](batch)
+    if method == "ghost":
+      factors = batch.factors(batch.x), batch.factors(batch.x_prime)
+      norms = _ghost_norms(batch, factors[0], collective.gather(factors[1]))
+    else:
+      factors, norms = None, _triangle_norms(batch)
     lam_local = tau_local * _clip_factor(norms, clip_norm)
-    grads = batch.weighted_backward(lam_local, collective.gather(lam_local))
+    grads = batch.weighted_backward(lam_local, collective.gather(lam_local), factors)
     return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
 
   return _make_grad_fn(core, loss, f"clipped_grad({method})", axis_name)
@@ -493,8 +516,10 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosi
   mask = jnp.ones((x.shape[0],), dtype=bool)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                  microbatch_size=microbatch_size, collective=_Collective(None))
-  if method in _PAIR_NORMS:
-    return _PAIR_NORMS[method](batch)
+  if method == "ghost":
+    return _ghost_norms(batch, batch.factors(batch.x), batch.factors(batch.x_prime))
+  if method == "triangle":
+    return _triangle_norms(batch)
   n = x.shape[0]
   _, norms = _materialize(batch, jnp.zeros((n, n)), math.inf, None)
   return norms
