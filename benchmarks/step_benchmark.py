@@ -30,9 +30,11 @@ Peak memory (`--memory`):
                         (`inproc_rss_delta_bytes`, a lower bound of the step's working set
                         because the allocator may reuse memory freed by earlier runs).
   none                  no child processes.
-The sampler always runs.
+The sampler always samples the warm-up run (for methods without a child); it samples the
+timed runs only with `--memory sampler` (a sampling thread costs the timed step CPU).
 
-Timing: `--repeats` interleaved runs per method after one warm-up run, fewer where a
+Timing: `--repeats` interleaved runs per method after one warm-up run, each timed run of a
+step faster than `--settle-below-s` (2 s) right after an untimed run of the same step, fewer where a
 step is slow (the runs of one method fit in `--time-budget-s`, at least one); a step
 slower than the whole budget is timed once, by its warm-up run (the first run after the
 ahead-of-time compilation; noted in the table). Materialize gets
@@ -269,11 +271,15 @@ class RssSampler:
     self._label, self._start, self._peak = None, 0, 0
     self._lock = threading.Lock()
     self._stop = threading.Event()
+    self._active = threading.Event()
     self._thread = threading.Thread(target=self._loop, daemon=True)
     self._thread.start()
 
   def _loop(self):
+    # Idle (blocked, not polling) between runs: a polling thread steals CPU from XLA on a
+    # small machine and slowed the short non-private step by ~35% here.
     while not self._stop.is_set():
+      self._active.wait()
       rss = _rss()
       with self._lock:
         if self._label is not None:
@@ -284,8 +290,10 @@ class RssSampler:
     with self._lock:
       self._label, self._start = label, _rss()
       self._peak = self._start
+    self._active.set()
 
   def end(self):
+    self._active.clear()
     with self._lock:
       self._peak = max(self._peak, _rss())
       if self._label is not None:
@@ -296,6 +304,7 @@ class RssSampler:
 
   def close(self):
     self._stop.set()
+    self._active.set()
     self._thread.join(timeout=1)
 
 
@@ -476,6 +485,13 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
     for e in entries:
       spec = e["spec"]
       if todo.get(spec, 0) > rnd:
+        if e["warmup_s"] < args.settle_below_s:
+          # An untimed run first: right after a heavy step a light one runs up to ~50%
+          # slower (caches, allocator), which would flatter every ratio to it.
+          runners[spec].run()
+        if args.memory != "sampler":  # timed runs without a sampling thread
+          e["times_s"].append(runners[spec].run())
+          continue
         sampler.begin(spec)
         try:
           e["times_s"].append(runners[spec].run())
@@ -843,6 +859,9 @@ def parse_args(argv):
   p.add_argument("--compile-cache", default=None,
                  help="persistent XLA compilation cache directory, shared with the memory "
                       "child processes (default: .jax_cache next to --out; '' disables)")
+  p.add_argument("--settle-below-s", type=float, default=2.0,
+                 help="steps faster than this get one untimed run right before each timed "
+                      "run, so that every timed run follows a run of the same step")
   p.add_argument("--image-size", type=int, default=32)
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--clip-norm", type=float, default=1.0)
