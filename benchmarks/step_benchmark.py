@@ -57,6 +57,7 @@ the baselines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -302,6 +303,18 @@ class RssSampler:
         self.peaks[self._label] = max(self.peaks.get(self._label, 0), self._peak)
       self._label = None
 
+  @contextlib.contextmanager
+  def watching(self, label: str, enabled: bool = True):
+    """Samples while the block runs (when enabled)."""
+    if not enabled:
+      yield
+      return
+    self.begin(label)
+    try:
+      yield
+    finally:
+      self.end()
+
   def close(self):
     self._stop.set()
     self._active.set()
@@ -374,9 +387,8 @@ def factor_floats_per_example(embed_fn, params, x, d: int) -> int:
   """Floats "ghost" holds per example and view: d·q flat Jacobian + each ghost layer's factors."""
   from logit_dp._src import layerwise  # pylint: disable=g-import-not-at-top
   plan = layerwise.make_plan(embed_fn, params, x, d)
-  q = sum(int(np.prod(np.shape(leaf)))
-          for i, leaf in enumerate(jax.tree_util.tree_leaves(params))
-          if i in set(plan.generic))
+  leaves = jax.tree_util.tree_leaves(params)
+  q = sum(int(np.prod(np.shape(leaves[i]))) for i in plan.generic)
   held = 0
   for layer, ghost in zip(plan.layers, plan.ghost):
     if ghost:
@@ -451,15 +463,13 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
       del compiled
       continue
     runner = Runner(compiled, params, opt_state, x, x_prime)
-    sampler.begin(spec)
     try:
-      e["warmup_s"] = runner.run()
+      with sampler.watching(spec):
+        e["warmup_s"] = runner.run()
     except Exception as err:  # pylint: disable=broad-except
       e["status"], e["reason"] = "error", f"run failed: {type(err).__name__}: {err}"[:500]
       _log(f"{model} n={n} {spec}: {e['reason']}")
       continue
-    finally:
-      sampler.end()
     if method == BASELINE:
       t_np = e["warmup_s"]
     runners[spec] = runner
@@ -489,14 +499,9 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
           # An untimed run first: right after a heavy step a light one runs up to ~50%
           # slower (caches, allocator), which would flatter every ratio to it.
           runners[spec].run()
-        if args.memory != "sampler":  # timed runs without a sampling thread
+        # Timed runs are sampled only when the sampler is the memory measurement.
+        with sampler.watching(spec, enabled=args.memory == "sampler"):
           e["times_s"].append(runners[spec].run())
-          continue
-        sampler.begin(spec)
-        try:
-          e["times_s"].append(runners[spec].run())
-        finally:
-          sampler.end()
   runners.clear()
 
   for e in entries:

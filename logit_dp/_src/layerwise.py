@@ -327,8 +327,8 @@ def ghost_layer_gram(patches, deltas):
 
 
 def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobian,
-                  varying=lambda a: a) -> tuple:
-  """(û (m, d), Factors) for a batch x under plan.
+                  varying=lambda a: a) -> Factors:
+  """Factors of a batch x under plan.
 
   generic_jacobian(leaf_indices) -> (m, d, q) per-example Jacobians of those leaves;
   varying(a) types a as per-device inside shard_map (so that derivatives w.r.t. the
@@ -378,53 +378,47 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
     flat.append(generic_jacobian(plan.generic))
   flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
   gram = gram + jnp.einsum("mkq,mlq->mkl", flat, flat, precision=_HIGHEST)
-  return u, Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
+  return Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
 
 
-def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves) -> list:
+def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=None) -> list:
   """Σ_e J_eᵀ c_e per parameter leaf, contracted from the factors (no backward pass).
 
   Flattened layers and generic leaves: Σ_e flat_eᵀ c_e; ghost layer: Σ_{e,t} a_et ⊗ (Σ_k c_ek δ_et^k)
   (kernel rows of the patch axis, then the bias column). Leaves the embedding does not use get
-  zeros. An example whose cotangent is 0 contributes exactly 0, even where its factors are not
-  finite (0·NaN would otherwise release that a dropped or masked example is present).
+  zeros. keep: optional (m,) bool; examples not kept have their factors *selected* to 0, so they
+  add exactly 0 even where their factors are not finite (0·NaN is NaN).
   """
   m, d, q = factors.flat.shape
 
-  def contract(select):
-    grads = [jnp.zeros_like(leaf) for leaf in leaves]
-    flat = jnp.matmul(cotangents.reshape(m * d), select(factors.flat).reshape(m * d, q),
-                      precision=_HIGHEST)  # one GEMV; an einsum here is ~15x slower on CPU
-    offset = 0
-    ghost = iter(zip(factors.ghost_patches, factors.ghost_deltas))
-    for layer, is_ghost in zip(plan.layers, plan.ghost):
-      if is_ghost:
-        patches, deltas = next(ghost)
-        weighted = jnp.sum(select(deltas) * cotangents[:, None, :, None], axis=2)  # (m, T, C)
-        grad = jnp.matmul(select(patches).reshape(-1, layer.fan_in).T,
-                          weighted.reshape(-1, layer.features), precision=_HIGHEST)
-      else:
-        size = layer.fan_in * layer.features
-        grad = flat[offset:offset + size].reshape(layer.fan_in, layer.features)
-        offset += size
-      kernel = leaves[layer.leaves[0]]
-      grads[layer.leaves[0]] = grad[:kernel.size // layer.features].reshape(kernel.shape)
-      if len(layer.leaves) > 1:
-        grads[layer.leaves[1]] = grad[-1].reshape(leaves[layer.leaves[1]].shape)
-    for i in plan.generic:
-      grads[i] = flat[offset:offset + leaves[i].size].reshape(leaves[i].shape)
-      offset += leaves[i].size
-    return grads
-
-  def kept(a):
-    keep = jnp.any(cotangents != 0, axis=-1)
+  def select(a):
+    if keep is None:
+      return a
     return jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a))
 
-  grads = contract(lambda a: a)
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
-  # Selecting inside the contraction costs ~10x on CPU, so only when something is not finite
-  # (then it gives the same sums, with the zero-cotangent examples' terms exactly 0).
-  return jax.lax.cond(finite, lambda: grads, lambda: contract(kept))
+  grads = [jnp.zeros_like(leaf) for leaf in leaves]
+  flat = jnp.matmul(cotangents.reshape(m * d), select(factors.flat).reshape(m * d, q),
+                    precision=_HIGHEST)  # one GEMV; an einsum here is ~15x slower on CPU
+  offset = 0
+  ghost = iter(zip(factors.ghost_patches, factors.ghost_deltas))
+  for layer, is_ghost in zip(plan.layers, plan.ghost):
+    if is_ghost:
+      patches, deltas = next(ghost)
+      weighted = jnp.sum(select(deltas) * cotangents[:, None, :, None], axis=2)  # (m, T, C)
+      grad = jnp.matmul(select(patches).reshape(-1, layer.fan_in).T,
+                        weighted.reshape(-1, layer.features), precision=_HIGHEST)
+    else:
+      size = layer.fan_in * layer.features
+      grad = flat[offset:offset + size].reshape(layer.fan_in, layer.features)
+      offset += size
+    kernel = leaves[layer.leaves[0]]
+    grads[layer.leaves[0]] = grad[:kernel.size // layer.features].reshape(kernel.shape)
+    if len(layer.leaves) > 1:
+      grads[layer.leaves[1]] = grad[-1].reshape(leaves[layer.leaves[1]].shape)
+  for i in plan.generic:
+    grads[i] = flat[offset:offset + leaves[i].size].reshape(leaves[i].shape)
+    offset += leaves[i].size
+  return grads
 
 
 def flat_cross(flat_rows, u_rows, flat_all, v_all):
