@@ -86,3 +86,17 @@ def test_pre_gate_skips_what_cannot_run():
   assert "does not fit" in gate("ghost", 64, p=11_200_000, t_np=1.0)              # 46 GB
   assert gate("ghost", 64, p=11_200_000, t_np=1.0, held=5_000_000) is None        # 2.6 GB
   assert gate("nonprivate", 10**6, t_np=1e3) is None
+
+
+def test_loop_conv_benchmark_runs_and_both_gradients_agree(tmp_path):
+  from benchmarks import loop_conv  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "loop_conv.json"
+  report = loop_conv.main(["--shape", "4,6,6,3", "--features", "5", "--repeats", "1",
+                           "--out", str(out)])
+  assert json.loads(out.read_text())["results"] == report["results"]
+  assert [r["stride"] for r in report["results"]] == [1, 2]
+  for r in report["results"]:
+    assert set(r["median_s"]) == {f"{conv} / {how}" for conv in ("jax", "channels_last")
+                                  for how in ("unrolled", "lax.map")}
+    assert all(math.isfinite(t) and t > 0 for t in r["median_s"].values())
+    assert r["max_rel_diff"] < 1e-5

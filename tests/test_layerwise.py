@@ -53,6 +53,38 @@ def test_conv_patches_other_ranks(rank):
                              rtol=1e-5, atol=1e-5)
 
 
+CONV_VJP_CASES = dict(
+    CONV_CONFIGS,
+    stride3_valid=dict(kernel_size=(2, 3), strides=(3, 2), padding="VALID"))
+
+
+@pytest.mark.parametrize("name", sorted(CONV_VJP_CASES) + ["rank1", "rank3"])
+def test_channels_last_conv_has_the_values_and_gradients_of_jax(name):
+  """Its hand-written backward pass = jax.vjp of flax's convolution, w.r.t. input and kernel."""
+  if name.startswith("rank"):
+    rank = int(name[-1])
+    conv, shape = nn.Conv(3, (2,) * rank, strides=2, padding="SAME"), (2,) + (5,) * rank + (2,)
+  else:
+    conv, shape = nn.Conv(5, **CONV_VJP_CASES[name]), (3, 9, 8, 4)
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(k1, shape)
+  config = layerwise._conv_config(conv, x)  # pylint: disable=protected-access
+  kernel = jax.random.normal(k2, tuple(config[0]) + (shape[-1], conv.features))
+
+  def flax_conv(x, kernel):
+    params = {"kernel": kernel, "bias": jnp.zeros(conv.features)} if conv.use_bias else {
+        "kernel": kernel}
+    return conv.apply({"params": params}, x)
+
+  y, reference_vjp = jax.vjp(flax_conv, x, kernel)
+  y_got, got_vjp = jax.vjp(lambda x, k: layerwise.channels_last_conv(x, k, config, None), x, kernel)
+  np.testing.assert_allclose(y_got, y, rtol=1e-5, atol=1e-5)  # float32 sums, other order
+  cotangent = jax.random.normal(k3, y.shape)
+  for got, want in zip(got_vjp(cotangent), reference_vjp(cotangent)):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 class ConvNet(nn.Module):
   conv: dict
   dim: int = 4
@@ -131,6 +163,33 @@ def _problem(model, shape, n=6, seed=0):
               "w2": jax.random.normal(k1, (5, 4))}
     return pure_jax_embed, params, x, x_prime
   return model.apply, model.init(k3, x[:1]), x, x_prime
+
+
+@pytest.mark.parametrize("model,shape", [
+    (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
+    (MixedNet(), (6, 6, 2)),
+    (TiedNet(), (5,)),
+    (KernelAlsoUsedElsewhere(), (5,)),
+    (None, (3, 2)),
+], ids=["conv", "mixed", "tied", "kernel_used_elsewhere", "pure_jax"])
+def test_recognised_layers_keep_values_and_gradients_in_a_microbatch_loop(model, shape):
+  """with_recognised_layers(embed_fn) = embed_fn, values and parameter vjps, under lax.map + jit."""
+  embed_fn, params, x, _ = _problem(model, shape)
+  cotangents = jax.random.normal(jax.random.PRNGKey(3), (x.shape[0], 4))
+
+  def microbatched(fn):
+    def chunk(xs):
+      x_chunk, cot_chunk = xs
+      y, vjp = jax.vjp(lambda p: fn(p, x_chunk), params)
+      return y, vjp(cot_chunk)[0]
+    ys, grads = jax.lax.map(chunk, (x.reshape((2, 3) + shape), cotangents.reshape(2, 3, 4)))
+    return ys.reshape(x.shape[0], -1), jax.tree_util.tree_map(lambda g: g.sum(0), grads)
+
+  got = jax.jit(lambda: microbatched(layerwise.with_recognised_layers(embed_fn)))()
+  y, vjp = jax.vjp(lambda p: embed_fn(p, x), params)
+  np.testing.assert_allclose(got[0], y, rtol=1e-6, atol=1e-6)
+  for g, want in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(vjp(cotangents)[0])):
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(want))))
 
 
 # "auto" mixes the two per layer; tests/test_clipping.py covers it on the default plans.

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -138,22 +139,85 @@ def _layer_inputs(context, args, kwargs, placeholder_index):
   return "conv", tuple(leaves), config
 
 
-def _apply_layer(kind, config, x, kernel, bias, precision):
-  """(y, patches (N, T, P)) of a recognised layer, computed from the real leaves."""
+def _apply_layer(kind, config, x, kernel, bias, precision, with_patches=True):
+  """(y, patches (N, T, P) or None) of a recognised layer, computed from the real leaves."""
   if kind == "dense":
     y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
-    patches = x.reshape(x.shape[0], -1, x.shape[-1])
   else:
-    kernel_size, strides, padding, lhs_dil, rhs_dil = config
-    dimension_numbers = flax_linear._conv_dimension_numbers(x.shape)  # pylint: disable=protected-access
-    y = jax.lax.conv_general_dilated(
-        x, kernel, strides, padding, lhs_dilation=lhs_dil, rhs_dilation=rhs_dil,
-        dimension_numbers=dimension_numbers, precision=precision)
-    patches = conv_patches(x, kernel_size, strides, padding, lhs_dil, rhs_dil)
+    y = channels_last_conv(x, kernel, config, precision)
   if bias is not None:
     y = y + bias.reshape((1,) * (y.ndim - 1) + bias.shape)
+  if not with_patches:
+    return y, None
+  if kind == "dense":
+    patches = x.reshape(x.shape[0], -1, x.shape[-1])
+  else:
+    patches = conv_patches(x, *config)
+  if bias is not None:
     patches = jnp.concatenate([patches, jnp.ones(patches.shape[:-1] + (1,), patches.dtype)], -1)
   return y, jax.lax.stop_gradient(patches)
+
+
+def _dilated(sizes, dilation):
+  return [0 if s == 0 else 1 + d * (s - 1) for s, d in zip(sizes, dilation)]
+
+
+def _explicit_padding(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation):
+  if not isinstance(padding, str):
+    return tuple(tuple(p) for p in padding)
+  return tuple(jax.lax.padtype_to_pads(_dilated(x.shape[1:-1], lhs_dilation),
+                                       _dilated(kernel_size, rhs_dilation), strides, padding))
+
+
+def _conv(x, kernel, strides, padding, lhs_dilation, rhs_dilation, precision):
+  """Channels-last convolution (N, *spatial, C) * (*window, I, O), explicit padding."""
+  return jax.lax.conv_general_dilated(
+      x, kernel, strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+      dimension_numbers=flax_linear._conv_dimension_numbers(x.shape),  # pylint: disable=protected-access
+      precision=precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def channels_last_conv(x, kernel, config, precision):
+  """nn.Conv's convolution for a `_conv_config` config, with a backward pass made of
+  channels-last convolutions only.
+
+  Same values and gradients as jax.lax.conv_general_dilated. JAX differentiates a convolution
+  into convolutions with transposed dimension labels, which XLA:CPU runs 4-50x slower inside a
+  loop body (lax.map / scan, as in microbatching) than outside one
+  (https://github.com/jax-ml/jax/issues/12868); here the operands are transposed explicitly
+  instead, so every convolution has the labels of the forward one.
+  """
+  _, strides, _, lhs_dil, rhs_dil = config
+  return _conv(x, kernel, strides, _explicit_padding(x, *config), lhs_dil, rhs_dil, precision)
+
+
+def _channels_last_conv_fwd(x, kernel, config, precision):
+  return channels_last_conv(x, kernel, config, precision), (x, kernel)
+
+
+def _channels_last_conv_bwd(config, precision, residuals, g):
+  """x̄ = g ⋆ flip(W)ᵀ (strides ↔ input dilation); W̄ = x ⋆ g over the batch (as in JAX)."""
+  x, kernel = residuals
+  kernel_size, strides, padding, lhs_dil, rhs_dil = config
+  padding = _explicit_padding(x, *config)
+  in_sizes, out_sizes = x.shape[1:-1], g.shape[1:-1]
+  in_d, window_d, out_d = (_dilated(in_sizes, lhs_dil), _dilated(kernel_size, rhs_dil),
+                           _dilated(out_sizes, strides))
+  lhs_before = [w - lo - 1 for w, (lo, _) in zip(window_d, padding)]
+  lhs_padding = [(b, i + w - 1 - o - b) for b, i, w, o in zip(lhs_before, in_d, window_d, out_d)]
+  spatial = tuple(range(len(kernel_size)))
+  flipped = jnp.swapaxes(jnp.flip(kernel, spatial), -1, -2)  # (*window, O, I)
+  x_bar = _conv(g, flipped, lhs_dil, lhs_padding, strides, rhs_dil, precision)
+  rhs_padding = [(lo, o - i + w - lo - 1)
+                 for (lo, _), i, w, o in zip(padding, in_d, window_d, out_d)]
+  # Batch as the contracted feature axis: x as (C_in, *spatial, N), g as (*out, N, C_out).
+  kernel_bar = _conv(jnp.swapaxes(x, 0, -1), jnp.moveaxis(g, 0, -2), rhs_dil, rhs_padding,
+                     lhs_dil, strides, precision)  # (C_in, *window, C_out)
+  return x_bar, jnp.moveaxis(kernel_bar, 0, -2).astype(kernel.dtype)
+
+
+channels_last_conv.defvjp(_channels_last_conv_fwd, _channels_last_conv_bwd)
 
 
 def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation):
@@ -187,6 +251,7 @@ class _Interceptor:
   placeholder_index: dict          # id(placeholder) -> leaf index
   real_leaves: list
   perturbations: Any = None        # list of ξ in call order (None while planning)
+  with_patches: bool = True        # False: only compute the layers (with_recognised_layers)
   calls: list = dataclasses.field(default_factory=list)    # (kind, leaves) per call
   records: list = dataclasses.field(default_factory=list)  # (x, y, patches) shapes per call
   patches: list = dataclasses.field(default_factory=list)
@@ -200,13 +265,31 @@ class _Interceptor:
     x = args[0]
     kernel = self.real_leaves[leaves[0]]
     bias = self.real_leaves[leaves[1]] if len(leaves) > 1 else None
-    y, patches = _apply_layer(kind, config, x, kernel, bias, context.module.precision)
+    y, patches = _apply_layer(kind, config, x, kernel, bias, context.module.precision,
+                              self.with_patches)
     if self.perturbations is not None and position < len(self.perturbations):
       y = y + self.perturbations[position]  # a call beyond the plan fails layer_factors' check
     self.calls.append((kind, leaves))
-    self.records.append((x.shape, y.shape, patches.shape))
-    self.patches.append(patches)
+    if self.with_patches:
+      self.records.append((x.shape, y.shape, patches.shape))
+      self.patches.append(patches)
     return y
+
+
+def with_recognised_layers(embed_fn):
+  """embed_fn with every recognised nn.Dense / nn.Conv call computed by `_apply_layer`.
+
+  Same values and gradients; the difference is that convolutions then differentiate into
+  channels-last convolutions only (`channels_last_conv`), which XLA:CPU runs at full speed
+  inside the loop bodies of microbatching.
+  """
+  def embed(params, x):
+    leaves = jax.tree_util.tree_leaves(params)
+    interceptor = _Interceptor({id(leaf): i for i, leaf in enumerate(leaves)}, leaves,
+                               with_patches=False)
+    with nn.intercept_methods(interceptor):
+      return embed_fn(params, x)
+  return embed
 
 
 def replace_leaves(leaves, treedef, indices, values):
