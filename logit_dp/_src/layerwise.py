@@ -460,7 +460,8 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   if plan.generic:
     flat.append(generic_jacobian(plan.generic))
   flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
-  gram = gram + jnp.einsum("mkq,mlq->mkl", flat, flat, precision=_HIGHEST)
+  # Example by example: the batched (m, d, q)·(m, q, d) contraction runs 3-6x slower on CPU.
+  gram = gram + jax.lax.map(lambda f: jnp.matmul(f, f.T, precision=_HIGHEST), flat)
   return Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
 
 
