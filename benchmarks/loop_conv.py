@@ -20,25 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import step_benchmark as sb
 from logit_dp._src import layerwise
-
-
-def _median_s(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def measure(shape, features: int, stride: int, chunks: int, repeats: int) -> dict:
@@ -77,7 +66,8 @@ def measure(shape, features: int, stride: int, chunks: int, repeats: int) -> dic
     for how, make in (("unrolled", unrolled), ("lax.map", looped)):
       fn = jax.jit(make(conv))
       grads[name, how] = fn(x, g, kernel)
-      out["median_s"][f"{name} / {how}"] = _median_s(fn, (x, g, kernel), repeats)
+      out["median_s"][f"{name} / {how}"] = sb.median_and_min_s(fn, x, g, kernel,
+                                                                  repeats=repeats)[0]
   reference = grads["jax", "unrolled"]
   out["max_rel_diff"] = max(
       float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))

@@ -30,9 +30,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +38,6 @@ import optax
 
 import logit_dp
 from benchmarks import step_benchmark as sb
-
-
-def _time(fn, *args, repeats: int):
-  jax.block_until_ready(fn(*args))  # compile + warm-up
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts), min(ts)
 
 
 def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
@@ -65,7 +53,7 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
   def record(name, fn, *args):
     try:
-      med, mn = _time(jax.jit(fn), *args, repeats=repeats)
+      med, mn = sb.median_and_min_s(jax.jit(fn), *args, repeats=repeats)
       rows[name] = {"median_s": med, "min_s": mn}
       sb._log(f"profile n={n} {name}: {med:.4f} s")
     except Exception as err:  # pylint: disable=broad-except

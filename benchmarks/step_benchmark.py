@@ -208,6 +208,17 @@ def compile_step(spec, embed_fn, params, x, x_prime, args):
   return compiled, opt_state, info
 
 
+def median_and_min_s(fn, *args, repeats: int) -> tuple[float, float]:
+  """(median, min) seconds of fn(*args) over `repeats` runs after one untimed warm-up run."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), min(times)
+
+
 class Runner:
   """Holds a compiled step and its (chained) state; run() times one step."""
 

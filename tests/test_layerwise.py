@@ -315,8 +315,11 @@ def _batch(embed_fn, params, x):
 
 
 def _backward_pass(batch, params, x, cotangents):
-  """Σ_e J_eᵀ c_e by jax.vjp of the normalised embeddings: the reference."""
-  embed = lambda p: jax.vmap(lambda xe: batch.normalized_embedding(p, xe))(x)
+  """Σ_e J_eᵀ c_e by jax.vjp of the normalised embeddings of embed_fn itself (JAX's own
+  convolution gradients, not the library's layers): the reference."""
+  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
+  embed = lambda p: jax.vmap(
+      lambda xe: clipping.normalize(batch.embed_fn(p, xe[None])[0], batch.eps))(x)
   return jax.vjp(embed, params)[1](cotangents)[0]
 
 

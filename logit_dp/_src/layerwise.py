@@ -199,7 +199,7 @@ def _channels_last_conv_fwd(x, kernel, config, precision):
 def _channels_last_conv_bwd(config, precision, residuals, g):
   """x̄ = g ⋆ flip(W)ᵀ (strides ↔ input dilation); W̄ = x ⋆ g over the batch (as in JAX)."""
   x, kernel = residuals
-  kernel_size, strides, padding, lhs_dil, rhs_dil = config
+  kernel_size, strides, _, lhs_dil, rhs_dil = config
   padding = _explicit_padding(x, *config)
   in_sizes, out_sizes = x.shape[1:-1], g.shape[1:-1]
   in_d, window_d, out_d = (_dilated(in_sizes, lhs_dil), _dilated(kernel_size, rhs_dil),
