@@ -71,7 +71,11 @@ import threading
 import time
 from typing import Any, Optional
 
-import jax
+# On a GPU, JAX reserves 75% of the device's memory when it starts unless told not to; the
+# fresh-process memory children run beside this process, so neither may reserve it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -520,8 +524,12 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
       e["median_s"] = statistics.median(e["times_s"])
       e["min_s"] = min(e["times_s"])
       e["repeats"] = len(e["times_s"])
-      e["inproc_rss_delta_bytes"] = sampler.deltas.get(e["spec"])
-      e["inproc_rss_peak_bytes"] = sampler.peaks.get(e["spec"])
+      if _on_accelerator():
+        # The host RSS says nothing of device memory; XLA's buffer assignment does.
+        e["xla_device_bytes"] = e.get("xla_bytes")
+      else:
+        e["inproc_rss_delta_bytes"] = sampler.deltas.get(e["spec"])
+        e["inproc_rss_peak_bytes"] = sampler.peaks.get(e["spec"])
       _log(f"{model} n={n} {e['spec']}: median {e['median_s']:.4f} s over {e['repeats']}")
   base = next((e for e in entries if e["method"] == BASELINE and e.get("median_s")), None)
   for e in entries:
@@ -587,13 +595,16 @@ def _get(results, model, n, method):
 
 
 def peak_memory(r: dict, fallback: bool = True) -> Optional[int]:
-  """Peak memory of the step: fresh-process measurement, else the in-process sampler's."""
+  """Peak memory of the step: fresh-process measurement, else the in-process sampler's
+  (CPU) or XLA's buffer assignment (accelerator)."""
   if r is None:
     return None
   if r.get("peak_device_bytes") is not None:
     return r["peak_device_bytes"]
   if r.get("peak_rss_bytes") is not None or not fallback:
     return r.get("peak_rss_bytes")
+  if r.get("xla_device_bytes") is not None:
+    return r["xla_device_bytes"]
   return r.get("inproc_rss_peak_bytes")
 
 
@@ -729,7 +740,7 @@ def _short(r):
   if r is None:
     return "—"
   if r["status"] != "ok":
-    return "skip" if r["status"] == "skipped" else "error"
+    return {"skipped": "skip", "not timed": "—"}.get(r["status"], "error")
   return _fmt_ratio(r.get("ratio_median"))
 
 
@@ -771,7 +782,9 @@ def markdown(report: dict) -> str:
     lines.append("")
   # Details.
   lines.append(f"Details (times in seconds; ratio = method / non-private, same process; "
-               f"{mem_kind} of a fresh process running one step, Python+JAX included):")
+               f"{mem_kind} of a fresh process running one step" + (
+                   ", as the device allocator's peak_bytes_in_use):"
+                   if m.get("platform") not in (None, "cpu") else ", Python+JAX included):"))
   lines.append("")
   head = ["model", "n", "method", "ratio (median)", "ratio (min)", "median s", "min s", "runs",
           mem_kind, "compile s", "note"]
@@ -790,8 +803,10 @@ def markdown(report: dict) -> str:
             str(r.get("repeats", "—")), _fmt_mem(r),
             _fmt_s(r.get("compile_s")), note.replace("|", "/")]) + " |")
   lines.append("")
-  lines.append("(* = no fresh-process measurement: peak RSS of the benchmark process itself "
-               "while the step ran, sampled every 5 ms.)")
+  lines.append("(* = no fresh-process measurement: " + (
+      "XLA's buffer assignment for the step: arguments + outputs + temporaries.)"
+      if m.get("platform") not in (None, "cpu") else
+      "peak RSS of the benchmark process itself while the step ran, sampled every 5 ms.)"))
   lines.append("")
   sc = report.get("scaling", {})
   if sc:
@@ -921,6 +936,12 @@ def main(argv=None) -> dict:
         else:
           merged[key] = dict(r)
       base = base or rep  # machine, command and times of the first file
+    num_params = {r["model"]: r["num_params"] for r in merged.values() if "num_params" in r}
+    for r in merged.values():
+      if r.get("memory_only"):  # measured for memory, not timed in any of the files
+        r.setdefault("status", "not timed")
+        r.setdefault("reason", "memory measured only; not timed in this run")
+        r.setdefault("num_params", num_params.get(r["model"]))
     base["results"] = list(merged.values())
     report = finalize(base)
     write(report, args.out if args.out != "results/bench.json" else None)

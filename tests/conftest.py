@@ -8,6 +8,10 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# The references (jax.grad, plain convolutions, ...) at full float32 on every backend: on
+# a GPU JAX's default for float32 contractions is TF32, about 3 significant digits.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 
 class MLP(nn.Module):
   features: tuple = (16, 6)

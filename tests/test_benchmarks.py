@@ -59,6 +59,30 @@ def test_render_merges(quick_run, capsys):
   assert "Logit-DP ghost" in capsys.readouterr().out
 
 
+def test_render_keeps_memory_only_sizes_and_labels_device_memory(quick_run, tmp_path, capsys):
+  """A memory-only file with a size the timing run lacks, on an accelerator's report."""
+  _, out, _ = quick_run
+  timing = json.loads(out.read_text())
+  timing["machine"]["platform"] = "gpu"
+  for r in timing["results"]:  # what bench_config records on an accelerator
+    r.pop("inproc_rss_peak_bytes", None)
+    r["xla_device_bytes"] = r["xla_bytes"]
+  memory = {"results": [{"model": "embedding", "n": 16, "method": "ghost", "spec": "ghost",
+                         "microbatch_size": None, "memory_only": True,
+                         "peak_device_bytes": 123_000_000}]}
+  a, b = tmp_path / "timing.json", tmp_path / "memory.json"
+  a.write_text(json.dumps(timing))
+  b.write_text(json.dumps(memory))
+  merged = step_benchmark.main(["--render", str(a), str(b)])
+  text = capsys.readouterr().out
+  extra = step_benchmark._get(merged["results"], "embedding", 16, "ghost")
+  assert extra["status"] == "not timed" and extra["num_params"] == timing["results"][0]["num_params"]
+  assert "| embedding | 16 | Logit-DP ghost | — |" in text and "0.12 GB" in text
+  ghost8 = step_benchmark._get(merged["results"], "embedding", 8, "ghost")
+  assert step_benchmark.peak_memory(ghost8) == ghost8["xla_bytes"]
+  assert "XLA's buffer assignment" in text and "peak RSS" not in text
+
+
 def test_scaling_exponent_fit():
   results = [{"model": "embedding", "n": n, "spec": "ghost", "median_s": 1e-3 * n ** 2}
              for n in (64, 256, 1000)]
@@ -100,3 +124,15 @@ def test_loop_conv_benchmark_runs_and_both_gradients_agree(tmp_path):
                                   for how in ("unrolled", "lax.map")}
     assert all(math.isfinite(t) and t > 0 for t in r["median_s"].values())
     assert r["max_rel_diff"] < 1e-5
+
+
+def test_precision_check_runs_and_the_cpu_default_is_float32():
+  from benchmarks import precision_check  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  with jax.default_matmul_precision(None):  # the backend's default, not the tests' "highest"
+    row = precision_check.check("embedding", n=4, image_size=16)
+  assert row["pairs"] > 0 and row["num_params"] > 0
+  if row["backend"] == "cpu":  # XLA:CPU computes float32 contractions in float32
+    assert row["norm_error_max"] < 1e-6 and row["vector_error_max"] < 1e-6, row
+  else:
+    assert math.isfinite(row["norm_error_max"]) and math.isfinite(row["vector_error_max"]), row

@@ -1,6 +1,7 @@
 """clipped_grad against independent computations: jax.grad and the materialised reference."""
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core.jaxprs_in_params)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,6 +98,33 @@ def test_naive_clipped_grad_is_jax_grad_clipped_to_b(model_kind):
   assert rel_err(jax.tree_util.tree_map(lambda g: 3 * g, clipped), ref) < 1e-5
 
 
+def _contraction_precisions(jaxpr):
+  """The precision of every dot_general and convolution in a closed jaxpr, sub-jaxprs included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      found.append(eqn.params["precision"])
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found.extend(_contraction_precisions(sub))
+  return found
+
+
+@pytest.mark.parametrize("method", logit_dp.METHODS)
+def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precision(method):
+  # The clip factors and ḡ come from different passes: on a GPU, where JAX's default for
+  # float32 is TF32, they must still both be float32-accurate.
+  embed_fn, params, x, x_prime = make_model("conv", n=4)
+  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method,
+                             microbatch_size=2)
+  highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+  with jax.default_matmul_precision("bfloat16"):
+    precisions = _contraction_precisions(jax.make_jaxpr(fn)(params, x, x_prime).jaxpr)
+    ambient = _contraction_precisions(jax.make_jaxpr(embed_fn)(params, x).jaxpr)
+  assert ambient and all(p != highest for p in ambient)  # the context does change the default
+  assert len(precisions) > 10
+  assert all(p == highest for p in precisions), set(map(str, precisions))
+
+
 def test_grad_fn_jits_and_does_not_retrace():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   traces = []
@@ -169,18 +197,51 @@ def test_bad_batches():
     fn(params, x, x_prime, jnp.ones((3,), bool))
 
 
+def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
+  """The accelerator's larger, uncapped pair-term chunks (one chunk of 13 rows here, against
+  the CPU's two padded chunks of 8) give the materialised norms too."""
+  from logit_dp._src import clipping, layerwise
+  embed_fn, params, x, x_prime = make_model("conv", n=13)
+  monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d: True)
+  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize")
+  norms = {}
+  for accelerator in (False, True):
+    monkeypatch.setattr(clipping, "_on_accelerator", lambda a=accelerator: a)
+    fresh = lambda p, xs: embed_fn(p, xs)  # a new function: nothing compiled is reused
+    norms[accelerator] = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost")
+  # Other chunk shapes round differently; small norms carry the cancellation of
+  # ‖g‖² = a + b + 2c (atol, as in test_layerwise._check_norms).
+  atol = 1e-5 * float(np.max(exact))
+  np.testing.assert_allclose(norms[True], norms[False], rtol=1e-5, atol=atol)
+  np.testing.assert_allclose(norms[True], exact, rtol=1e-4, atol=atol)
+
+
 def test_ghost_never_allocates_n_squared_p_floats():
-  """XLA's own buffer assignment for the ghost step: O(n·d·p + n²·d²) floats, never n²·p."""
+  """XLA's own buffer assignment for the ghost step grows as O(n·d·p + n²·d²), never n²·p.
+
+  Compared as growth from n = 64 to n = 256, so that a backend's fixed scratch (GPU
+  convolution and GEMM workspaces) does not count as growth in n.
+  """
   from conftest import SmallConv
+  from logit_dp._src import clipping, layerwise
   model, d = SmallConv(channels=(16, 32), dim=5), 5
+  # One chunk of a ghost layer's pair terms: rows × n × (T² + 2TC + d) floats, at most the
+  # chunk budget (larger on an accelerator).
+  chunk_budget = clipping._GHOST_LAYER_CHUNK_FLOATS * (
+      clipping._ACCELERATOR_CHUNK_SCALE if clipping._on_accelerator() else 1)
+  temp, budget = {}, {}
   for n in (64, 256):
     x = jax.random.normal(jax.random.PRNGKey(0), (n, 8, 8, 3))
     params = model.init(jax.random.PRNGKey(1), x[:1])
     p = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
     fn = logit_dp.clipped_grad(model.apply, LOSSES["contrastive"], 1.0, method="ghost")
     compiled = fn.core.lower(params, x, x, jnp.ones((n,), bool)).compile()
-    temp_floats = compiled.memory_analysis().temp_size_in_bytes / 4
-    budget = 2 * n * d * p + n * n * d * d   # both views' Jacobians + the cross-Gram
-    assert temp_floats < 2 * budget, (n, temp_floats, budget)
+    temp[n] = compiled.memory_analysis().temp_size_in_bytes / 4
+    plan = layerwise.make_plan(model.apply, params, x, d)
+    pair_chunk = sum(min(chunk_budget, n * n * (l.positions ** 2 + 2 * l.positions * l.features + d))
+                     for l, ghost in zip(plan.layers, plan.ghost) if ghost)
+    # Both views' Jacobians + the cross-Gram + one chunk of ghost-layer pair terms.
+    budget[n] = 2 * n * d * p + n * n * d * d + pair_chunk
+  assert temp[256] - temp[64] < 2 * (budget[256] - budget[64]), (temp, budget)
   # At n = 256 (n ≫ d) that is an order of magnitude below one n²·p buffer.
-  assert temp_floats < n * n * p / 10, (n, temp_floats, n * n * p)
+  assert temp[256] < 256 * 256 * p / 10, (temp, 256 * 256 * p)

@@ -51,6 +51,10 @@ _CROSS_GRAM_CHUNK_FLOATS = 1 << 23
 # Floats held by one chunk of a ghost layer's pair terms (rows × n × (T² + 2TC + d)).
 _GHOST_LAYER_CHUNK_FLOATS = 1 << 24
 _GHOST_LAYER_CHUNK_ROWS = 8  # its batched small contractions run fastest in small chunks (CPU)
+# On an accelerator the pair-term chunks are this many times larger and not capped in rows:
+# a chunk there is a few kernel launches, and at the CPU sizes (1-13 rows at n = 10,000)
+# the launches, not the arithmetic, would set the time.
+_ACCELERATOR_CHUNK_SCALE = 16
 # Floats held by one block of materialised pair gradients (pairs × p).
 _PAIR_BLOCK_FLOATS = 1 << 22
 
@@ -309,8 +313,35 @@ def _quadratic_terms(k_local, k_prime, u_local, v):
   return anchor, positive
 
 
+def _on_accelerator() -> bool:
+  return jax.default_backend() != "cpu"
+
+
+def _full_float32(fn):
+  """fn with every matmul and convolution it traces at full float32 precision.
+
+  The clip factors min(1, B/‖g_ij‖) and ḡ come from different passes (Jacobian factors
+  vs one weighted backward pass), so the clipped pair gradients stay within B only as
+  far as both are computed accurately. On GPUs and TPUs JAX's default precision for
+  float32 contractions is TF32 or bfloat16 passes (about 3 significant digits); this
+  pins "highest" while fn is traced (precision is resolved when each op is traced), so
+  the mechanism is the same on every backend. Layers given an explicit `precision=`
+  keep it.
+  """
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.default_matmul_precision("highest"):
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
 def _row_chunks(fn, rows, row_floats: int, budget: int, max_rows: int | None = None):
-  """fn(chunk of rows) -> (chunk, n), over all rows in chunks holding about `budget` floats."""
+  """fn(chunk of rows) -> (chunk, n), over all rows in chunks holding about `budget` floats
+  (CPU; `_ACCELERATOR_CHUNK_SCALE` × that, with no row cap, on an accelerator)."""
+  if _on_accelerator():
+    budget, max_rows = budget * _ACCELERATOR_CHUNK_SCALE, None
   n_rows = rows[0].shape[0]
   chunk = int(max(1, min(n_rows, max_rows or n_rows, budget // max(row_floats, 1))))
   return _unchunk_rows(_map_chunks(fn, rows, chunk), n_rows)
@@ -492,6 +523,12 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
   Called eagerly, grad_fn raises ValueError when any valid pair has non-finite
   inputs or embeddings; under jit it masks those pairs out (still private: it is
   the same as removing them).
+
+  Precision: grad_fn traces embed_fn and every contraction of the pair norms at
+  `jax.default_matmul_precision("highest")`, whatever the ambient default, because
+  the clip factors and ḡ come from different passes and TF32 (the GPU default for
+  float32) would put each clipped pair gradient's norm off B by ~1e-3 relative.
+  Layers constructed with an explicit `precision=` keep theirs.
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
@@ -499,6 +536,7 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
   _check_microbatch(microbatch_size)
   collective = _Collective(axis_name)
 
+  @_full_float32
   def core(params, x, x_prime, mask):
     batch, loss_value, tau = _forward(embed_fn, loss, params, x, x_prime, mask, cosine_eps,
                                       microbatch_size, collective)
@@ -529,6 +567,7 @@ def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost"
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+@_full_float32
 def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps):
   mask = jnp.ones((x.shape[0],), dtype=bool)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
