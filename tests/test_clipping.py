@@ -227,8 +227,8 @@ def test_ghost_never_allocates_n_squared_p_floats():
   model, d = SmallConv(channels=(16, 32), dim=5), 5
   # One chunk of a ghost layer's pair terms: rows × n × (T² + 2TC + d) floats, at most the
   # chunk budget (larger on an accelerator).
-  chunk_budget = clipping._GHOST_LAYER_CHUNK_FLOATS * (
-      clipping._ACCELERATOR_CHUNK_SCALE if clipping._on_accelerator() else 1)
+  chunk_budget, _ = clipping._backend_chunk_limits(clipping._GHOST_LAYER_CHUNK_FLOATS,
+                                                   clipping._GHOST_LAYER_CHUNK_ROWS)
   temp, budget = {}, {}
   for n in (64, 256):
     x = jax.random.normal(jax.random.PRNGKey(0), (n, 8, 8, 3))

@@ -337,11 +337,18 @@ def _full_float32(fn):
   return wrapped
 
 
+def _backend_chunk_limits(budget: int, max_rows: int | None) -> tuple[int, int | None]:
+  """(floats, rows) a pair-term chunk may hold on this backend: the CPU's as given;
+  `_ACCELERATOR_CHUNK_SCALE` × the floats and no row cap on an accelerator."""
+  if _on_accelerator():
+    return budget * _ACCELERATOR_CHUNK_SCALE, None
+  return budget, max_rows
+
+
 def _row_chunks(fn, rows, row_floats: int, budget: int, max_rows: int | None = None):
   """fn(chunk of rows) -> (chunk, n), over all rows in chunks holding about `budget` floats
-  (CPU; `_ACCELERATOR_CHUNK_SCALE` × that, with no row cap, on an accelerator)."""
-  if _on_accelerator():
-    budget, max_rows = budget * _ACCELERATOR_CHUNK_SCALE, None
+  and at most `max_rows` rows (as `_backend_chunk_limits` sets them for this backend)."""
+  budget, max_rows = _backend_chunk_limits(budget, max_rows)
   n_rows = rows[0].shape[0]
   chunk = int(max(1, min(n_rows, max_rows or n_rows, budget // max(row_floats, 1))))
   return _unchunk_rows(_map_chunks(fn, rows, chunk), n_rows)

@@ -143,19 +143,15 @@ def _apply_layer(kind, config, x, kernel, bias, precision, with_patches=True):
   """(y, patches (N, T, P) or None) of a recognised layer, computed from the real leaves."""
   if kind == "dense":
     y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    patches = x.reshape(x.shape[0], -1, x.shape[-1]) if with_patches else None
   else:
     y = channels_last_conv(x, kernel, config, precision)
+    patches = conv_patches(x, *config) if with_patches else None
   if bias is not None:
     y = y + bias.reshape((1,) * (y.ndim - 1) + bias.shape)
-  if not with_patches:
-    return y, None
-  if kind == "dense":
-    patches = x.reshape(x.shape[0], -1, x.shape[-1])
-  else:
-    patches = conv_patches(x, *config)
-  if bias is not None:
-    patches = jnp.concatenate([patches, jnp.ones(patches.shape[:-1] + (1,), patches.dtype)], -1)
-  return y, jax.lax.stop_gradient(patches)
+    if with_patches:
+      patches = jnp.concatenate([patches, jnp.ones(patches.shape[:-1] + (1,), patches.dtype)], -1)
+  return y, None if patches is None else jax.lax.stop_gradient(patches)
 
 
 def _dilated(sizes, dilation):
