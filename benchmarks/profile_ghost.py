@@ -17,7 +17,18 @@ Each piece is jitted on its own and timed (median of --repeats runs after a warm
   ghost grad     the whole logit_dp.clipped_grad(method="ghost") call
   non-private    jax.value_and_grad of ℒ + adam (the denominator of the ratio)
   GEMM floor     one (n·d × p)·(p × n·d) float32 matmul: the same n²·d²·p multiply-adds
-                 the exact cross-Gram needs, at this machine's matmul speed
+                 a cross-Gram of all p parameters would need, at this machine's matmul speed
+
+and the cost floor of this ghost step on this machine, the sum of two parts that any
+implementation of the same contractions pays:
+
+  backward passes        the forward pass and the d backward passes per view that give the
+                         per-layer deltas, and nothing else (no patches, per-example
+                         gradients, Grams or layout changes)
+  pair terms at GEMM speed
+                         the pair terms' multiply-adds (`pair_multiply_adds`: n² times
+                         d²·q for the flattened layers, T²P + 2TCd + T²C + d per ghost
+                         layer) at the GEMM floor's multiply-adds per second
 
 The pieces use private internals of logit_dp/_src/clipping.py; when those change,
 the pieces that no longer apply are reported as unavailable (the whole-step timings
@@ -38,6 +49,24 @@ import optax
 
 import logit_dp
 from benchmarks import step_benchmark as sb
+
+
+def pair_multiply_adds(plan, d: int) -> int:
+  """Multiply-adds of the exact cross terms per pair (i, j), as clipping contracts them.
+
+  Flattened layers: the d×d cross-Gram over their P·C parameters and its contraction with
+  û_i, then v̂_j (d²·Σ P·C + d² + d); ghost layer: Π (T²P), β and ρ (T·C·d each), γ (T²C) and the
+  contraction with v̂_j (d) (layerwise.flat_cross / ghost_layer_cross).
+  """
+  per_pair = 0
+  flat = [layer for layer, ghost in zip(plan.layers, plan.ghost) if not ghost]
+  if flat:
+    per_pair += d * d * sum(layer.fan_in * layer.features for layer in flat) + d * d + d
+  for layer, ghost in zip(plan.layers, plan.ghost):
+    if ghost:
+      t, p, c = layer.positions, layer.fan_in, layer.features
+      per_pair += t * t * p + 2 * t * c * d + t * t * c + d
+  return per_pair
 
 
 def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
@@ -83,7 +112,13 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
     tau = jax.grad(loss)(b.z, b.valid)
     return b.weighted_backward(tau, tau, (fu, fv))
 
+  def backward_passes(pp, xx, xxp):
+    b = batch(pp, xx, xxp)
+    return [L.embedding_deltas(embed_fn, pp, b.plan, v, lambda e: C.normalize(e, b.eps))
+            for v in (b.x, b.x_prime)]
+
   record("forward", forward, params, x, xp)
+  record("backward passes", backward_passes, params, x, xp)
   record("factors", factors, params, x, xp)
   f_u, f_v, u, v = jax.jit(factors)(params, x, xp)
   out["flat_params"] = int(f_v.flat.shape[-1])
@@ -126,8 +161,15 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
   flops = 2.0 * (n * d) ** 2 * p
   out["cross_gram_flops"] = flops
+  plan = batch(params, x, xp).plan
+  out["pair_multiply_adds"] = n * n * pair_multiply_adds(plan, int(d))
   if "GEMM floor" in rows:
     out["gemm_gflops_per_s"] = flops / rows["GEMM floor"]["median_s"] / 1e9
+    at_gemm_speed = 2.0 * out["pair_multiply_adds"] / (out["gemm_gflops_per_s"] * 1e9)
+    rows["pair terms at GEMM speed"] = {"median_s": at_gemm_speed, "derived": True}
+    if "backward passes" in rows:
+      rows["floor"] = {"median_s": rows["backward passes"]["median_s"] + at_gemm_speed,
+                       "derived": True}
   return out
 
 
@@ -135,7 +177,7 @@ def markdown(results: list[dict]) -> str:
   layer_names = sorted({k for r in results for k in r["pieces"] if k.startswith("ghost layer")})
   names = (["forward", "factors", "flat cross"] + layer_names +
            ["pair norms", "backward ḡ", "noise + adam", "ghost grad", "non-private step",
-            "GEMM floor"])
+            "GEMM floor", "backward passes", "pair terms at GEMM speed", "floor"])
   ns = [r["n"] for r in results]
   lines = ["| piece | " + " | ".join(f"n={n} (s)" for n in ns) + " | " +
            " | ".join(f"n={n} share of ghost grad" for n in ns) + " |",
@@ -157,7 +199,8 @@ def markdown(results: list[dict]) -> str:
       extra = f"; matmul speed {r['gemm_gflops_per_s']:.0f} GFLOP/s"
     lines.append(f"- n={r['n']}: d={r['d']}, p={r['p']:,} ({r.get('flat_params', '?'):,} in "
                  f"flattened layers); a full cross-Gram would need 2·(nd)²·p = "
-                 f"{r['cross_gram_flops']:.3g} flops (GEMM floor row){extra}.")
+                 f"{r['cross_gram_flops']:.3g} flops (GEMM floor row){extra}; the exact "
+                 f"pair terms are {r['pair_multiply_adds']:.3g} multiply-adds.")
     for k, v in r["unavailable"].items():
       lines.append(f"  - {k}: unavailable ({v})")
   return "\n".join(lines)

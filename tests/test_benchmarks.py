@@ -136,3 +136,55 @@ def test_precision_check_runs_and_the_cpu_default_is_float32():
     assert row["norm_error_max"] < 1e-6 and row["vector_error_max"] < 1e-6, row
   else:
     assert math.isfinite(row["norm_error_max"]) and math.isfinite(row["vector_error_max"]), row
+
+
+def test_profile_ghost_runs_every_piece_and_adds_up_the_floor():
+  """profile_ghost still reaches the private internals it times (it reports those it cannot
+  as unavailable, which would hide a broken profile)."""
+  from benchmarks import profile_ghost  # pylint: disable=g-import-not-at-top
+
+  result = profile_ghost.profile(4, repeats=1, image_size=8)
+  assert result["unavailable"] == {}
+  pieces = result["pieces"]
+  for name in ("forward", "factors", "flat cross", "pair norms", "backward ḡ", "ghost grad",
+               "non-private step", "GEMM floor", "backward passes"):
+    assert pieces[name]["median_s"] > 0, name
+  at_gemm_speed = 2 * result["pair_multiply_adds"] / (result["gemm_gflops_per_s"] * 1e9)
+  assert pieces["pair terms at GEMM speed"]["median_s"] == pytest.approx(at_gemm_speed)
+  assert pieces["floor"]["median_s"] == pytest.approx(
+      pieces["backward passes"]["median_s"] + at_gemm_speed)
+  assert "| floor |" in profile_ghost.markdown([result])
+
+
+def test_profile_floor_counts_the_multiply_adds_xla_counts():
+  """profile_ghost's pair-term count = XLA's own flop count of the cross terms / 2.
+
+  XLA may count a ghost layer's final O(d) contraction with v̂_j as elementwise work, so
+  the two may differ by at most n²·d per ghost layer; the T²P, TCd, T²C and d²q terms
+  must agree.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from benchmarks import profile_ghost  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
+
+  n = 6  # 8×8 images: conv1 flattened; conv2, conv3 and the dense head ghost layers
+  embed_fn, params, x, xp, _ = step_benchmark.build_problem("embedding", n, 8)
+  batch = clipping._Batch(embed_fn, params, x, xp, jnp.ones((n,), bool),  # pylint: disable=protected-access
+                          eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
+                          collective=clipping._Collective(None))  # pylint: disable=protected-access
+  f_u, f_v = batch.factors(batch.x), batch.factors(batch.x_prime)
+  assert any(batch.plan.ghost) and not all(batch.plan.ghost)
+
+  def cross_terms(fu, fv, u, v):
+    total = clipping._flat_cross_terms(fu.flat, u, fv.flat, v)  # pylint: disable=protected-access
+    for a_u, dl_u, a_v, dl_v in zip(fu.ghost_patches, fu.ghost_deltas, fv.ghost_patches,
+                                    fv.ghost_deltas):
+      total += clipping._ghost_layer_cross_terms(a_u, dl_u, u, a_v, dl_v, v)  # pylint: disable=protected-access
+    return total
+
+  analysis = jax.jit(cross_terms).lower(f_u, f_v, batch.u_loc, batch.v).compile().cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  d = batch.u.shape[-1]
+  counted = n * n * profile_ghost.pair_multiply_adds(batch.plan, d)
+  assert abs(analysis["flops"] / 2 - counted) <= n * n * d * sum(batch.plan.ghost)

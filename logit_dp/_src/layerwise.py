@@ -405,14 +405,12 @@ def ghost_layer_gram(patches, deltas):
   return jnp.einsum("mtkc,mtlc->mkl", deltas, a_delta, precision=_HIGHEST)
 
 
-def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobian,
-                  varying=lambda a: a) -> Factors:
-  """Factors of a batch x under plan.
-
-  generic_jacobian(leaf_indices) -> (m, d, q) per-example Jacobians of those leaves;
-  varying(a) types a as per-device inside shard_map (so that derivatives w.r.t. the
-  perturbations stay local instead of being summed over devices).
-  """
+def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches: bool,
+            stacked: bool = True):
+  """(u, deltas, patches) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d);
+  deltas[l] = ∂u_k/∂y_l for every coordinate k, (d, m, *out_shape) per planned layer
+  call l (one backward pass per k; not stacked: a list over k where the passes are
+  unrolled); patches[l] as recorded by _Interceptor ([] if not with_patches)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   factored = sorted(plan.factored_leaves)
   planned = [(layer.kind, layer.leaves) for layer in plan.layers]
@@ -422,7 +420,7 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   def embed(perturbations):
     placeholders = [jnp.zeros_like(leaves[i]) for i in factored]
     index = {id(p): i for p, i in zip(placeholders, factored)}
-    interceptor = _Interceptor(index, leaves, perturbations)
+    interceptor = _Interceptor(index, leaves, perturbations, with_patches=with_patches)
     with nn.intercept_methods(interceptor):
       e = embed_fn(replace_leaves(leaves, treedef, factored, placeholders), x)
     if interceptor.calls != planned:  # never silently mis-factor (a missing ξ means δ = 0)
@@ -437,9 +435,31 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
     # d separate backward passes: ~2x faster than one vmapped pass on CPU for large batches
     # (n = 1000, embedding net); for small ones the vmap compiles faster.
     per_k = [vjp_fn(jnp.zeros_like(u) + eye[k])[0] for k in range(d)]
-    deltas = [jnp.stack(layer_deltas) for layer_deltas in zip(*per_k)]  # [(d, m, ...)]
+    deltas = [jnp.stack(layer_deltas) for layer_deltas in zip(*per_k)] if stacked else per_k
   else:
     deltas = jax.vmap(lambda c: vjp_fn(jnp.zeros_like(u) + c)[0])(eye)
+  return u, deltas, patches
+
+
+def embedding_deltas(embed_fn, params, plan: Plan, x, normalize_fn) -> list:
+  """∂u_k/∂y_l of every planned layer call l and coordinate k, not stacked: the forward
+  pass and the d backward passes that `layer_factors` starts from, and nothing else
+  (benchmarks.profile_ghost times it as part of the step's cost floor)."""
+  return _deltas(embed_fn, params, plan, x, normalize_fn, lambda a: a, False, False)[1]
+
+
+def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobian,
+                  varying=lambda a: a) -> Factors:
+  """Factors of a batch x under plan.
+
+  generic_jacobian(leaf_indices) -> (m, d, q) per-example Jacobians of those leaves;
+  varying(a) types a as per-device inside shard_map (so that derivatives w.r.t. the
+  perturbations stay local instead of being summed over devices).
+  """
+  leaves = jax.tree_util.tree_leaves(params)
+  m = x.shape[0]
+  u, deltas, patches = _deltas(embed_fn, params, plan, x, normalize_fn, varying, True)
+  d = u.shape[-1]
   flat, ghost_patches, ghost_deltas = [], [], []
   gram = jnp.zeros((m, d, d), u.dtype)
   for layer, is_ghost, a, delta in zip(plan.layers, plan.ghost, patches, deltas):
