@@ -456,7 +456,6 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   varying(a) types a as per-device inside shard_map (so that derivatives w.r.t. the
   perturbations stay local instead of being summed over devices).
   """
-  leaves = jax.tree_util.tree_leaves(params)
   m = x.shape[0]
   u, deltas, patches = _deltas(embed_fn, params, plan, x, normalize_fn, varying, True)
   d = u.shape[-1]
