@@ -161,7 +161,7 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
   flops = 2.0 * (n * d) ** 2 * p
   out["cross_gram_flops"] = flops
-  plan = batch(params, x, xp).plan
+  plan = L.make_plan(embed_fn, params, x, int(d))
   out["pair_multiply_adds"] = n * n * pair_multiply_adds(plan, int(d))
   if "GEMM floor" in rows:
     out["gemm_gflops_per_s"] = flops / rows["GEMM floor"]["median_s"] / 1e9

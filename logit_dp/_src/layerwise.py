@@ -445,7 +445,8 @@ def embedding_deltas(embed_fn, params, plan: Plan, x, normalize_fn) -> list:
   """∂u_k/∂y_l of every planned layer call l and coordinate k, not stacked: the forward
   pass and the d backward passes that `layer_factors` starts from, and nothing else
   (benchmarks.profile_ghost times it as part of the step's cost floor)."""
-  return _deltas(embed_fn, params, plan, x, normalize_fn, lambda a: a, False, False)[1]
+  return _deltas(embed_fn, params, plan, x, normalize_fn, lambda a: a, with_patches=False,
+                 stacked=False)[1]
 
 
 def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobian,
@@ -457,7 +458,7 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   perturbations stay local instead of being summed over devices).
   """
   m = x.shape[0]
-  u, deltas, patches = _deltas(embed_fn, params, plan, x, normalize_fn, varying, True)
+  u, deltas, patches = _deltas(embed_fn, params, plan, x, normalize_fn, varying, with_patches=True)
   d = u.shape[-1]
   flat, ghost_patches, ghost_deltas = [], [], []
   gram = jnp.zeros((m, d, d), u.dtype)
