@@ -85,6 +85,12 @@ def learning_rate(config, method: str) -> float:
   return float(lrs[method] if method in lrs else config.learning_rate)
 
 
+def clip_norm(config, method: str) -> float:
+  """B of ``method``: ``config.clip_norms[method]`` if set (e.g. the paper's), else config.clip_norm."""
+  norms = config.get("clip_norms") or {}
+  return float(norms[method] if method in norms else config.clip_norm)
+
+
 def _freeze(x):
   """A hashable, order-independent version of a (nested) ConfigDict / dict / sequence."""
   if isinstance(x, (ml_collections.ConfigDict, dict)):
@@ -172,24 +178,25 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   plan = privacy_plan(config, num_records)
   microbatch = dict(microbatch_size=config.get("microbatch_size"))
   mesh = make_mesh(config)
+  bound = clip_norm(config, method)
   if method == "logit_dp":
     if mesh is None:
-      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=config.clip_norm,
+      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound,
                                       method=config.clip_method, **microbatch)
     else:
       grad_fn = logit_dp.distributed.make_sharded_grad_fn(
-          apply_fn, loss, config.clip_norm, mesh, method=config.clip_method, **microbatch)
+          apply_fn, loss, bound, mesh, method=config.clip_method, **microbatch)
     # Poisson batches have a random size: calibrate to the supremum over batch sizes.
     # The sensitivity is of the global ḡ: it does not depend on the number of devices.
-    sens = logit_dp.sensitivity(loss, config.clip_norm, batch_size=None)
+    sens = logit_dp.sensitivity(loss, bound, batch_size=None)
   elif method == "naive_dp":
     if mesh is None:
-      grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=config.clip_norm,
+      grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=bound,
                                             **microbatch)
     else:
       grad_fn = logit_dp.distributed.make_sharded_grad_fn(
-          apply_fn, loss, config.clip_norm, mesh, naive=True, **microbatch)
-    sens = logit_dp.naive_sensitivity(config.clip_norm)
+          apply_fn, loss, bound, mesh, naive=True, **microbatch)
+    sens = logit_dp.naive_sensitivity(bound)
   else:
     raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp or non_private)")
   tx = optax.chain(
@@ -197,7 +204,7 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
                          key=noise_key),
       optax.scale(1.0 / batch),  # noisy sum -> mean over the expected batch (post-processing)
       optax.adam(lr))
-  return grad_fn, tx, dict(plan, sensitivity=sens)
+  return grad_fn, tx, dict(plan, sensitivity=sens, clip_norm=bound)
 
 
 def gather_pairs(config, x_train, pairs, idx, aug_key, step):
@@ -550,6 +557,7 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
   return dict(method=method, steps=int(state.step), total_steps=total_steps,
               finished=int(state.step) >= total_steps, learning_rate=learning_rate(config, method),
               noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
+              clip_norm=info.get("clip_norm"),
               sampling_rate=info["sampling_rate"], epsilon=eps_final,
               delta=ledger.delta() if ledger else 0.0, train_seconds=t_train,
               history=history, params=state.params, apply_fn=apply_fn)

@@ -1,0 +1,149 @@
+r"""Runs a queue of pre-training runs one after another; skips finished runs, resumes the rest.
+
+    nohup python -m experiments.run_queue --npz_dir=DIR > runs/queue.log 2>&1 &
+
+The queue (default experiments/queue.txt) has one run per line,
+``<run-name> <config file> [--config.key=value ...]`` (pretrain.py), or
+``<run-name> finetune <pretrain run-name> [--config.key=value ...]`` (finetune.py with
+configs/cifar100_finetune.py on the encoders of ``runs/<pretrain run-name>``, run once that
+run has finished); '#' starts a comment. The driver re-executes itself after every run,
+so edits of the queue (and of this file) take effect while it works. Each run trains
+in ``runs/<run-name>`` (re-running a workdir resumes from its checkpoints) with
+``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished
+when its results.json has every method finished; then its config.json, results.json and
+wallclock.json (the wall-clock seconds of every attempt) are copied to
+``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+flags.DEFINE_string("queue", os.path.join(_REPO, "experiments", "queue.txt"), "Queue file.")
+flags.DEFINE_string("npz_dir", None, "Folder with cifar10.npz / cifar100.npz.")
+flags.DEFINE_string("runs_dir", os.path.join(_REPO, "runs"), "Where the workdirs go.")
+flags.DEFINE_string("results_dir", os.path.join(_REPO, "docs", "results"),
+                    "Where finished runs' small files are copied.")
+flags.DEFINE_integer("max_attempts", 3, "Attempts per run (a crash is retried, then skipped).")
+flags.DEFINE_integer("wait_pid", None, "Wait for this process to exit before starting.")
+FLAGS = flags.FLAGS
+
+SHARED_FILES = ("config.json", "results.json", "wallclock.json")
+
+
+def read_queue(path):
+  """[(name, config, overrides)] from the queue file."""
+  out = []
+  with open(path) as f:
+    for line in f:
+      line = line.split("#", 1)[0].strip()
+      if line:
+        name, config, *overrides = line.split()
+        out.append((name, config, overrides))
+  return out
+
+
+def is_finished(workdir):
+  """True when results.json exists and every method in it finished."""
+  path = os.path.join(workdir, "results.json")
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    res = json.load(f)
+  return bool(res) and all(r.get("finished", True) for r in res.values())  # finetune: no key
+
+
+def failed_attempts(workdir):
+  path = os.path.join(workdir, "wallclock.json")
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return sum(a["returncode"] != 0 for a in json.load(f)["attempts"])
+
+
+def command(config, overrides, workdir):
+  """The pretrain.py / finetune.py command line of a queue entry."""
+  if config == "finetune":
+    pre, *overrides = overrides
+    script, config = "finetune.py", "experiments/configs/cifar100_finetune.py"
+    overrides = [f"--config.pretrain_workdir={os.path.join(FLAGS.runs_dir, pre)}", *overrides]
+  else:
+    script = "pretrain.py"
+  cmd = [sys.executable, os.path.join(_REPO, "experiments", script),
+         f"--config={os.path.join(_REPO, config)}", f"--workdir={workdir}", *overrides]
+  if FLAGS.npz_dir:
+    cmd.append(f"--config.data.npz_dir={FLAGS.npz_dir}")
+  return cmd
+
+
+def ready(config, overrides):
+  """A fine-tuning entry waits for its pre-training run."""
+  return config != "finetune" or is_finished(os.path.join(FLAGS.runs_dir, overrides[0]))
+
+
+def publish(workdir, dest):
+  """Copies the small, shareable files of a finished run to ``dest``."""
+  os.makedirs(dest, exist_ok=True)
+  for name in SHARED_FILES:
+    src = os.path.join(workdir, name)
+    if os.path.exists(src):
+      shutil.copy(src, os.path.join(dest, name))
+
+
+def run_one(name, config, overrides, workdir):
+  """One attempt: pretrain.py in ``workdir``; appends its wall-clock to wallclock.json."""
+  os.makedirs(workdir, exist_ok=True)
+  cmd = command(config, overrides, workdir)
+  wc_path = os.path.join(workdir, "wallclock.json")
+  wc = json.load(open(wc_path)) if os.path.exists(wc_path) else dict(attempts=[])
+  wc["command"] = " ".join(cmd[1:])
+  t0 = time.time()
+  with open(os.path.join(workdir, "log.txt"), "a") as log:
+    log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC: "
+              f"{' '.join(cmd)}\n")
+    log.flush()
+    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO)
+  wc["attempts"].append(dict(start_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+                             seconds=round(time.time() - t0, 1), returncode=rc))
+  wc["total_seconds"] = round(sum(a["seconds"] for a in wc["attempts"]), 1)
+  with open(wc_path, "w") as f:
+    json.dump(wc, f, indent=1)
+  return rc
+
+
+def main(argv):
+  del argv
+  if FLAGS.wait_pid:
+    while os.path.exists(f"/proc/{FLAGS.wait_pid}"):
+      time.sleep(10)
+  for n, _, _ in read_queue(FLAGS.queue):  # finished but not yet copied (e.g. a restart)
+    workdir, dest = os.path.join(FLAGS.runs_dir, n), os.path.join(FLAGS.results_dir, n)
+    if is_finished(workdir) and not os.path.exists(os.path.join(dest, "results.json")):
+      publish(workdir, dest)
+  todo = [(n, c, o) for n, c, o in read_queue(FLAGS.queue)
+          if not is_finished(os.path.join(FLAGS.runs_dir, n)) and ready(c, o)
+          and failed_attempts(os.path.join(FLAGS.runs_dir, n)) < FLAGS.max_attempts]
+  if not todo:
+    print("queue done", flush=True)
+    return
+  name, config, overrides = todo[0]
+  workdir = os.path.join(FLAGS.runs_dir, name)
+  print(f"{time.strftime('%H:%M:%S', time.gmtime())} start {name}", flush=True)
+  rc = run_one(name, config, overrides, workdir)
+  print(f"{time.strftime('%H:%M:%S', time.gmtime())} end {name} rc={rc}", flush=True)
+  if is_finished(workdir):
+    publish(workdir, os.path.join(FLAGS.results_dir, name))
+  # Re-execute: picks up edits of the queue and of this file.
+  argv = [a for a in sys.argv[1:] if not a.startswith("--wait_pid")]
+  os.execv(sys.executable, [sys.executable, "-m", "experiments.run_queue", *argv])
+
+
+if __name__ == "__main__":
+  app.run(main)
