@@ -111,6 +111,29 @@ def _subset(x, y, n, rng):
   return x[idx], y[idx]
 
 
+CLASS_NAMES = {
+    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+                "truck"),
+    "cifar100_coarse": (
+        "aquatic mammals", "fish", "flowers", "food containers", "fruit and vegetables",
+        "household electrical devices", "household furniture", "insects", "large carnivores",
+        "large man-made outdoor things", "large natural outdoor scenes",
+        "large omnivores and herbivores", "medium mammals", "non-insect invertebrates", "people",
+        "reptiles", "small mammals", "trees", "vehicles 1", "vehicles 2"),
+}
+
+
+def class_names(data_config, num_classes: int):
+  """Names of the classes of ``data_config`` (CIFAR-10, CIFAR-100 coarse), else "0", "1", …."""
+  name = data_config.get("name", "")
+  if name == "cifar100":
+    name += "_" + data_config.get("label", "fine")
+  names = CLASS_NAMES.get(name)
+  if names is None or len(names) != num_classes:
+    names = tuple(str(c) for c in range(num_classes))
+  return list(names)
+
+
 def load_dataset(data_config, seed: int = 0) -> Dict[str, np.ndarray]:
   """Dispatches on ``data_config.source``; applies ``train_subset`` / ``test_subset``."""
   source = data_config.source

@@ -138,7 +138,7 @@ def finetune_and_evaluate(config, workdir: str, quiet: bool = False) -> Dict[str
     print(table)
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write("Fine-tuning: head accuracy and per-class metrics of the head's predictions\n\n" + table + "\n")
-  train_lib.plot_results(results, workdir)
+  train_lib.plot_results(results, workdir, data_lib.class_names(config.data, ds["num_classes"]))
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(train_lib._jsonable(results), f, indent=1)  # pylint: disable=protected-access
   return results

@@ -14,6 +14,9 @@ embeddings (k-NN, linear probe) and writes a results folder::
       <method>/metrics.csv        step, epoch, ε, steps/s, test loss, ...
       <method>/checkpoints/       orbax checkpoints (params, optimizer state with the noise
                                   key and count, privacy ledger); training resumes from here
+    workdir.secrets/<method>/SECRET_privacy_seeds.json
+                                  the secret noise / sampling seeds of a DP run, outside the
+                                  results folder (see `privacy_seeds`)
 
 Privacy: DP methods use Poisson sampling of records with rate q = batch_size / R (R
 records) and σ from the accountant for (ε, δ) after ``steps = epochs·R/batch_size``
@@ -104,7 +107,7 @@ def _freeze(x):
 _RUN_ONLY_FIELDS = ("log_every", "checkpoint_every", "stop_after_steps", "progress",
                     "knn_k", "knn_train_size", "f_beta", "linear_probe", "methods",
                     "log_private_train_loss", "eval_batch_size", "eval_num_batches",
-                    "max_checkpoints_to_keep")
+                    "max_checkpoints_to_keep", "secrets_dir")
 
 
 def _step_key(config, method, num_records):
@@ -351,19 +354,36 @@ def restore_checkpoint(directory: str, template: TrainState, private: bool):
 SECRET_SEEDS_FILE = "SECRET_privacy_seeds.json"
 
 
-def privacy_seeds(config, method_dir: str):
+def secrets_dir(config, workdir: str) -> str:
+  """Folder of the secret seed files: ``config.secrets_dir`` or ``<workdir>.secrets`` beside it.
+
+  Kept outside the results folder so that sharing ``workdir`` (its config, results, plots,
+  metrics) never shares the seeds. The checkpoints hold the noise key too: do not share them.
+  """
+  d = config.get("secrets_dir") or os.path.abspath(workdir).rstrip(os.sep) + ".secrets"
+  os.makedirs(d, mode=0o700, exist_ok=True)
+  return d
+
+
+def privacy_seeds(config, workdir: str, method: str):
   """(noise_seed, sampling_seed) of a DP run.
 
   The noise key and the Poisson sampling seed are part of the mechanism: whoever
   knows them can subtract the noise or see which records each batch holds. With
-  config.privacy_seed = None (the default) they are drawn with `secrets` and kept
-  only in ``<method>/SECRET_privacy_seeds.json`` (mode 0600) beside the checkpoints,
-  which hold the noise key too: keep both private. A set privacy_seed makes the run
+  config.privacy_seed = None (the default) they are drawn with `secrets` and kept only
+  in ``secrets_dir(config, workdir)/<method>/SECRET_privacy_seeds.json`` (mode 0600),
+  outside the results folder (a run started before this layout keeps its file in
+  ``workdir/<method>/`` and resumes from there). A set privacy_seed makes the run
   reproducible and NOT private against anyone who reads the config (tests, debugging).
   """
   if config.get("privacy_seed") is not None:
     return int(config.privacy_seed), int(config.privacy_seed) + 1
-  path = os.path.join(method_dir, SECRET_SEEDS_FILE)
+  legacy = os.path.join(workdir, method, SECRET_SEEDS_FILE)
+  path = legacy
+  if not os.path.exists(legacy):
+    mdir = os.path.join(secrets_dir(config, workdir), method)
+    os.makedirs(mdir, mode=0o700, exist_ok=True)
+    path = os.path.join(mdir, SECRET_SEEDS_FILE)
   if os.path.exists(path):
     with open(path) as f:
       seeds = json.load(f)
@@ -448,7 +468,7 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
   opt_state = tx.init(params)
   sampling_seed = config.seed + 1
   if private:
-    noise_seed, sampling_seed = privacy_seeds(config, mdir)
+    noise_seed, sampling_seed = privacy_seeds(config, workdir, method)
     opt_state = _with_noise_key(opt_state, jax.random.PRNGKey(noise_seed))
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
   batcher = _Batcher(method, num_records, info, int(config.batch_size), seed=sampling_seed)
@@ -591,18 +611,19 @@ def evaluate_embeddings(config, params, ds) -> Dict[str, Any]:
 def format_table(rows, reference: Optional[str] = "non_private",
                  acc_label: str = "k-NN acc") -> str:
   """Markdown comparison table (absolute metrics, then relative to the reference)."""
-  head = (f"| method | ε | σ | {acc_label} | best recall | best precision | best F_β | "
+  head = (f"| method | ε | δ | σ | {acc_label} | best recall | best precision | best F_β | "
           "linear probe | rel. acc | rel. recall | rel. precision | rel. F_β | rel. probe |")
-  lines = [head, "|" + "---|" * 13]
+  lines = [head, "|" + "---|" * 14]
   ref = rows.get(reference)
   for m, r in rows.items():
     rel = evaluation.relative_metrics(r, ref) if ref else {}
     eps = "∞ (non-private)" if m == "non_private" else f"{r['epsilon']:.3g}"
+    delta = "–" if m == "non_private" or "delta" not in r else f"{r['delta']:.3g}"
 
     def f(d, k, fmt="{:.4f}"):
       return fmt.format(d[k]) if k in d else "–"
     lines.append(
-        f"| {METHOD_LABELS.get(m, m)} | {eps} | {r['noise_multiplier']:.3g} | "
+        f"| {METHOD_LABELS.get(m, m)} | {eps} | {delta} | {r['noise_multiplier']:.3g} | "
         f"{f(r, 'accuracy')} | {f(r, 'best_recall')} | {f(r, 'best_precision')} | "
         f"{f(r, 'best_fbeta')} | {f(r, 'linear_probe')} | {f(rel, 'accuracy', '{:.3f}')} | "
         f"{f(rel, 'best_recall', '{:.3f}')} | {f(rel, 'best_precision', '{:.3f}')} | "
@@ -651,14 +672,23 @@ def plot_results(results: Dict[str, Dict], workdir: str, class_names=None):
 
   ms = [m for m in results if "confusion_matrix" in results[m]]
   if ms:
-    fig, axes = plt.subplots(1, len(ms), figsize=(4 * len(ms), 3.8), squeeze=False)
+    k = np.asarray(results[ms[0]]["confusion_matrix"]).shape[0]
+    names = list(class_names) if class_names is not None else [str(c) for c in range(k)]
+    side = max(4.0, 0.35 * k + 2.5)
+    fig, axes = plt.subplots(1, len(ms), figsize=(side * len(ms) + 1.0, side), squeeze=False)
     for ax, m in zip(axes[0], ms):
       cm = np.asarray(results[m]["confusion_matrix"], np.float64)
       cmn = cm / np.maximum(cm.sum(1, keepdims=True), 1)
-      ax.imshow(cmn, vmin=0, vmax=1, cmap="Blues")
+      im = ax.imshow(cmn, vmin=0, vmax=1, cmap="Blues")
       ax.set_title(f"{METHOD_LABELS.get(m, m)}: acc {results[m]['accuracy']:.3f}")
+      ax.set_xticks(range(k))
+      ax.set_yticks(range(k))
+      fs = 8 if k <= 20 else 5
+      ax.set_xticklabels(names, rotation=90, fontsize=fs)
+      ax.set_yticklabels(names, fontsize=fs)
       ax.set_xlabel("predicted")
       ax.set_ylabel("true")
+      fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
     fig.tight_layout()
     fig.savefig(os.path.join(workdir, "confusion_matrices.png"), dpi=120)
     plt.close(fig)
@@ -734,7 +764,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       print(table)
     with open(os.path.join(workdir, "results.md"), "w") as f:
       f.write(table + "\n")
-    plot_results(done, workdir)
+    plot_results(done, workdir, data_lib.class_names(config.data, ds["num_classes"]))
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(_jsonable(results), f, indent=1)
   return results

@@ -138,17 +138,34 @@ def test_privacy_seeds_are_secret_by_default_and_survive_a_resume(tmp_path):
   for run in ("a", "b"):
     workdir = tmp_path / run
     train.train_and_evaluate(cfg, str(workdir), quiet=True)
-    path = workdir / "logit_dp" / train.SECRET_SEEDS_FILE
+    # Outside the results folder, readable by the owner only.
+    path = tmp_path / f"{run}.secrets" / "logit_dp" / train.SECRET_SEEDS_FILE
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert not list(workdir.rglob(train.SECRET_SEEDS_FILE))
     seeds.append(json.loads(path.read_text()))
-    for public in workdir.rglob("*.json"):
-      if public.name != train.SECRET_SEEDS_FILE:
+    for public in workdir.rglob("*"):
+      if public.is_file() and public.suffix in (".json", ".csv", ".md"):
         text = public.read_text()
         assert str(seeds[-1]["noise_seed"]) not in text and str(seeds[-1]["sampling_seed"]) not in text
   assert seeds[0] != seeds[1]  # drawn afresh, not derived from config.seed
   cfg.stop_after_steps = None
   train.train_and_evaluate(cfg, str(tmp_path / "a"), quiet=True)  # resume
-  assert json.loads((tmp_path / "a" / "logit_dp" / train.SECRET_SEEDS_FILE).read_text()) == seeds[0]
+  path = tmp_path / "a.secrets" / "logit_dp" / train.SECRET_SEEDS_FILE
+  assert json.loads(path.read_text()) == seeds[0]
+
+
+def test_privacy_seeds_of_a_run_started_with_the_old_layout_are_reused(tmp_path):
+  """A run whose seed file sits in workdir/<method>/ (before secrets_dir) resumes with it."""
+  cfg = tiny.get_config()
+  cfg.privacy_seed = None
+  legacy = tmp_path / "w" / "logit_dp"
+  legacy.mkdir(parents=True)
+  (legacy / train.SECRET_SEEDS_FILE).write_text(json.dumps(dict(noise_seed=5, sampling_seed=7)))
+  assert train.privacy_seeds(cfg, str(tmp_path / "w"), "logit_dp") == (5, 7)
+  cfg.secrets_dir = str(tmp_path / "elsewhere")
+  first = train.privacy_seeds(cfg, str(tmp_path / "v"), "naive_dp")
+  assert (tmp_path / "elsewhere" / "naive_dp" / train.SECRET_SEEDS_FILE).exists()
+  assert train.privacy_seeds(cfg, str(tmp_path / "v"), "naive_dp") == first
 
 
 def test_private_train_loss_only_as_labelled_diagnostic(tmp_path):

@@ -16,6 +16,8 @@ def get_config():
   # Noise key and Poisson sampling seed of DP runs: None draws them secretly (see
   # experiments.train.privacy_seeds); an int makes runs reproducible but not private.
   config.privacy_seed = config_dict.placeholder(int)
+  # Where those secret seeds are kept (None: "<workdir>.secrets", outside the results folder).
+  config.secrets_dir = config_dict.placeholder(str)
   config.methods = ("logit_dp", "naive_dp", "non_private")
 
   config.data = ml_collections.ConfigDict()

@@ -1,0 +1,383 @@
+r"""Renders every table of docs/RESULTS.md from committed run results and the paper's numbers.
+
+    python -m experiments.render_results            # rewrites the generated blocks in place
+    python -m experiments.render_results --check    # exit 1 if docs/RESULTS.md is out of date
+
+Inputs: ``docs/results/<run-name>/{config,results,wallclock}.json`` (copied there by
+experiments/run_queue.py) and ``experiments/paper_results.json`` (the paper's tables, with
+the citation). Runs named ``<group>_s<seed>`` form a group; a metric of a group is
+reported as mean ± std over its seeds (std with ddof = 1, as for n runs of the paper), and
+each relative metric is m_seed / m_seed(non-private) averaged over seeds. Differences
+between methods are paired by seed: Δ_s = m_s(A) − m_s(B), reported as mean ± std with the
+paired t statistic t = mean(Δ) / (std(Δ) / √n) and its two-sided p-value.
+
+In docs/RESULTS.md a block ``<!-- generated:NAME -->`` … ``<!-- /generated:NAME -->`` is
+replaced by the table NAME: ``runs`` (every run with its wall-clock), ``verdict``,
+``group:<group>`` (ours beside the paper's), ``bound:<ghost group>:<triangle group>``
+(what the triangle bound costs, same seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from typing import Dict, List, Optional
+
+import numpy as np
+from absl import app
+from absl import flags
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+METHODS = ("logit_dp", "naive_dp", "non_private")
+LABELS = {"logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "non_private": "Non-private"}
+# Our metric keys, in the paper's metric_order, then the linear probe (ours only).
+METRICS = ("accuracy", "best_recall", "best_precision", "best_fbeta", "linear_probe")
+METRIC_LABELS = ("acc", "best recall", "best precision", "best F_β", "linear probe")
+
+# Which of the paper's tables a group is compared with: (absolute, relative) keys.
+PAPER_TABLES = {
+    "cifar10_embnet": ("cifar10_absolute_mean_std.embedding_net",
+                       "cifar10_relative.embedding_net"),
+    "cifar10_resnet18": ("cifar10_absolute_mean_std.resnet18", "cifar10_relative.resnet18"),
+    "cifar100_ft": ("cifar100_finetune_absolute", "cifar100_finetune_relative"),
+}
+PAPER_METHOD_KEYS = {"non_private": ("non_private", "non_private_no_bn")}
+
+_RUN_RE = re.compile(r"^(?P<group>.+)_s(?P<seed>\d+)$")
+
+
+# ---------------------------------------------------------------------------
+# Loading.
+
+
+def load_runs(results_dir: str) -> Dict[str, Dict]:
+  """{run name: dict(config, results, wallclock, group, seed)} of every finished run."""
+  runs = {}
+  for name in sorted(os.listdir(results_dir)):
+    d = os.path.join(results_dir, name)
+    rpath = os.path.join(d, "results.json")
+    if not os.path.isfile(rpath):
+      continue
+    with open(rpath) as f:
+      results = json.load(f)
+    config = {}
+    if os.path.exists(os.path.join(d, "config.json")):
+      with open(os.path.join(d, "config.json")) as f:
+        config = json.load(f)
+    wallclock = None
+    if os.path.exists(os.path.join(d, "wallclock.json")):
+      with open(os.path.join(d, "wallclock.json")) as f:
+        wallclock = json.load(f)
+    m = _RUN_RE.match(name)
+    group, seed = (m["group"], int(m["seed"])) if m else (name, config.get("seed", 0))
+    runs[name] = dict(name=name, config=config, results=results, wallclock=wallclock,
+                      group=group, seed=seed)
+  return runs
+
+
+def groups_of(runs) -> Dict[str, List[Dict]]:
+  out: Dict[str, List[Dict]] = {}
+  for r in runs.values():
+    out.setdefault(r["group"], []).append(r)
+  for g in out.values():
+    g.sort(key=lambda r: r["seed"])
+  return out
+
+
+def load_paper(path: str) -> Dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _dig(d, dotted):
+  for k in dotted.split("."):
+    d = d[k]
+  return d
+
+
+def paper_rows(paper, group: str):
+  """{method: dict(abs=[(mean, std or None)] * 4, rel=[value] * 4)} of the paper's table, or None."""
+  for prefix, (abs_key, rel_key) in PAPER_TABLES.items():
+    if group.startswith(prefix):
+      absolute, relative = _dig(paper, abs_key), _dig(paper, rel_key)
+      out = {}
+      for m in METHODS:
+        key = next(k for k in PAPER_METHOD_KEYS.get(m, (m,)) if k in absolute)
+        a = absolute[key]
+        a = [tuple(v) if isinstance(v, list) else (v, None) for v in a]
+        out[m] = dict(abs=a, rel=list(relative[m]), key=key)
+      return out
+  return None
+
+
+# ---------------------------------------------------------------------------
+# Statistics.
+
+
+def mean_std(values) -> tuple:
+  """(mean, sample std with ddof = 1; nan for one value)."""
+  v = np.asarray(values, np.float64)
+  return float(v.mean()), (float(v.std(ddof=1)) if v.size > 1 else float("nan"))
+
+
+def relative(run_results: Dict, method: str, metric: str) -> Optional[float]:
+  """m(method) / m(non-private) of one run (None if either is missing or m(non-private) = 0)."""
+  r, ref = run_results.get(method, {}), run_results.get("non_private", {})
+  if metric in r and ref.get(metric):
+    return float(r[metric]) / float(ref[metric])
+  return None
+
+
+def paired_difference(a, b) -> Dict[str, float]:
+  """Δ_s = a_s − b_s over seeds: mean, std, n, t = mean / (std/√n), two-sided p (Student t, n−1)."""
+  d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+  n = d.size
+  mean, std = mean_std(d)
+  t = p = float("nan")
+  if n > 1 and std > 0:
+    from scipy import stats  # pylint: disable=g-import-not-at-top
+    t = mean / (std / math.sqrt(n))
+    p = float(2 * stats.t.sf(abs(t), n - 1))
+  return dict(mean=mean, std=std, n=n, t=t, p=p)
+
+
+def method_values(group_runs, method, metric, rel=False):
+  """The metric of ``method`` in every run of the group that has it (relative if ``rel``)."""
+  out = []
+  for run in group_runs:
+    res = run["results"]
+    if rel:
+      v = relative(res, method, metric)
+    else:
+      v = res.get(method, {}).get(metric)
+    if v is not None:
+      out.append(float(v))
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Formatting.
+
+
+def fmt_ms(mean, std, digits=3) -> str:
+  if mean is None or mean != mean:
+    return "–"
+  if std is None or std != std:
+    return f"{mean:.{digits}f}"
+  return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _fmt_num(x) -> str:
+  return "–" if x is None else f"{x:.3g}"
+
+
+def _lr_b(run, method):
+  cfg = run["config"]
+  res = run["results"].get(method, {})
+  b = res.get("clip_norm")
+  if b is None and method != "non_private":
+    b = (cfg.get("clip_norms") or {}).get(method, cfg.get("clip_norm"))
+  return res.get("learning_rate"), b
+
+
+def settings_line(group_runs) -> str:
+  """Seeds, data size, batch, steps, ε / δ / σ, B and learning rates of a group."""
+  r0 = group_runs[0]
+  cfg, res = r0["config"], r0["results"]
+  seeds = ", ".join(str(r["seed"]) for r in group_runs)
+  parts = [f"{len(group_runs)} seed{'s' if len(group_runs) > 1 else ''} ({seeds})"]
+  if "batch_size" in cfg:
+    parts.append(f"expected batch {cfg['batch_size']:,}")
+  for m in METHODS:
+    if m not in res:
+      continue
+    r = res[m]
+    lr, b = _lr_b(r0, m)
+    bits = [f"lr {_fmt_num(lr)}"] if lr is not None else []
+    if m != "non_private" and r.get("noise_multiplier"):
+      bits += [f"B = {_fmt_num(b)}", f"σ = {r['noise_multiplier']:.3g}"]
+      if r.get("steps"):
+        bits.append(f"T = {r['steps']}")
+      if r.get("sampling_rate"):
+        bits.append(f"q = {r['sampling_rate']:.3g}")
+    if bits:
+      parts.append(f"{LABELS[m]}: " + ", ".join(bits))
+  return "; ".join(parts) + "."
+
+
+def privacy_cell(group_runs, method) -> str:
+  """ε and δ of a method over the group's runs (max over seeds)."""
+  if method == "non_private":
+    return "∞", "–"
+  eps = [r["results"][method]["epsilon"] for r in group_runs if method in r["results"]]
+  dl = [r["results"][method].get("delta", 0.0) for r in group_runs if method in r["results"]]
+  if not eps:
+    return "–", "–"
+  return f"{max(eps):.3g}", f"{max(dl):.3g}"
+
+
+def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:
+  """Ours (mean ± std over seeds) beside the paper's: absolute, then relative to non-private."""
+  labels = (acc_label,) + METRIC_LABELS[1:]
+  head = ("| method | source | ε | δ | " + " | ".join(labels) + " | "
+          + " | ".join(f"rel. {l}" for l in labels) + " |")
+  lines = [head, "|" + "---|" * (4 + 2 * len(METRICS))]
+  for m in METHODS:
+    if not any(m in r["results"] for r in group_runs):
+      continue
+    eps, delta = privacy_cell(group_runs, m)
+    n = sum(m in r["results"] for r in group_runs)
+    absolute = [fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k)) else "–"
+                for k in METRICS]
+    rel = [fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k, rel=True)) else "–"
+           for k in METRICS]
+    lines.append(f"| {LABELS[m]} | ours, {n} seed{'s' if n > 1 else ''} | {eps} | {delta} | "
+                 + " | ".join(absolute) + " | " + " | ".join(rel) + " |")
+    if paper and m in paper:
+      p = paper[m]
+      pa = [fmt_ms(mu, sd) for mu, sd in p["abs"]] + ["–"]
+      pr = [f"{v:.3f}" for v in p["rel"]] + ["–"]
+      src = "paper" + (" (no batch norm)" if p["key"] == "non_private_no_bn" else "")
+      peps = "∞" if m == "non_private" else "5"
+      lines.append(f"| {LABELS[m]} | {src} | {peps} | not stated | " + " | ".join(pa)
+                   + " | " + " | ".join(pr) + " |")
+  return "\n".join(lines)
+
+
+def verdict_table(groups, paper) -> str:
+  """Paired differences of accuracy between methods, per group, beside the paper's."""
+  pairs = (("logit_dp", "naive_dp"), ("logit_dp", "non_private"), ("naive_dp", "non_private"))
+  lines = ["| experiment | difference (accuracy) | ours: mean ± std of Δ over seeds | n | t | p "
+           "| larger than the seed-to-seed noise? | paper: Δ of means ± √(sd₁² + sd₂²) |",
+           "|---|---|---|---|---|---|---|---|"]
+  for g, group_runs in groups.items():
+    if not any("non_private" in r["results"] for r in group_runs):
+      continue
+    prow = paper_rows(paper, g) if paper else None
+    for a, b in pairs:
+      both = [r for r in group_runs if a in r["results"] and b in r["results"]]
+      if not both:
+        continue
+      key = "accuracy"
+      d = paired_difference(method_values(both, a, key), method_values(both, b, key))
+      if d["n"] < 2:
+        answer = "one seed: cannot tell"
+      elif d["p"] == d["p"] and d["p"] < 0.05:
+        answer = "yes (p < 0.05)"
+      else:
+        answer = "no"
+      ptxt = "–"
+      if prow:
+        (ma, sa), (mb, sb) = prow[a]["abs"][0], prow[b]["abs"][0]
+        ptxt = (f"{ma - mb:+.3f}" if sa is None or sb is None
+                else f"{ma - mb:+.3f} ± {math.hypot(sa, sb):.3f}")
+      t = "–" if d["t"] != d["t"] else f"{d['t']:.2f}"
+      p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
+      mean = f"{d['mean']:+.4f}" + ("" if d["std"] != d["std"] else f" ± {d['std']:.4f}")
+      lines.append(f"| {g} | {LABELS[a]} − {LABELS[b]} | {mean} | {d['n']} | {t} | {p} | "
+                   f"{answer} | {ptxt} |")
+  return "\n".join(lines)
+
+
+def bound_table(ghost_runs, triangle_runs) -> str:
+  """Logit-DP with exact (ghost) pair norms vs the triangle bound on the same seeds."""
+  tri = {r["seed"]: r for r in triangle_runs}
+  lines = ["| seed | metric | ghost (exact norms) | triangle (upper bound) | ghost − triangle | "
+           "Logit-DP train s, ghost / triangle |", "|---|---|---|---|---|---|"]
+  for g in ghost_runs:
+    t = tri.get(g["seed"])
+    if t is None or "logit_dp" not in g["results"] or "logit_dp" not in t["results"]:
+      continue
+    rg, rt = g["results"]["logit_dp"], t["results"]["logit_dp"]
+    secs = f"{rg.get('train_seconds', 0):,.0f} / {rt.get('train_seconds', 0):,.0f}"
+    for k, lab in zip(METRICS, METRIC_LABELS):
+      if k in rg and k in rt:
+        lines.append(f"| {g['seed']} | {lab} | {rg[k]:.4f} | {rt[k]:.4f} | {rg[k] - rt[k]:+.4f} | "
+                     f"{secs} |")
+  return "\n".join(lines)
+
+
+def runs_table(runs) -> str:
+  """Every committed run: wall-clock (all attempts) and training seconds per method."""
+  lines = ["| run | seed | wall-clock (s, all attempts) | attempts | Logit-DP train s | "
+           "Naive-DP train s | non-private train s |", "|---|---|---|---|---|---|---|"]
+  for name, r in runs.items():
+    wc = r["wallclock"]
+    total = "–" if not wc else f"{wc['total_seconds']:,.0f}"
+    attempts = "–" if not wc else str(len(wc["attempts"]))
+    secs = []
+    for m in METHODS:
+      s = r["results"].get(m, {}).get("train_seconds")
+      secs.append("–" if s is None else f"{s:,.0f}")
+    lines.append(f"| {name} | {r['seed']} | {total} | {attempts} | " + " | ".join(secs) + " |")
+  return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Blocks.
+
+
+_BLOCK_RE = re.compile(r"(<!-- generated:(?P<name>[^ ]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)",
+                       re.S)
+
+
+def render_block(name: str, runs, groups, paper) -> str:
+  if name == "runs":
+    return runs_table(runs)
+  if name == "verdict":
+    return verdict_table(groups, paper)
+  kind, _, arg = name.partition(":")
+  if kind == "group":
+    if arg not in groups:
+      return f"(no finished run of `{arg}` yet)"
+    acc = "head acc" if arg.startswith("cifar100_ft") else "3-NN acc"
+    return settings_line(groups[arg]) + "\n\n" + group_table(groups[arg], paper_rows(paper, arg), acc)
+  if kind == "bound":
+    ghost, tri = arg.split(":")
+    if ghost not in groups or tri not in groups:
+      return f"(no finished run of `{ghost}` with a `{tri}` run of the same seed yet)"
+    return bound_table(groups[ghost], groups[tri])
+  raise ValueError(f"unknown generated block {name!r}")
+
+
+def render(text: str, runs, paper) -> str:
+  """``text`` with every generated block replaced."""
+  groups = groups_of(runs)
+
+  def sub(m):
+    return m.group(1) + render_block(m["name"], runs, groups, paper).rstrip() + "\n" + m.group(4)
+  return _BLOCK_RE.sub(sub, text)
+
+
+def main(argv):
+  del argv
+  runs = load_runs(flags.FLAGS.results_dir)
+  paper = load_paper(flags.FLAGS.paper)
+  with open(flags.FLAGS.out) as f:
+    old = f.read()
+  new = render(old, runs, paper)
+  if flags.FLAGS.check:
+    if new != old:
+      print(f"{flags.FLAGS.out} is out of date: run python -m experiments.render_results")
+      sys.exit(1)
+    return
+  with open(flags.FLAGS.out, "w") as f:
+    f.write(new)
+  print(f"rendered {len(_BLOCK_RE.findall(old))} blocks from {len(runs)} runs into {flags.FLAGS.out}")
+
+
+def _define_flags():
+  flags.DEFINE_string("results_dir", os.path.join(_REPO, "docs", "results"), "Run results.")
+  flags.DEFINE_string("paper", os.path.join(_REPO, "experiments", "paper_results.json"),
+                      "The paper's numbers.")
+  flags.DEFINE_string("out", os.path.join(_REPO, "docs", "RESULTS.md"), "File with the blocks.")
+  flags.DEFINE_bool("check", False, "Do not write; exit 1 if the file would change.")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The paper's ResNet-18 run (no batch norm, 25,000 records, batch 1,000, 2 epochs, 3 methods)
+# on an accelerator, in resumable pieces: each call of pretrain.py advances every unfinished
+# method by STEPS steps (then checkpoints and exits), so no piece runs much longer than
+# STEPS steps; re-running this script resumes where the last piece stopped.
+#
+#   bash experiments/resnet18_gpu.sh DIR [SEED] [STEPS] [EXTRA --config flags...]
+#
+# DIR holds cifar10.npz. One H100 step of Logit-DP (triangle, n = 1,000) should take well under
+# a minute; lower STEPS if a piece nears 10 minutes (steps/s is in <method>/metrics.csv).
+set -euo pipefail
+DIR=${1:?usage: resnet18_gpu.sh NPZ_DIR [SEED] [STEPS] [flags...]}
+SEED=${2:-0}
+STEPS=${3:-5}
+shift $(( $# < 3 ? $# : 3 ))
+WORKDIR=runs/cifar10_resnet18_s${SEED}
+cd "$(dirname "$0")/.."
+finished() {
+  python - "$WORKDIR" <<'PY'
+import json, os, sys
+p = os.path.join(sys.argv[1], "results.json")
+ok = os.path.exists(p) and all(r.get("finished") for r in json.load(open(p)).values())
+sys.exit(0 if ok else 1)
+PY
+}
+until finished; do
+  start=$(date +%s)
+  python experiments/pretrain.py --config=experiments/configs/cifar10_resnet18.py \
+    --config.data.npz_dir="$DIR" --config.seed="$SEED" --config.stop_after_steps="$STEPS" \
+    --workdir="$WORKDIR" "$@"
+  echo "piece: $(( $(date +%s) - start )) s"
+done
+echo "finished: $WORKDIR/results.md"

@@ -1,0 +1,239 @@
+"""Tests of the paper-scale experiment tooling: configs at tiny size, run queue, renderer."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
+import math
+import subprocess
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import logit_dp
+from experiments import data as data_lib
+from experiments import render_results
+from experiments import train
+from experiments.configs import cifar10_embedding_net_paper_hparams
+from experiments.configs import cifar10_embedding_net_triangle
+from experiments.configs import cifar10_resnet18
+from experiments.configs import cifar10_resnet18_cpu
+from experiments.configs import tiny
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_like(config):
+  """``config`` on 300 digits with a small batch: keeps its methods' settings (B, lr, clipping)."""
+  small = tiny.get_config()
+  config.data = small.data
+  config.batch_size = 32
+  config.num_epochs = 1
+  config.microbatch_size = None
+  config.eval_batch_size = None
+  config.eval_num_batches = 1
+  config.privacy_seed = 0
+  config.progress = False
+  config.stop_after_steps = 2
+  config.target_epsilon = 8.0
+  return config
+
+
+# ---------------------------------------------------------------------------
+# Configs.
+
+
+def test_paper_size_configs_have_the_papers_sampling_rate_and_steps():
+  # CIFAR-10: 50,000 train images -> 25,000 disjoint same-class pair records.
+  pairs = data_lib.same_class_pairs(np.repeat(np.arange(10), 5000), seed=0)
+  for cfg in (cifar10_embedding_net_triangle.get_config(),
+              cifar10_embedding_net_paper_hparams.get_config()):
+    plan = train.privacy_plan(cfg, len(pairs))
+    assert len(pairs) == 25_000 and plan["sampling_rate"] == 0.4 and plan["steps"] == 50
+    assert cfg.clip_method == "triangle"
+  # ResNet-18 CPU subset: q and T of the paper's batch 1,000 of 25,000, 2 epochs.
+  cfg = cifar10_resnet18_cpu.get_config()
+  paper = train.privacy_plan(cifar10_resnet18.get_config(), 25_000)
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 10, cfg.data.train_subset)
+  plan = train.privacy_plan(cfg, len(data_lib.same_class_pairs(labels, 0)))
+  assert paper["steps"] == plan["steps"] == 50
+  assert abs(plan["sampling_rate"] - paper["sampling_rate"]) < 1e-3
+  assert cfg.model.name == "resnet18" and cfg.model.norm == "none"
+
+
+def test_paper_hparams_config_clips_each_method_with_its_own_bound():
+  import jax
+  import jax.numpy as jnp
+  cfg = cifar10_embedding_net_paper_hparams.get_config()
+  cfg.model = tiny.get_config().model
+  cfg.microbatch_size = None
+  cfg.noise_multiplier = 1.0  # skips the accountant's calibration (not what is tested here)
+  model, apply_fn, _, _ = train.get_model(cfg.model)
+  x, xp = jax.random.uniform(jax.random.PRNGKey(1), (2, 6, 8, 8, 1))
+  params = model.init(jax.random.PRNGKey(0), x)
+  mask = jnp.ones(6, bool)
+  loss = train.make_loss(cfg)
+  key = jax.random.PRNGKey(2)
+  want = dict(
+      logit_dp=jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip_norm=1e-5, method="triangle")),
+      naive_dp=jax.jit(logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=1e-4)))
+  sens = dict(logit_dp=logit_dp.sensitivity(loss, 1e-5, batch_size=None), naive_dp=2e-4)
+  for m in ("logit_dp", "naive_dp"):
+    grad_fn, _, info = train.make_method(cfg, m, apply_fn, 25_000, key)
+    assert info["clip_norm"] == cfg.clip_norms[m]
+    np.testing.assert_allclose(info["sensitivity"], sens[m], rtol=1e-12)
+    got, ref = jax.jit(grad_fn)(params, x, xp, mask)[1], want[m](params, x, xp, mask)[1]
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  # The bound binds: with B = 1 the same batch gives another (larger) clipped gradient.
+  big = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip_norm=1.0, method="triangle"))(
+      params, x, xp, mask)[1]
+  norm = lambda t: float(jnp.sqrt(sum(jnp.sum(l ** 2) for l in jax.tree_util.tree_leaves(t))))
+  assert norm(big) > 10 * norm(want["logit_dp"](params, x, xp, mask)[1])
+
+
+@pytest.mark.slow
+def test_resnet18_cpu_config_trains_at_tiny_size(tmp_path):
+  cfg = _tiny_like(cifar10_resnet18_cpu.get_config())
+  cfg.model.width = 4
+  cfg.data.train_subset = 64
+  cfg.batch_size = 8
+  cfg.microbatch_size = 4
+  cfg.stop_after_steps = 1
+  res = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
+  for m in cfg.methods:
+    assert res[m]["steps"] == 1
+  assert res["logit_dp"]["learning_rate"] == 1e-4
+
+
+# ---------------------------------------------------------------------------
+# Item 12: δ in the tables, labelled confusion matrices.
+
+
+def test_format_table_prints_delta():
+  row = dict(epsilon=4.99, delta=1.0007e-5, noise_multiplier=2.7, accuracy=0.2)
+  table = train.format_table(dict(logit_dp=row, non_private=dict(row, delta=0.0, epsilon=0.0)))
+  head, _, dp, nonpriv = table.splitlines()
+  assert head.split(" | ")[2] == "δ"
+  assert dp.split(" | ")[2] == "1e-05" and nonpriv.split(" | ")[2] == "–"
+
+
+def test_confusion_matrix_plot_labels_every_class_and_has_a_colour_bar(tmp_path, monkeypatch):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  seen = {}
+  monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: seen.setdefault(
+      os.path.basename(path), fig))
+  cm = np.random.default_rng(0).integers(0, 9, (10, 10))
+  names = data_lib.class_names(dict(name="cifar10", label="fine"), 10)
+  train.plot_results(dict(logit_dp=dict(confusion_matrix=cm, accuracy=0.3)), str(tmp_path), names)
+  fig = seen["confusion_matrices.png"]
+  ax, cbar = fig.axes  # the matrix and its colour bar
+  assert [t.get_text() for t in ax.get_xticklabels()] == names
+  assert [t.get_text() for t in ax.get_yticklabels()] == names
+  assert cbar.get_ylabel() == "fraction of the true class"
+  assert data_lib.class_names(dict(name="cifar100", label="coarse"), 20)[0] == "aquatic mammals"
+  assert data_lib.class_names(dict(name="digits"), 10) == [str(c) for c in range(10)]
+
+
+# ---------------------------------------------------------------------------
+# Renderer.
+
+
+def _fake_runs(root, group, seeds, rng):
+  """Results folders of ``group_s<seed>`` with random metrics (the renderer's input format)."""
+  for s in seeds:
+    d = root / f"{group}_s{s}"
+    d.mkdir(parents=True)
+    res = {}
+    for m in render_results.METHODS:
+      r = {k: float(rng.uniform(0.1, 0.5)) for k in render_results.METRICS}
+      r.update(method=m, finished=True, train_seconds=float(rng.uniform(10, 100)),
+               learning_rate=1e-2, noise_multiplier=0.0 if m == "non_private" else 2.7,
+               epsilon=0.0 if m == "non_private" else 4.99, delta=1e-5, steps=50,
+               sampling_rate=0.4, clip_norm=None if m == "non_private" else 1.0)
+      res[m] = r
+    (d / "results.json").write_text(json.dumps(res))
+    (d / "config.json").write_text(json.dumps(dict(seed=s, batch_size=10_000, clip_norm=1.0)))
+    (d / "wallclock.json").write_text(json.dumps(dict(attempts=[dict(seconds=60.0, returncode=0)],
+                                                      total_seconds=60.0)))
+
+
+def _cells(text, first):
+  """The cells of the table row of ``text`` that starts with ``first``."""
+  for line in text.splitlines():
+    if line.startswith(first):
+      return [c.strip() for c in line.strip("|").split("|")]
+  raise AssertionError(f"no row {first!r} in\n{text}")
+
+
+def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
+  rng = np.random.default_rng(0)
+  _fake_runs(tmp_path / "results", "cifar10_embnet_x", (0, 1, 2), rng)
+  runs = render_results.load_runs(str(tmp_path / "results"))
+  paper = render_results.load_paper(os.path.join(REPO, "experiments", "paper_results.json"))
+  doc = ("# t\n<!-- generated:group:cifar10_embnet_x -->\nstale\n<!-- /generated:group:cifar10_embnet_x -->\n"
+         "<!-- generated:verdict -->\n<!-- /generated:verdict -->\n"
+         "<!-- generated:runs -->\n<!-- /generated:runs -->\n")
+  out = render_results.render(doc, runs, paper)
+  assert "stale" not in out and out.startswith("# t\n")
+  assert render_results.render(out, runs, paper) == out  # idempotent
+  res = [runs[f"cifar10_embnet_x_s{s}"]["results"] for s in (0, 1, 2)]
+
+  def ms(v):
+    return f"{np.mean(v):.3f} ± {np.std(v, ddof=1):.3f}"
+  row = _cells(out, "| Logit-DP | ours")
+  assert row[2] == "4.99" and row[3] == "1e-05"
+  acc = [r["logit_dp"]["accuracy"] for r in res]
+  rel = [r["logit_dp"]["linear_probe"] / r["non_private"]["linear_probe"] for r in res]
+  assert row[4] == ms(acc) and row[13] == ms(rel)
+  # The paper's numbers come from the data file, beside ours.
+  prow = _cells(out, "| Logit-DP | paper")
+  absolute = paper["cifar10_absolute_mean_std"]["embedding_net"]["logit_dp"][0]
+  assert prow[4] == f"{absolute[0]:.3f} ± {absolute[1]:.3f}"
+  assert prow[9] == f"{paper['cifar10_relative']['embedding_net']['logit_dp'][0]:.3f}"
+  # Paired difference = scipy's paired t-test.
+  a, b = acc, [r["naive_dp"]["accuracy"] for r in res]
+  t, p = stats.ttest_rel(a, b)
+  vrow = _cells(out, "| cifar10_embnet_x | Logit-DP − Naive-DP")
+  d = np.subtract(a, b)
+  assert vrow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}"
+  assert vrow[4] == f"{t:.2f}" and vrow[5] == f"{p:.2g}"
+  assert _cells(out, "| cifar10_embnet_x_s2")[2] == "60"
+
+
+def test_render_check_mode(tmp_path):
+  out = tmp_path / "doc.md"
+  out.write_text("<!-- generated:runs -->\n<!-- /generated:runs -->\n")
+  args = [sys.executable, "-m", "experiments.render_results", "--check", f"--out={out}",
+          f"--results_dir={tmp_path}"]
+  assert subprocess.run(args, cwd=REPO, capture_output=True).returncode == 1  # out of date
+  assert subprocess.run(args[:3] + args[4:], cwd=REPO, capture_output=True).returncode == 0
+  assert subprocess.run(args, cwd=REPO, capture_output=True).returncode == 0  # rendered
+
+
+# ---------------------------------------------------------------------------
+# Run queue.
+
+
+def test_run_queue_runs_skips_and_publishes(tmp_path):
+  queue = tmp_path / "queue.txt"
+  queue.write_text("# a comment\n"
+                   "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)  # np\n")
+  args = [sys.executable, "-m", "experiments.run_queue", f"--queue={queue}",
+          f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}"]
+  r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "start tiny_s0" in r.stdout and r.stdout.rstrip().endswith("queue done")
+  published = sorted(os.listdir(tmp_path / "results" / "tiny_s0"))
+  assert published == ["config.json", "results.json", "wallclock.json"]
+  wc = json.loads((tmp_path / "results" / "tiny_s0" / "wallclock.json").read_text())
+  assert len(wc["attempts"]) == 1 and wc["attempts"][0]["returncode"] == 0
+  assert math.isclose(wc["total_seconds"], wc["attempts"][0]["seconds"])
+  r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)  # finished: skipped
+  assert "start" not in r.stdout and "queue done" in r.stdout
