@@ -3,7 +3,8 @@
 Implements Logit-DP (Kong, Muñoz Medina & Ribero, "Differentially private
 optimization for non-decomposable objective functions", ICLR 2025) in JAX:
 per-pair clipped gradients (`clipped_grad`), their sensitivity (`sensitivity`),
-and the Gaussian noise as an optax transformation (`transform`).
+and the Gaussian noise as an optax transformation (`transform`);
+`make_private` sets all of it up (with sampler and ledger) in one call.
 """
 
 from logit_dp import accounting
@@ -23,6 +24,9 @@ from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.noise import AddNoiseState
 from logit_dp._src.noise import transform
+from logit_dp._src.private_training import PRIVATE_METHODS
+from logit_dp._src.private_training import PrivateTraining
+from logit_dp._src.private_training import make_private
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sensitivity import naive_sensitivity
 from logit_dp._src.sensitivity import sensitivity
@@ -30,8 +34,9 @@ from logit_dp._src.sensitivity import sensitivity
 __version__ = "0.1.0"
 
 __all__ = [
-    "PoissonSampler", "PrivacyBudgetExceededError", "PrivacyLedger", "accounting", "audit", "distributed", "ledger",
+    "PRIVATE_METHODS", "PoissonSampler", "PrivacyBudgetExceededError", "PrivacyLedger",
+    "PrivateTraining", "accounting", "audit", "distributed", "ledger",
     "sampling", "AddNoiseState", "DEFAULT_COSINE_EPS", "METHODS", "clipped_grad", "cosine_similarity",
-    "losses", "naive_clipped_grad", "naive_sensitivity", "normalize", "pair_grad_norms",
+    "losses", "make_private", "naive_clipped_grad", "naive_sensitivity", "normalize", "pair_grad_norms",
     "sensitivity", "transform",
 ]
