@@ -130,7 +130,8 @@ def finetune_and_evaluate(config, workdir: str, quiet: bool = False) -> Dict[str
       r["linear_probe"] = evaluation.linear_probe_accuracy(e_tr, ds["y_train"], e_te, ds["y_test"],
                                                            seed=config.seed)
     pr = pre_results.get(m, {})
-    r.update(method=m, epsilon=pr.get("epsilon", 0.0), noise_multiplier=pr.get("noise_multiplier", 0.0),
+    r.update(method=m, epsilon=pr.get("epsilon", 0.0), delta=pr.get("delta", 0.0),
+             noise_multiplier=pr.get("noise_multiplier", 0.0),
              history=[])
     results[m] = r
   table = train_lib.format_table(results, acc_label="head acc")

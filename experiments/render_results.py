@@ -13,8 +13,10 @@ paired t statistic t = mean(Δ) / (std(Δ) / √n) and its two-sided p-value.
 
 In docs/RESULTS.md a block ``<!-- generated:NAME -->`` … ``<!-- /generated:NAME -->`` is
 replaced by the table NAME: ``runs`` (every run with its wall-clock), ``verdict``,
-``group:<group>`` (ours beside the paper's), ``bound:<ghost group>:<triangle group>``
-(what the triangle bound costs, same seeds).
+``group:<group>`` (ours beside the paper's), ``compare:<group a>:<group b>`` (same method and
+seeds, two configurations), ``bound:<ghost group>:<triangle group>``
+(what the triangle bound costs, same seeds), ``pair_norms:<file in results_dir>`` (how much
+B clips, from experiments/pair_norms.py).
 """
 
 from __future__ import annotations
@@ -80,12 +82,13 @@ def load_runs(results_dir: str) -> Dict[str, Dict]:
 
 
 def groups_of(runs) -> Dict[str, List[Dict]]:
+  """{group: runs sorted by seed}, pre-training groups first, then fine-tuning."""
   out: Dict[str, List[Dict]] = {}
   for r in runs.values():
     out.setdefault(r["group"], []).append(r)
   for g in out.values():
     g.sort(key=lambda r: r["seed"])
-  return out
+  return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("cifar100_ft"), kv[0])))
 
 
 def load_paper(path: str) -> Dict:
@@ -214,10 +217,11 @@ def privacy_cell(group_runs, method) -> str:
   if method == "non_private":
     return "∞", "–"
   eps = [r["results"][method]["epsilon"] for r in group_runs if method in r["results"]]
-  dl = [r["results"][method].get("delta", 0.0) for r in group_runs if method in r["results"]]
+  dl = [r["results"][method]["delta"] for r in group_runs
+        if "delta" in r["results"].get(method, {})]
   if not eps:
     return "–", "–"
-  return f"{max(eps):.3g}", f"{max(dl):.3g}"
+  return f"{max(eps):.3g}", (f"{max(dl):.3g}" if dl else "–")
 
 
 def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:
@@ -283,6 +287,27 @@ def verdict_table(groups, paper) -> str:
   return "\n".join(lines)
 
 
+def compare_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
+  """Same method, same seeds, two configurations: paired Δ = m(a) − m(b) per metric."""
+  b_by_seed = {r["seed"]: r for r in b_runs}
+  lines = [f"| method | metric | {a_name} | {b_name} | Δ paired by seed | n | t | p |",
+           "|---|---|---|---|---|---|---|---|"]
+  for m in METHODS:
+    both = [(r, b_by_seed[r["seed"]]) for r in a_runs
+            if r["seed"] in b_by_seed and m in r["results"] and m in b_by_seed[r["seed"]]["results"]]
+    if not both:
+      continue
+    for k, lab in zip(METRICS, METRIC_LABELS):
+      va = [ra["results"][m][k] for ra, _ in both]
+      vb = [rb["results"][m][k] for _, rb in both]
+      d = paired_difference(va, vb)
+      t = "–" if d["t"] != d["t"] else f"{d['t']:.2f}"
+      p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
+      lines.append(f"| {LABELS[m]} | {lab} | {fmt_ms(*mean_std(va))} | {fmt_ms(*mean_std(vb))} | "
+                   f"{fmt_ms(d['mean'], d['std'], 4)} | {d['n']} | {t} | {p} |")
+  return "\n".join(lines)
+
+
 def bound_table(ghost_runs, triangle_runs) -> str:
   """Logit-DP with exact (ghost) pair norms vs the triangle bound on the same seeds."""
   tri = {r["seed"]: r for r in triangle_runs}
@@ -317,6 +342,21 @@ def runs_table(runs) -> str:
   return "\n".join(lines)
 
 
+def pair_norms_table(report: Dict) -> str:
+  """Quantiles of ‖∇_θ Z_ij‖ and the fraction of pairs each B clips (experiments/pair_norms.py)."""
+  names = {"init": "initial", **LABELS}
+  lines = [f"Run `{report['run']}`, n = {report['n']:,} {report['split']} pairs "
+           f"({report['n'] ** 2:,} pair norms per row).", "",
+           "| parameters | norms | 1% quantile | median | 99% quantile | clipped by B = 1 | "
+           "clipped by B = 1e-5 |", "|---|---|---|---|---|---|---|"]
+  for who, by_method in report["params"].items():
+    for m, q in by_method.items():
+      lines.append(f"| {names.get(who, who)} | {m} | {q['q01']:.3g} | {q['q50']:.3g} | "
+                   f"{q['q99']:.3g} | {100 * q['clipped_at_1']:.2f}% | "
+                   f"{100 * q['clipped_at_1e-05']:.2f}% |")
+  return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------
 # Blocks.
 
@@ -325,7 +365,7 @@ _BLOCK_RE = re.compile(r"(<!-- generated:(?P<name>[^ ]+) -->\n)(?P<body>.*?)(<!-
                        re.S)
 
 
-def render_block(name: str, runs, groups, paper) -> str:
+def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
   if name == "runs":
     return runs_table(runs)
   if name == "verdict":
@@ -336,6 +376,17 @@ def render_block(name: str, runs, groups, paper) -> str:
       return f"(no finished run of `{arg}` yet)"
     acc = "head acc" if arg.startswith("cifar100_ft") else "3-NN acc"
     return settings_line(groups[arg]) + "\n\n" + group_table(groups[arg], paper_rows(paper, arg), acc)
+  if kind == "compare":
+    a, b = arg.split(":")
+    if a not in groups or b not in groups:
+      return f"(no seed of `{a}` with a `{b}` run of the same seed yet)"
+    return compare_table(groups[a], groups[b], a, b)
+  if kind == "pair_norms":
+    path = os.path.join(results_dir, arg)
+    if not os.path.exists(path):
+      return f"(`{arg}` not computed yet)"
+    with open(path) as f:
+      return pair_norms_table(json.load(f))
   if kind == "bound":
     ghost, tri = arg.split(":")
     if ghost not in groups or tri not in groups:
@@ -344,12 +395,13 @@ def render_block(name: str, runs, groups, paper) -> str:
   raise ValueError(f"unknown generated block {name!r}")
 
 
-def render(text: str, runs, paper) -> str:
+def render(text: str, runs, paper, results_dir: str = "") -> str:
   """``text`` with every generated block replaced."""
   groups = groups_of(runs)
 
   def sub(m):
-    return m.group(1) + render_block(m["name"], runs, groups, paper).rstrip() + "\n" + m.group(4)
+    body = render_block(m["name"], runs, groups, paper, results_dir)
+    return m.group(1) + body.rstrip() + "\n" + m.group(4)
   return _BLOCK_RE.sub(sub, text)
 
 
@@ -359,7 +411,7 @@ def main(argv):
   paper = load_paper(flags.FLAGS.paper)
   with open(flags.FLAGS.out) as f:
     old = f.read()
-  new = render(old, runs, paper)
+  new = render(old, runs, paper, flags.FLAGS.results_dir)
   if flags.FLAGS.check:
     if new != old:
       print(f"{flags.FLAGS.out} is out of date: run python -m experiments.render_results")

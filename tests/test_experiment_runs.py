@@ -237,3 +237,28 @@ def test_run_queue_runs_skips_and_publishes(tmp_path):
   assert math.isclose(wc["total_seconds"], wc["attempts"][0]["seconds"])
   r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)  # finished: skipped
   assert "start" not in r.stdout and "queue done" in r.stdout
+
+
+def test_renderer_compare_block_pairs_seeds_of_two_configurations(tmp_path):
+  rng = np.random.default_rng(1)
+  _fake_runs(tmp_path, "cifar10_embnet_a", (0, 1, 2), rng)
+  _fake_runs(tmp_path, "cifar10_embnet_b", (1, 2, 3), rng)  # seeds 1, 2 in common
+  runs = render_results.load_runs(str(tmp_path))
+  doc = "<!-- generated:compare:cifar10_embnet_a:cifar10_embnet_b -->\n<!-- /generated:compare:cifar10_embnet_a:cifar10_embnet_b -->\n"
+  out = render_results.render(doc, runs, None)
+  a = [runs[f"cifar10_embnet_a_s{s}"]["results"]["naive_dp"]["best_fbeta"] for s in (1, 2)]
+  b = [runs[f"cifar10_embnet_b_s{s}"]["results"]["naive_dp"]["best_fbeta"] for s in (1, 2)]
+  row = _cells(out, "| Naive-DP | best F_β")
+  d = np.subtract(a, b)
+  t, p = stats.ttest_rel(a, b)
+  assert row[4] == f"{d.mean():.4f} ± {d.std(ddof=1):.4f}" and row[5] == "2"
+  assert row[6] == f"{t:.2f}" and row[7] == f"{p:.2g}"
+
+
+def test_pair_norm_summary():
+  from experiments import pair_norms
+  v = np.random.default_rng(0).lognormal(size=(50, 50))
+  s = pair_norms.norm_summary(v)
+  assert s["q50"] == pytest.approx(np.median(v))
+  assert s["clipped_at_1"] == pytest.approx(np.count_nonzero(v > 1) / v.size)
+  assert s["clipped_at_1e-05"] == 1.0

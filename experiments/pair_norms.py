@@ -1,0 +1,86 @@
+r"""How much the clip norm B clips: pair-gradient norms ‖∇_θ Z_ij‖ of an embedding net.
+
+    python -m experiments.pair_norms --workdir=runs/cifar10_embnet_triangle_s0 \
+        --npz_dir=DIR --out=docs/results/pair_norms_s0.json
+
+For the initial parameters (``config.seed``) and each method's final parameters of a finished
+pre-training run, it embeds ``n`` same-class pairs of the (public) test split and reports
+quantiles of the n × n matrix of pair-gradient norms, exact ("ghost") and the triangle upper
+bound, and the fraction of pairs that B clips (norm > B) for B = 1 (ours) and 1e-5 (the paper's
+Logit-DP B). docs/RESULTS.md renders the JSON (``experiments.render_results``).
+"""
+
+import json
+import os
+import sys
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app
+from absl import flags
+
+import logit_dp
+from experiments import data as data_lib
+from experiments import finetuning
+from experiments import train
+
+QUANTILES = (0.01, 0.5, 0.99)
+BOUNDS = (1.0, 1e-5)
+
+
+def norm_summary(norms: np.ndarray) -> dict:
+  """Quantiles of the pair norms and the fraction of pairs above each B in BOUNDS."""
+  v = np.asarray(norms, np.float64).ravel()
+  out = {f"q{int(q * 100):02d}": float(np.quantile(v, q)) for q in QUANTILES}
+  out.update({f"clipped_at_{b:g}": float(np.mean(v > b)) for b in BOUNDS})
+  return out
+
+
+def pair_norm_report(config, params_by_name, x, xp, methods=("ghost", "triangle")):
+  """{name: {method: norm_summary}} for each parameter set."""
+  _, apply_fn, _, _ = train.get_model(config.model)
+  out = {}
+  for name, params in params_by_name.items():
+    out[name] = {}
+    for m in methods:
+      norms = logit_dp.pair_grad_norms(apply_fn, params, x, xp, method=m,
+                                       microbatch_size=config.get("microbatch_size"))
+      out[name][m] = norm_summary(np.asarray(norms))
+  return out
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  with open(os.path.join(f.workdir, "config.json")) as fh:
+    config = ml_collections.ConfigDict(json.load(fh))
+  if f.npz_dir:
+    config.data.npz_dir = f.npz_dir
+  ds = data_lib.load_dataset(config.data, seed=config.seed)
+  pairs = data_lib.make_pairs(ds["y_test"], "same_class", config.seed)[: f.n]
+  x = data_lib.to_float(jnp.asarray(ds["x_test"][pairs[:, 0]]))
+  xp = data_lib.to_float(jnp.asarray(ds["x_test"][pairs[:, 1]]))
+  _, _, _, init_fn = train.get_model(config.model)
+  params = {"init": init_fn(train._keys(config.seed)["init"], x[:1])}  # pylint: disable=protected-access
+  for m in config.methods:
+    if os.path.isdir(os.path.join(f.workdir, m, "params")):
+      params[m] = finetuning.load_pretrained(f.workdir, m, config)
+  report = dict(run=os.path.basename(os.path.normpath(f.workdir)), n=int(len(pairs)),
+                split="test", params=pair_norm_report(config, params, x, xp))
+  os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
+  with open(f.out, "w") as fh:
+    json.dump(report, fh, indent=1)
+  print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("workdir", None, "A finished pretrain.py run.", required=True)
+  flags.DEFINE_string("npz_dir", None, "Folder with cifar10.npz (else the run's).")
+  flags.DEFINE_integer("n", 1000, "Number of test pairs.")
+  flags.DEFINE_string("out", "pair_norms.json", "Output JSON.")
+  app.run(main)
