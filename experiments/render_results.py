@@ -405,8 +405,68 @@ def render(text: str, runs, paper, results_dir: str = "") -> str:
   return _BLOCK_RE.sub(sub, text)
 
 
+def plot_group(group: str, group_runs, out_dir: str) -> List[str]:
+  """Figures of a group: relative test loss (mean ± std over seeds) and the first seed's confusion matrices."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import train as train_lib  # pylint: disable=g-import-not-at-top
+  os.makedirs(out_dir, exist_ok=True)
+  written = []
+  with_curves = [r for r in group_runs if r["results"].get("non_private", {}).get("history")]
+  if with_curves:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for m in ("logit_dp", "naive_dp"):
+      curves = []
+      for r in with_curves:
+        h, ref = r["results"].get(m, {}).get("history"), r["results"]["non_private"]["history"]
+        if not h:
+          continue
+        e = np.array([row["epoch"] for row in h])
+        ref_l = np.interp(e, [row["epoch"] for row in ref], [row["test_loss"] for row in ref])
+        curves.append((e, np.array([row["test_loss"] for row in h]) / ref_l))
+      if not curves:
+        continue
+      e = curves[0][0]
+      rel = np.stack([np.interp(e, c[0], c[1]) for c in curves])
+      mu = rel.mean(0)
+      ax.plot(e, mu, marker=".", label=f"{LABELS[m]} ({len(curves)} seeds)")
+      if len(curves) > 1:
+        sd = rel.std(0, ddof=1)
+        ax.fill_between(e, mu - sd, mu + sd, alpha=0.25)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="Non-private")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test loss / non-private test loss")
+    ax.set_title(f"{group}: relative test loss (mean ± std)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{group}_relative_loss.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+  first = group_runs[0]
+  res = {m: r for m, r in first["results"].items() if "confusion_matrix" in r}
+  if res:
+    k = len(next(iter(res.values()))["confusion_matrix"])
+    names = data_lib.class_names(first["config"].get("data", {}), k)
+    tmp = os.path.join(out_dir, f".{group}")
+    os.makedirs(tmp, exist_ok=True)
+    train_lib.plot_results({m: dict(r, history=[]) for m, r in res.items()}, tmp, names)
+    path = os.path.join(out_dir, f"{group}_confusion_s{first['seed']}.png")
+    os.replace(os.path.join(tmp, "confusion_matrices.png"), path)
+    os.rmdir(tmp)
+    written.append(path)
+  return written
+
+
 def main(argv):
   del argv
+  if flags.FLAGS.figures:
+    groups = groups_of(load_runs(flags.FLAGS.results_dir))
+    for g, group_runs in groups.items():
+      for path in plot_group(g, group_runs, os.path.join(flags.FLAGS.results_dir, "figures")):
+        print("wrote", path)
   runs = load_runs(flags.FLAGS.results_dir)
   paper = load_paper(flags.FLAGS.paper)
   with open(flags.FLAGS.out) as f:
@@ -428,6 +488,7 @@ def _define_flags():
                       "The paper's numbers.")
   flags.DEFINE_string("out", os.path.join(_REPO, "docs", "RESULTS.md"), "File with the blocks.")
   flags.DEFINE_bool("check", False, "Do not write; exit 1 if the file would change.")
+  flags.DEFINE_bool("figures", False, "Also draw each group's figures into results_dir/figures/.")
 
 
 if __name__ == "__main__":

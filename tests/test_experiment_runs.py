@@ -262,3 +262,22 @@ def test_pair_norm_summary():
   assert s["q50"] == pytest.approx(np.median(v))
   assert s["clipped_at_1"] == pytest.approx(np.count_nonzero(v > 1) / v.size)
   assert s["clipped_at_1e-05"] == 1.0
+
+
+def test_renderer_figures(tmp_path):
+  rng = np.random.default_rng(2)
+  _fake_runs(tmp_path, "cifar10_embnet_f", (0, 1), rng)
+  for s in (0, 1):
+    path = tmp_path / f"cifar10_embnet_f_s{s}" / "results.json"
+    res = json.loads(path.read_text())
+    for r in res.values():
+      r["history"] = [dict(epoch=e, test_loss=float(rng.uniform(6, 7))) for e in range(5)]
+      r["confusion_matrix"] = rng.integers(0, 5, (10, 10)).tolist()
+    path.write_text(json.dumps(res))
+  groups = render_results.groups_of(render_results.load_runs(str(tmp_path)))
+  written = render_results.plot_group("cifar10_embnet_f", groups["cifar10_embnet_f"],
+                                      str(tmp_path / "figures"))
+  assert sorted(os.path.basename(p) for p in written) == [
+      "cifar10_embnet_f_confusion_s0.png", "cifar10_embnet_f_relative_loss.png"]
+  assert all(os.path.getsize(p) > 0 for p in written)
+  assert sorted(os.listdir(tmp_path / "figures")) == sorted(os.path.basename(p) for p in written)
