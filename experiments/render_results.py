@@ -351,9 +351,15 @@ def pair_norms_table(report: Dict) -> str:
            "clipped by B = 1e-5 |", "|---|---|---|---|---|---|---|"]
   for who, by_method in report["params"].items():
     for m, q in by_method.items():
+      if m == "batch_grad_norm":
+        continue
       lines.append(f"| {names.get(who, who)} | {m} | {q['q01']:.3g} | {q['q50']:.3g} | "
                    f"{q['q99']:.3g} | {100 * q['clipped_at_1']:.2f}% | "
                    f"{100 * q['clipped_at_1e-05']:.2f}% |")
+  norms = {who: q["batch_grad_norm"] for who, q in report["params"].items() if "batch_grad_norm" in q}
+  if norms:
+    lines += ["", "‖∇_θ ℒ‖ of the whole batch of these pairs (what Naive-DP clips to B): "
+              + ", ".join(f"{names.get(w, w)} {v:.3g}" for w, v in norms.items()) + "."]
   return "\n".join(lines)
 
 
