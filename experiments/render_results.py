@@ -231,16 +231,15 @@ def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:
           + " | ".join(f"rel. {l}" for l in labels) + " |")
   lines = [head, "|" + "---|" * (4 + 2 * len(METRICS))]
   for m in METHODS:
-    if not any(m in r["results"] for r in group_runs):
-      continue
-    eps, delta = privacy_cell(group_runs, m)
     n = sum(m in r["results"] for r in group_runs)
-    absolute = [fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k)) else "–"
-                for k in METRICS]
-    rel = [fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k, rel=True)) else "–"
-           for k in METRICS]
-    lines.append(f"| {LABELS[m]} | ours, {n} seed{'s' if n > 1 else ''} | {eps} | {delta} | "
-                 + " | ".join(absolute) + " | " + " | ".join(rel) + " |")
+    if n:
+      eps, delta = privacy_cell(group_runs, m)
+      absolute = [fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k)) else "–"
+                  for k in METRICS]
+      rel = [fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k, rel=True)) else "–"
+             for k in METRICS]
+      lines.append(f"| {LABELS[m]} | ours, {n} seed{'s' if n > 1 else ''} | {eps} | {delta} | "
+                   + " | ".join(absolute) + " | " + " | ".join(rel) + " |")
     if paper and m in paper:
       p = paper[m]
       pa = [fmt_ms(mu, sd) for mu, sd in p["abs"]] + ["–"]
@@ -378,10 +377,12 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     return verdict_table(groups, paper)
   kind, _, arg = name.partition(":")
   if kind == "group":
-    if arg not in groups:
-      return f"(no finished run of `{arg}` yet)"
     acc = "head acc" if arg.startswith("cifar100_ft") else "3-NN acc"
-    return settings_line(groups[arg]) + "\n\n" + group_table(groups[arg], paper_rows(paper, arg), acc)
+    prow = paper_rows(paper, arg) if paper else None
+    if arg not in groups:
+      none = f"(no finished run of `{arg}` yet)"
+      return none + ("\n\n" + group_table([], prow, acc) if prow else "")
+    return settings_line(groups[arg]) + "\n\n" + group_table(groups[arg], prow, acc)
   if kind == "compare":
     a, b = arg.split(":")
     if a not in groups or b not in groups:
