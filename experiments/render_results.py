@@ -193,6 +193,15 @@ def settings_line(group_runs) -> str:
   cfg, res = r0["config"], r0["results"]
   seeds = ", ".join(str(r["seed"]) for r in group_runs)
   parts = [f"{len(group_runs)} seed{'s' if len(group_runs) > 1 else ''} ({seeds})"]
+  if cfg.get("pretrain_workdir"):  # fine-tuning: the head's settings, the encoders' source
+    pre = sorted({os.path.basename(os.path.normpath(r["config"]["pretrain_workdir"]))
+                  for r in group_runs})
+    k = len(next(iter(res.values())).get("confusion_matrix", ())) or "k"
+    parts += [f"head {'-'.join(str(h) for h in (*cfg.get('head_hidden', ()), k))}, "
+              f"batch {cfg.get('batch_size')}, {cfg.get('num_epochs')} epochs, "
+              f"Adam {_fmt_num(cfg.get('learning_rate'))}",
+              "encoders of " + ", ".join(f"`{p}`" for p in pre)]
+    return "; ".join(parts) + "."
   if "batch_size" in cfg:
     parts.append(f"expected batch {cfg['batch_size']:,}")
   for m in METHODS:
