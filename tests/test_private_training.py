@@ -136,7 +136,7 @@ def test_grad_fn_is_clipped_grad_with_method_and_microbatch(method, microbatch_s
 
 
 def _chi2_statistic(pt, mean, grads):
-  """Σ z² over all coordinates, z = (optimizer input · scale − ḡ)/(σC); ~ χ²(k) if correct."""
+  """Σ z² over the k coordinates, z = (optimizer input · scale − ḡ)/(σC): χ²(k) if correct."""
   state = pt.optimizer.init(grads)
   out, state = pt.optimizer.update(grads, state, grads)
   seen = state[-1]                            # what the optimizer was given

@@ -41,7 +41,7 @@ def executed():
   for i, block in enumerate(_blocks()):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      exec(compile(block, f"README.md python block {i}", "exec"), namespace)  # pylint: disable=exec-used
+      exec(compile(block, f"README.md python block {i}", "exec"), namespace)  # noqa: S102
     runs.append((block, out.getvalue().splitlines()))
   return namespace, runs
 
@@ -96,7 +96,8 @@ def test_worked_example_numbers(executed):
   with pytest.warns(logit_dp.losses.LargeSensitivityWarning):
     sup = logit_dp.sensitivity(contrastive(temperature=0.2), 1.0)
     at_1000 = logit_dp.sensitivity(contrastive(temperature=0.2), 1.0, batch_size=1000)
-  assert f"(a = e¹⁰ ≈ {math.exp(10):,.0f}) the supremum is {sup:,.0f}, {sup / at_1000:.0f}×" in text
+  assert (f"(a = e¹⁰ ≈ {math.exp(10):,.0f}) the supremum is {sup:,.0f}, "
+          f"{sup / at_1000:.0f}×") in text
   assert f"C/B ≈ {sup / 1e5:.1f}·10⁵" in text
 
   sampler, ledger = namespace["sampler"], namespace["ledger"]

@@ -161,8 +161,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *,
   accounting.warn_if_large_delta(delta, n, stacklevel=3)
   sigma = accounting.noise_multiplier(eps, delta, q, t, accountant)
   key = jax.random.key(_secret_seed()) if noise_key is None else noise_key
-  tx = distributed.make_private_optimizer(sigma, c, key, optimizer,
-                                          expected_batch_size=float(expected_batch_size) if mean else None)
+  scale_by = float(expected_batch_size) if mean else None
+  tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   sampler = PoissonSampler(num_records=n, sampling_rate=q, max_batch_size=max_batch_size,
                            seed=_secret_seed() if sampler_seed is None else sampler_seed,
                            overflow=overflow)
