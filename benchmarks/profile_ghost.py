@@ -10,7 +10,7 @@ Each piece is jitted on its own and timed (median of --repeats runs after a warm
                  gradients of the flattened layers, per-example Grams    (_Batch.factors)
   flat cross     the n²·d²·q cross-Gram of the flattened layers           (layerwise.flat_cross)
   ghost layer L  the per-layer cross terms of ghost layer L               (layerwise.ghost_layer_cross)
-  pair norms     all exact ‖g_ij‖²: factors + quadratic + cross terms     (_ghost_sq_norms)
+  pair norms     all exact ‖g_ij‖: factors + quadratic + cross terms + diagonal (_ghost_norms)
   backward ḡ     ḡ contracted from the factors with λ-weighted cotangents, plus
                  the forward pass that gives λ                           (_Batch.weighted_backward)
   noise + adam   logit_dp.transform + optax.adam on a p-vector
@@ -105,7 +105,8 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
   def pair_norms(pp, xx, xxp):
     b = batch(pp, xx, xxp)
-    return C._ghost_sq_norms(b, b.factors(b.x), b.factors(b.x_prime))
+    f_v = b.factors(b.x_prime)
+    return C._ghost_norms(b, b.factors(b.x), f_v, f_v)
 
   def backward_from_factors(fu, fv, pp, xx, xxp):
     b = batch(pp, xx, xxp)

@@ -44,8 +44,10 @@ def test_ghost_matches_materialize_with_clipping(model_kind, loss_name):
 
 def test_ghost_pair_norms_match_materialized_pair_gradients(model_kind):
   embed_fn, params, x, x_prime = make_model(model_kind, n=7, seed=2)
-  ghost = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost")
-  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
+  ghost = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost",
+                                   float_allowance=False)
+  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize",
+                                   float_allowance=False)
   # Independent check of one entry: the norm of jax.grad of Z_ij.
   i, j = 3, 5
   z = lambda p: logit_dp.cosine_similarity(embed_fn(p, x[i:i + 1]), embed_fn(p, x_prime[j:j + 1]))[0, 0]
@@ -55,7 +57,8 @@ def test_ghost_pair_norms_match_materialized_pair_gradients(model_kind):
 
 def test_triangle_bound_is_an_upper_bound_and_clips_every_pair_to_b(model_kind):
   embed_fn, params, x, x_prime = make_model(model_kind, n=7, seed=3)
-  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
+  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize",
+                                   float_allowance=False)
   bound = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="triangle")
   assert np.all(np.asarray(bound) >= np.asarray(exact) * (1 - 1e-5))
   assert np.any(np.asarray(bound) > np.asarray(exact) * 1.01)  # a real bound, not the exact norm
@@ -203,12 +206,14 @@ def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
   from logit_dp._src import clipping, layerwise
   embed_fn, params, x, x_prime = make_model("conv", n=13)
   monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d: True)
-  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize")
+  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
+                                   float_allowance=False)
   norms = {}
   for accelerator in (False, True):
     monkeypatch.setattr(clipping, "_on_accelerator", lambda a=accelerator: a)
     fresh = lambda p, xs: embed_fn(p, xs)  # a new function: nothing compiled is reused
-    norms[accelerator] = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost")
+    norms[accelerator] = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost",
+                                                   float_allowance=False)
   # Other chunk shapes round differently; small norms carry the cancellation of
   # ‖g‖² = a + b + 2c (atol, as in test_layerwise._check_norms).
   atol = 1e-5 * float(np.max(exact))

@@ -198,14 +198,15 @@ MODES = {"all_ghost": True, "all_flat": False}
 
 def _check_norms(embed_fn, params, x, x_prime, monkeypatch, modes=MODES):
   """Ghost pair norms equal materialised ones, and triangle bounds them, in every layer mode."""
-  exact = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
+  exact = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
+                                              float_allowance=False))
   for mode, ghost_everywhere in modes.items():
     with monkeypatch.context() as patch:
       if ghost_everywhere is not None:
         patch.setattr(layerwise, "use_ghost", lambda layer, d, g=ghost_everywhere: g)
         assert all(g == ghost_everywhere for g in _plan(embed_fn, params, x).ghost)
       fresh = lambda p, xs: embed_fn(p, xs)  # a new function: no compiled plan is reused
-      ghost = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost")
+      ghost = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost", float_allowance=False)
       bound = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "triangle")
     # ‖g‖² = a + b + 2c in float32 loses ~1e-7·(a + b) to cancellation, so the relative error
     # of a norm far below the batch's largest grows as 1e-7·(max/‖g‖)²; atol covers that.

@@ -218,17 +218,23 @@ _RESTART_SCALES = (1.0, 0.1, 10.0)
 
 
 def _restart_points(params, x, x_prime, key, num_restarts, init_scale, optimize_params):
-  """Starting points: the given one, then random inputs at scales init_scale·(1, 0.1, 10, …)."""
+  """Starting points: the given one, then random inputs at scales init_scale·(1, 0.1, 10, …)
+  (see `search_worst_case` for the families of positives)."""
   points = [(params, x, x_prime)]
   for r in range(1, num_restarts):
     scale = init_scale * _RESTART_SCALES[(r - 1) % len(_RESTART_SCALES)]
     kx, kxp, kp = jax.random.split(jax.random.fold_in(key, r), 3)
     x0 = scale * jax.random.normal(kx, x.shape, jnp.float32)
-    # Positives near their anchors half of the time (the training regime), unrelated otherwise.
-    near = x0 + 0.3 * scale * jax.random.normal(kxp, x.shape, jnp.float32) \
-        if x.shape == x_prime.shape else None
-    far = scale * jax.random.normal(kxp, x_prime.shape, jnp.float32)
-    xp0 = near if (near is not None and r % 2 == 1) else far
+    xp0 = scale * jax.random.normal(kxp, x_prime.shape, jnp.float32)
+    if x.shape == x_prime.shape and r % 2 == 1:
+      # Positives near their anchors (the training regime); every other such restart makes
+      # them near-identical (x' = x + 1e-2·noise), where the two halves of g_ii nearly cancel
+      # and float32 Gram forms lose the small norm, and rolls them by one row so that the
+      # near-identical pairs are off the diagonal.
+      family = (r // 2) % 3
+      spread = 0.3 if family == 0 else 1e-2
+      anchors = x0 if family < 2 else jnp.roll(x0, 1, axis=0)
+      xp0 = anchors + spread * scale * jax.random.normal(kxp, x.shape, jnp.float32)
     p0 = params
     if optimize_params:
       leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -265,7 +271,9 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
 
   Restart 0 starts from (x, x′, params); restart r ≥ 1 from inputs drawn
   i.i.d. N(0, s²) with the shapes of x, x′ and s cycling through
-  init_scale·(1, 0.1, 10) (odd restarts draw x′ near x, even ones independently;
+  init_scale·(1, 0.1, 10) (odd restarts draw x′ near x: x + 0.3·noise, x + 0.01·noise
+  (near-identical positives) or the latter rolled by one row (near-identical off-diagonal
+  pairs), in turn; even ones independently;
   with optimize_params, params + N(0, (init_scale·rms(leaf))²) per leaf). Each
   restart runs ``num_steps`` Adam steps of ascent on
   logsumexp_k log(gap_k² + 1e-30) (one jit-compiled scan, compiled once for all

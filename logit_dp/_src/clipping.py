@@ -57,6 +57,16 @@ _GHOST_LAYER_CHUNK_ROWS = 8  # its batched small contractions run fastest in sma
 _ACCELERATOR_CHUNK_SCALE = 16
 # Floats held by one block of materialised pair gradients (pairs × p).
 _PAIR_BLOCK_FLOATS = 1 << 22
+# Float32 allowances added to every pair norm before clipping, so that a clip factor never
+# uses a norm below the true one (docs/PRIVACY.md, "Clip norms in float32"). With
+# s_i = ‖J_i‖_F (per-example Jacobian of the normalised embedding) and S_ij = s_i + s'_j:
+#   a norm formed from its vector (materialize, the diagonal pairs) is raised by
+#   _VECTOR_FLOAT_ERROR·S_ij; a squared norm from Gram forms (a + b + 2c, or a and b of
+#   "triangle") by _GRAM_FLOAT_ERROR·S_ij². Largest float32 errors measured against float64
+#   (tests/test_float32_norms.py inputs, three seeds, and the paper's embedding net):
+#   3.2·2⁻²⁴·S_ij and 0.36·2⁻²⁴·S_ij², so the margins are 20× and 44×.
+_VECTOR_FLOAT_ERROR = 2.0 ** -18
+_GRAM_FLOAT_ERROR = 2.0 ** -20
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
@@ -223,8 +233,9 @@ class _Batch:
 
     return jax.vmap(one)(xs)
 
-  def factors(self, xs) -> layerwise.Factors:
-    """Per-example Jacobian factors of one view (see layerwise), microbatch by microbatch."""
+  def factors(self, xs, chunked: bool = True) -> layerwise.Factors:
+    """Per-example Jacobian factors of one view (see layerwise), microbatch by microbatch
+    (chunked=False: xs in one piece, for callers that chunk themselves)."""
     plan = self.plan
 
     def chunk_factors(x_chunk):
@@ -233,7 +244,7 @@ class _Batch:
           lambda indices: self._generic_jacobian(indices, x_chunk), self.c.local_params)
 
     m, n = self.microbatch_size, xs.shape[0]
-    if m is None or m >= n:
+    if not chunked or m is None or m >= n:
       return chunk_factors(xs)
     return _unchunk_rows(_map_chunks(chunk_factors, (xs,), m), n)
 
@@ -371,8 +382,9 @@ def _ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_colu
       _GHOST_LAYER_CHUNK_FLOATS, _GHOST_LAYER_CHUNK_ROWS)
 
 
-def _ghost_sq_norms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors):
-  """Exact ‖g_ij‖² for local rows i and all columns j, shape (n_local, n).
+def _ghost_terms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors):
+  """(a, b, c) with ‖g_ij‖² = a + b + 2c for local rows i and all columns j, each (n_local, n):
+  a = v̂_jᵀK_i v̂_j, b = û_iᵀK'_j û_i, c = v̂_jᵀ J_i J'_jᵀ û_i.
 
   f_u: factors of the local rows of x; f_v: factors of all of x_prime (gathered).
   """
@@ -383,27 +395,95 @@ def _ghost_sq_norms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factor
   for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas,
                                         f_v.ghost_patches, f_v.ghost_deltas):
     cross += _ghost_layer_cross_terms(a_u, delta_u, batch.u_loc, a_v, delta_v, batch.v)
-  return anchor + positive + 2.0 * cross
+  return anchor, positive, cross
 
 
-def _triangle_norms(batch: _Batch):
-  """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖, from per-example Grams only."""
-  k_local = batch.factors(batch.x).gram
-  k_prime = batch.c.gather(batch.factors(batch.x_prime).gram)
+def _jacobian_norms(gram: jax.Array) -> jax.Array:
+  """‖J_e‖_F = √tr(J_e J_eᵀ) per example, from the (m, d, d) per-example Grams."""
+  return jnp.sqrt(jnp.maximum(jnp.trace(gram, axis1=1, axis2=2), 0.0))
+
+
+def _triangle_bound(anchor, positive, s_local, s_all, allowance: float):
+  """√(a + ε_G s_i²) + √(b + ε_G s'_j²) ≥ ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ in float32
+  (ε_G = allowance·_GRAM_FLOAT_ERROR)."""
+  eps = allowance * _GRAM_FLOAT_ERROR
+  return (jnp.sqrt(jnp.maximum(anchor, 0.0) + eps * s_local[:, None] ** 2)
+          + jnp.sqrt(jnp.maximum(positive, 0.0) + eps * s_all[None, :] ** 2))
+
+
+def _with_diagonal(batch: _Batch, norms, f_u: layerwise.Factors, f_v_local: layerwise.Factors,
+                   allowance: float):
+  """norms with each diagonal pair (x_i, x'_i) replaced by its vector-form norm.
+
+  Positive pairs of near-identical views have small pair gradients whose two halves
+  J_iᵀv̂_i and J'_iᵀû_i nearly cancel: Gram forms lose them in float32 (ghost returned 0
+  for true norms of ~3e-3; triangle over-estimates them up to 60×). They are only n
+  vectors, so they are formed (`layerwise.diagonal_sq_norms`) and normed directly, plus
+  the vector allowance allowance·_VECTOR_FLOAT_ERROR·(s_i + s'_i).
+  """
+  n_local = batch.u_loc.shape[0]
+  num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(batch.params))
+  chunk = max(1, min(n_local, _PAIR_BLOCK_FLOATS // max(num_params, 1)))
+  sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v_local, batch.u_loc, batch.v_loc, chunk)
+  scale = _jacobian_norms(f_u.gram) + _jacobian_norms(f_v_local.gram)
+  diagonal = jnp.sqrt(jnp.maximum(sq, 0.0)) + allowance * _VECTOR_FLOAT_ERROR * scale
+  return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)
+
+
+def _triangle_norms(batch: _Batch, allowance: float = 1.0):
+  """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ from per-example Grams (with float32
+  allowances), and the diagonal pairs from their vectors (`_with_diagonal`).
+
+  Memory stays at the Grams plus one microbatch of factors: the diagonal pairs are
+  formed microbatch by microbatch from both views' factors of the same rows.
+  """
+  def chunk_terms(x_chunk, x_prime_chunk, u_chunk, v_chunk):
+    f_u, f_v = batch.factors(x_chunk, chunked=False), batch.factors(x_prime_chunk, chunked=False)
+    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(batch.params))
+    rows = max(1, min(x_chunk.shape[0], _PAIR_BLOCK_FLOATS // max(num_params, 1)))
+    sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v, u_chunk, v_chunk, rows)
+    return f_u.gram, f_v.gram, sq
+
+  xs = (batch.x, batch.x_prime, batch.u_loc, batch.v_loc)
+  m, n_local = batch.microbatch_size, batch.x.shape[0]
+  if m is None or m >= n_local:
+    k_local, k_prime_local, diag_sq = chunk_terms(*xs)
+  else:
+    k_local, k_prime_local, diag_sq = _unchunk_rows(_map_chunks(chunk_terms, xs, m), n_local)
+  k_prime = batch.c.gather(k_prime_local)
+  s_local, s_prime_local = _jacobian_norms(k_local), _jacobian_norms(k_prime_local)
   anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
-  return jnp.sqrt(jnp.maximum(anchor, 0.0)) + jnp.sqrt(jnp.maximum(positive, 0.0))
+  norms = _triangle_bound(anchor, positive, s_local, batch.c.gather(s_prime_local), allowance)
+  diagonal = (jnp.sqrt(jnp.maximum(diag_sq, 0.0))
+              + allowance * _VECTOR_FLOAT_ERROR * (s_local + s_prime_local))
+  return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)
 
 
-def _ghost_norms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors):
-  return jnp.sqrt(jnp.maximum(_ghost_sq_norms(batch, f_u, f_v), 0.0))
+def _ghost_norms(batch: _Batch, f_u: layerwise.Factors, f_v_local: layerwise.Factors,
+                 f_v: layerwise.Factors, allowance: float = 1.0):
+  """‖g_ij‖ for clipping: min(√(a + b + 2c + ε_G S_ij²), triangle bound), diagonal pairs
+  from their vectors; f_v_local: the local rows' factors of x_prime, f_v: all of them.
+  allowance = 0 gives the computed norms without the float32 allowances."""
+  anchor, positive, cross = _ghost_terms(batch, f_u, f_v)
+  s_local, s_all = _jacobian_norms(f_u.gram), _jacobian_norms(f_v.gram)
+  scale = s_local[:, None] + s_all[None, :]
+  gram_norms = jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0)
+                        + allowance * _GRAM_FLOAT_ERROR * scale ** 2)
+  norms = jnp.minimum(gram_norms, _triangle_bound(anchor, positive, s_local, s_all, allowance))
+  return _with_diagonal(batch, norms, f_u, f_v_local, allowance)
 
 
-def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size):
+def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size,
+                 allowance: float = 1.0):
   """Algorithm 1: every pair gradient by its own backward pass, in blocks of pairs.
 
+  Each norm is raised by the vector allowance _VECTOR_FLOAT_ERROR·(‖J_i‖_F + ‖J'_j‖_F).
   Returns (ḡ summed over local rows and psum-ed over devices, norms (n_local, n)).
   """
   x_prime_all = batch.c.gather(batch.x_prime)
+  s_local = _jacobian_norms(batch.factors(batch.x).gram)
+  s_all = batch.c.gather(_jacobian_norms(batch.factors(batch.x_prime).gram))
+  slack = allowance * _VECTOR_FLOAT_ERROR * (s_local[:, None] + s_all[None, :])
   n_local, n = tau_local_rows.shape
   num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(batch.params))
   block = pair_block_size or max(1, min(n_local * n, _PAIR_BLOCK_FLOATS // max(num_params, 1)))
@@ -421,24 +501,24 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size):
     return jax.grad(z)(batch.params)
 
   def step(acc, blk):
-    i, j, w = blk
+    i, j, w, slack = blk
     grads = jax.vmap(pair_grad)(i, j)
     sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
              for g in jax.tree_util.tree_leaves(grads))
-    norms = jnp.sqrt(sq)
+    norms = jnp.sqrt(sq) + slack
     coef = w * _clip_factor(norms, clip_norm)
     finite = jnp.isfinite(norms)  # dropped pairs must add exactly 0, not 0·inf = NaN
 
     def add(a, g):
       g = jnp.where(finite.reshape((-1,) + (1,) * (g.ndim - 1)), g, jnp.zeros_like(g))
-      return a + jnp.tensordot(coef, g, axes=1, precision=_HIGHEST)
+      return a + jnp.tensordot(coef.astype(g.dtype), g, axes=1, precision=_HIGHEST).astype(a.dtype)
 
     acc = jax.tree_util.tree_map(add, acc, grads)
     return acc, norms
 
   zeros = jax.tree_util.tree_map(jnp.zeros_like, batch.params)
   blocks = (rows.reshape(num_blocks, block), cols.reshape(num_blocks, block),
-            weights.reshape(num_blocks, block))
+            weights.reshape(num_blocks, block), slack.reshape(-1)[flat].reshape(num_blocks, block))
   grads, norms = jax.lax.scan(step, zeros, blocks)
   norms = norms.reshape(-1)[:num_pairs].reshape(n_local, n)
   return batch.c.psum(grads), norms
@@ -553,7 +633,7 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
       return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
     if method == "ghost":
       factors = batch.factors(batch.x), batch.factors(batch.x_prime)
-      norms = _ghost_norms(batch, factors[0], collective.gather(factors[1]))
+      norms = _ghost_norms(batch, factors[0], factors[1], collective.gather(factors[1]))
     else:
       factors, norms = None, _triangle_norms(batch)
     lam_local = tau_local * _clip_factor(norms, clip_norm)
@@ -564,27 +644,38 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
 
 
 def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost", *,
-                    microbatch_size: int | None = None, cosine_eps: float = DEFAULT_COSINE_EPS):
-  """The (n, n) matrix of ‖∇_w Z_ij‖ (exact for "ghost"/"materialize", an upper bound for "triangle")."""
+                    microbatch_size: int | None = None, cosine_eps: float = DEFAULT_COSINE_EPS,
+                    float_allowance: bool = True):
+  """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
+  "materialize"; "triangle": an upper bound off the diagonal, exact on it).
+
+  With float_allowance (the default, what clipping uses) every norm includes the float32
+  allowance that keeps it at or above the true norm (docs/PRIVACY.md): relative ~1e-4 on
+  ordinary pairs, more on pairs whose gradient nearly cancels. float_allowance=False
+  returns the computed values without it (for comparing methods; never clip by them).
+  """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   _check_microbatch(microbatch_size)
   x, x_prime, _ = _check_pair_inputs(x, x_prime, None, 1)
-  return _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps)
+  return _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps,
+                          1.0 if float_allowance else 0.0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
 @_full_float32
-def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps):
+def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps,
+                     allowance):
   mask = jnp.ones((x.shape[0],), dtype=bool)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                  microbatch_size=microbatch_size, collective=_Collective(None))
   if method == "ghost":
-    return _ghost_norms(batch, batch.factors(batch.x), batch.factors(batch.x_prime))
+    f_v = batch.factors(batch.x_prime)
+    return _ghost_norms(batch, batch.factors(batch.x), f_v, f_v, allowance)
   if method == "triangle":
-    return _triangle_norms(batch)
+    return _triangle_norms(batch, allowance)
   n = x.shape[0]
-  _, norms = _materialize(batch, jnp.zeros((n, n)), math.inf, None)
+  _, norms = _materialize(batch, jnp.zeros((n, n), x.dtype), math.inf, None, allowance)
   return norms
 
 

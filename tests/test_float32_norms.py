@@ -1,0 +1,145 @@
+"""Clip norms in float32 never fall below the true pair-gradient norm (float64 truth).
+
+The inputs that stress them: near-identical views, where the two halves J_iᵀv̂_j and
+J'_jᵀû_i of a pair gradient nearly cancel, on and off the diagonal, and a tiny clip norm B
+under which every pair is clipped, so that an under-estimated norm breaks the sensitivity.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SmallConv
+
+import logit_dp
+from logit_dp import audit
+from logit_dp._src import clipping
+
+N = 8
+
+
+def _problem(family: str, seed: int = 0):
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+  model = SmallConv()
+  x = jax.random.uniform(k1, (N, 8, 8, 3))
+  noise = jax.random.normal(k2, x.shape)
+  x_prime = {"near_identical": x + 1e-2 * noise,
+             "near_identical_off_diagonal": jnp.roll(x, 1, axis=0) + 1e-2 * noise,
+             "unrelated": jax.random.uniform(k2, x.shape)}[family]
+  return model.apply, model.init(k3, x[:1]), x, x_prime
+
+
+def _float64_truth(embed_fn, params, x, x_prime, eps=logit_dp.DEFAULT_COSINE_EPS):
+  """‖∇_w Z_ij‖ in float64: jax.grad of each Z_ij separately (independent of the library)."""
+  with jax.enable_x64(True):
+    p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
+    x64, xp64 = jnp.asarray(x, jnp.float64), jnp.asarray(x_prime, jnp.float64)
+
+    def unit(p, xe):
+      u = embed_fn(p, xe[None])[0]
+      return u / jnp.sqrt(jnp.sum(u * u) + eps * eps)
+
+    def norm(i, j):
+      g = jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
+      return jnp.sqrt(sum(jnp.sum(leaf * leaf) for leaf in jax.tree_util.tree_leaves(g)))
+
+    rows, cols = jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij")
+    return np.asarray(jax.vmap(jax.vmap(norm))(rows, cols))
+
+
+def _batch_and_factors(embed_fn, params, x, x_prime):
+  batch = clipping._Batch(embed_fn, params, x, x_prime, jnp.ones((N,), bool),
+                          eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
+                          collective=clipping._Collective(None))
+  return batch, (batch.factors(batch.x), batch.factors(batch.x_prime))
+
+
+FAMILIES = ("near_identical", "near_identical_off_diagonal", "unrelated")
+
+
+@pytest.fixture(scope="module")
+def truths():
+  return {family: _float64_truth(*_problem(family)) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", logit_dp.METHODS)
+def test_clip_norms_are_never_below_the_float64_truth(truths, method, family):
+  embed_fn, params, x, x_prime = _problem(family)
+  truth = truths[family]
+  got = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method,
+                                            microbatch_size=3), np.float64)
+  assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)
+  if method != "triangle":  # an exact method over-estimates by no more than its allowance
+    _, factors = _batch_and_factors(embed_fn, params, x, x_prime)
+    s_u, s_v = (np.asarray(clipping._jacobian_norms(f.gram), np.float64) for f in factors)
+    scale = s_u[:, None] + s_v[None, :]
+    allowance = (clipping._GRAM_FLOAT_ERROR ** 0.5 + clipping._VECTOR_FLOAT_ERROR) * scale
+    assert np.all(got <= truth + 1.01 * allowance)
+
+
+def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
+  """Without the vector form, ‖g_ii‖² = a + b + 2c of near-identical views is mostly rounding."""
+  embed_fn, params, x, x_prime = _problem("near_identical")
+  batch, (f_u, f_v) = _batch_and_factors(embed_fn, params, x, x_prime)
+  a, b, c = (np.asarray(t, np.float64) for t in clipping._ghost_terms(batch, f_u, f_v))
+  gram_form = np.sqrt(np.maximum(np.diag(a + b + 2 * c), 0.0))
+  truth = np.diag(truths["near_identical"])
+  assert np.max(np.abs(gram_form - truth) / truth) > 0.1
+  assert np.min(np.diag(np.sqrt(np.maximum(a, 0)) + np.sqrt(np.maximum(b, 0))) / truth) > 3
+
+
+def test_triangle_takes_the_diagonal_pairs_from_their_vectors(truths):
+  """The positives are not over-clipped by the triangle bound (it over-estimated them 22-64×)."""
+  embed_fn, params, x, x_prime = _problem("near_identical")
+  tri = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"),
+                   np.float64)
+  truth = truths["near_identical"]
+  _, factors = _batch_and_factors(embed_fn, params, x, x_prime)
+  s_u, s_v = (np.asarray(clipping._jacobian_norms(f.gram), np.float64) for f in factors)
+  allowance = clipping._VECTOR_FLOAT_ERROR * (s_u + s_v)
+  assert np.all(np.diag(truth) <= np.diag(tri))
+  assert np.all(np.diag(tri) <= np.diag(truth) + 1.01 * allowance)
+  off = ~np.eye(N, dtype=bool)
+  assert np.median(tri[off] / truth[off]) > 1.5  # off the diagonal it is still the bound
+
+
+@pytest.mark.parametrize("method", logit_dp.METHODS)
+def test_tiny_clip_norm_on_near_identical_positives_respects_the_sensitivity(method):
+  embed_fn, params, x, x_prime = _problem("near_identical")
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  result = audit.max_removal_ratio(embed_fn, params, loss, 1e-5, x, x_prime, method=method)
+  assert result.ratio <= 1.0, result.ratio
+
+
+def test_the_audit_search_catches_gram_norms_without_the_allowances(monkeypatch):
+  """search_worst_case's near-identical restarts find the breach of the uncorrected ghost norms
+  (> 1× C·B at B = 1e-5), and none in the library as it is."""
+  embed_fn, params, x, _ = _problem("unrelated")
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+
+  def search():
+    fresh = lambda p, xs: embed_fn(p, xs)  # nothing compiled is reused across the two runs
+    return audit.search_worst_case(fresh, params, loss, 1e-5, x, x, key=jax.random.PRNGKey(3),
+                                   num_restarts=4, num_steps=0, init_scale=0.3, method="ghost")
+
+  assert search().ratio <= 1.0
+  with monkeypatch.context() as patch:
+    patch.setattr(clipping, "_GRAM_FLOAT_ERROR", 0.0)
+    patch.setattr(clipping, "_with_diagonal", lambda batch, norms, *args: norms)
+    assert search().ratio > 1.0
+
+
+def test_materialize_runs_with_x64_enabled_and_float32_params():
+  embed_fn, params, x, x_prime = _problem("unrelated")
+  expected = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  _, ref = logit_dp.clipped_grad(embed_fn, loss, 0.1, "materialize")(params, x, x_prime)
+  with jax.enable_x64(True):
+    fresh = lambda p, xs: embed_fn(p, xs)
+    got = np.asarray(logit_dp.pair_grad_norms(fresh, params, x, x_prime, "materialize"))
+    _, grads = logit_dp.clipped_grad(fresh, loss, 0.1, "materialize")(params, x, x_prime)
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+  for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
+    assert g.dtype == r.dtype
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-7)
