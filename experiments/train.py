@@ -231,7 +231,8 @@ def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   n = jnp.maximum(jnp.sum(mask), 1)
-  metrics = dict(train_loss=loss_value / n, batch_size=jnp.sum(mask))
+  metrics = dict(train_loss=loss_value / n, batch_size=jnp.sum(mask),
+                 finite=jnp.isfinite(loss_value))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -550,6 +551,11 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
       # against the budget above, so ε itself is computed lazily, at log time.
       ledger.steps += 1
     state, metrics = step_fn(state, x_train, pairs_d, idx, mask)
+    if not bool(metrics["finite"]):
+      raise FloatingPointError(
+          f"{method}: the training loss is not finite at step {int(state.step)} (the "
+          "parameters have diverged or every pair of the batch was dropped as non-finite); "
+          "stopping. Lower the learning rate or resume from an earlier checkpoint.")
     jax.block_until_ready(state.params)
     step += 1
     t_train += time.time() - t0

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from logit_dp._src import layerwise
 from logit_dp._src import sensitivity as sensitivity_lib
@@ -524,18 +525,108 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size,
   return batch.c.psum(grads), norms
 
 
+def _as_array(a, name: str, xp):
+  if isinstance(a, (dict, list, tuple)) or not hasattr(a, "shape") and not isinstance(
+      a, (int, float)):
+    raise ValueError(
+        f"{name} must be one array with the examples along axis 0, got "
+        f"{type(a).__name__}: pytrees of inputs are not supported by clipped_grad.")
+  return xp.asarray(a)
+
+
+def _check_mask(mask, n: int, xp):
+  mask = xp.asarray(mask)
+  if mask.shape != (n,):
+    raise ValueError(f"mask must have shape ({n},), got {mask.shape}.")
+  if mask.dtype == bool:
+    return mask
+  if not jnp.issubdtype(mask.dtype, jnp.integer):
+    raise ValueError(
+        f"mask must be boolean (or integer 0/1), got dtype {mask.dtype}: a float mask such as "
+        "0.5 would silently count as True.")
+  if not _is_traced(mask) and not bool(xp.all((mask == 0) | (mask == 1))):
+    raise ValueError("an integer mask must hold only 0 and 1.")
+  return mask.astype(bool)
+
+
 def check_pairs(x, x_prime, mask=None, xp=jnp):
-  """(x, x_prime, mask) as `xp` arrays, mask all-True if None; ValueError on mismatched shapes."""
-  x, x_prime = xp.asarray(x), xp.asarray(x_prime)
+  """(x, x_prime, mask) as `xp` arrays, mask all-True if None; ValueError on mismatched shapes,
+  pytree inputs, or a mask that is not boolean (integer 0/1 is accepted)."""
+  x, x_prime = _as_array(x, "x", xp), _as_array(x_prime, "x_prime", xp)
   if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
     raise ValueError(
         f"x and x_prime must hold the same number of examples, got shapes "
         f"{x.shape} and {x_prime.shape}.")
   n = x.shape[0]
-  mask = xp.ones((n,), dtype=bool) if mask is None else xp.asarray(mask)
-  if mask.shape != (n,):
-    raise ValueError(f"mask must have shape ({n},), got {mask.shape}.")
-  return x, x_prime, mask.astype(bool)
+  mask = xp.ones((n,), dtype=bool) if mask is None else _check_mask(mask, n, xp)
+  return x, x_prime, mask
+
+
+_NON_TRAINABLE_COLLECTIONS = ("batch_stats", "cache", "intermediates", "state")
+_PROBE_ROWS = 4
+
+
+def _probe_inputs(params, x):
+  """Concrete stand-ins of (params, x) with their shapes and dtypes (random, fixed seed)."""
+  rng = np.random.default_rng(0)
+
+  def stand_in(a, scale):
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      return np.asarray(scale * rng.standard_normal(a.shape), a.dtype)
+    if jnp.issubdtype(a.dtype, jnp.integer):
+      return np.asarray(rng.integers(0, 2, a.shape), a.dtype)
+    return np.zeros(a.shape, a.dtype)
+
+  return (jax.tree_util.tree_map(lambda a: stand_in(a, 0.3), params),
+          stand_in(jax.ShapeDtypeStruct((min(x.shape[0], _PROBE_ROWS),) + x.shape[1:], x.dtype),
+                   1.0))
+
+
+def check_embed_fn(embed_fn: EmbedFn, params, x) -> None:
+  """ValueError unless embed_fn(params, x) is (n, d) and treats the examples independently.
+
+  Per-pair clipping needs each embedding to depend on its own example only: a model that
+  mixes the batch (flax BatchNorm in training mode, subtracting the batch mean) would be
+  evaluated example by example and learn nothing. Compares embed_fn on a few rows at once
+  with the same rows one by one: on (params, x) themselves when they are concrete, under
+  jit on random stand-ins of their shapes. Also refuses params holding non-trainable flax
+  collections (they must be closed over by embed_fn, never differentiated or noised).
+  """
+  if isinstance(params, dict) or hasattr(params, "keys"):
+    keys = set(params.keys())
+    extra = keys & set(_NON_TRAINABLE_COLLECTIONS) or (keys - {"params"} if "params" in keys
+                                                      else set())
+    if extra:
+      raise ValueError(
+          f"params holds the flax collection(s) {sorted(extra)}: pass only the trainable "
+          "parameters (e.g. variables['params']) and let embed_fn close over the rest, so "
+          "that non-trainable state is never differentiated or noised. Batch statistics "
+          "mix the examples of a batch and break per-pair clipping: use GroupNorm/LayerNorm "
+          "or no normalisation.")
+  if x.shape[0] < 1:
+    return
+  if _is_traced((params, x)):
+    params, x = _probe_inputs(params, x)
+  rows = x[:_PROBE_ROWS]
+  with jax.ensure_compile_time_eval():
+    batched = np.asarray(embed_fn(params, rows), np.float64)
+    if batched.ndim != 2 or batched.shape[0] != rows.shape[0]:
+      raise ValueError(
+          f"embed_fn must return (n, d) embeddings, one row per example; got shape "
+          f"{batched.shape} for {rows.shape[0]} examples.")
+    if rows.shape[0] < 2:
+      return
+    single = np.concatenate([np.asarray(embed_fn(params, rows[i:i + 1]), np.float64)
+                             for i in range(rows.shape[0])])
+  if not np.all(np.isfinite(batched)) or not np.all(np.isfinite(single)):
+    return  # non-finite embeddings are handled (dropped) by the gradient itself
+  tol = 1e-3 * max(float(np.max(np.abs(batched))), 1e-6)
+  if np.max(np.abs(batched - single)) > tol:
+    raise ValueError(
+        "embed_fn mixes the examples of a batch: embedding rows together differs from "
+        f"embedding them one by one (max difference {np.max(np.abs(batched - single)):.3g}). "
+        "Logit-DP clips per-pair gradients and needs examples to be independent: no batch "
+        "norm in training mode, no batch statistics.")
 
 
 def _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1):
@@ -554,18 +645,30 @@ def _forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, col
                  microbatch_size=microbatch_size, collective=collective)
   loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
   tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
+  # Every valid pair dropped as non-finite (e.g. NaN parameters): the loss is NaN, not the
+  # loss of an empty batch, so that a diverged run cannot log 0.0 forever.
+  all_dropped = (batch.num_nonfinite > 0) & ~jnp.any(batch.valid)
+  loss_value = jnp.where(all_dropped, jnp.nan, loss_value)
   return batch, loss_value, tau
 
 
-def _make_grad_fn(core, loss, what, axis_name=None):
+def _make_grad_fn(core, embed_fn, loss, what, axis_name=None):
   """Wraps a jitted core: input checks, and a ValueError on non-finite values when eager."""
   core = jax.jit(core)
   min_batch_size = getattr(loss, "min_batch_size", 1)
 
-  def grad_fn(params, x, x_prime, mask=None):
+  checked = []
+
+  def with_num_dropped(params, x, x_prime, mask=None):
     num_shards = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     x, x_prime, mask = _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards)
-    loss_value, grads, num_nonfinite = core(params, x, x_prime, mask)
+    if not checked:  # on first use
+      check_embed_fn(embed_fn, params, x)
+      checked.append(True)
+    return core(params, x, x_prime, mask)
+
+  def grad_fn(params, x, x_prime, mask=None):
+    loss_value, grads, num_nonfinite = with_num_dropped(params, x, x_prime, mask)
     if not _is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
       raise ValueError(
           f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
@@ -574,6 +677,10 @@ def _make_grad_fn(core, loss, what, axis_name=None):
     return loss_value, grads
 
   grad_fn.core = core
+  with_num_dropped.__doc__ = (
+      "(ℒ, ḡ, num_dropped): as grad_fn, never raising; num_dropped counts the valid pairs "
+      "dropped for non-finite inputs or embeddings (ℒ is NaN when that is all of them).")
+  grad_fn.with_num_dropped = with_num_dropped
   return grad_fn
 
 
@@ -609,7 +716,9 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
   contribute exactly nothing. x and x_prime must have the same leading size.
   Called eagerly, grad_fn raises ValueError when any valid pair has non-finite
   inputs or embeddings; under jit it masks those pairs out (still private: it is
-  the same as removing them).
+  the same as removing them). `grad_fn.with_num_dropped(...)` returns
+  (ℒ, ḡ, num_dropped) with their number, and ℒ is NaN when every valid pair was
+  dropped (e.g. NaN parameters), so a diverged run cannot look like loss 0.
 
   Precision: grad_fn traces embed_fn and every contraction of the pair norms at
   `jax.default_matmul_precision("highest")`, whatever the ambient default, because
@@ -640,7 +749,7 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
     grads = batch.weighted_backward(lam_local, collective.gather(lam_local), factors)
     return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
 
-  return _make_grad_fn(core, loss, f"clipped_grad({method})", axis_name)
+  return _make_grad_fn(core, embed_fn, loss, f"clipped_grad({method})", axis_name)
 
 
 def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost", *,
@@ -701,7 +810,7 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
     return (collective.replicated(loss_value), clipped,
             collective.replicated(batch.num_nonfinite))
 
-  return _make_grad_fn(core, loss, "naive_clipped_grad", axis_name)
+  return _make_grad_fn(core, embed_fn, loss, "naive_clipped_grad", axis_name)
 
 
 def _check_microbatch(microbatch_size):

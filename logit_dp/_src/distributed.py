@@ -227,10 +227,16 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   min_batch_size = getattr(loss, "min_batch_size", 1)
   what = "naive_clipped_grad" if naive else f"clipped_grad({method})"
 
+  checked = []
+
   def grad_fn(params, x, x_prime, mask=None):
     x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
     _check_global_batch(x, x_prime, mask, k, min_batch_size)
-    mask = jnp.ones((x.shape[0],), bool) if mask is None else jnp.asarray(mask).astype(bool)
+    if not checked:
+      clipping.check_embed_fn(embed_fn, params, x)
+      checked.append(True)
+    mask = (jnp.ones((x.shape[0],), bool) if mask is None
+            else clipping._check_mask(mask, x.shape[0], jnp))
     if not clipping._is_traced((params, x, x_prime, mask)):
       # One placement whatever the caller's: no resharding inside, one jit cache entry.
       params = jax.device_put(params, replicated)
@@ -268,14 +274,39 @@ def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
   return optax.chain(*parts)
 
 
+def _first_state(state):
+  """The state of the first transformation of an optax.chain (nested chains included)."""
+  while isinstance(state, (tuple, list)) and not hasattr(state, "_fields") and state:
+    state = state[0]
+  return state
+
+
+def check_adds_noise(optimizer: optax.GradientTransformation, params) -> None:
+  """ValueError unless `optimizer` starts with the Logit-DP noise (`logit_dp.transform`).
+
+  The noise must come first, on the summed clipped gradient ḡ whose sensitivity is C:
+  anything before it (a scale, a clip, an optimizer) would change what is noised.
+  """
+  state = jax.eval_shape(optimizer.init, params)
+  if not isinstance(_first_state(state), noise_lib.AddNoiseState):
+    raise ValueError(
+        "optimizer does not start with the Logit-DP noise, so the step would not be private. "
+        "Build it with distributed.make_private_optimizer(σ, C, key, optimizer) or start an "
+        "optax.chain with logit_dp.transform(σ, C, key); pass non_private=True to train "
+        "without noise on purpose.")
+
+
 def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
                             optimizer: optax.GradientTransformation, method: str = "ghost", *,
                             naive: bool = False, axis_name: str = DATA_AXIS,
-                            donate: bool = False, **kwargs) -> Callable:
+                            donate: bool = False, non_private: bool = False,
+                            **kwargs) -> Callable:
   """One data-parallel private step: (params, opt_state, x, x_prime, mask) -> (params, opt_state, ℒ).
 
   `optimizer` must add the noise (build it with `make_private_optimizer` or
-  start it with `logit_dp.transform`). Each device computes the global ḡ,
+  start it with `logit_dp.transform`): on first use the step raises ValueError
+  otherwise, unless non_private=True (an explicitly non-private step). embed_fn
+  is checked on first use too (`clipping.check_embed_fn`). Each device computes the global ḡ,
   then runs the same optimizer update on the same replicated state; the
   noise key lives in that state, so every device draws the same noise and the
   released update and new params are identical everywhere (no extra
@@ -302,10 +333,18 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
   jitted = jax.jit(shard_mapped, donate_argnums=(0, 1) if donate else ())
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
 
+  checked = []
+
   def step(params, opt_state, x, x_prime, mask=None):
     x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
     _check_global_batch(x, x_prime, mask, k, min_batch_size)
-    mask = jnp.ones((x.shape[0],), bool) if mask is None else jnp.asarray(mask).astype(bool)
+    if not checked:
+      if not non_private:
+        check_adds_noise(optimizer, params)
+      clipping.check_embed_fn(embed_fn, params, x)
+      checked.append(True)
+    mask = (jnp.ones((x.shape[0],), bool) if mask is None
+            else clipping._check_mask(mask, x.shape[0], jnp))
     if not clipping._is_traced((params, opt_state, x, x_prime, mask)):
       params, opt_state = jax.device_put((params, opt_state), replicated)
       x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))

@@ -17,6 +17,10 @@ class AddNoiseState(NamedTuple):
 
 
 def _key_data(key) -> jax.Array:
+  if key is None:
+    raise ValueError(
+        "key is required: pass a secret JAX PRNG key, e.g. "
+        "jax.random.key(secrets.randbits(63)); whoever knows it can remove the noise.")
   key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return jax.random.key_data(key)
