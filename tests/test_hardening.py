@@ -145,3 +145,14 @@ def test_pytree_inputs_are_refused_with_a_clear_error():
   embed_fn, params, x, x_prime = make_model("mlp", n=4)
   with pytest.raises(ValueError, match="one array"):
     logit_dp.clipped_grad(embed_fn, LOSS, 1.0)(params, {"ids": x}, {"ids": x_prime})
+
+
+def test_training_loop_stops_with_a_clear_message_on_a_non_finite_loss(tmp_path):
+  from experiments import train
+  from experiments.configs import tiny
+  cfg = tiny.get_config()
+  cfg.methods = ("non_private",)
+  cfg.learning_rates.non_private = 1e30  # Adam steps of 1e30: the parameters overflow
+  cfg.model.hidden = (16, 16, 16)
+  with pytest.raises(FloatingPointError, match="not finite"):
+    train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
