@@ -1,0 +1,89 @@
+r"""What the float32-safe clip norms cost: ghost / triangle gradients with and without them.
+
+    python -m benchmarks.diagonal_cost --sizes 256,1000 --repeats 5 --out results/diag.json
+
+In one process, for the paper's embedding net on random CIFAR-sized inputs, it times the
+jitted `clipped_grad` of "ghost" and "triangle" as shipped (diagonal pairs formed as vectors,
+float32 allowances) and with both switched off (the norms of the previous release), the
+runs interleaved, and reports the ratio of the medians. Ratios, not absolute times: these
+machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import logit_dp
+from logit_dp import models
+from logit_dp._src import clipping
+
+
+_SWITCHES = ("_with_diagonal", "_GRAM_FLOAT_ERROR", "_VECTOR_FLOAT_ERROR")
+
+
+def _compiled(method: str, safe: bool, microbatch_size: int, params, x, x_prime, mask):
+  """The compiled `clipped_grad` core of `method`, traced with (safe) or without the diagonal
+  vectors and the float32 allowances (the norms of the previous release)."""
+  model = models.EmbeddingNet()
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  fresh = lambda p, xs: model.apply(p, xs)  # a new function: nothing compiled is shared
+  grad_fn = logit_dp.clipped_grad(fresh, loss, 1.0, method, microbatch_size=microbatch_size)
+  saved = [getattr(clipping, name) for name in _SWITCHES]
+  saved_diagonal = clipping.layerwise.diagonal_sq_norms
+  if not safe:
+    clipping._with_diagonal = lambda batch, norms, *args: norms
+    clipping._GRAM_FLOAT_ERROR = clipping._VECTOR_FLOAT_ERROR = 0.0
+    # triangle's diagonal not computed (its values then differ: only the time is compared)
+    clipping.layerwise.diagonal_sq_norms = (
+        lambda plan, f_u, f_v, u, v, chunk=1: jnp.full((u.shape[0],), jnp.inf))
+  try:
+    return jax.jit(grad_fn.core).lower(params, x, x_prime, mask).compile()
+  finally:
+    for name, value in zip(_SWITCHES, saved):
+      setattr(clipping, name, value)
+    clipping.layerwise.diagonal_sq_norms = saved_diagonal
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default="256,1000")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--microbatch", type=int, default=250)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+  results = []
+  for n in (int(s) for s in args.sizes.split(",")):
+    x = jax.random.uniform(jax.random.PRNGKey(0), (n, 32, 32, 3))
+    x_prime = x + 0.01 * jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    params = models.EmbeddingNet().init(jax.random.PRNGKey(2), x[:1])
+    mask = jnp.ones((n,), bool)
+    for method in ("ghost", "triangle"):
+      steps = {safe: _compiled(method, safe, args.microbatch, params, x, x_prime, mask)
+               for safe in (True, False)}
+      times = {True: [], False: []}
+      for safe, step in steps.items():
+        jax.block_until_ready(step(params, x, x_prime, mask))  # warm-up
+      for _ in range(args.repeats):
+        for safe, step in steps.items():
+          t0 = time.perf_counter()
+          jax.block_until_ready(step(params, x, x_prime, mask))
+          times[safe].append(time.perf_counter() - t0)
+      row = dict(n=n, method=method, safe_s=statistics.median(times[True]),
+                 previous_s=statistics.median(times[False]))
+      row["ratio"] = row["safe_s"] / row["previous_s"]
+      print(json.dumps(row))
+      results.append(row)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(device=str(jax.devices()[0]), repeats=args.repeats, rows=results), f,
+                indent=1)
+
+
+if __name__ == "__main__":
+  main()
