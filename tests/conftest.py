@@ -51,6 +51,15 @@ def make_model(kind: str, n: int, seed: int = 0):
   return model.apply, params, x, x_prime
 
 
+@pytest.fixture
+def no_float_allowance(monkeypatch):
+  """Clip norms without the float32 allowances, to compare the methods' exact computations
+  (tests/test_float32_norms.py tests the allowances themselves)."""
+  from logit_dp._src import clipping
+  monkeypatch.setattr(clipping, "_GRAM_FLOAT_ERROR", 0.0)
+  monkeypatch.setattr(clipping, "_VECTOR_FLOAT_ERROR", 0.0)
+
+
 @pytest.fixture(params=["mlp", "conv"])
 def model_kind(request):
   return request.param

@@ -28,7 +28,7 @@ def test_infinite_clip_norm_is_jax_grad(model_kind, loss_name, method):
 
 
 @pytest.mark.parametrize("loss_name", sorted(LOSSES))
-def test_ghost_matches_materialize_with_clipping(model_kind, loss_name):
+def test_ghost_matches_materialize_with_clipping(model_kind, loss_name, no_float_allowance):
   embed_fn, params, x, x_prime = make_model(model_kind, n=8, seed=1)
   loss = LOSSES[loss_name]
   norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")

@@ -277,7 +277,7 @@ def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic,
   _check_norms(embed_fn, params, x, x_prime, monkeypatch, {"auto": None})
 
 
-def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix():
+def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix(no_float_allowance):
   embed_fn, params, x, x_prime = _problem(MixedNet(), (6, 6, 2))
   loss = logit_dp.losses.contrastive(temperature=0.5)
   norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize")
