@@ -80,9 +80,9 @@ def digits_pairs(seed: int = 0):
   return images[first], images[second]
 
 
-def run_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: int,
-                     sampling_rate: float, steps: int, delta: float, clip_norm: float,
-                     temperature: float, learning_rate: float, seed: int) -> dict:
+def run_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: int, sampling_rate: float,
+                     steps: int, delta: float, clip_norm: float, temperature: float,
+                     learning_rate: float, seed: int) -> dict:
   """One training run with gradient canaries; returns the audit record."""
   x_all, xp_all = digits_pairs(seed)
   num_records = x_all.shape[0]
@@ -128,27 +128,25 @@ def run_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: int,
   losses = []
   for t in range(steps):
     batch = sampler(t)
-    params, noise_state, opt_state, scores, lv = step(
-        params, noise_state, opt_state, scores, batch.indices, batch.mask, t)
+    params, noise_state, opt_state, scores, lv = step(params, noise_state, opt_state, scores,
+                                                      batch.indices, batch.mask, t)
     losses.append(float(lv))
   train_seconds = time.time() - start
   result = canary.audit_scores(np.asarray(scores), included, delta=delta, confidence=0.95)
-  return _audit_record(
-      result, included, losses, epsilon=epsilon, noise_scale=noise_scale,
-      sigma_calibrated=sigma_claim, sigma_used=sigma, delta=delta, sensitivity=c,
-      clip_norm=clip_norm, temperature=temperature, sampling_rate=sampling_rate, steps=steps,
-      num_records=num_records, seconds=train_seconds, seed=seed)
+  return _audit_record(result, included, losses, epsilon=epsilon, noise_scale=noise_scale,
+                       sigma_calibrated=sigma_claim, sigma_used=sigma, delta=delta, sensitivity=c,
+                       clip_norm=clip_norm, temperature=temperature, sampling_rate=sampling_rate,
+                       steps=steps, num_records=num_records, seconds=train_seconds, seed=seed)
 
 
 def _audit_record(result, included, losses, *, epsilon, sigma_used, delta, sampling_rate, steps,
                   **settings):
   """The JSON record of one canary run: its settings, ε of the noise used, and the bound."""
   return dict(
-      epsilon_claimed=epsilon, sigma_used=sigma_used, epsilon_of_sigma_used=(
-          math.inf if sigma_used == 0
-          else accounting.epsilon(sigma_used, delta, sampling_rate, steps)),
-      delta=delta, sampling_rate=sampling_rate, steps=steps, **settings,
-      num_canaries=len(included), num_included=int(included.sum()),
+      epsilon_claimed=epsilon, sigma_used=sigma_used,
+      epsilon_of_sigma_used=(math.inf if sigma_used == 0 else accounting.epsilon(
+          sigma_used, delta, sampling_rate, steps)), delta=delta, sampling_rate=sampling_rate,
+      steps=steps, **settings, num_canaries=len(included), num_included=int(included.sum()),
       epsilon_lower_bound=result.epsilon_lower_bound, num_guesses=result.num_guesses,
       num_correct=result.num_correct, grid=[list(g) for g in result.grid],
       train_loss_first=float(np.mean(losses[:5])), train_loss_last=float(np.mean(losses[-5:])))
@@ -215,13 +213,11 @@ def run_input_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: 
   result = canary.audit_scores(scores, included, delta=delta, confidence=0.95)
   return dict(
       canary_type="input",
-      **_audit_record(
-          result, included, losses, epsilon=epsilon, noise_scale=noise_scale,
-          sigma_calibrated=sigma_claim, sigma_used=sigma, delta=delta, sensitivity=c,
-          clip_norm=clip_norm, temperature=temperature, sampling_rate=sampling_rate,
-          steps=steps, num_records=num_records, seconds=train_seconds, seed=seed),
-      mean_score_in=float(scores[included].mean()),
-      mean_score_out=float(scores[~included].mean()))
+      **_audit_record(result, included, losses, epsilon=epsilon, noise_scale=noise_scale,
+                      sigma_calibrated=sigma_claim, sigma_used=sigma, delta=delta, sensitivity=c,
+                      clip_norm=clip_norm, temperature=temperature, sampling_rate=sampling_rate,
+                      steps=steps, num_records=num_records, seconds=train_seconds, seed=seed),
+      mean_score_in=float(scores[included].mean()), mean_score_out=float(scores[~included].mean()))
 
 
 def run_sensitivity_search(seed: int, restarts: int, steps: int) -> list:
@@ -248,9 +244,9 @@ def run_sensitivity_search(seed: int, restarts: int, steps: int) -> list:
                                     key=jax.random.PRNGKey(seed + 7), num_restarts=restarts,
                                     num_steps=steps, learning_rate=0.05,
                                     optimize_params=optimize_params, method=method)
-      rec = dict(loss=name, clip_norm=clip, method=method, optimize_params=optimize_params,
-                 n=n, ratio=res.ratio, ratio_sup=res.ratio_sup, max_gap=res.max_gap,
-                 bound=res.bound, seconds=time.time() - start)
+      rec = dict(loss=name, clip_norm=clip, method=method, optimize_params=optimize_params, n=n,
+                 ratio=res.ratio, ratio_sup=res.ratio_sup, max_gap=res.max_gap, bound=res.bound,
+                 seconds=time.time() - start)
       print(json.dumps(rec), flush=True)
       records.append(rec)
   return records
@@ -264,9 +260,10 @@ def main(argv=None):
   parser.add_argument("--controls", action="store_true",
                       help="also run σ = 0 and σ/2 (at --control-epsilons)")
   parser.add_argument("--control-epsilons", type=float, nargs="+", default=[1.0, 5.0])
-  parser.add_argument("--runs", nargs="+", default=None, metavar="EPS:SCALE",
-                      help="explicit runs, e.g. 1:0.25 (claimed ε 1, noise ×0.25); "
-                           "overrides --epsilons/--controls")
+  parser.add_argument(
+      "--runs", nargs="+", default=None, metavar="EPS:SCALE",
+      help="explicit runs, e.g. 1:0.25 (claimed ε 1, noise ×0.25); "
+      "overrides --epsilons/--controls")
   parser.add_argument("--canary-type", choices=("gradient", "input"), default="gradient",
                       help="white-box gradient canaries, or black-box input canary pairs")
   parser.add_argument("--num-canaries", type=int, default=2000)
@@ -299,10 +296,9 @@ def main(argv=None):
     for eps, scale in runs:
       audit_fn = run_canary_audit if args.canary_type == "gradient" else run_input_canary_audit
       rec = audit_fn(epsilon=eps, noise_scale=scale, num_canaries=args.num_canaries,
-                             sampling_rate=args.sampling_rate, steps=args.steps,
-                             delta=args.delta, clip_norm=args.clip_norm,
-                             temperature=args.temperature, learning_rate=args.learning_rate,
-                             seed=args.seed)
+                     sampling_rate=args.sampling_rate, steps=args.steps, delta=args.delta,
+                     clip_norm=args.clip_norm, temperature=args.temperature,
+                     learning_rate=args.learning_rate, seed=args.seed)
       print(json.dumps({k: v for k, v in rec.items() if k != "grid"}), flush=True)
       records.append(rec)
     print("\n| claimed ε | noise | σ used | ε of σ used | ε lower bound (95 %) | guesses r | "

@@ -75,7 +75,7 @@ def build_step(method: str, model, params, mesh, loss, clip_norm: float, sigma: 
   if method == "nonprivate":
     opt = optax.adam(1e-3)
     step = distributed.make_private_train_step(model.apply, loss, jnp.inf, mesh, opt, naive=True,
-                                                non_private=True)
+                                               non_private=True)
   else:
     c = logit_dp.sensitivity(loss, clip_norm)
     opt = distributed.make_private_optimizer(sigma, c, key, optax.adam(1e-3))
@@ -114,19 +114,21 @@ def run(device_counts, methods, batch: int, image_size: int, repeats: int) -> di
   for (k, method), cfg in configs.items():
     base = configs.get((device_counts[0], method))
     med = statistics.median(cfg["times"])
-    rows.append(dict(
-        devices=k, method=method, per_device_batch=batch // k, median_s=med,
-        min_s=min(cfg["times"]), first_call_s=cfg["first_s"], times_s=cfg["times"],
-        vs_fewest_devices=med / statistics.median(base["times"]),
-        vs_nonprivate_same_k=(med / statistics.median(configs[(k, "nonprivate")]["times"])
-                              if (k, "nonprivate") in configs else None)))
-  return dict(
-      benchmark="device_scaling", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      jax=jax.__version__, backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
-      visible_devices=jax.device_count(), host_cpus=os.cpu_count(), platform=platform.platform(),
-      xla_flags=os.environ.get("XLA_FLAGS", ""), model=model_name, num_params=int(num_params),
-      loss="contrastive(tau=0.5)", global_batch=batch, image_size=image_size, repeats=repeats,
-      simulated_devices=jax.default_backend() == "cpu", rows=rows)
+    rows.append(
+        dict(
+            devices=k, method=method, per_device_batch=batch // k, median_s=med,
+            min_s=min(cfg["times"]), first_call_s=cfg["first_s"], times_s=cfg["times"],
+            vs_fewest_devices=med / statistics.median(base["times"]),
+            vs_nonprivate_same_k=(med / statistics.median(configs[(k, "nonprivate")]["times"]) if
+                                  (k, "nonprivate") in configs else None)))
+  return dict(benchmark="device_scaling", date=datetime.datetime.now(datetime.UTC).isoformat(),
+              jax=jax.__version__, backend=jax.default_backend(),
+              device_kind=jax.devices()[0].device_kind, visible_devices=jax.device_count(),
+              host_cpus=os.cpu_count(), platform=platform.platform(),
+              xla_flags=os.environ.get("XLA_FLAGS",
+                                       ""), model=model_name, num_params=int(num_params),
+              loss="contrastive(tau=0.5)", global_batch=batch, image_size=image_size,
+              repeats=repeats, simulated_devices=jax.default_backend() == "cpu", rows=rows)
 
 
 def markdown(result: dict) -> str:

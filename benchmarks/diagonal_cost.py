@@ -23,7 +23,6 @@ import logit_dp
 from logit_dp import models
 from logit_dp._src import clipping
 
-
 _SWITCHES = ("_with_diagonal", "_GRAM_FLOAT_ERROR", "_VECTOR_FLOAT_ERROR")
 
 
@@ -40,8 +39,8 @@ def _compiled(method: str, safe: bool, microbatch_size: int, params, x, x_prime,
     clipping._with_diagonal = lambda batch, norms, *args: norms
     clipping._GRAM_FLOAT_ERROR = clipping._VECTOR_FLOAT_ERROR = 0.0
     # triangle's diagonal not computed (its values then differ: only the time is compared)
-    clipping.layerwise.diagonal_sq_norms = (
-        lambda plan, f_u, f_v, u, v, chunk=1: jnp.full((u.shape[0],), jnp.inf))
+    clipping.layerwise.diagonal_sq_norms = (lambda plan, f_u, f_v, u, v, chunk=1: jnp.full(
+        (u.shape[0],), jnp.inf))
   try:
     return jax.jit(grad_fn.core).lower(params, x, x_prime, mask).compile()
   finally:
@@ -64,8 +63,10 @@ def main():
     params = models.EmbeddingNet().init(jax.random.PRNGKey(2), x[:1])
     mask = jnp.ones((n,), bool)
     for method in ("ghost", "triangle"):
-      steps = {safe: _compiled(method, safe, args.microbatch, params, x, x_prime, mask)
-               for safe in (True, False)}
+      steps = {
+          safe: _compiled(method, safe, args.microbatch, params, x, x_prime, mask)
+          for safe in (True, False)
+      }
       times = {True: [], False: []}
       for safe, step in steps.items():
         jax.block_until_ready(step(params, x, x_prime, mask))  # warm-up
@@ -81,8 +82,7 @@ def main():
       results.append(row)
   if args.out:
     with open(args.out, "w") as f:
-      json.dump(dict(device=str(jax.devices()[0]), repeats=args.repeats, rows=results), f,
-                indent=1)
+      json.dump(dict(device=str(jax.devices()[0]), repeats=args.repeats, rows=results), f, indent=1)
 
 
 if __name__ == "__main__":

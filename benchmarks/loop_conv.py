@@ -36,9 +36,11 @@ def measure(shape, features: int, stride: int, chunks: int, repeats: int) -> dic
   kernel = jax.random.normal(kw, (3, 3, shape[-1], features)) / np.sqrt(9 * shape[-1])
   config = ((3, 3), (stride, stride), "SAME", (1, 1), (1, 1))
   convs = {
-      "jax": lambda x, w: jax.lax.conv_general_dilated(
-          x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")),
-      "channels_last": lambda x, w: layerwise.channels_last_conv(x, w, config, None),
+      "jax":
+          lambda x, w: jax.lax.conv_general_dilated(x, w, (stride, stride), "SAME",
+                                                    dimension_numbers=("NHWC", "HWIO", "NHWC")),
+      "channels_last":
+          lambda x, w: layerwise.channels_last_conv(x, w, config, None),
   }
   out_shape = jax.eval_shape(convs["jax"], x, kernel).shape
   g = jax.random.normal(kg, out_shape)
@@ -51,27 +53,30 @@ def measure(shape, features: int, stride: int, chunks: int, repeats: int) -> dic
     def run(x, g, w):
       parts = [chunk_grads(conv, xc, gc, w) for xc, gc in zip(split(x), split(g))]
       return jnp.concatenate([p[0] for p in parts]), sum(p[1] for p in parts)
+
     return run
 
   def looped(conv):
     def run(x, g, w):
       xs, ws = jax.lax.map(lambda a: chunk_grads(conv, *a, w), (split(x), split(g)))
       return xs.reshape(x.shape), ws.sum(0)
+
     return run
 
-  out = {"shape": list(shape), "features": features, "stride": stride, "chunks": chunks,
-         "median_s": {}}
+  out = {
+      "shape": list(shape), "features": features, "stride": stride, "chunks": chunks,
+      "median_s": {}
+  }
   grads = {}
   for name, conv in convs.items():
     for how, make in (("unrolled", unrolled), ("lax.map", looped)):
       fn = jax.jit(make(conv))
       grads[name, how] = fn(x, g, kernel)
-      out["median_s"][f"{name} / {how}"] = sb.median_and_min_s(fn, x, g, kernel,
-                                                                  repeats=repeats)[0]
+      out["median_s"][f"{name} / {how}"] = sb.median_and_min_s(fn, x, g, kernel, repeats=repeats)[0]
   reference = grads["jax", "unrolled"]
   out["max_rel_diff"] = max(
-      float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-      for got in grads.values() for a, b in zip(got, reference))
+      float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for got in grads.values()
+      for a, b in zip(got, reference))
   return out
 
 
@@ -86,18 +91,21 @@ def main(argv=None):
   p.add_argument("--out", default=None, help="JSON output path")
   args = p.parse_args(argv)
   shape = tuple(int(s) for s in args.shape.split(","))
-  results = [measure(shape, args.features, int(s), args.chunks, args.repeats)
-             for s in args.strides.split(",")]
-  lines = ["| stride | " + " | ".join(results[0]["median_s"]) + " | lax.map slowdown, jax | "
-           "lax.map slowdown, channels_last | max rel. diff |",
-           "|---:|" + "---:|" * (len(results[0]["median_s"]) + 3)]
+  results = [
+      measure(shape, args.features, int(s), args.chunks, args.repeats)
+      for s in args.strides.split(",")
+  ]
+  lines = [
+      "| stride | " + " | ".join(results[0]["median_s"]) + " | lax.map slowdown, jax | "
+      "lax.map slowdown, channels_last | max rel. diff |", "|---:|" + "---:|" *
+      (len(results[0]["median_s"]) + 3)
+  ]
   for r in results:
     t = r["median_s"]
-    lines.append(
-        f"| {r['stride']} | " + " | ".join(f"{v * 1e3:.1f} ms" for v in t.values()) +
-        f" | {t['jax / lax.map'] / t['jax / unrolled']:.1f}× | "
-        f"{t['channels_last / lax.map'] / t['channels_last / unrolled']:.1f}× | "
-        f"{r['max_rel_diff']:.1e} |")
+    lines.append(f"| {r['stride']} | " + " | ".join(f"{v * 1e3:.1f} ms" for v in t.values())
+                 + f" | {t['jax / lax.map'] / t['jax / unrolled']:.1f}× | "
+                 f"{t['channels_last / lax.map'] / t['channels_last / unrolled']:.1f}× | "
+                 f"{r['max_rel_diff']:.1e} |")
   print("\n".join(lines))
   report = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "results": results}
   if args.out:

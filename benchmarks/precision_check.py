@@ -49,10 +49,12 @@ def check(model: str, n: int = 8, image_size: int = 32) -> dict:
     exact = np.asarray(_pair_gradients(embed_fn, params, x, x_prime, pairs), np.float64)
   default = np.asarray(_pair_gradients(embed_fn, params, x, x_prime, pairs), np.float64)
   norms = np.linalg.norm(exact, axis=1)
-  return {"model": model, "num_params": p, "pairs": len(pairs),
-          "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-          "norm_error_max": float(np.max(np.abs(np.linalg.norm(default, axis=1) - norms) / norms)),
-          "vector_error_max": float(np.max(np.linalg.norm(default - exact, axis=1) / norms))}
+  return {
+      "model": model, "num_params": p, "pairs": len(pairs), "backend": jax.default_backend(),
+      "device_kind": jax.devices()[0].device_kind,
+      "norm_error_max": float(np.max(np.abs(np.linalg.norm(default, axis=1) - norms) / norms)),
+      "vector_error_max": float(np.max(np.linalg.norm(default - exact, axis=1) / norms))
+  }
 
 
 def main(argv=None):

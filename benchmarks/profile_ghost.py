@@ -92,8 +92,8 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
   mask = jnp.ones((n,), bool)
 
   def batch(pp, xx, xxp):
-    return C._Batch(embed_fn, pp, xx, xxp, mask, eps=C.DEFAULT_COSINE_EPS,
-                    microbatch_size=None, collective=C._Collective(None))
+    return C._Batch(embed_fn, pp, xx, xxp, mask, eps=C.DEFAULT_COSINE_EPS, microbatch_size=None,
+                    collective=C._Collective(None))
 
   def forward(pp, xx, xxp):
     b = batch(pp, xx, xxp)
@@ -115,23 +115,27 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
   def backward_passes(pp, xx, xxp):
     b = batch(pp, xx, xxp)
-    return [L.embedding_deltas(embed_fn, pp, b.plan, v, lambda e: C.normalize(e, b.eps))
-            for v in (b.x, b.x_prime)]
+    return [
+        L.embedding_deltas(embed_fn, pp, b.plan, v, lambda e: C.normalize(e, b.eps))
+        for v in (b.x, b.x_prime)
+    ]
 
   record("forward", forward, params, x, xp)
   record("backward passes", backward_passes, params, x, xp)
   record("factors", factors, params, x, xp)
   f_u, f_v, u, v = jax.jit(factors)(params, x, xp)
   out["flat_params"] = int(f_v.flat.shape[-1])
-  record("flat cross", lambda fu, fv, uu, vv: C._flat_cross_terms(fu.flat, uu, fv.flat, vv),
-         f_u, f_v, u, v)
+  record("flat cross", lambda fu, fv, uu, vv: C._flat_cross_terms(fu.flat, uu, fv.flat, vv), f_u,
+         f_v, u, v)
   for i in range(len(f_u.ghost_patches)):
+
     def layer_cross(fu, fv, uu, vv, i=i):
       return C._ghost_layer_cross_terms(fu.ghost_patches[i], fu.ghost_deltas[i], uu,
                                         fv.ghost_patches[i], fv.ghost_deltas[i], vv)
+
     t, p_i = f_u.ghost_patches[i].shape[1:]
-    record(f"ghost layer {i} (T={t}, P={p_i}, C={f_u.ghost_deltas[i].shape[-1]})", layer_cross,
-           f_u, f_v, u, v)
+    record(f"ghost layer {i} (T={t}, P={p_i}, C={f_u.ghost_deltas[i].shape[-1]})", layer_cross, f_u,
+           f_v, u, v)
   record("backward ḡ", backward_from_factors, f_u, f_v, params, x, xp)
   del f_u, f_v
   record("pair norms", pair_norms, params, x, xp)
@@ -169,20 +173,24 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
     at_gemm_speed = 2.0 * out["pair_multiply_adds"] / (out["gemm_gflops_per_s"] * 1e9)
     rows["pair terms at GEMM speed"] = {"median_s": at_gemm_speed, "derived": True}
     if "backward passes" in rows:
-      rows["floor"] = {"median_s": rows["backward passes"]["median_s"] + at_gemm_speed,
-                       "derived": True}
+      rows["floor"] = {
+          "median_s": rows["backward passes"]["median_s"] + at_gemm_speed, "derived": True
+      }
   return out
 
 
 def markdown(results: list[dict]) -> str:
   layer_names = sorted({k for r in results for k in r["pieces"] if k.startswith("ghost layer")})
-  names = (["forward", "factors", "flat cross"] + layer_names +
-           ["pair norms", "backward ḡ", "noise + adam", "ghost grad", "non-private step",
-            "GEMM floor", "backward passes", "pair terms at GEMM speed", "floor"])
+  names = (["forward", "factors", "flat cross"] + layer_names + [
+      "pair norms", "backward ḡ", "noise + adam", "ghost grad", "non-private step", "GEMM floor",
+      "backward passes", "pair terms at GEMM speed", "floor"
+  ])
   ns = [r["n"] for r in results]
-  lines = ["| piece | " + " | ".join(f"n={n} (s)" for n in ns) + " | " +
-           " | ".join(f"n={n} share of ghost grad" for n in ns) + " |",
-           "|---|" + "---:|" * (2 * len(ns))]
+  lines = [
+      "| piece | " + " | ".join(f"n={n} (s)" for n in ns) + " | "
+      + " | ".join(f"n={n} share of ghost grad" for n in ns) + " |", "|---|" + "---:|" *
+      (2 * len(ns))
+  ]
   for name in names:
     cells = []
     for r in results:
@@ -190,8 +198,8 @@ def markdown(results: list[dict]) -> str:
       cells.append("—" if v is None else f"{v['median_s']:.3g}")
     for r in results:
       v, g = r["pieces"].get(name), r["pieces"].get("ghost grad")
-      cells.append("—" if v is None or g is None or name in ("non-private step", "GEMM floor")
-                   else f"{100 * v['median_s'] / g['median_s']:.0f}%")
+      cells.append("—" if v is None or g is None or name in (
+          "non-private step", "GEMM floor") else f"{100 * v['median_s'] / g['median_s']:.0f}%")
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   lines.append("")
   for r in results:
@@ -219,9 +227,10 @@ def main(argv=None):
   args = p.parse_args(argv)
   sb.enable_compile_cache(args.compile_cache)
   results = [profile(int(n), args.repeats, args.image_size) for n in args.sizes.split(",")]
-  report = {"created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds"), "machine": sb.machine_info(), "code": sb.code_version(),
-            "results": results}
+  report = {
+      "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+      "machine": sb.machine_info(), "code": sb.code_version(), "results": results
+  }
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

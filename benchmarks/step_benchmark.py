@@ -60,7 +60,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import os
 import platform
 import resource
@@ -69,14 +68,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
 
 # On a GPU, JAX reserves 75% of the device's memory when it starts unless told not to; the
 # fresh-process memory children run beside this process, so neither may reserve it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -95,7 +92,6 @@ RESNET_MICROBATCH = 8
 
 GB = 1e9
 
-
 # ----------------------------------------------------------------------------- models
 
 
@@ -110,8 +106,9 @@ def _embedding_net():
       @nn.compact
       def __call__(self, x):
         for c in (8, 16, 32):
-          x = nn.relu(nn.Conv(c, (3, 3), strides=(2, 2), padding="SAME",
-                              kernel_init=nn.initializers.kaiming_normal())(x))
+          x = nn.relu(
+              nn.Conv(c, (3, 3), strides=(2, 2), padding="SAME",
+                      kernel_init=nn.initializers.kaiming_normal())(x))
         return nn.Dense(8, kernel_init=nn.initializers.xavier_normal())(x.mean(axis=(1, 2)))
 
     return EmbeddingNet()
@@ -140,7 +137,7 @@ def build_problem(model_name: str, n: int, image_size: int, seed: int = 0):
 # ----------------------------------------------------------------------------- steps
 
 
-def parse_method(spec: str) -> tuple[str, Optional[int]]:
+def parse_method(spec: str) -> tuple[str, int | None]:
   name, _, mb = spec.partition("@")
   name = name.strip()
   if name not in (BASELINE, NAIVE) + tuple(logit_dp.METHODS):
@@ -165,18 +162,21 @@ def make_step(spec: str, embed_fn, n: int, args):
   adam = optax.adam(args.learning_rate)
   key = jax.random.key(1)
   if method == BASELINE:
+
     def grads(params, x, x_prime):
       def total(p):
         return loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)))
+
       return jax.value_and_grad(total)(params)
+
     tx = adam
   elif method == NAIVE:
     grads = logit_dp.naive_clipped_grad(embed_fn, loss, args.clip_norm, microbatch_size=mb)
-    tx = optax.chain(logit_dp.transform(args.noise_multiplier,
-                                        logit_dp.naive_sensitivity(args.clip_norm), key), adam)
+    tx = optax.chain(
+        logit_dp.transform(args.noise_multiplier, logit_dp.naive_sensitivity(args.clip_norm), key),
+        adam)
   else:
-    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=method,
-                                  microbatch_size=mb)
+    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=method, microbatch_size=mb)
     c = logit_dp.sensitivity(loss, args.clip_norm, batch_size=n)
     tx = optax.chain(logit_dp.transform(args.noise_multiplier, c, key), adam)
 
@@ -225,7 +225,6 @@ def median_and_min_s(fn, *args, repeats: int) -> tuple[float, float]:
 
 class Runner:
   """Holds a compiled step and its (chained) state; run() times one step."""
-
   def __init__(self, compiled, params, opt_state, x, x_prime):
     self.compiled, self.x, self.x_prime = compiled, x, x_prime
     self.params, self.opt_state = params, opt_state
@@ -271,7 +270,7 @@ def _on_accelerator() -> bool:
   return jax.devices()[0].platform != "cpu"
 
 
-def _device_peak() -> Optional[int]:
+def _device_peak() -> int | None:
   stats = jax.devices()[0].memory_stats() or {}
   peak = stats.get("peak_bytes_in_use")
   return int(peak) if peak is not None else None
@@ -279,7 +278,6 @@ def _device_peak() -> Optional[int]:
 
 class RssSampler:
   """Background thread: per label, the largest RSS increase over the RSS before a run."""
-
   def __init__(self, interval_s: float = 0.005):
     self.interval_s = interval_s
     self.deltas: dict[str, int] = {}
@@ -336,7 +334,7 @@ class RssSampler:
     self._thread.join(timeout=1)
 
 
-def enable_compile_cache(path: Optional[str]):
+def enable_compile_cache(path: str | None):
   """Persistent XLA cache: the memory children load the parent's executables."""
   if not path:
     return
@@ -350,25 +348,29 @@ def child_main(config: dict) -> dict:
   """One step in a fresh process: its peak memory (and one step's time, for reference)."""
   args = argparse.Namespace(**config["args"])
   enable_compile_cache(config.get("compile_cache"))
-  embed_fn, params, x, x_prime, _ = build_problem(config["model"], config["n"],
-                                                  args.image_size)
+  embed_fn, params, x, x_prime, _ = build_problem(config["model"], config["n"], args.image_size)
   jax.block_until_ready((params, x, x_prime))
   base = _rss()
   compiled, opt_state, info = compile_step(config["spec"], embed_fn, params, x, x_prime, args)
   after_compile = _max_rss()
   runner = Runner(compiled, params, opt_state, x, x_prime)
   info["child_step_s"] = runner.run()
-  out = {"base_rss_bytes": base, "max_rss_after_compile_bytes": after_compile,
-         "peak_rss_bytes": _max_rss(), **info}
+  out = {
+      "base_rss_bytes": base, "max_rss_after_compile_bytes": after_compile,
+      "peak_rss_bytes": _max_rss(), **info
+  }
   if _on_accelerator():
     out["peak_device_bytes"] = _device_peak()
   return out
 
 
 def measure_in_child(model, n, spec, args) -> dict:
-  config = {"model": model, "n": n, "spec": spec, "compile_cache": args.compile_cache,
-            "args": {k: getattr(args, k) for k in ("image_size", "temperature", "clip_norm",
-                                                   "noise_multiplier", "learning_rate")}}
+  config = {
+      "model": model, "n": n, "spec": spec, "compile_cache": args.compile_cache, "args": {
+          k: getattr(args, k)
+          for k in ("image_size", "temperature", "clip_norm", "noise_multiplier", "learning_rate")
+      }
+  }
   cmd = [sys.executable, "-m", "benchmarks.step_benchmark", "--child", json.dumps(config)]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ)
@@ -389,13 +391,14 @@ def measure_in_child(model, n, spec, args) -> dict:
 
 def _entry(model, n, spec, num_params):
   method, mb = parse_method(spec)
-  return {"model": model, "n": n, "method": method, "spec": spec, "microbatch_size": mb,
-          "num_params": num_params, "status": "ok", "reason": None, "times_s": []}
+  return {
+      "model": model, "n": n, "method": method, "spec": spec, "microbatch_size": mb,
+      "num_params": num_params, "status": "ok", "reason": None, "times_s": []
+  }
 
 
 def _log(msg: str):
-  print(f"[{datetime.datetime.now(datetime.timezone.utc):%H:%M:%S}] {msg}", file=sys.stderr,
-        flush=True)
+  print(f"[{datetime.datetime.now(datetime.UTC):%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
 
 
 def factor_floats_per_example(embed_fn, params, x, d: int) -> int:
@@ -413,8 +416,8 @@ def factor_floats_per_example(embed_fn, params, x, d: int) -> int:
   return held + d * q
 
 
-def pre_gate(e: dict, n: int, p: int, d: int, t_np: Optional[float], args,
-             held_per_example: Optional[int] = None) -> Optional[str]:
+def pre_gate(e: dict, n: int, p: int, d: int, t_np: float | None, args,
+             held_per_example: int | None = None) -> str | None:
   """Reason to skip a configuration before compiling it, or None.
 
   Time: "materialize" costs ≈ n × the non-private step (n² pair backward passes of 2
@@ -426,8 +429,8 @@ def pre_gate(e: dict, n: int, p: int, d: int, t_np: Optional[float], args,
   """
   method = e["method"]
   if t_np is not None and method not in (BASELINE, NAIVE):
-    factor, why = ((n, "≈ n × non-private: n² pair backward passes") if method == "materialize"
-                   else (d, f"≥ d × non-private: d = {d} backward passes per example"))
+    factor, why = ((n, "≈ n × non-private: n² pair backward passes") if method == "materialize" else
+                   (d, f"≥ d × non-private: d = {d} backward passes per example"))
     est = factor * t_np
     e["est_step_s"] = est
     if est > args.max_step_s:
@@ -456,8 +459,7 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
     e = _entry(model, n, spec, num_params)
     entries.append(e)
     method = e["method"]
-    held = (factor_floats_per_example(embed_fn, params, x, d) if e["method"] == "ghost"
-            else None)
+    held = (factor_floats_per_example(embed_fn, params, x, d) if e["method"] == "ghost" else None)
     reason = pre_gate(e, n, num_params, d, t_np, args, held)
     if reason:
       e["status"], e["reason"] = "skipped", reason
@@ -539,7 +541,8 @@ def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler
 
   if args.memory == "subprocess":
     wanted = None if args.memory_methods is None else {
-        m.strip() for m in args.memory_methods.split(",")}
+        m.strip() for m in args.memory_methods.split(",")
+    }
     for e in entries:
       if e["status"] != "ok" or (wanted is not None and e["method"] not in wanted
                                  and e["spec"] not in wanted):
@@ -582,8 +585,8 @@ def scaling_exponents(results: list[dict]) -> dict:
       rat = sorted((r["n"], r["ratio_median"]) for r in results
                    if r["model"] == model and r["spec"] == spec and r.get("ratio_median"))
       if len(rat) >= 2 and spec != BASELINE:
-        out[model][spec]["ratio_exponent"] = float(np.polyfit(
-            np.log([q[0] for q in rat]), np.log([q[1] for q in rat]), 1)[0])
+        out[model][spec]["ratio_exponent"] = float(
+            np.polyfit(np.log([q[0] for q in rat]), np.log([q[1] for q in rat]), 1)[0])
   return out
 
 
@@ -594,7 +597,7 @@ def _get(results, model, n, method):
   return None
 
 
-def peak_memory(r: dict, fallback: bool = True) -> Optional[int]:
+def peak_memory(r: dict, fallback: bool = True) -> int | None:
   """Peak memory of the step: fresh-process measurement, else the in-process sampler's
   (CPU) or XLA's buffer assignment (accelerator)."""
   if r is None:
@@ -621,25 +624,32 @@ def check_targets(results: list[dict]) -> list[dict]:
   g = _get(results, "embedding", 1000, "ghost")
   if g is not None:
     ratio = g.get("ratio_median")
-    out.append({"target": "n=1000: Logit-DP ghost step ≤ 15× non-private", "limit": 15.0,
-                "measured": ratio,
-                "met": None if ratio is None else bool(ratio <= 15.0)})
+    out.append({
+        "target": "n=1000: Logit-DP ghost step ≤ 15× non-private", "limit": 15.0, "measured": ratio,
+        "met": None if ratio is None else bool(ratio <= 15.0)
+    })
     mem = peak_memory(g)
-    out.append({"target": "n=1000: Logit-DP ghost peak memory ≤ 3 GB", "limit": 3.0,
-                "measured": None if mem is None else mem / GB,
-                "met": None if mem is None else bool(mem <= 3 * GB)})
+    out.append({
+        "target": "n=1000: Logit-DP ghost peak memory ≤ 3 GB", "limit": 3.0,
+        "measured": None if mem is None else mem / GB,
+        "met": None if mem is None else bool(mem <= 3 * GB)
+    })
   g, m = _get(results, "embedding", 256, "ghost"), _get(results, "embedding", 256, "materialize")
   if g is not None and m is not None:
     sp = m["median_s"] / g["median_s"] if g.get("median_s") and m.get("median_s") else None
-    out.append({"target": "n=256: ghost ≥ 100× faster than materialize", "limit": 100.0,
-                "measured": sp, "met": None if sp is None else bool(sp >= 100.0)})
+    out.append({
+        "target": "n=256: ghost ≥ 100× faster than materialize", "limit": 100.0, "measured": sp,
+        "met": None if sp is None else bool(sp >= 100.0)
+    })
   g = _get(results, "embedding", 4096, "ghost")
   if g is not None:
     mem = peak_memory(g)
     ok = g["status"] == "ok" and g.get("median_s") is not None
-    out.append({"target": "n=4096: ghost runs on a 24 GB machine", "limit": 24.0,
-                "measured": None if mem is None else mem / GB,
-                "met": bool(ok and (mem is None or mem <= 24 * GB))})
+    out.append({
+        "target": "n=4096: ghost runs on a 24 GB machine", "limit": 24.0,
+        "measured": None if mem is None else mem / GB,
+        "met": bool(ok and (mem is None or mem <= 24 * GB))
+    })
   return out
 
 
@@ -651,9 +661,11 @@ def code_version() -> dict:
   try:
     out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, text=True,
                                        capture_output=True, check=True).stdout.strip()
-    out["git_dirty_files"] = [l[3:] for l in subprocess.run(
-        ["git", "--no-optional-locks", "status", "--porcelain"], cwd=root, text=True,
-        capture_output=True, check=True).stdout.splitlines()]
+    out["git_dirty_files"] = [
+        l[3:]
+        for l in subprocess.run(["git", "--no-optional-locks", "status", "--porcelain"], cwd=root,
+                                text=True, capture_output=True, check=True).stdout.splitlines()
+    ]
   except (OSError, subprocess.CalledProcessError):
     pass
   try:
@@ -662,7 +674,7 @@ def code_version() -> dict:
       data = f.read()
     out["clipping_py_sha256"] = hashlib.sha256(data).hexdigest()[:16]
     out["clipping_py_mtime_utc"] = datetime.datetime.fromtimestamp(
-        os.path.getmtime(clipping.__file__), datetime.timezone.utc).isoformat(timespec="seconds")
+        os.path.getmtime(clipping.__file__), datetime.UTC).isoformat(timespec="seconds")
   except (ImportError, OSError):
     pass
   return out
@@ -690,15 +702,17 @@ def machine_info() -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   dev = jax.devices()[0]
   import flax  # pylint: disable=g-import-not-at-top
-  return {"cpu": cpu, "cpu_family": cpuinfo.get("cpu family"), "cpu_model": cpuinfo.get("model"),
-          "isa": isa, "virtualized": virt, "cpu_count": os.cpu_count(),
-          "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-          "ram_bytes": int(ram), "platform": dev.platform, "device_kind": dev.device_kind,
-          "device_count": jax.device_count(), "python": platform.python_version(),
-          "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None) or
-          __import__("jaxlib").__version__, "flax": flax.__version__,
-          "optax": optax.__version__, "numpy": np.__version__,
-          "logit_dp": getattr(logit_dp, "__version__", None)}
+  return {
+      "cpu": cpu, "cpu_family": cpuinfo.get("cpu family"), "cpu_model": cpuinfo.get("model"),
+      "isa": isa, "virtualized": virt, "cpu_count": os.cpu_count(),
+      "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+      "ram_bytes": int(ram), "platform": dev.platform, "device_kind": dev.device_kind,
+      "device_count": jax.device_count(), "python": platform.python_version(),
+      "jax": jax.__version__,
+      "jaxlib": getattr(jax.lib, "__version__", None) or __import__("jaxlib").__version__,
+      "flax": flax.__version__, "optax": optax.__version__, "numpy": np.__version__,
+      "logit_dp": getattr(logit_dp, "__version__", None)
+  }
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -725,8 +739,8 @@ def _ordered_specs(results):
   for r in results:
     if r["spec"] not in seen:
       seen.append(r["spec"])
-  key = lambda s: (0 if s == BASELINE else 1 if s == NAIVE else
-                   2 if s.startswith("ghost") else 4 if s.startswith("materialize") else 3)
+  key = lambda s: (0 if s == BASELINE else 1 if s == NAIVE else 2 if s.startswith("ghost") else 4
+                   if s.startswith("materialize") else 3)
   return sorted(seen, key=key)
 
 
@@ -756,8 +770,8 @@ def markdown(report: dict) -> str:
                  f"{m.get('ram_bytes', 0) / 2**30:.0f} GiB RAM, {m.get('platform')} "
                  f"({m.get('device_kind')}), jax {m.get('jax')}. Run {report.get('created_utc')}"
                  + (f" to {report['finished_utc']}" if report.get("finished_utc") else "")
-                 + (f"; load average {report['load_average_start'][0]:.1f} at the start"
-                    if report.get("load_average_start") else "") + ".")
+                 + (f"; load average {report['load_average_start'][0]:.1f} at the start" if report.
+                    get("load_average_start") else "") + ".")
     lines.append("")
   mem_kind = "peak device memory" if m.get("platform") not in (None, "cpu") else "peak RSS"
   # Headline: ratio to non-private per method.
@@ -782,12 +796,14 @@ def markdown(report: dict) -> str:
     lines.append("")
   # Details.
   lines.append(f"Details (times in seconds; ratio = method / non-private, same process; "
-               f"{mem_kind} of a fresh process running one step" + (
-                   ", as the device allocator's peak_bytes_in_use):"
-                   if m.get("platform") not in (None, "cpu") else ", Python+JAX included):"))
+               f"{mem_kind} of a fresh process running one step"
+               + (", as the device allocator's peak_bytes_in_use):" if m.get("platform") not in
+                  (None, "cpu") else ", Python+JAX included):"))
   lines.append("")
-  head = ["model", "n", "method", "ratio (median)", "ratio (min)", "median s", "min s", "runs",
-          mem_kind, "compile s", "note"]
+  head = [
+      "model", "n", "method", "ratio (median)", "ratio (min)", "median s", "min s", "runs",
+      mem_kind, "compile s", "note"
+  ]
   lines.append("| " + " | ".join(head) + " |")
   lines.append("|" + "|".join(["---", "---:", "---"] + ["---:"] * 7 + ["---"]) + "|")
   for model in sorted({r["model"] for r in results}, key=lambda s: s != "embedding"):
@@ -798,14 +814,22 @@ def markdown(report: dict) -> str:
           continue
         note = r.get("reason") or r.get("memory_error") or r.get("timing_note") or ""
         lines.append("| " + " | ".join([
-            model, str(n), _label(s), _fmt_ratio(r.get("ratio_median")),
-            _fmt_ratio(r.get("ratio_min")), _fmt_s(r.get("median_s")), _fmt_s(r.get("min_s")),
-            str(r.get("repeats", "—")), _fmt_mem(r),
-            _fmt_s(r.get("compile_s")), note.replace("|", "/")]) + " |")
+            model,
+            str(n),
+            _label(s),
+            _fmt_ratio(r.get("ratio_median")),
+            _fmt_ratio(r.get("ratio_min")),
+            _fmt_s(r.get("median_s")),
+            _fmt_s(r.get("min_s")),
+            str(r.get("repeats", "—")),
+            _fmt_mem(r),
+            _fmt_s(r.get("compile_s")),
+            note.replace("|", "/")
+        ]) + " |")
   lines.append("")
   lines.append("(* = no fresh-process measurement: " + (
-      "XLA's buffer assignment for the step: arguments + outputs + temporaries.)"
-      if m.get("platform") not in (None, "cpu") else
+      "XLA's buffer assignment for the step: arguments + outputs + temporaries.)" if m.
+      get("platform") not in (None, "cpu") else
       "peak RSS of the benchmark process itself while the step ran, sampled every 5 ms.)"))
   lines.append("")
   sc = report.get("scaling", {})
@@ -845,7 +869,7 @@ def finalize(report: dict) -> dict:
   return report
 
 
-def write(report: dict, path: Optional[str]):
+def write(report: dict, path: str | None):
   if not path:
     return
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -860,39 +884,47 @@ def parse_args(argv):
                               description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="results/bench.json", help="JSON output path")
   p.add_argument("--markdown", default=None, help="also write the markdown table here")
-  p.add_argument("--sizes", default=None,
-                 help="comma-separated batch sizes for every model (default: 64,256,1000,4096 "
-                      "for embedding, 64,256 for resnet18)")
+  p.add_argument(
+      "--sizes", default=None,
+      help="comma-separated batch sizes for every model (default: 64,256,1000,4096 "
+      "for embedding, 64,256 for resnet18)")
   p.add_argument("--models", default="embedding,resnet18")
-  p.add_argument("--methods", default=None,
-                 help="comma-separated method specs (default: nonprivate, naive, and every "
-                      "logit_dp.METHODS; on resnet18 with microbatch 8)")
+  p.add_argument(
+      "--methods", default=None,
+      help="comma-separated method specs (default: nonprivate, naive, and every "
+      "logit_dp.METHODS; on resnet18 with microbatch 8)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--materialize-repeats", type=int, default=1)
   p.add_argument("--time-budget-s", type=float, default=300.0,
                  help="timed runs per method and config are cut to fit this budget (≥ 1 run)")
-  p.add_argument("--max-step-s", type=float, default=300.0,
-                 help="skip a DP method where its estimated step time (materialize: n × "
-                      "non-private; ghost/triangle: ≥ d × non-private) exceeds this")
+  p.add_argument(
+      "--max-step-s", type=float, default=300.0,
+      help="skip a DP method where its estimated step time (materialize: n × "
+      "non-private; ghost/triangle: ≥ d × non-private) exceeds this")
   p.add_argument("--memory", choices=("subprocess", "sampler", "none"), default="subprocess")
   p.add_argument("--memory-limit-gb", type=float, default=12.0,
                  help="skip configurations whose compiled working set exceeds this")
-  p.add_argument("--no-analytic-gate", dest="analytic_gate", action="store_false",
-                 help="do not skip 'ghost' on the 2·n·d·p-float Jacobian estimate; rely "
-                      "on XLA's buffer assignment only")
+  p.add_argument(
+      "--no-analytic-gate", dest="analytic_gate", action="store_false",
+      help="do not skip 'ghost' on the 2·n·d·p-float Jacobian estimate; rely "
+      "on XLA's buffer assignment only")
   p.add_argument("--child-timeout-s", type=float, default=1800.0)
-  p.add_argument("--memory-only", action="store_true",
-                 help="only the fresh-process memory measurements (no timing); merge "
-                      "into a timing run with --render")
-  p.add_argument("--memory-methods", default=None,
-                 help="with --memory subprocess: only these methods get a memory child "
-                      "(default: all); the others report the in-process sampler's peak")
-  p.add_argument("--compile-cache", default=None,
-                 help="persistent XLA compilation cache directory, shared with the memory "
-                      "child processes (default: .jax_cache next to --out; '' disables)")
-  p.add_argument("--settle-below-s", type=float, default=2.0,
-                 help="steps faster than this get one untimed run right before each timed "
-                      "run, so that every timed run follows a run of the same step")
+  p.add_argument(
+      "--memory-only", action="store_true",
+      help="only the fresh-process memory measurements (no timing); merge "
+      "into a timing run with --render")
+  p.add_argument(
+      "--memory-methods", default=None,
+      help="with --memory subprocess: only these methods get a memory child "
+      "(default: all); the others report the in-process sampler's peak")
+  p.add_argument(
+      "--compile-cache", default=None,
+      help="persistent XLA compilation cache directory, shared with the memory "
+      "child processes (default: .jax_cache next to --out; '' disables)")
+  p.add_argument(
+      "--settle-below-s", type=float, default=2.0,
+      help="steps faster than this get one untimed run right before each timed "
+      "run, so that every timed run follows a run of the same step")
   p.add_argument("--image-size", type=int, default=32)
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--clip-norm", type=float, default=1.0)
@@ -950,23 +982,23 @@ def main(argv=None) -> dict:
 
   enable_compile_cache(args.compile_cache)
   models = [m.strip() for m in args.models.split(",") if m.strip()]
-  report = {"schema": SCHEMA,
-            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"),
-            "command": "python -m benchmarks.step_benchmark " + " ".join(argv),
-            "machine": machine_info(), "code": code_version(),
-            "settings": {k: v for k, v in vars(args).items() if k not in ("child", "render")},
-            "memory_method": args.memory, "load_average_start": list(os.getloadavg()),
-            "results": []}
+  report = {
+      "schema": SCHEMA, "created_utc": datetime.datetime.now(datetime.UTC
+                                                            ).isoformat(timespec="seconds"),
+      "command": "python -m benchmarks.step_benchmark " + " ".join(argv), "machine": machine_info(),
+      "code": code_version(),
+      "settings": {k: v for k, v in vars(args).items() if k not in ("child", "render")},
+      "memory_method": args.memory, "load_average_start": list(os.getloadavg()), "results": []
+  }
   sampler = RssSampler()
   try:
     for model in models:
       if model not in MODELS:
         raise ValueError(f"unknown model {model!r}: use {sorted(MODELS)}")
-      sizes = ([int(s) for s in args.sizes.split(",")] if args.sizes
-               else list((QUICK_SIZES if args.quick else DEFAULT_SIZES)[model]))
-      specs = ([s.strip() for s in args.methods.split(",") if s.strip()] if args.methods
-               else default_methods(model))
+      sizes = ([int(s) for s in args.sizes.split(",")] if args.sizes else list(
+          (QUICK_SIZES if args.quick else DEFAULT_SIZES)[model]))
+      specs = ([s.strip() for s in args.methods.split(",") if s.strip()]
+               if args.methods else default_methods(model))
       for spec in specs:
         parse_method(spec)
       if BASELINE not in specs:
@@ -981,13 +1013,17 @@ def main(argv=None) -> dict:
             _log(f"{model} n={n} {spec}: measuring peak memory in a fresh process")
             m = measure_in_child(model, n, spec, args)
             method, mb = parse_method(spec)
-            e = {"model": model, "n": n, "method": method, "spec": spec,
-                 "microbatch_size": mb, "memory_only": True}
+            e = {
+                "model": model, "n": n, "method": method, "spec": spec, "microbatch_size": mb,
+                "memory_only": True
+            }
             if "error" in m:
               e["memory_error"] = m["error"]
             else:
-              e.update({k: m[k] for k in ("peak_rss_bytes", "base_rss_bytes",
-                                          "peak_device_bytes") if m.get(k) is not None})
+              e.update({
+                  k: m[k] for k in ("peak_rss_bytes", "base_rss_bytes", "peak_device_bytes")
+                  if m.get(k) is not None
+              })
             report["results"].append(e)
             write(report, args.out)
           continue
@@ -996,8 +1032,7 @@ def main(argv=None) -> dict:
         write(finalize(report), args.out)
   finally:
     sampler.close()
-  report["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds")
+  report["finished_utc"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
   report["load_average_end"] = list(os.getloadavg())
   if args.memory_only:
     write(report, args.out)

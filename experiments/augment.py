@@ -52,8 +52,8 @@ def color_jitter(key, image, brightness: float = 0.4, contrast: float = 0.4,
   return jnp.clip(image, 0.0, 1.0)
 
 
-def augment_image(key, image, *, crop_padding: int = 4, flip: bool = True,
-                  brightness: float = 0.4, contrast: float = 0.4, saturation: float = 0.4):
+def augment_image(key, image, *, crop_padding: int = 4, flip: bool = True, brightness: float = 0.4,
+                  contrast: float = 0.4, saturation: float = 0.4):
   """Crop -> flip -> colour jitter for one ``(H, W, C)`` image."""
   k1, k2, k3 = jax.random.split(key, 3)
   image = random_crop(k1, image, crop_padding)

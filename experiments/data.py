@@ -29,22 +29,28 @@ size with a validity mask), the non-private run ``logit_dp.sampling.ShuffledBatc
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "load_dataset", "load_digits", "load_npz", "load_tfds", "make_pairs",
-    "same_class_pairs", "inclusion_counts", "to_float", "MISSING_NPZ_HELP",
+    "load_dataset",
+    "load_digits",
+    "load_npz",
+    "load_tfds",
+    "make_pairs",
+    "same_class_pairs",
+    "inclusion_counts",
+    "to_float",
+    "MISSING_NPZ_HELP",
 ]
 
 MISSING_NPZ_HELP = (
     "CIFAR data not found. This machine may be offline: create Keras-style .npz files with\n"
     "    python <shared data folder>/unpack.py --out DIR      (e.g. ../shared/data/unpack.py)\n"
     "and pass --config.data.npz_dir=DIR (or set LOGIT_DP_CIFAR_DIR=DIR). Online, use "
-    "--config.data.source=tfds (needs `pip install logit_dp[tfds]`)."
-)
+    "--config.data.source=tfds (needs `pip install logit_dp[tfds]`).")
 
 
 def to_float(x):
@@ -54,19 +60,19 @@ def to_float(x):
   return x.astype(jnp.float32)
 
 
-def load_digits(seed: int = 0, test_fraction: float = 0.2) -> Dict[str, np.ndarray]:
+def load_digits(seed: int = 0, test_fraction: float = 0.2) -> dict[str, np.ndarray]:
   """scikit-learn's 8x8 digits as NHWC float32 in [0, 1], stratified train/test split."""
   from sklearn.datasets import load_digits as _load
   from sklearn.model_selection import train_test_split
   d = _load()
   x = (d.images / 16.0).astype(np.float32)[..., None]
   y = d.target.astype(np.int32)
-  x_tr, x_te, y_tr, y_te = train_test_split(
-      x, y, test_size=test_fraction, random_state=seed, stratify=y)
+  x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed,
+                                            stratify=y)
   return dict(x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te, num_classes=10)
 
 
-def _npz_path(npz_dir: Optional[str], name: str) -> str:
+def _npz_path(npz_dir: str | None, name: str) -> str:
   npz_dir = npz_dir or os.environ.get("LOGIT_DP_CIFAR_DIR")
   if not npz_dir:
     raise FileNotFoundError(MISSING_NPZ_HELP)
@@ -76,7 +82,7 @@ def _npz_path(npz_dir: Optional[str], name: str) -> str:
   return path
 
 
-def load_npz(npz_dir: Optional[str], name: str = "cifar10", label: str = "fine"):
+def load_npz(npz_dir: str | None, name: str = "cifar10", label: str = "fine"):
   """Loads ``{npz_dir}/{name}.npz``; ``label='coarse'`` uses ``y_*_coarse`` (CIFAR-100)."""
   with np.load(_npz_path(npz_dir, name)) as f:
     suffix = "_coarse" if label == "coarse" else ""
@@ -86,7 +92,7 @@ def load_npz(npz_dir: Optional[str], name: str = "cifar10", label: str = "fine")
   return out
 
 
-def load_tfds(name: str = "cifar10", label: str = "fine", data_dir: Optional[str] = None):
+def load_tfds(name: str = "cifar10", label: str = "fine", data_dir: str | None = None):
   """Loads CIFAR through ``tensorflow_datasets`` (lazy import; optional extra)."""
   try:
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
@@ -112,14 +118,14 @@ def _subset(x, y, n, rng):
 
 
 CLASS_NAMES = {
-    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-                "truck"),
-    "cifar100_coarse": (
-        "aquatic mammals", "fish", "flowers", "food containers", "fruit and vegetables",
-        "household electrical devices", "household furniture", "insects", "large carnivores",
-        "large man-made outdoor things", "large natural outdoor scenes",
-        "large omnivores and herbivores", "medium mammals", "non-insect invertebrates", "people",
-        "reptiles", "small mammals", "trees", "vehicles 1", "vehicles 2"),
+    "cifar10":
+        ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
+    "cifar100_coarse":
+        ("aquatic mammals", "fish", "flowers", "food containers", "fruit and vegetables",
+         "household electrical devices", "household furniture", "insects", "large carnivores",
+         "large man-made outdoor things", "large natural outdoor scenes",
+         "large omnivores and herbivores", "medium mammals", "non-insect invertebrates", "people",
+         "reptiles", "small mammals", "trees", "vehicles 1", "vehicles 2"),
 }
 
 
@@ -134,7 +140,7 @@ def class_names(data_config, num_classes: int):
   return list(names)
 
 
-def load_dataset(data_config, seed: int = 0) -> Dict[str, np.ndarray]:
+def load_dataset(data_config, seed: int = 0) -> dict[str, np.ndarray]:
   """Dispatches on ``data_config.source``; applies ``train_subset`` / ``test_subset``."""
   source = data_config.source
   if source == "digits":
@@ -149,8 +155,8 @@ def load_dataset(data_config, seed: int = 0) -> Dict[str, np.ndarray]:
   rng = np.random.default_rng(seed + 1)
   ds["x_train"], ds["y_train"] = _subset(ds["x_train"], ds["y_train"],
                                          data_config.get("train_subset"), rng)
-  ds["x_test"], ds["y_test"] = _subset(ds["x_test"], ds["y_test"],
-                                       data_config.get("test_subset"), rng)
+  ds["x_test"], ds["y_test"] = _subset(ds["x_test"], ds["y_test"], data_config.get("test_subset"),
+                                       rng)
   return ds
 
 
@@ -190,8 +196,7 @@ def make_pairs(labels: np.ndarray, mode: str, seed: int) -> np.ndarray:
 # for the non-private run); see experiments.train._Batcher.
 
 
-def inclusion_counts(batch_fn: Callable[[int], tuple], num_records: int,
-                     steps: int) -> np.ndarray:
+def inclusion_counts(batch_fn: Callable[[int], tuple], num_records: int, steps: int) -> np.ndarray:
   """How many times each record was (validly) drawn in ``steps`` calls of ``batch_fn(step)``.
 
   ``batch_fn`` returns ``(indices, mask, ...)``.  Used to check that no record is

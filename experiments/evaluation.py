@@ -6,14 +6,15 @@ the non-private run, and a linear probe.
 from __future__ import annotations
 
 import functools
-from typing import Dict, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["knn_predict", "confusion_matrix", "per_class_metrics", "classification_summary",
-           "relative_metrics", "linear_probe_accuracy", "embed"]
+__all__ = [
+    "knn_predict", "confusion_matrix", "per_class_metrics", "classification_summary",
+    "relative_metrics", "linear_probe_accuracy", "embed"
+]
 
 
 def embed(apply_fn, params, x: np.ndarray, batch_size: int = 1000, preprocess=None) -> np.ndarray:
@@ -33,15 +34,15 @@ def _normalize(z):
 @functools.partial(jax.jit, static_argnames=("k", "num_classes"))
 def _knn_chunk(test_unit, train_unit, train_y, *, k: int, num_classes: int):
   sims = test_unit @ train_unit.T
-  _, nn_idx = jax.lax.top_k(sims, k)                      # (c, k), most similar first
-  onehot = jax.nn.one_hot(train_y[nn_idx], num_classes)   # (c, k, C)
+  _, nn_idx = jax.lax.top_k(sims, k)  # (c, k), most similar first
+  onehot = jax.nn.one_hot(train_y[nn_idx], num_classes)  # (c, k, C)
   votes = onehot.sum(1)
   # Tie-break: a bonus < 1 that decreases with the rank of each class's nearest neighbour.
   rank_w = (k - jnp.arange(k)) / (k + 1.0)
   return jnp.argmax(votes + (onehot * rank_w[None, :, None]).max(1), axis=-1)
 
 
-def knn_predict(train_emb, train_y, test_emb, k: int = 3, num_classes: Optional[int] = None,
+def knn_predict(train_emb, train_y, test_emb, k: int = 3, num_classes: int | None = None,
                 chunk: int = 1024) -> np.ndarray:
   """k-NN by cosine similarity with majority vote.
 
@@ -58,8 +59,10 @@ def knn_predict(train_emb, train_y, test_emb, k: int = 3, num_classes: Optional[
   chunk = int(min(chunk, n))
   pad = (-n) % chunk
   te = jnp.concatenate([te, jnp.zeros((pad, te.shape[1]), te.dtype)])
-  preds = [np.asarray(_knn_chunk(te[i:i + chunk], tr, ty, k=k, num_classes=num_classes))
-           for i in range(0, n + pad, chunk)]
+  preds = [
+      np.asarray(_knn_chunk(te[i:i + chunk], tr, ty, k=k, num_classes=num_classes))
+      for i in range(0, n + pad, chunk)
+  ]
   return np.concatenate(preds)[:n].astype(np.int32)
 
 
@@ -70,7 +73,7 @@ def confusion_matrix(y_true, y_pred, num_classes: int) -> np.ndarray:
   return cm
 
 
-def per_class_metrics(cm: np.ndarray, beta: float = 1.0) -> Dict[str, np.ndarray]:
+def per_class_metrics(cm: np.ndarray, beta: float = 1.0) -> dict[str, np.ndarray]:
   """Per-class recall, precision and F_beta from a confusion matrix (0 where undefined)."""
   cm = np.asarray(cm, np.float64)
   tp = np.diag(cm)
@@ -83,7 +86,7 @@ def per_class_metrics(cm: np.ndarray, beta: float = 1.0) -> Dict[str, np.ndarray
   return dict(recall=recall, precision=precision, fbeta=fbeta)
 
 
-def classification_summary(y_true, y_pred, num_classes: int, beta: float = 1.0) -> Dict:
+def classification_summary(y_true, y_pred, num_classes: int, beta: float = 1.0) -> dict:
   """Accuracy, confusion matrix and best (max over classes) recall / precision / F_beta.
 
   The paper's tables report, per method, the accuracy and the best class-wise recall,
@@ -91,19 +94,17 @@ def classification_summary(y_true, y_pred, num_classes: int, beta: float = 1.0) 
   """
   cm = confusion_matrix(y_true, y_pred, num_classes)
   pc = per_class_metrics(cm, beta)
-  return dict(
-      accuracy=float(np.mean(np.asarray(y_true) == np.asarray(y_pred))),
-      best_recall=float(pc["recall"].max()), best_precision=float(pc["precision"].max()),
-      best_fbeta=float(pc["fbeta"].max()),
-      macro_recall=float(pc["recall"].mean()), macro_precision=float(pc["precision"].mean()),
-      macro_fbeta=float(pc["fbeta"].mean()),
-      confusion_matrix=cm, per_class=pc)
+  return dict(accuracy=float(np.mean(np.asarray(y_true) == np.asarray(y_pred))),
+              best_recall=float(pc["recall"].max()), best_precision=float(pc["precision"].max()),
+              best_fbeta=float(pc["fbeta"].max()), macro_recall=float(pc["recall"].mean()),
+              macro_precision=float(pc["precision"].mean()), macro_fbeta=float(pc["fbeta"].mean()),
+              confusion_matrix=cm, per_class=pc)
 
 
 SCALAR_KEYS = ("accuracy", "best_recall", "best_precision", "best_fbeta", "linear_probe")
 
 
-def relative_metrics(metrics: Dict, reference: Dict, keys=SCALAR_KEYS) -> Dict[str, float]:
+def relative_metrics(metrics: dict, reference: dict, keys=SCALAR_KEYS) -> dict[str, float]:
   """``metrics[k] / reference[k]`` for the scalar metrics present in both (reference: non-private)."""
   out = {}
   for k in keys:

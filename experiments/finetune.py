@@ -24,9 +24,8 @@ from experiments import finetuning
 from experiments import train
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file(
-    "config", os.path.join(_HERE, "configs", "cifar100_finetune.py"),
-    "Fine-tuning configuration.", lock_config=True)
+config_flags.DEFINE_config_file("config", os.path.join(_HERE, "configs", "cifar100_finetune.py"),
+                                "Fine-tuning configuration.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Results folder (default: runs/finetune_<config name>).")
 
 
@@ -35,7 +34,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint at INFO
   workdir = flags.FLAGS.workdir or train.default_workdir(flags.FLAGS["config"].config_filename,
-                                                   "finetune")
+                                                         "finetune")
   print(f"workdir: {workdir}")
   finetuning.finetune_and_evaluate(flags.FLAGS.config, workdir)
   print(f"results: {os.path.join(workdir, 'results.md')}")

@@ -18,7 +18,7 @@ import csv
 import functools
 import json
 import os
-from typing import Any, Dict
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +27,10 @@ import numpy as np
 import optax
 
 import logit_dp.sampling
-from logit_dp import models
-
 from experiments import data as data_lib
 from experiments import evaluation
 from experiments import train as train_lib
+from logit_dp import models
 
 
 def load_pretrained(pretrain_workdir: str, method: str, pre_config):
@@ -50,7 +49,8 @@ def load_pretrained(pretrain_workdir: str, method: str, pre_config):
 
 def _read_pretrain(pretrain_workdir: str):
   if not pretrain_workdir:
-    raise ValueError("Set --config.pretrain_workdir to the --workdir of a finished pretrain.py run.")
+    raise ValueError(
+        "Set --config.pretrain_workdir to the --workdir of a finished pretrain.py run.")
   with open(os.path.join(pretrain_workdir, "config.json")) as f:
     pre_config = ml_collections.ConfigDict(json.load(f))
   results = {}
@@ -107,13 +107,15 @@ def train_head(config, e_tr, y_tr, e_te, num_classes: int, csv_path: str, y_te=N
   return params, np.asarray(predict(params, jnp.asarray(e_te)))
 
 
-def finetune_and_evaluate(config, workdir: str, quiet: bool = False) -> Dict[str, Dict[str, Any]]:
+def finetune_and_evaluate(config, workdir: str, quiet: bool = False) -> dict[str, dict[str, Any]]:
   os.makedirs(workdir, exist_ok=True)
   train_lib.save_config(config, workdir)
   pre_config, pre_results = _read_pretrain(config.pretrain_workdir)
   ds = data_lib.load_dataset(config.data, seed=config.seed)
-  methods = [m for m in (config.methods or pre_config.methods)
-             if os.path.isdir(os.path.join(config.pretrain_workdir, m, "params"))]
+  methods = [
+      m for m in (config.methods or pre_config.methods)
+      if os.path.isdir(os.path.join(config.pretrain_workdir, m, "params"))
+  ]
   if not methods:
     raise FileNotFoundError(f"No finished pre-training run in {config.pretrain_workdir}.")
   _, _, apply_jit, _ = train_lib.get_model(pre_config.model)
@@ -131,14 +133,14 @@ def finetune_and_evaluate(config, workdir: str, quiet: bool = False) -> Dict[str
                                                            seed=config.seed)
     pr = pre_results.get(m, {})
     r.update(method=m, epsilon=pr.get("epsilon", 0.0), delta=pr.get("delta", 0.0),
-             noise_multiplier=pr.get("noise_multiplier", 0.0),
-             history=[])
+             noise_multiplier=pr.get("noise_multiplier", 0.0), history=[])
     results[m] = r
   table = train_lib.format_table(results, acc_label="head acc")
   if not quiet:
     print(table)
   with open(os.path.join(workdir, "results.md"), "w") as f:
-    f.write("Fine-tuning: head accuracy and per-class metrics of the head's predictions\n\n" + table + "\n")
+    f.write("Fine-tuning: head accuracy and per-class metrics of the head's predictions\n\n" + table
+            + "\n")
   train_lib.plot_results(results, workdir, data_lib.class_names(config.data, ds["num_classes"]))
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(train_lib._jsonable(results), f, indent=1)  # pylint: disable=protected-access

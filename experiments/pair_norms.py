@@ -50,6 +50,7 @@ def pair_norm_report(config, params_by_name, x, xp, methods=("ghost", "triangle"
   def batch_grad_norm(params):
     def total(p):
       return loss(logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, xp)))
+
     g = jax.grad(total)(params)
     return jnp.sqrt(sum(jnp.sum(l * l) for l in jax.tree_util.tree_leaves(g)))
 
@@ -71,7 +72,7 @@ def main(argv):
   if f.npz_dir:
     config.data.npz_dir = f.npz_dir
   ds = data_lib.load_dataset(config.data, seed=config.seed)
-  pairs = data_lib.make_pairs(ds["y_test"], "same_class", config.seed)[: f.n]
+  pairs = data_lib.make_pairs(ds["y_test"], "same_class", config.seed)[:f.n]
   x = data_lib.to_float(jnp.asarray(ds["x_test"][pairs[:, 0]]))
   xp = data_lib.to_float(jnp.asarray(ds["x_test"][pairs[:, 1]]))
   _, _, _, init_fn = train.get_model(config.model)
@@ -79,8 +80,8 @@ def main(argv):
   for m in config.methods:
     if os.path.isdir(os.path.join(f.workdir, m, "params")):
       params[m] = finetuning.load_pretrained(f.workdir, m, config)
-  report = dict(run=os.path.basename(os.path.normpath(f.workdir)), n=int(len(pairs)),
-                split="test", params=pair_norm_report(config, params, x, xp))
+  report = dict(run=os.path.basename(os.path.normpath(f.workdir)), n=int(len(pairs)), split="test",
+                params=pair_norm_report(config, params, x, xp))
   os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
   with open(f.out, "w") as fh:
     json.dump(report, fh, indent=1)

@@ -24,9 +24,9 @@ from ml_collections import config_flags
 from experiments import train
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file(
-    "config", os.path.join(_HERE, "configs", "default.py"),
-    "Training configuration (a file under experiments/configs/).", lock_config=True)
+config_flags.DEFINE_config_file("config", os.path.join(_HERE, "configs", "default.py"),
+                                "Training configuration (a file under experiments/configs/).",
+                                lock_config=True)
 flags.DEFINE_string("workdir", None, "Results folder (default: runs/pretrain_<config name>).")
 
 
@@ -35,7 +35,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint at INFO
   workdir = flags.FLAGS.workdir or train.default_workdir(flags.FLAGS["config"].config_filename,
-                                                   "pretrain")
+                                                         "pretrain")
   print(f"workdir: {workdir}")
   train.train_and_evaluate(flags.FLAGS.config, workdir)
   print(f"results: {os.path.join(workdir, 'results.md')}")

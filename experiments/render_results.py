@@ -26,7 +26,6 @@ import math
 import os
 import re
 import sys
-from typing import Dict, List, Optional
 
 import numpy as np
 from absl import app
@@ -42,8 +41,7 @@ METRIC_LABELS = ("acc", "best recall", "best precision", "best F_β", "linear pr
 
 # Which of the paper's tables a group is compared with: (absolute, relative) keys.
 PAPER_TABLES = {
-    "cifar10_embnet": ("cifar10_absolute_mean_std.embedding_net",
-                       "cifar10_relative.embedding_net"),
+    "cifar10_embnet": ("cifar10_absolute_mean_std.embedding_net", "cifar10_relative.embedding_net"),
     "cifar10_resnet18": ("cifar10_absolute_mean_std.resnet18", "cifar10_relative.resnet18"),
     "cifar100_ft": ("cifar100_finetune_absolute", "cifar100_finetune_relative"),
 }
@@ -51,12 +49,11 @@ PAPER_METHOD_KEYS = {"non_private": ("non_private", "non_private_no_bn")}
 
 _RUN_RE = re.compile(r"^(?P<group>.+)_s(?P<seed>\d+)$")
 
-
 # ---------------------------------------------------------------------------
 # Loading.
 
 
-def load_runs(results_dir: str) -> Dict[str, Dict]:
+def load_runs(results_dir: str) -> dict[str, dict]:
   """{run name: dict(config, results, wallclock, group, seed)} of every finished run."""
   runs = {}
   for name in sorted(os.listdir(results_dir)):
@@ -76,14 +73,14 @@ def load_runs(results_dir: str) -> Dict[str, Dict]:
         wallclock = json.load(f)
     m = _RUN_RE.match(name)
     group, seed = (m["group"], int(m["seed"])) if m else (name, config.get("seed", 0))
-    runs[name] = dict(name=name, config=config, results=results, wallclock=wallclock,
-                      group=group, seed=seed)
+    runs[name] = dict(name=name, config=config, results=results, wallclock=wallclock, group=group,
+                      seed=seed)
   return runs
 
 
-def groups_of(runs) -> Dict[str, List[Dict]]:
+def groups_of(runs) -> dict[str, list[dict]]:
   """{group: runs sorted by seed}, pre-training groups first, then fine-tuning."""
-  out: Dict[str, List[Dict]] = {}
+  out: dict[str, list[dict]] = {}
   for r in runs.values():
     out.setdefault(r["group"], []).append(r)
   for g in out.values():
@@ -91,7 +88,7 @@ def groups_of(runs) -> Dict[str, List[Dict]]:
   return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("cifar100_ft"), kv[0])))
 
 
-def load_paper(path: str) -> Dict:
+def load_paper(path: str) -> dict:
   with open(path) as f:
     return json.load(f)
 
@@ -127,7 +124,7 @@ def mean_std(values) -> tuple:
   return float(v.mean()), (float(v.std(ddof=1)) if v.size > 1 else float("nan"))
 
 
-def relative(run_results: Dict, method: str, metric: str) -> Optional[float]:
+def relative(run_results: dict, method: str, metric: str) -> float | None:
   """m(method) / m(non-private) of one run (None if either is missing or m(non-private) = 0)."""
   r, ref = run_results.get(method, {}), run_results.get("non_private", {})
   if metric in r and ref.get(metric):
@@ -135,7 +132,7 @@ def relative(run_results: Dict, method: str, metric: str) -> Optional[float]:
   return None
 
 
-def paired_difference(a, b) -> Dict[str, float]:
+def paired_difference(a, b) -> dict[str, float]:
   """Δ_s = a_s − b_s over seeds: mean, std, n, t = mean / (std/√n), two-sided p (Student t, n−1)."""
   d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
   n = d.size
@@ -194,13 +191,15 @@ def settings_line(group_runs) -> str:
   seeds = ", ".join(str(r["seed"]) for r in group_runs)
   parts = [f"{len(group_runs)} seed{'s' if len(group_runs) > 1 else ''} ({seeds})"]
   if cfg.get("pretrain_workdir"):  # fine-tuning: the head's settings, the encoders' source
-    pre = sorted({os.path.basename(os.path.normpath(r["config"]["pretrain_workdir"]))
-                  for r in group_runs})
+    pre = sorted(
+        {os.path.basename(os.path.normpath(r["config"]["pretrain_workdir"])) for r in group_runs})
     k = len(next(iter(res.values())).get("confusion_matrix", ())) or "k"
-    parts += [f"head {'-'.join(str(h) for h in (*cfg.get('head_hidden', ()), k))}, "
-              f"batch {cfg.get('batch_size')}, {cfg.get('num_epochs')} epochs, "
-              f"Adam {_fmt_num(cfg.get('learning_rate'))}",
-              "encoders of " + ", ".join(f"`{p}`" for p in pre)]
+    parts += [
+        f"head {'-'.join(str(h) for h in (*cfg.get('head_hidden', ()), k))}, "
+        f"batch {cfg.get('batch_size')}, {cfg.get('num_epochs')} epochs, "
+        f"Adam {_fmt_num(cfg.get('learning_rate'))}",
+        "encoders of " + ", ".join(f"`{p}`" for p in pre)
+    ]
     return "; ".join(parts) + "."
   if "batch_size" in cfg:
     parts.append(f"expected batch {cfg['batch_size']:,}")
@@ -226,8 +225,9 @@ def privacy_cell(group_runs, method) -> str:
   if method == "non_private":
     return "∞", "–"
   eps = [r["results"][method]["epsilon"] for r in group_runs if method in r["results"]]
-  dl = [r["results"][method]["delta"] for r in group_runs
-        if "delta" in r["results"].get(method, {})]
+  dl = [
+      r["results"][method]["delta"] for r in group_runs if "delta" in r["results"].get(method, {})
+  ]
   if not eps:
     return "–", "–"
   return f"{max(eps):.3g}", (f"{max(dl):.3g}" if dl else "–")
@@ -243,10 +243,13 @@ def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:
     n = sum(m in r["results"] for r in group_runs)
     if n:
       eps, delta = privacy_cell(group_runs, m)
-      absolute = [fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k)) else "–"
-                  for k in METRICS]
-      rel = [fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k, rel=True)) else "–"
-             for k in METRICS]
+      absolute = [
+          fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k)) else "–" for k in METRICS
+      ]
+      rel = [
+          fmt_ms(*mean_std(v)) if (v := method_values(group_runs, m, k, rel=True)) else "–"
+          for k in METRICS
+      ]
       lines.append(f"| {LABELS[m]} | ours, {n} seed{'s' if n > 1 else ''} | {eps} | {delta} | "
                    + " | ".join(absolute) + " | " + " | ".join(rel) + " |")
     if paper and m in paper:
@@ -255,17 +258,19 @@ def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:
       pr = [f"{v:.3f}" for v in p["rel"]] + ["–"]
       src = "paper" + (" (no batch norm)" if p["key"] == "non_private_no_bn" else "")
       peps = "∞" if m == "non_private" else "5"
-      lines.append(f"| {LABELS[m]} | {src} | {peps} | not stated | " + " | ".join(pa)
-                   + " | " + " | ".join(pr) + " |")
+      lines.append(f"| {LABELS[m]} | {src} | {peps} | not stated | " + " | ".join(pa) + " | "
+                   + " | ".join(pr) + " |")
   return "\n".join(lines)
 
 
 def verdict_table(groups, paper) -> str:
   """Paired differences of accuracy between methods, per group, beside the paper's."""
   pairs = (("logit_dp", "naive_dp"), ("logit_dp", "non_private"), ("naive_dp", "non_private"))
-  lines = ["| experiment | difference (accuracy) | ours: mean ± std of Δ over seeds | n | t | p "
-           "| larger than the seed-to-seed noise? | paper: Δ of means ± √(sd₁² + sd₂²) |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = [
+      "| experiment | difference (accuracy) | ours: mean ± std of Δ over seeds | n | t | p "
+      "| larger than the seed-to-seed noise? | paper: Δ of means ± √(sd₁² + sd₂²) |",
+      "|---|---|---|---|---|---|---|---|"
+  ]
   for g, group_runs in groups.items():
     if not any("non_private" in r["results"] for r in group_runs):
       continue
@@ -285,8 +290,8 @@ def verdict_table(groups, paper) -> str:
       ptxt = "–"
       if prow:
         (ma, sa), (mb, sb) = prow[a]["abs"][0], prow[b]["abs"][0]
-        ptxt = (f"{ma - mb:+.3f}" if sa is None or sb is None
-                else f"{ma - mb:+.3f} ± {math.hypot(sa, sb):.3f}")
+        ptxt = (f"{ma - mb:+.3f}"
+                if sa is None or sb is None else f"{ma - mb:+.3f} ± {math.hypot(sa, sb):.3f}")
       t = "–" if d["t"] != d["t"] else f"{d['t']:.2f}"
       p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
       mean = f"{d['mean']:+.4f}" + ("" if d["std"] != d["std"] else f" ± {d['std']:.4f}")
@@ -298,11 +303,14 @@ def verdict_table(groups, paper) -> str:
 def compare_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
   """Same method, same seeds, two configurations: paired Δ = m(a) − m(b) per metric."""
   b_by_seed = {r["seed"]: r for r in b_runs}
-  lines = [f"| method | metric | {a_name} | {b_name} | Δ paired by seed | n | t | p |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = [
+      f"| method | metric | {a_name} | {b_name} | Δ paired by seed | n | t | p |",
+      "|---|---|---|---|---|---|---|---|"
+  ]
   for m in METHODS:
     both = [(r, b_by_seed[r["seed"]]) for r in a_runs
-            if r["seed"] in b_by_seed and m in r["results"] and m in b_by_seed[r["seed"]]["results"]]
+            if r["seed"] in b_by_seed and m in r["results"] and m in b_by_seed[r["seed"]]["results"]
+           ]
     if not both:
       continue
     for k, lab in zip(METRICS, METRIC_LABELS):
@@ -319,8 +327,10 @@ def compare_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
 def bound_table(ghost_runs, triangle_runs) -> str:
   """Logit-DP with exact (ghost) pair norms vs the triangle bound on the same seeds."""
   tri = {r["seed"]: r for r in triangle_runs}
-  lines = ["| seed | metric | ghost (exact norms) | triangle (upper bound) | ghost − triangle | "
-           "Logit-DP train s, ghost / triangle |", "|---|---|---|---|---|---|"]
+  lines = [
+      "| seed | metric | ghost (exact norms) | triangle (upper bound) | ghost − triangle | "
+      "Logit-DP train s, ghost / triangle |", "|---|---|---|---|---|---|"
+  ]
   for g in ghost_runs:
     t = tri.get(g["seed"])
     if t is None or "logit_dp" not in g["results"] or "logit_dp" not in t["results"]:
@@ -336,8 +346,10 @@ def bound_table(ghost_runs, triangle_runs) -> str:
 
 def runs_table(runs) -> str:
   """Every committed run: wall-clock (all attempts) and training seconds per method."""
-  lines = ["| run | seed | wall-clock (s, all attempts) | attempts | Logit-DP train s | "
-           "Naive-DP train s | non-private train s |", "|---|---|---|---|---|---|---|"]
+  lines = [
+      "| run | seed | wall-clock (s, all attempts) | attempts | Logit-DP train s | "
+      "Naive-DP train s | non-private train s |", "|---|---|---|---|---|---|---|"
+  ]
   for name, r in runs.items():
     wc = r["wallclock"]
     total = "–" if not wc else f"{wc['total_seconds']:,.0f}"
@@ -350,13 +362,15 @@ def runs_table(runs) -> str:
   return "\n".join(lines)
 
 
-def pair_norms_table(report: Dict) -> str:
+def pair_norms_table(report: dict) -> str:
   """Quantiles of ‖∇_θ Z_ij‖ and the fraction of pairs each B clips (experiments/pair_norms.py)."""
   names = {"init": "initial", **LABELS}
-  lines = [f"Run `{report['run']}`, n = {report['n']:,} {report['split']} pairs "
-           f"({report['n'] ** 2:,} pair norms per row).", "",
-           "| parameters | norms | 1% quantile | median | 99% quantile | clipped by B = 1 | "
-           "clipped by B = 1e-5 |", "|---|---|---|---|---|---|---|"]
+  lines = [
+      f"Run `{report['run']}`, n = {report['n']:,} {report['split']} pairs "
+      f"({report['n'] ** 2:,} pair norms per row).", "",
+      "| parameters | norms | 1% quantile | median | 99% quantile | clipped by B = 1 | "
+      "clipped by B = 1e-5 |", "|---|---|---|---|---|---|---|"
+  ]
   for who, by_method in report["params"].items():
     for m, q in by_method.items():
       if m == "batch_grad_norm":
@@ -364,19 +378,22 @@ def pair_norms_table(report: Dict) -> str:
       lines.append(f"| {names.get(who, who)} | {m} | {q['q01']:.3g} | {q['q50']:.3g} | "
                    f"{q['q99']:.3g} | {100 * q['clipped_at_1']:.2f}% | "
                    f"{100 * q['clipped_at_1e-05']:.2f}% |")
-  norms = {who: q["batch_grad_norm"] for who, q in report["params"].items() if "batch_grad_norm" in q}
+  norms = {
+      who: q["batch_grad_norm"] for who, q in report["params"].items() if "batch_grad_norm" in q
+  }
   if norms:
-    lines += ["", "‖∇_θ ℒ‖ of the whole batch of these pairs (what Naive-DP clips to B): "
-              + ", ".join(f"{names.get(w, w)} {v:.3g}" for w, v in norms.items()) + "."]
+    lines += [
+        "", "‖∇_θ ℒ‖ of the whole batch of these pairs (what Naive-DP clips to B): "
+        + ", ".join(f"{names.get(w, w)} {v:.3g}" for w, v in norms.items()) + "."
+    ]
   return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
 # Blocks.
 
-
-_BLOCK_RE = re.compile(r"(<!-- generated:(?P<name>[^ ]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)",
-                       re.S)
+_BLOCK_RE = re.compile(
+    r"(<!-- generated:(?P<name>[^ ]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 
 def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
@@ -418,14 +435,16 @@ def render(text: str, runs, paper, results_dir: str = "") -> str:
   def sub(m):
     body = render_block(m["name"], runs, groups, paper, results_dir)
     return m.group(1) + body.rstrip() + "\n" + m.group(4)
+
   return _BLOCK_RE.sub(sub, text)
 
 
-def plot_group(group: str, group_runs, out_dir: str) -> List[str]:
+def plot_group(group: str, group_runs, out_dir: str) -> list[str]:
   """Figures of a group: relative test loss (mean ± std over seeds) and the first seed's confusion matrices."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import train as train_lib  # pylint: disable=g-import-not-at-top
   os.makedirs(out_dir, exist_ok=True)
@@ -495,7 +514,8 @@ def main(argv):
     return
   with open(flags.FLAGS.out, "w") as f:
     f.write(new)
-  print(f"rendered {len(_BLOCK_RE.findall(old))} blocks from {len(runs)} runs into {flags.FLAGS.out}")
+  print(
+      f"rendered {len(_BLOCK_RE.findall(old))} blocks from {len(runs)} runs into {flags.FLAGS.out}")
 
 
 def _define_flags():

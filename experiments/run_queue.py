@@ -76,8 +76,11 @@ def command(config, overrides, workdir):
     overrides = [f"--config.pretrain_workdir={os.path.join(FLAGS.runs_dir, pre)}", *overrides]
   else:
     script = "pretrain.py"
-  cmd = [sys.executable, os.path.join(_REPO, "experiments", script),
-         f"--config={os.path.join(_REPO, config)}", f"--workdir={workdir}", *overrides]
+  cmd = [
+      sys.executable,
+      os.path.join(_REPO, "experiments", script), f"--config={os.path.join(_REPO, config)}",
+      f"--workdir={workdir}", *overrides
+  ]
   if FLAGS.npz_dir:
     cmd.append(f"--config.data.npz_dir={FLAGS.npz_dir}")
   return cmd
@@ -110,8 +113,9 @@ def run_one(name, config, overrides, workdir):
               f"{' '.join(cmd)}\n")
     log.flush()
     rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO)
-  wc["attempts"].append(dict(start_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-                             seconds=round(time.time() - t0, 1), returncode=rc))
+  wc["attempts"].append(
+      dict(start_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+           seconds=round(time.time() - t0, 1), returncode=rc))
   wc["total_seconds"] = round(sum(a["seconds"] for a in wc["attempts"]), 1)
   with open(wc_path, "w") as f:
     json.dump(wc, f, indent=1)

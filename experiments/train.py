@@ -32,10 +32,10 @@ from __future__ import annotations
 import csv
 import functools
 import json
-import secrets
 import os
+import secrets
 import time
-from typing import Any, Dict, Optional
+from typing import Any
 
 import flax
 import jax
@@ -45,14 +45,13 @@ import numpy as np
 import optax
 
 import logit_dp
-from logit_dp import models
-
 import logit_dp.accounting  # noqa: F401
 import logit_dp.ledger  # noqa: F401
 import logit_dp.sampling  # noqa: F401
 from experiments import augment as augment_lib
 from experiments import data as data_lib
 from experiments import evaluation
+from logit_dp import models
 
 METHOD_LABELS = {"logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "non_private": "Non-private"}
 PRIVATE_METHODS = ("logit_dp", "naive_dp")
@@ -104,10 +103,9 @@ def _freeze(x):
 
 
 # Fields that do not change what a training step computes (excluded from cache keys).
-_RUN_ONLY_FIELDS = ("log_every", "checkpoint_every", "stop_after_steps", "progress",
-                    "knn_k", "knn_train_size", "f_beta", "linear_probe", "methods",
-                    "log_private_train_loss", "eval_batch_size", "eval_num_batches",
-                    "max_checkpoints_to_keep", "secrets_dir")
+_RUN_ONLY_FIELDS = ("log_every", "checkpoint_every", "stop_after_steps", "progress", "knn_k",
+                    "knn_train_size", "f_beta", "linear_probe", "methods", "log_private_train_loss",
+                    "eval_batch_size", "eval_num_batches", "max_checkpoints_to_keep", "secrets_dir")
 
 
 def _step_key(config, method, num_records):
@@ -115,7 +113,7 @@ def _step_key(config, method, num_records):
   return (method, num_records, _freeze(d))
 
 
-_MODEL_CACHE: Dict[Any, Any] = {}
+_MODEL_CACHE: dict[Any, Any] = {}
 
 
 def get_model(model_config):
@@ -127,7 +125,7 @@ def get_model(model_config):
   return _MODEL_CACHE[key]
 
 
-def privacy_plan(config, num_records: int) -> Dict[str, Any]:
+def privacy_plan(config, num_records: int) -> dict[str, Any]:
   """Sampling rate, number of steps and noise multiplier of the DP methods.
 
   q = batch_size / R, T = ceil(num_epochs / q), σ = accounting.noise_multiplier(ε, δ, q, T).
@@ -137,8 +135,8 @@ def privacy_plan(config, num_records: int) -> Dict[str, Any]:
   if config.get("noise_multiplier") is not None:
     sigma = float(config.noise_multiplier)
   else:
-    sigma = _noise_multiplier_cached(float(config.target_epsilon), float(config.target_delta),
-                                     q, steps, config.accountant)
+    sigma = _noise_multiplier_cached(float(config.target_epsilon), float(config.target_delta), q,
+                                     steps, config.accountant)
   return dict(sampling_rate=q, steps=steps, noise_multiplier=sigma,
               max_batch=logit_dp.sampling.max_batch_size_for(num_records, q))
 
@@ -163,14 +161,17 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   batch = int(config.batch_size)
   if method == "non_private" and make_mesh(config) is not None:
     # The exact gradient, data parallel: Naive-DP's path without clipping.
-    grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, jnp.inf,
-                                                        make_mesh(config), naive=True)
+    grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, jnp.inf, make_mesh(config),
+                                                        naive=True)
   if method == "non_private":
+
     def local_grad_fn(params, x, x_prime, mask):
       def total(p):
         z = logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, x_prime))
         return loss(z, mask)
+
       return jax.value_and_grad(total)(params)
+
     if make_mesh(config) is None:
       grad_fn = local_grad_fn
     steps_per_epoch = -(-num_records // batch)
@@ -184,21 +185,20 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   bound = clip_norm(config, method)
   if method == "logit_dp":
     if mesh is None:
-      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound,
-                                      method=config.clip_method, **microbatch)
+      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound, method=config.clip_method,
+                                      **microbatch)
     else:
-      grad_fn = logit_dp.distributed.make_sharded_grad_fn(
-          apply_fn, loss, bound, mesh, method=config.clip_method, **microbatch)
+      grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh,
+                                                          method=config.clip_method, **microbatch)
     # Poisson batches have a random size: calibrate to the supremum over batch sizes.
     # The sensitivity is of the global ḡ: it does not depend on the number of devices.
     sens = logit_dp.sensitivity(loss, bound, batch_size=None)
   elif method == "naive_dp":
     if mesh is None:
-      grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=bound,
-                                            **microbatch)
+      grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=bound, **microbatch)
     else:
-      grad_fn = logit_dp.distributed.make_sharded_grad_fn(
-          apply_fn, loss, bound, mesh, naive=True, **microbatch)
+      grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh, naive=True,
+                                                          **microbatch)
     sens = logit_dp.naive_sensitivity(bound)
   else:
     raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp or non_private)")
@@ -236,7 +236,7 @@ def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-_STEP_CACHE: Dict[Any, Any] = {}
+_STEP_CACHE: dict[Any, Any] = {}
 
 
 def get_step_fn(config, method: str, num_records: int):
@@ -264,7 +264,7 @@ def get_step_fn(config, method: str, num_records: int):
   return _STEP_CACHE[key]
 
 
-_EVAL_CACHE: Dict[Any, Any] = {}
+_EVAL_CACHE: dict[Any, Any] = {}
 
 
 def eval_pairs(config, x_test, y_test, seed: int):
@@ -272,7 +272,7 @@ def eval_pairs(config, x_test, y_test, seed: int):
   pairs = data_lib.make_pairs(y_test, config.pair_mode, seed + 7)
   bs = int(min(config.get("eval_batch_size") or config.batch_size, len(pairs)))
   nb = max(1, min(len(pairs) // bs, int(config.get("eval_num_batches") or 4)))
-  pairs = jnp.asarray(pairs[: nb * bs].reshape(nb, bs, 2))
+  pairs = jnp.asarray(pairs[:nb * bs].reshape(nb, bs, 2))
   xt = jnp.asarray(x_test)
   key = jax.random.PRNGKey(seed + 11)
   views = [gather_pairs(config, xt, pairs[b], jnp.arange(bs), key, b) for b in range(nb)]
@@ -292,6 +292,7 @@ def get_eval_loss(config):
         xa, xb = ab
         z = logit_dp.cosine_similarity(apply_fn(params, xa), apply_fn(params, xb))
         return loss(z) / xa.shape[0]
+
       return jnp.mean(jax.lax.map(one, (xa_all, xb_all)))
 
     _EVAL_CACHE[key] = eval_loss
@@ -303,14 +304,14 @@ def get_eval_loss(config):
 # one atomic checkpoint); the non-private run has no ledger.
 
 
-def _plain_manager(directory: str, max_to_keep: Optional[int]):
+def _plain_manager(directory: str, max_to_keep: int | None):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   return ocp.CheckpointManager(
       os.path.abspath(directory),
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
 
-def save_checkpoint(directory: str, state: TrainState, ledger, max_to_keep: Optional[int] = 2):
+def save_checkpoint(directory: str, state: TrainState, ledger, max_to_keep: int | None = 2):
   step = int(state.step)
   if ledger is not None:
     logit_dp.ledger.save_checkpoint(directory, step, state, ledger, max_to_keep=max_to_keep)
@@ -350,7 +351,6 @@ def restore_checkpoint(directory: str, template: TrainState, private: bool):
 
 # ---------------------------------------------------------------------------
 # One method.
-
 
 SECRET_SEEDS_FILE = "SECRET_privacy_seeds.json"
 
@@ -416,13 +416,13 @@ class _Batcher:
 
   Both are pure functions of (seed, step), so a resumed run sees the same batches.
   """
-
   def __init__(self, method, num_records, info, batch_size, seed):
     self.private = method in PRIVATE_METHODS
     if self.private:
-      self.sampler = logit_dp.sampling.PoissonSampler(
-          num_records=num_records, sampling_rate=info["sampling_rate"],
-          max_batch_size=info["max_batch"], seed=seed, overflow="error")
+      self.sampler = logit_dp.sampling.PoissonSampler(num_records=num_records,
+                                                      sampling_rate=info["sampling_rate"],
+                                                      max_batch_size=info["max_batch"], seed=seed,
+                                                      overflow="error")
     else:
       self.batcher = logit_dp.sampling.ShuffledBatcher(num_records, batch_size, seed=seed)
       self._epoch, self._batches = None, None
@@ -450,8 +450,8 @@ def _read_history(csv_path: str, upto: int):
   return out
 
 
-def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarray,
-                 workdir: str, quiet: bool = False, eval_data=None) -> Dict[str, Any]:
+def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarray, workdir: str,
+                 quiet: bool = False, eval_data=None) -> dict[str, Any]:
   """Trains one method (resuming from its checkpoints if any) and returns its record."""
   from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
@@ -477,8 +477,7 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
   if private:
     ledger = logit_dp.ledger.PrivacyLedger(
         noise_multiplier=info["noise_multiplier"], sampling_rate=info["sampling_rate"],
-        target_delta=config.target_delta, accountant=config.accountant,
-        num_examples=num_records,
+        target_delta=config.target_delta, accountant=config.accountant, num_examples=num_records,
         overflow_probability=batcher.sampler.step_overflow_probability,
         epsilon_budget=float(config.target_epsilon))
 
@@ -504,8 +503,7 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
     fields.append("train_loss_NONPRIVATE_diagnostic")
   batch = int(config.batch_size)
   # Epochs seen: q per Poisson step; 1 / (batches per epoch) for shuffled epochs.
-  epoch_per_step = (info["sampling_rate"] if private
-                    else 1.0 / -(-num_records // batch))
+  epoch_per_step = (info["sampling_rate"] if private else 1.0 / -(-num_records // batch))
 
   def write_row(row):
     history.append(row)
@@ -521,8 +519,9 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
     for r in history:
       w.writerow(r)
   if start == 0:
-    write_row(dict(step=0, epoch=0.0, epsilon=0.0, delta=0.0, steps_per_sec=float("nan"),
-                   test_loss=float(eval_loss(state.params, *eval_data))))
+    write_row(
+        dict(step=0, epoch=0.0, epsilon=0.0, delta=0.0, steps_per_sec=float("nan"),
+             test_loss=float(eval_loss(state.params, *eval_data))))
 
   stop = total_steps
   if config.get("stop_after_steps"):
@@ -540,8 +539,8 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
           "--config.allow_exceeding_budget=True to continue knowingly.")
   eps_now = ledger.epsilon() if ledger else 0.0
   t_last, s_last, t_train = time.time(), start, 0.0
-  bar = tqdm(total=total_steps, initial=start, desc=METHOD_LABELS.get(method, method),
-             disable=quiet or not config.get("progress", True), dynamic_ncols=True)
+  bar = tqdm(total=total_steps, initial=start, desc=METHOD_LABELS.get(method, method), disable=quiet
+             or not config.get("progress", True), dynamic_ncols=True)
   step = start
   while step < stop:
     t0 = time.time()
@@ -570,8 +569,8 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
       if config.log_private_train_loss:
         row["train_loss_NONPRIVATE_diagnostic"] = float(metrics["train_loss"])
       write_row(row)
-      bar.set_postfix({"steps/s": f"{sps:.2f}", "ε": f"{eps_now:.3g}",
-                       "test_loss": f"{row['test_loss']:.4f}"})
+      bar.set_postfix(
+          {"steps/s": f"{sps:.2f}", "ε": f"{eps_now:.3g}", "test_loss": f"{row['test_loss']:.4f}"})
       t_last, s_last = time.time(), step
     if step % ckpt_every == 0 or step == stop:
       save_checkpoint(ckpt_dir, state, ledger, max_to_keep=keep)
@@ -583,15 +582,12 @@ def train_method(config, method: str, ds: Dict[str, np.ndarray], pairs: np.ndarr
   return dict(method=method, steps=int(state.step), total_steps=total_steps,
               finished=int(state.step) >= total_steps, learning_rate=learning_rate(config, method),
               noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
-              clip_norm=info.get("clip_norm"),
-              sampling_rate=info["sampling_rate"], epsilon=eps_final,
-              delta=ledger.delta() if ledger else 0.0, train_seconds=t_train,
+              clip_norm=info.get("clip_norm"), sampling_rate=info["sampling_rate"],
+              epsilon=eps_final, delta=ledger.delta() if ledger else 0.0, train_seconds=t_train,
               history=history, params=state.params, apply_fn=apply_fn)
 
 
-
-
-def evaluate_embeddings(config, params, ds) -> Dict[str, Any]:
+def evaluate_embeddings(config, params, ds) -> dict[str, Any]:
   """k-NN (test vs. train embeddings) summary + linear probe on frozen embeddings."""
   _, _, apply_jit, _ = get_model(config.model)
   n_knn = config.get("knn_train_size")
@@ -614,8 +610,7 @@ def evaluate_embeddings(config, params, ds) -> Dict[str, Any]:
 # Reporting.
 
 
-def format_table(rows, reference: Optional[str] = "non_private",
-                 acc_label: str = "k-NN acc") -> str:
+def format_table(rows, reference: str | None = "non_private", acc_label: str = "k-NN acc") -> str:
   """Markdown comparison table (absolute metrics, then relative to the reference)."""
   head = (f"| method | ε | δ | σ | {acc_label} | best recall | best precision | best F_β | "
           "linear probe | rel. acc | rel. recall | rel. precision | rel. F_β | rel. probe |")
@@ -628,6 +623,7 @@ def format_table(rows, reference: Optional[str] = "non_private",
 
     def f(d, k, fmt="{:.4f}"):
       return fmt.format(d[k]) if k in d else "–"
+
     lines.append(
         f"| {METHOD_LABELS.get(m, m)} | {eps} | {delta} | {r['noise_multiplier']:.3g} | "
         f"{f(r, 'accuracy')} | {f(r, 'best_recall')} | {f(r, 'best_precision')} | "
@@ -637,7 +633,7 @@ def format_table(rows, reference: Optional[str] = "non_private",
   return "\n".join(lines)
 
 
-def plot_results(results: Dict[str, Dict], workdir: str, class_names=None):
+def plot_results(results: dict[str, dict], workdir: str, class_names=None):
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -740,7 +736,7 @@ def check_resumable(config, workdir: str):
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       quiet: bool = False) -> Dict[str, Dict[str, Any]]:
+                       quiet: bool = False) -> dict[str, dict[str, Any]]:
   """Trains and evaluates every method of ``config.methods``; returns per-method results.
 
   Re-running with the same ``workdir`` resumes every method from its last checkpoint.

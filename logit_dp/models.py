@@ -16,13 +16,13 @@ independently, as required by :func:`logit_dp.clipped_grad`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-__all__ = ["EmbeddingNet", "ResNet18", "ResNetBlock", "FinetuneHead", "MLPEmbedding",
-           "make_model"]
+__all__ = ["EmbeddingNet", "ResNet18", "ResNetBlock", "FinetuneHead", "MLPEmbedding", "make_model"]
 
 kaiming_normal = nn.initializers.variance_scaling(2.0, "fan_in", "normal")
 xavier_normal = nn.initializers.xavier_normal()
@@ -39,12 +39,11 @@ class EmbeddingNet(nn.Module):
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
     x = jnp.asarray(x, self.dtype)
     for c in self.channels:
-      x = nn.Conv(c, (3, 3), strides=(2, 2), padding="SAME",
-                  kernel_init=kaiming_normal, dtype=self.dtype)(x)
+      x = nn.Conv(c, (3, 3), strides=(2, 2), padding="SAME", kernel_init=kaiming_normal,
+                  dtype=self.dtype)(x)
       x = nn.relu(x)
     x = jnp.mean(x, axis=(1, 2))  # global mean pool over H, W (NHWC)
-    return nn.Dense(self.embedding_dim, kernel_init=xavier_normal,
-                    dtype=self.dtype)(x)
+    return nn.Dense(self.embedding_dim, kernel_init=xavier_normal, dtype=self.dtype)(x)
 
 
 class ResNetBlock(nn.Module):
@@ -52,7 +51,7 @@ class ResNetBlock(nn.Module):
 
   filters: int
   strides: int = 1
-  norm: Optional[Callable[..., nn.Module]] = None
+  norm: Callable[..., nn.Module] | None = None
 
   @nn.compact
   def __call__(self, x):
@@ -69,9 +68,8 @@ class ResNetBlock(nn.Module):
       # keeps a norm-free-ish ResNet trainable.
       y = self.norm(scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
-      residual = nn.Conv(self.filters, (1, 1), strides=(self.strides,) * 2,
-                         use_bias=self.norm is None, kernel_init=kaiming_normal,
-                         name="proj")(residual)
+      residual = nn.Conv(self.filters, (1, 1), strides=(self.strides,) * 2, use_bias=self.norm
+                         is None, kernel_init=kaiming_normal, name="proj")(residual)
       if self.norm is not None:
         residual = self.norm(name="proj_norm")(residual)
     return nn.relu(residual + y)
@@ -88,7 +86,7 @@ class ResNet18(nn.Module):
   embedding_dim: int = 8
   width: int = 64
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
-  norm: Optional[str] = None
+  norm: str | None = None
   num_groups: int = 32
 
   @nn.compact
@@ -96,6 +94,7 @@ class ResNet18(nn.Module):
     if self.norm is None or self.norm == "none":
       norm = None
     elif self.norm == "group":
+
       def norm(**kw):
         return nn.GroupNorm(num_groups=self.num_groups, **kw)
     else:
@@ -110,7 +109,7 @@ class ResNet18(nn.Module):
     for i, n_blocks in enumerate(self.stage_sizes):
       for j in range(n_blocks):
         strides = 2 if i > 0 and j == 0 else 1
-        x = ResNetBlock(self.width * 2**i, strides=strides, norm=norm)(x)
+        x = ResNetBlock(self.width * 2 ** i, strides=strides, norm=norm)(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.embedding_dim, kernel_init=xavier_normal)(x)
 

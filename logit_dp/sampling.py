@@ -1,9 +1,9 @@
 """Poisson batch sampling (matching the accounting) and shuffled batching for
 non-private baselines; see `logit_dp._src.sampling`."""
 
-from logit_dp._src.sampling import BatchOverflowError
 from logit_dp._src.sampling import DEFAULT_OVERFLOW_PROBABILITY
 from logit_dp._src.sampling import OVERFLOW_POLICIES
+from logit_dp._src.sampling import BatchOverflowError
 from logit_dp._src.sampling import PoissonBatch
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sampling import ShuffledBatcher

@@ -1,12 +1,12 @@
 """Tree arithmetic used by the tests."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
 def flat(tree) -> np.ndarray:
-  return np.concatenate([np.ravel(np.asarray(l, np.float64)) for l in jax.tree_util.tree_leaves(tree)])
+  return np.concatenate(
+      [np.ravel(np.asarray(l, np.float64)) for l in jax.tree_util.tree_leaves(tree)])
 
 
 def rel_err(a, b) -> float:
@@ -21,6 +21,8 @@ def tree_norm(tree) -> float:
 def reference_grad(embed_fn, loss, params, x, x_prime, mask=None):
   """jax.grad of ℒ(Z(w)) directly: the unclipped gradient."""
   import logit_dp
+
   def total(p):
     return loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)), mask)
+
   return jax.value_and_grad(total)(params)

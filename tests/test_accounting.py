@@ -16,24 +16,25 @@ N = 50_000
 Q = 1000 / N
 T = 1000
 
-
 # ----------------------------------------------------------------------------
 # Round trip and accountant agreement.
 # ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 @pytest.mark.parametrize("target_eps,q,steps", [(1.0, 0.01, 300), (5.0, Q, T)])
 def test_round_trip(accountant, target_eps, q, steps):
   sigma = accountant_sigma = accounting.noise_multiplier(target_eps, 1e-5, q, steps, accountant)
   eps = accounting.epsilon(sigma, 1e-5, q, steps, accountant)
-  assert eps <= target_eps                      # the returned σ meets the target...
-  assert eps >= 0.98 * target_eps               # ...and is not needlessly large:
+  assert eps <= target_eps  # the returned σ meets the target...
+  assert eps >= 0.98 * target_eps  # ...and is not needlessly large:
   # 0.5 % less noise already violates the target.
   assert accounting.epsilon(0.995 * accountant_sigma, 1e-5, q, steps, accountant) > target_eps
 
 
-@pytest.mark.parametrize("target_eps,q,steps,max_ratio", [
-    (5.0, Q, T, 1.06), (8.0, 0.005, 2000, 1.06), (1.0, 0.01, 300, 1.16)])
+@pytest.mark.parametrize("target_eps,q,steps,max_ratio", [(5.0, Q, T, 1.06),
+                                                          (8.0, 0.005, 2000, 1.06),
+                                                          (1.0, 0.01, 300, 1.16)])
 def test_pld_and_rdp_agree(target_eps, q, steps, max_ratio):
   """Both are upper bounds; PLD is near-exact, RDP looser. For training-length
   runs (T ≥ 1000) the calibrated σ agree within 6 %; for few steps and small ε
@@ -42,8 +43,8 @@ def test_pld_and_rdp_agree(target_eps, q, steps, max_ratio):
   s_rdp = accounting.noise_multiplier(target_eps, 1e-5, q, steps, "rdp")
   assert 0.995 * s_pld <= s_rdp <= max_ratio * s_pld, (s_pld, s_rdp)
   # At the same σ, PLD's ε is the smaller one (up to its grid).
-  assert accounting.epsilon(s_pld, 1e-5, q, steps, "pld") <= 1.01 * accounting.epsilon(
-      s_pld, 1e-5, q, steps, "rdp")
+  assert accounting.epsilon(s_pld, 1e-5, q, steps,
+                            "pld") <= 1.01 * accounting.epsilon(s_pld, 1e-5, q, steps, "rdp")
 
 
 def test_full_batch_matches_analytic_gaussian():
@@ -54,7 +55,7 @@ def test_full_batch_matches_analytic_gaussian():
   s = sigma / math.sqrt(steps)
   exact_delta = (stats.norm.cdf(-eps * s + 1 / (2 * s))
                  - math.exp(eps) * stats.norm.cdf(-eps * s - 1 / (2 * s)))
-  assert exact_delta <= delta * 1.001                # PLD is an upper bound on ε...
+  assert exact_delta <= delta * 1.001  # PLD is an upper bound on ε...
   assert eps == pytest.approx(accounting.epsilon(s, delta, 1.0, 1, "pld", pld_discretization=1e-4),
                               rel=2e-3)
   # ...and a tight one: the exact ε at this δ is within 1 %.
@@ -70,10 +71,12 @@ def test_full_batch_matches_analytic_gaussian():
 # Monotonicity.
 # ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_epsilon_monotone(accountant):
   def eps(sigma=1.0, delta=1e-5, q=0.01, steps=500):
     return accounting.epsilon(sigma, delta, q, steps, accountant)
+
   by_sigma = [eps(sigma=s) for s in (0.8, 1.0, 2.0)]
   by_steps = [eps(steps=t) for t in (1, 500, 2000)]
   by_q = [eps(q=q) for q in (0.001, 0.01, 1.0)]
@@ -86,8 +89,8 @@ def test_epsilon_monotone(accountant):
 
 def test_noise_multiplier_monotone():
   sig = lambda e, t: accounting.noise_multiplier(e, 1e-5, 0.01, t, "rdp")
-  assert sig(1.0, 500) > sig(4.0, 500)      # more budget, less noise
-  assert sig(4.0, 500) < sig(4.0, 2000)     # more steps, more noise
+  assert sig(1.0, 500) > sig(4.0, 500)  # more budget, less noise
+  assert sig(4.0, 500) < sig(4.0, 2000)  # more steps, more noise
 
 
 def test_max_steps_and_helpers():
@@ -122,6 +125,7 @@ def test_make_event_and_accountant():
 # ----------------------------------------------------------------------------
 # Validation and warnings.
 # ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(target_epsilon=0.0), "target_epsilon"),
@@ -185,6 +189,7 @@ def test_warns_when_delta_at_least_one_over_n():
 # Published reference values.
 # ----------------------------------------------------------------------------
 
+
 def test_reference_dp_accounting_pld_subsampled_gaussian():
   """dp-accounting 0.6.0, dp_accounting/pld/pld_privacy_accountant_test.py,
   test_self_composed_subsampled_gaussian: 3 × PoissonSampled(q=0.2,
@@ -215,8 +220,8 @@ def test_reference_opacus_compute_dp_sgd_privacy():
   assert accounting.epsilon(1.0, 1e-5, 0.01, 300, "pld") <= eps
 
 
-@pytest.mark.parametrize("sigma,epochs,published_eps", [
-    (1.12, 60, 2.92), (0.6, 30, 9.74), (1.2, 10, 1.20)])
+@pytest.mark.parametrize("sigma,epochs,published_eps", [(1.12, 60, 2.92), (0.6, 30, 9.74),
+                                                        (1.2, 10, 1.20)])
 def test_reference_tf_privacy_mnist_tutorial(sigma, epochs, published_eps):
   """TensorFlow Privacy, tutorials/README.md ("Select Parameters" table):
   MNIST N = 60,000, batch 256, δ = 1e-5 — σ = 1.12 for 60 epochs: ε = 2.92;

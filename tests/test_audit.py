@@ -11,14 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 import logit_dp
 import logit_dp.accounting
+from helpers import flat
 from logit_dp import audit
 from logit_dp._src import clipping
 from logit_dp._src import losses as losses_lib
-from helpers import flat
 
 TOL = 1e-4  # float32 slack on a ratio that must be ≤ 1
 
@@ -37,8 +40,10 @@ def make(kind, n, seed, d_in=3, dim=3, scale=1.0):
     params = {"w": jax.random.normal(k[0], (d_in, dim))}
     fn = linear
   else:
-    params = {"w1": jax.random.normal(k[0], (d_in, 4)), "b1": 0.1 * jax.random.normal(k[1], (4,)),
-              "w2": jax.random.normal(k[2], (4, dim))}
+    params = {
+        "w1": jax.random.normal(k[0], (d_in, 4)), "b1": 0.1 * jax.random.normal(k[1], (4,)),
+        "w2": jax.random.normal(k[2], (4, dim))
+    }
     fn = mlp
   x = scale * jax.random.normal(k[3], (n, d_in))
   x_prime = x + 0.3 * scale * jax.random.normal(k[4], (n, d_in))
@@ -48,6 +53,7 @@ def make(kind, n, seed, d_in=3, dim=3, scale=1.0):
 # ---------------------------------------------------------------------------
 # Sensitivity audit.
 # ---------------------------------------------------------------------------
+
 
 def test_removal_gap_is_the_distance_to_the_batch_without_the_pair():
   fn, params, x, x_prime = make("linear", 4, seed=0)
@@ -76,17 +82,16 @@ _LOSS = st.sampled_from(["contrastive", "spreadout"])
 
 @settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**16), n=st.integers(2, 6),
-       temperature=st.floats(0.3, 3.0), log_clip=st.floats(-3.0, 1.0), loss_name=_LOSS,
-       kind=st.sampled_from(["linear", "mlp"]),
-       method=st.sampled_from(["ghost", "materialize", "triangle", "naive"]),
-       scale=st.sampled_from([0.01, 1.0, 30.0]))
-def test_no_batch_moves_the_gradient_by_more_than_the_sensitivity(
-    seed, n, temperature, log_clip, loss_name, kind, method, scale):
+@given(seed=st.integers(0, 2 ** 16), n=st.integers(2, 6), temperature=st.floats(0.3, 3.0),
+       log_clip=st.floats(-3.0, 1.0), loss_name=_LOSS, kind=st.sampled_from(["linear", "mlp"]),
+       method=st.sampled_from(["ghost", "materialize", "triangle",
+                               "naive"]), scale=st.sampled_from([0.01, 1.0, 30.0]))
+def test_no_batch_moves_the_gradient_by_more_than_the_sensitivity(seed, n, temperature, log_clip,
+                                                                  loss_name, kind, method, scale):
   """max_k ‖ḡ(X) − ḡ(X∖k)‖ ≤ C(n) (Naive-DP: 2B) on random models and random restarts."""
   fn, params, x, x_prime = make(kind, n, seed, scale=scale)
-  loss = (logit_dp.losses.contrastive(temperature) if loss_name == "contrastive"
-          else logit_dp.losses.spreadout())
+  loss = (logit_dp.losses.contrastive(temperature)
+          if loss_name == "contrastive" else logit_dp.losses.spreadout())
   result = audit.search_worst_case(fn, params, loss, 10.0 ** log_clip, x, x_prime,
                                    key=jax.random.PRNGKey(seed), num_restarts=4, num_steps=0,
                                    init_scale=scale, method=method)
@@ -114,18 +119,16 @@ def test_naive_dp_search_approaches_2b_and_never_exceeds_it():
   fn, params, x, x_prime = make("linear", 4, seed=3)
   loss = logit_dp.losses.spreadout()
   found = audit.search_worst_case(fn, params, loss, 1e-3, x, x_prime, key=jax.random.PRNGKey(1),
-                                  num_restarts=2, num_steps=30, learning_rate=0.1,
-                                  method="naive")
+                                  num_restarts=2, num_steps=30, learning_rate=0.1, method="naive")
   assert 0.6 < found.ratio <= 1 + TOL
   assert found.bound == logit_dp.naive_sensitivity(1e-3)
 
 
 class _PaperContrastive(losses_lib.Contrastive):
   """The released code's constant: Lemma 3.4 without the 1/τ factor (too small)."""
-
   def sensitivity_factor(self, batch_size=None):
     a = math.exp(2.0 / self.temperature)
-    n = batch_size or 10**9
+    n = batch_size or 10 ** 9
     return 2.0 * (1.0 + (n - 2) * a / (a + n - 1))
 
 
@@ -154,9 +157,11 @@ def test_search_argument_checks():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ghost", "triangle", "naive"])
-@pytest.mark.parametrize("loss", [logit_dp.losses.contrastive(0.5),
-                                  logit_dp.losses.contrastive(2.0),
-                                  logit_dp.losses.spreadout()], ids=["tau0.5", "tau2", "spread"])
+@pytest.mark.parametrize("loss", [
+    logit_dp.losses.contrastive(0.5),
+    logit_dp.losses.contrastive(2.0),
+    logit_dp.losses.spreadout()
+], ids=["tau0.5", "tau2", "spread"])
 def test_long_search_moving_inputs_and_parameters(method, loss):
   fn, params, x, x_prime = make("mlp", 5, seed=6)
   found = audit.search_worst_case(fn, params, loss, 1e-2, x, x_prime, key=jax.random.PRNGKey(3),
@@ -169,6 +174,7 @@ def test_long_search_moving_inputs_and_parameters(method, loss):
 # ---------------------------------------------------------------------------
 # Hardening: no unnoised or unclipped release.
 # ---------------------------------------------------------------------------
+
 
 def test_no_private_noise_without_clipping_or_noise():
   loss = logit_dp.losses.contrastive(1.0)
@@ -234,6 +240,7 @@ def test_nonfinite_jacobian_is_dropped_not_released(method):
 # One-run canary audit (Steinke, Nasr & Jagielski 2023).
 # ---------------------------------------------------------------------------
 
+
 def _authors_p_value(m, r, v, eps, delta):
   """The authors' published loop, verbatim in logic."""
   q = 1 / (1 + math.exp(-eps))
@@ -246,9 +253,10 @@ def _authors_p_value(m, r, v, eps, delta):
   return min(beta + alpha * delta * 2 * m, 1)
 
 
-@pytest.mark.parametrize("m, r, v, eps, delta", [
-    (1000, 100, 80, 1.0, 1e-5), (1000, 1000, 1000, 5.0, 1e-5), (50, 20, 11, 0.3, 1e-3),
-    (200, 200, 150, 2.0, 0.0), (10, 4, 0, 1.0, 1e-2)])
+@pytest.mark.parametrize("m, r, v, eps, delta", [(1000, 100, 80, 1.0, 1e-5),
+                                                 (1000, 1000, 1000, 5.0, 1e-5),
+                                                 (50, 20, 11, 0.3, 1e-3), (200, 200, 150, 2.0, 0.0),
+                                                 (10, 4, 0, 1.0, 1e-2)])
 def test_p_value_matches_the_authors_algorithm(m, r, v, eps, delta):
   np.testing.assert_allclose(audit.p_value(m, r, v, eps, delta),
                              _authors_p_value(m, r, v, eps, delta), rtol=1e-9, atol=1e-300)

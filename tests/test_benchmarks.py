@@ -17,8 +17,11 @@ def quick_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench") / "bench.json"
   md = out.with_suffix(".md")
   report = step_benchmark.main([
-      "--quick", "--methods", "nonprivate,ghost",
-      "--memory", "sampler", "--compile-cache", "", "--out", str(out), "--markdown", str(md)])
+      "--quick", "--methods", "nonprivate,ghost", "--memory", "sampler", "--compile-cache", "",
+      "--out",
+      str(out), "--markdown",
+      str(md)
+  ])
   return report, out, md
 
 
@@ -26,8 +29,8 @@ def test_json_schema(quick_run):
   report, out, _ = quick_run
   on_disk = json.loads(out.read_text())
   assert on_disk["schema"] == step_benchmark.SCHEMA
-  for key in ("created_utc", "finished_utc", "command", "machine", "code", "settings",
-              "results", "scaling", "targets"):
+  for key in ("created_utc", "finished_utc", "command", "machine", "code", "settings", "results",
+              "scaling", "targets"):
     assert key in on_disk, key
   assert on_disk["machine"]["jax"]
   by_method = {r["method"]: r for r in on_disk["results"]}
@@ -67,9 +70,12 @@ def test_render_keeps_memory_only_sizes_and_labels_device_memory(quick_run, tmp_
   for r in timing["results"]:  # what bench_config records on an accelerator
     r.pop("inproc_rss_peak_bytes", None)
     r["xla_device_bytes"] = r["xla_bytes"]
-  memory = {"results": [{"model": "embedding", "n": 16, "method": "ghost", "spec": "ghost",
-                         "microbatch_size": None, "memory_only": True,
-                         "peak_device_bytes": 123_000_000}]}
+  memory = {
+      "results": [{
+          "model": "embedding", "n": 16, "method": "ghost", "spec": "ghost",
+          "microbatch_size": None, "memory_only": True, "peak_device_bytes": 123_000_000
+      }]
+  }
   a, b = tmp_path / "timing.json", tmp_path / "memory.json"
   a.write_text(json.dumps(timing))
   b.write_text(json.dumps(memory))
@@ -104,31 +110,34 @@ def test_pre_gate_skips_what_cannot_run():
     return step_benchmark.pre_gate(e, n, p, d, t_np, args, held)
 
   assert gate("materialize", 1000) and "max-step-s" in gate("materialize", 1000)  # 500 s
-  assert gate("materialize", 64) is None                                          # 32 s
-  assert gate("triangle", 64, t_np=20.0)                                          # ≥ 160 s
-  assert gate("ghost", 4096) is None                                              # 1.6 GB
-  assert "does not fit" in gate("ghost", 64, p=11_200_000, t_np=1.0)              # 46 GB
-  assert gate("ghost", 64, p=11_200_000, t_np=1.0, held=5_000_000) is None        # 2.6 GB
-  assert gate("nonprivate", 10**6, t_np=1e3) is None
+  assert gate("materialize", 64) is None  # 32 s
+  assert gate("triangle", 64, t_np=20.0)  # ≥ 160 s
+  assert gate("ghost", 4096) is None  # 1.6 GB
+  assert "does not fit" in gate("ghost", 64, p=11_200_000, t_np=1.0)  # 46 GB
+  assert gate("ghost", 64, p=11_200_000, t_np=1.0, held=5_000_000) is None  # 2.6 GB
+  assert gate("nonprivate", 10 ** 6, t_np=1e3) is None
 
 
 def test_loop_conv_benchmark_runs_and_both_gradients_agree(tmp_path):
   from benchmarks import loop_conv  # pylint: disable=g-import-not-at-top
   out = tmp_path / "loop_conv.json"
-  report = loop_conv.main(["--shape", "4,6,6,3", "--features", "5", "--repeats", "1",
-                           "--out", str(out)])
+  report = loop_conv.main(
+      ["--shape", "4,6,6,3", "--features", "5", "--repeats", "1", "--out",
+       str(out)])
   assert json.loads(out.read_text())["results"] == report["results"]
   assert [r["stride"] for r in report["results"]] == [1, 2]
   for r in report["results"]:
-    assert set(r["median_s"]) == {f"{conv} / {how}" for conv in ("jax", "channels_last")
-                                  for how in ("unrolled", "lax.map")}
+    assert set(r["median_s"]) == {
+        f"{conv} / {how}" for conv in ("jax", "channels_last") for how in ("unrolled", "lax.map")
+    }
     assert all(math.isfinite(t) and t > 0 for t in r["median_s"].values())
     assert r["max_rel_diff"] < 1e-5
 
 
 def test_precision_check_runs_and_the_cpu_default_is_float32():
-  from benchmarks import precision_check  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
+
+  from benchmarks import precision_check  # pylint: disable=g-import-not-at-top
   with jax.default_matmul_precision(None):  # the backend's default, not the tests' "highest"
     row = precision_check.check("embedding", n=4, image_size=16)
   assert row["pairs"] > 0 and row["num_params"] > 0
@@ -151,8 +160,8 @@ def test_profile_ghost_runs_every_piece_and_adds_up_the_floor():
     assert pieces[name]["median_s"] > 0, name
   at_gemm_speed = 2 * result["pair_multiply_adds"] / (result["gemm_gflops_per_s"] * 1e9)
   assert pieces["pair terms at GEMM speed"]["median_s"] == pytest.approx(at_gemm_speed)
-  assert pieces["floor"]["median_s"] == pytest.approx(
-      pieces["backward passes"]["median_s"] + at_gemm_speed)
+  assert pieces["floor"]["median_s"] == pytest.approx(pieces["backward passes"]["median_s"]
+                                                      + at_gemm_speed)
   assert "| floor |" in profile_ghost.markdown([result])
 
 
@@ -165,14 +174,21 @@ def test_profile_floor_counts_the_multiply_adds_xla_counts():
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   from benchmarks import profile_ghost  # pylint: disable=g-import-not-at-top
   from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
 
   n = 6  # 8×8 images: conv1 flattened; conv2, conv3 and the dense head ghost layers
   embed_fn, params, x, xp, _ = step_benchmark.build_problem("embedding", n, 8)
-  batch = clipping._Batch(embed_fn, params, x, xp, jnp.ones((n,), bool),  # pylint: disable=protected-access
-                          eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
-                          collective=clipping._Collective(None))  # pylint: disable=protected-access
+  batch = clipping._Batch(
+      embed_fn,
+      params,
+      x,
+      xp,
+      jnp.ones((n,), bool),  # pylint: disable=protected-access
+      eps=clipping.DEFAULT_COSINE_EPS,
+      microbatch_size=None,
+      collective=clipping._Collective(None))  # pylint: disable=protected-access
   f_u, f_v = batch.factors(batch.x), batch.factors(batch.x_prime)
   assert any(batch.plan.ghost) and not all(batch.plan.ghost)
 

@@ -8,7 +8,9 @@ import pytest
 
 import logit_dp
 from conftest import make_model
-from helpers import reference_grad, rel_err, tree_norm
+from helpers import reference_grad
+from helpers import rel_err
+from helpers import tree_norm
 
 LOSSES = {
     "contrastive": logit_dp.losses.contrastive(temperature=0.5),
@@ -33,8 +35,8 @@ def test_ghost_matches_materialize_with_clipping(model_kind, loss_name, no_float
   loss = LOSSES[loss_name]
   norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
   clip_norm = float(jnp.median(norms))  # about half of the pairs are clipped
-  _, exact = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="materialize")(
-      params, x, x_prime)
+  _, exact = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="materialize")(params, x,
+                                                                                    x_prime)
   _, ghost = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="ghost")(params, x, x_prime)
   assert rel_err(ghost, exact) < 1e-4
   # Clipping really happened: the clipped gradient differs from the unclipped one.
@@ -50,7 +52,8 @@ def test_ghost_pair_norms_match_materialized_pair_gradients(model_kind):
                                    float_allowance=False)
   # Independent check of one entry: the norm of jax.grad of Z_ij.
   i, j = 3, 5
-  z = lambda p: logit_dp.cosine_similarity(embed_fn(p, x[i:i + 1]), embed_fn(p, x_prime[j:j + 1]))[0, 0]
+  z = lambda p: logit_dp.cosine_similarity(embed_fn(p, x[i:i + 1]), embed_fn(p, x_prime[j:j + 1]))[
+      0, 0]
   np.testing.assert_allclose(exact[i, j], tree_norm(jax.grad(z)(params)), rtol=1e-5)
   np.testing.assert_allclose(ghost, exact, rtol=1e-4)
 
@@ -84,8 +87,8 @@ def test_microbatching_keeps_the_whole_pair_matrix(method):
   embed_fn, params, x, x_prime = make_model("conv", n=10, seed=5)
   loss = LOSSES["contrastive"]
   _, whole = logit_dp.clipped_grad(embed_fn, loss, 0.3, method=method)(params, x, x_prime)
-  _, micro = logit_dp.clipped_grad(embed_fn, loss, 0.3, method=method, microbatch_size=3)(
-      params, x, x_prime)
+  _, micro = logit_dp.clipped_grad(embed_fn, loss, 0.3, method=method, microbatch_size=3)(params, x,
+                                                                                          x_prime)
   assert rel_err(micro, whole) < 1e-5
 
 
@@ -117,8 +120,7 @@ def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precisi
   # The clip factors and ḡ come from different passes: on a GPU, where JAX's default for
   # float32 is TF32, they must still both be float32-accurate.
   embed_fn, params, x, x_prime = make_model("conv", n=4)
-  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method,
-                             microbatch_size=2)
+  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method, microbatch_size=2)
   highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
   with jax.default_matmul_precision("bfloat16"):
     precisions = _contraction_precisions(jax.make_jaxpr(fn)(params, x, x_prime).jaxpr)
@@ -155,8 +157,8 @@ def test_zero_embedding_gives_finite_gradients():
   x = jnp.array([[0.0, 0, 0, 0], [1, 2, 0, 1], [0, 1, 1, 0]])
   x_prime = jnp.array([[1.0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
   for method in logit_dp.METHODS:
-    value, grads = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method)(
-        params, x, x_prime)
+    value, grads = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0,
+                                         method=method)(params, x, x_prime)
     assert np.isfinite(value) and np.all(np.isfinite(grads["scale"]))
 
 
@@ -203,7 +205,8 @@ def test_bad_batches():
 def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
   """The accelerator's larger, uncapped pair-term chunks (one chunk of 13 rows here, against
   the CPU's two padded chunks of 8) give the materialised norms too."""
-  from logit_dp._src import clipping, layerwise
+  from logit_dp._src import clipping
+  from logit_dp._src import layerwise
   embed_fn, params, x, x_prime = make_model("conv", n=13)
   monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d: True)
   exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
@@ -213,7 +216,7 @@ def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
     monkeypatch.setattr(clipping, "_on_accelerator", lambda a=accelerator: a)
     fresh = lambda p, xs: embed_fn(p, xs)  # a new function: nothing compiled is reused
     norms[accelerator] = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost",
-                                                   float_allowance=False)
+                                                  float_allowance=False)
   # Other chunk shapes round differently; small norms carry the cancellation of
   # ‖g‖² = a + b + 2c (atol, as in test_layerwise._check_norms).
   atol = 1e-5 * float(np.max(exact))
@@ -228,7 +231,8 @@ def test_ghost_never_allocates_n_squared_p_floats():
   convolution and GEMM workspaces) does not count as growth in n.
   """
   from conftest import SmallConv
-  from logit_dp._src import clipping, layerwise
+  from logit_dp._src import clipping
+  from logit_dp._src import layerwise
   model, d = SmallConv(channels=(16, 32), dim=5), 5
   # One chunk of a ghost layer's pair terms: rows × n × (T² + 2TC + d) floats, at most the
   # chunk budget (larger on an accelerator).
@@ -243,8 +247,9 @@ def test_ghost_never_allocates_n_squared_p_floats():
     compiled = fn.core.lower(params, x, x, jnp.ones((n,), bool)).compile()
     temp[n] = compiled.memory_analysis().temp_size_in_bytes / 4
     plan = layerwise.make_plan(model.apply, params, x, d)
-    pair_chunk = sum(min(chunk_budget, n * n * (l.positions ** 2 + 2 * l.positions * l.features + d))
-                     for l, ghost in zip(plan.layers, plan.ghost) if ghost)
+    pair_chunk = sum(
+        min(chunk_budget, n * n * (l.positions ** 2 + 2 * l.positions * l.features + d))
+        for l, ghost in zip(plan.layers, plan.ghost) if ghost)
     # Both views' Jacobians + the cross-Gram + one chunk of ghost-layer pair terms.
     budget[n] = 2 * n * d * p + n * n * d * d + pair_chunk
   assert temp[256] - temp[64] < 2 * (budget[256] - budget[64]), (temp, budget)

@@ -7,8 +7,6 @@ import sys
 # (also when pytest is started as `pytest` rather than `python -m pytest`).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -35,10 +33,10 @@ def test_digits_nhwc_stratified_and_seeded():
 
 def _fake_npz(path, coarse=True, n=40):
   rng = np.random.default_rng(0)
-  arrays = dict(x_train=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
-                y_train=rng.integers(0, 100, n), x_test=rng.integers(0, 256, (10, 32, 32, 3),
-                                                                       dtype=np.uint8),
-                y_test=rng.integers(0, 100, 10))
+  arrays = dict(x_train=rng.integers(0, 256, (n, 32, 32, 3),
+                                     dtype=np.uint8), y_train=rng.integers(0, 100, n),
+                x_test=rng.integers(0, 256, (10, 32, 32, 3),
+                                    dtype=np.uint8), y_test=rng.integers(0, 100, 10))
   if coarse:
     arrays["y_train_coarse"] = arrays["y_train"] // 5
     arrays["y_test_coarse"] = arrays["y_test"] // 5
@@ -48,8 +46,9 @@ def _fake_npz(path, coarse=True, n=40):
 
 def test_npz_source_with_coarse_labels_and_subset(tmp_path):
   arrays = _fake_npz(tmp_path / "cifar100.npz")
-  cfg = ml_collections.ConfigDict(dict(source="npz", name="cifar100", label="coarse",
-                                       npz_dir=str(tmp_path), train_subset=25, test_subset=None))
+  cfg = ml_collections.ConfigDict(
+      dict(source="npz", name="cifar100", label="coarse", npz_dir=str(tmp_path), train_subset=25,
+           test_subset=None))
   ds = data_lib.load_dataset(cfg, seed=0)
   assert ds["x_train"].shape == (25, 32, 32, 3) and ds["x_train"].dtype == np.uint8
   assert ds["y_train"].max() < 20
@@ -80,7 +79,8 @@ def test_tfds_source_with_mock_data():
 def test_real_cifar_npz():
   d = os.environ.get("LOGIT_DP_CIFAR_DIR")
   if not d or not os.path.exists(os.path.join(d, "cifar100.npz")):
-    pytest.skip("set LOGIT_DP_CIFAR_DIR to a folder made by `python <shared>/data/unpack.py --out DIR`")
+    pytest.skip(
+        "set LOGIT_DP_CIFAR_DIR to a folder made by `python <shared>/data/unpack.py --out DIR`")
   c10 = data_lib.load_npz(d, "cifar10")
   assert c10["x_train"].shape == (50000, 32, 32, 3) and c10["num_classes"] == 10
   c100 = data_lib.load_npz(d, "cifar100", label="coarse")
@@ -115,8 +115,7 @@ def _z_scores(counts, steps, q):
 
 
 def _pipeline_batcher(method, num_records, batch_size, seed=0):
-  cfg = ml_collections.ConfigDict(dict(batch_size=batch_size, num_epochs=1,
-                                       noise_multiplier=1.0))
+  cfg = ml_collections.ConfigDict(dict(batch_size=batch_size, num_epochs=1, noise_multiplier=1.0))
   info = train.privacy_plan(cfg, num_records) if method != "non_private" else {}
   return train._Batcher(method, num_records, info, batch_size, seed)  # pylint: disable=protected-access
 
@@ -180,8 +179,8 @@ def test_training_batches_use_each_image_at_most_once_per_epoch():
 
 
 def test_poisson_overflow_is_an_error():
-  sampler = logit_dp.sampling.PoissonSampler(num_records=100, sampling_rate=0.5,
-                                             max_batch_size=10, seed=0)
+  sampler = logit_dp.sampling.PoissonSampler(num_records=100, sampling_rate=0.5, max_batch_size=10,
+                                             seed=0)
   with pytest.raises(logit_dp.sampling.BatchOverflowError):
     sampler(0)
 
@@ -205,9 +204,9 @@ def test_augment_shapes_range_determinism():
 
 def test_augment_identity_and_flip():
   x = jax.random.uniform(jax.random.PRNGKey(0), (8, 8, 1))
-  ident = jax.jit(lambda k, x: augment.augment_image(
-      k, x, crop_padding=0, flip=False, brightness=0, contrast=0, saturation=0))(
-          jax.random.PRNGKey(0), x)
+  ident = jax.jit(lambda k, x: augment.augment_image(k, x, crop_padding=0, flip=False, brightness=0,
+                                                     contrast=0, saturation=0))(
+                                                         jax.random.PRNGKey(0), x)
   np.testing.assert_array_equal(ident, x)
   flip = jax.jit(augment.random_flip)
   for s in range(6):

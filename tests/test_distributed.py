@@ -16,9 +16,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import logit_dp
-from logit_dp import distributed
 from conftest import make_model
-from helpers import rel_err, tree_norm
+from helpers import rel_err
+from helpers import tree_norm
+from logit_dp import distributed
 
 LOSSES = {
     "contrastive": logit_dp.losses.contrastive(temperature=0.5),
@@ -36,7 +37,7 @@ def _enough_devices():
                 f"got {jax.device_count()}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _batch(kind="mlp", n=N, seed=0):
   embed_fn, params, x, x_prime = make_model(kind, n, seed)
   # A clip norm below most pair norms, so that clipping changes the result.
@@ -44,14 +45,14 @@ def _batch(kind="mlp", n=N, seed=0):
   return embed_fn, params, x, x_prime, float(np.quantile(np.asarray(norms), 0.4))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _single(loss_name, method="ghost", kind="mlp", n=N, seed=0):
   """The single-device reference grad_fn (cached: one compile per configuration)."""
   embed_fn, _, _, _, clip_norm = _batch(kind, n, seed)
   return logit_dp.clipped_grad(embed_fn, LOSSES[loss_name], clip_norm, method=method)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sharded(k, loss_name, method="ghost", kind="mlp", n=N, seed=0):
   """The data-parallel grad_fn on k devices (cached, shared between tests)."""
   embed_fn, _, _, _, clip_norm = _batch(kind, n, seed)
@@ -98,8 +99,7 @@ def test_uneven_global_batch_is_padded(k):
     sharded(params, x, x_prime)
   px, pxp, pmask = distributed.pad_to_multiple(x, x_prime, None, k)
   assert px.shape[0] == 16 and int(pmask.sum()) == 13
-  reference = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm)(
-      params, x, x_prime)
+  reference = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm)(params, x, x_prime)
   _assert_matches(sharded(params, px, pxp, pmask), reference)
   # The host-feeding path (make_array_from_process_local_data; one process here).
   mesh = sharded.mesh
@@ -123,8 +123,8 @@ def test_materialize_sharded():
   mask = np.array([1, 1, 1, 0, 1, 1], bool)
   sharded = distributed.make_sharded_grad_fn(embed_fn, loss, clip_norm, distributed.data_mesh(2),
                                              method="materialize")
-  reference = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="materialize")(
-      params, x, x_prime, mask)
+  reference = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="materialize")(params, x,
+                                                                                     x_prime, mask)
   _assert_matches(sharded(params, x, x_prime, mask), reference)
 
 
@@ -145,8 +145,9 @@ def _direct(k, method, check_vma):
   grad_fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm, method=method,
                                   axis_name="data")
   mesh = Mesh(np.array(jax.devices()[:k]), ("data",))
-  fn = jax.jit(jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
-                             out_specs=(P(), P()), check_vma=check_vma))
+  fn = jax.jit(
+      jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
+                    out_specs=(P(), P()), check_vma=check_vma))
   mask = jnp.asarray(MASK)
   out = fn(params, x, x_prime, mask)
   _assert_matches(out, _single("contrastive", method)(params, x, x_prime, mask))
@@ -167,11 +168,12 @@ def test_direct_shard_map_default_check_vma_naive():
   grad_fn = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm,
                                         axis_name="data")
   mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
-  fn = jax.jit(jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
-                             out_specs=(P(), P())))
+  fn = jax.jit(
+      jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
+                    out_specs=(P(), P())))
   mask = jnp.asarray(MASK)
-  expected = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm)(
-      params, x, x_prime, mask)
+  expected = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm)(params, x,
+                                                                                     x_prime, mask)
   _assert_matches(fn(params, x, x_prime, mask), expected)
 
 
@@ -185,7 +187,7 @@ def _private_optimizer():
   return distributed.make_private_optimizer(SIGMA, c, NOISE_KEY, optax.sgd(1.0)), c
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _step_outputs(k):
   """One private step (sgd, lr 1) on k devices: (new_params, new_state)."""
   embed_fn, params, x, x_prime, clip_norm = _batch()
@@ -212,7 +214,8 @@ def test_noise_is_identical_on_every_device_and_matches_single_device():
 
 
 def _flat(tree):
-  return np.concatenate([np.ravel(np.asarray(l, np.float64)) for l in jax.tree_util.tree_leaves(tree)])
+  return np.concatenate(
+      [np.ravel(np.asarray(l, np.float64)) for l in jax.tree_util.tree_leaves(tree)])
 
 
 def test_accounting_does_not_depend_on_device_count():
@@ -250,7 +253,8 @@ def test_data_mesh_and_padding_helpers():
       distributed.data_mesh(bad)
   x, xp = np.ones((5, 3), np.float32), np.ones((5, 3), np.float32)
   px, pxp, pm = distributed.pad_to_multiple(x, xp, None, 4)
-  assert isinstance(px, np.ndarray) and px.shape == (8, 3) and pm.tolist() == [True] * 5 + [False] * 3
+  assert isinstance(px,
+                    np.ndarray) and px.shape == (8, 3) and pm.tolist() == [True] * 5 + [False] * 3
   assert not px[5:].any()
   jx, _, jm = distributed.pad_to_multiple(jnp.asarray(x), jnp.asarray(xp), np.arange(5) < 4, 5)
   assert isinstance(jx, jax.Array) and jx.shape == (5, 3) and jm.tolist() == [True] * 4 + [False]

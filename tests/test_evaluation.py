@@ -7,7 +7,6 @@ import sys
 # (also when pytest is started as `pytest` rather than `python -m pytest`).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
 import numpy as np
 import pytest
 
@@ -60,7 +59,8 @@ def test_knn_three_way_tie_goes_to_nearest():
 
 
 def test_confusion_and_per_class_metrics_match_sklearn():
-  from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+  from sklearn.metrics import confusion_matrix
+  from sklearn.metrics import precision_recall_fscore_support
   rng = np.random.default_rng(0)
   y = rng.integers(0, 5, 300)
   p = np.where(rng.random(300) < 0.6, y, rng.integers(0, 5, 300))
@@ -70,7 +70,7 @@ def test_confusion_and_per_class_metrics_match_sklearn():
   for beta in (1.0, 2.0, 0.5):
     pc = evaluation.per_class_metrics(cm, beta)
     prec, rec, f, _ = precision_recall_fscore_support(y, p, beta=beta, labels=range(5),
-                                                       zero_division=0)
+                                                      zero_division=0)
     np.testing.assert_allclose(pc["precision"], prec)
     np.testing.assert_allclose(pc["recall"], rec)
     np.testing.assert_allclose(pc["fbeta"], f)

@@ -90,8 +90,8 @@ def test_paper_hparams_config_clips_each_method_with_its_own_bound():
     for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
   # The bound binds: with B = 1 the same batch gives another (larger) clipped gradient.
-  big = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip_norm=1.0, method="triangle"))(
-      params, x, xp, mask)[1]
+  big = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip_norm=1.0,
+                                      method="triangle"))(params, x, xp, mask)[1]
   norm = lambda t: float(jnp.sqrt(sum(jnp.sum(l ** 2) for l in jax.tree_util.tree_leaves(t))))
   assert norm(big) > 10 * norm(want["logit_dp"](params, x, xp, mask)[1])
 
@@ -127,8 +127,8 @@ def test_confusion_matrix_plot_labels_every_class_and_has_a_colour_bar(tmp_path,
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   seen = {}
-  monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: seen.setdefault(
-      os.path.basename(path), fig))
+  monkeypatch.setattr(plt.Figure, "savefig",
+                      lambda fig, path, **kw: seen.setdefault(os.path.basename(path), fig))
   cm = np.random.default_rng(0).integers(0, 9, (10, 10))
   names = data_lib.class_names(dict(name="cifar10", label="fine"), 10)
   train.plot_results(dict(logit_dp=dict(confusion_matrix=cm, accuracy=0.3)), str(tmp_path), names)
@@ -155,13 +155,13 @@ def _fake_runs(root, group, seeds, rng):
       r = {k: float(rng.uniform(0.1, 0.5)) for k in render_results.METRICS}
       r.update(method=m, finished=True, train_seconds=float(rng.uniform(10, 100)),
                learning_rate=1e-2, noise_multiplier=0.0 if m == "non_private" else 2.7,
-               epsilon=0.0 if m == "non_private" else 4.99, delta=1e-5, steps=50,
-               sampling_rate=0.4, clip_norm=None if m == "non_private" else 1.0)
+               epsilon=0.0 if m == "non_private" else 4.99, delta=1e-5, steps=50, sampling_rate=0.4,
+               clip_norm=None if m == "non_private" else 1.0)
       res[m] = r
     (d / "results.json").write_text(json.dumps(res))
     (d / "config.json").write_text(json.dumps(dict(seed=s, batch_size=10_000, clip_norm=1.0)))
-    (d / "wallclock.json").write_text(json.dumps(dict(attempts=[dict(seconds=60.0, returncode=0)],
-                                                      total_seconds=60.0)))
+    (d / "wallclock.json").write_text(
+        json.dumps(dict(attempts=[dict(seconds=60.0, returncode=0)], total_seconds=60.0)))
 
 
 def _cells(text, first):
@@ -177,9 +177,10 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   _fake_runs(tmp_path / "results", "cifar10_embnet_x", (0, 1, 2), rng)
   runs = render_results.load_runs(str(tmp_path / "results"))
   paper = render_results.load_paper(os.path.join(REPO, "experiments", "paper_results.json"))
-  doc = ("# t\n<!-- generated:group:cifar10_embnet_x -->\nstale\n<!-- /generated:group:cifar10_embnet_x -->\n"
-         "<!-- generated:verdict -->\n<!-- /generated:verdict -->\n"
-         "<!-- generated:runs -->\n<!-- /generated:runs -->\n")
+  doc = (
+      "# t\n<!-- generated:group:cifar10_embnet_x -->\nstale\n<!-- /generated:group:cifar10_embnet_x -->\n"
+      "<!-- generated:verdict -->\n<!-- /generated:verdict -->\n"
+      "<!-- generated:runs -->\n<!-- /generated:runs -->\n")
   out = render_results.render(doc, runs, paper)
   assert "stale" not in out and out.startswith("# t\n")
   assert render_results.render(out, runs, paper) == out  # idempotent
@@ -187,6 +188,7 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
 
   def ms(v):
     return f"{np.mean(v):.3f} ± {np.std(v, ddof=1):.3f}"
+
   row = _cells(out, "| Logit-DP | ours")
   assert row[2] == "4.99" and row[3] == "1e-05"
   acc = [r["logit_dp"]["accuracy"] for r in res]
@@ -210,8 +212,10 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
 def test_render_check_mode(tmp_path):
   out = tmp_path / "doc.md"
   out.write_text("<!-- generated:runs -->\n<!-- /generated:runs -->\n")
-  args = [sys.executable, "-m", "experiments.render_results", "--check", f"--out={out}",
-          f"--results_dir={tmp_path}"]
+  args = [
+      sys.executable, "-m", "experiments.render_results", "--check", f"--out={out}",
+      f"--results_dir={tmp_path}"
+  ]
   assert subprocess.run(args, cwd=REPO, capture_output=True).returncode == 1  # out of date
   assert subprocess.run(args[:3] + args[4:], cwd=REPO, capture_output=True).returncode == 0
   assert subprocess.run(args, cwd=REPO, capture_output=True).returncode == 0  # rendered
@@ -225,8 +229,10 @@ def test_run_queue_runs_skips_and_publishes(tmp_path):
   queue = tmp_path / "queue.txt"
   queue.write_text("# a comment\n"
                    "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)  # np\n")
-  args = [sys.executable, "-m", "experiments.run_queue", f"--queue={queue}",
-          f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}"]
+  args = [
+      sys.executable, "-m", "experiments.run_queue", f"--queue={queue}",
+      f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}"
+  ]
   r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
   assert r.returncode == 0, r.stdout + r.stderr
   assert "start tiny_s0" in r.stdout and r.stdout.rstrip().endswith("queue done")
@@ -278,6 +284,7 @@ def test_renderer_figures(tmp_path):
   written = render_results.plot_group("cifar10_embnet_f", groups["cifar10_embnet_f"],
                                       str(tmp_path / "figures"))
   assert sorted(os.path.basename(p) for p in written) == [
-      "cifar10_embnet_f_confusion_s0.png", "cifar10_embnet_f_relative_loss.png"]
+      "cifar10_embnet_f_confusion_s0.png", "cifar10_embnet_f_relative_loss.png"
+  ]
   assert all(os.path.getsize(p) > 0 for p in written)
   assert sorted(os.listdir(tmp_path / "figures")) == sorted(os.path.basename(p) for p in written)

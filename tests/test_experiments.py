@@ -7,7 +7,6 @@ import sys
 # (also when pytest is started as `pytest` rather than `python -m pytest`).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
 import csv
 import json
 import subprocess
@@ -17,7 +16,6 @@ import numpy as np
 import pytest
 
 import logit_dp
-
 from experiments import finetuning
 from experiments import train
 from experiments.configs import default as default_config
@@ -37,8 +35,8 @@ def pretrained(tmp_path_factory):
 
 def _params_equal(a, b):
   la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y))
-                                    for x, y in zip(la, lb))
+  return len(la) == len(lb) and all(
+      np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
 def test_pretrain_results_folder(pretrained):
@@ -146,7 +144,8 @@ def test_privacy_seeds_are_secret_by_default_and_survive_a_resume(tmp_path):
     for public in workdir.rglob("*"):
       if public.is_file() and public.suffix in (".json", ".csv", ".md"):
         text = public.read_text()
-        assert str(seeds[-1]["noise_seed"]) not in text and str(seeds[-1]["sampling_seed"]) not in text
+        assert str(seeds[-1]["noise_seed"]) not in text and str(
+            seeds[-1]["sampling_seed"]) not in text
   assert seeds[0] != seeds[1]  # drawn afresh, not derived from config.seed
   cfg.stop_after_steps = None
   train.train_and_evaluate(cfg, str(tmp_path / "a"), quiet=True)  # resume
@@ -195,18 +194,18 @@ def test_finetune_on_frozen_encoders(pretrained, tmp_path):
 def test_scripts_from_the_command_line(pretrained, tmp_path):
   """Both absl entry points, as a user runs them (cheap settings)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "experiments/pretrain.py", "--config=experiments/configs/tiny.py",
-       f"--workdir={tmp_path / 'pre'}", "--config.methods=('non_private',)"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  out = subprocess.run([
+      sys.executable, "experiments/pretrain.py", "--config=experiments/configs/tiny.py",
+      f"--workdir={tmp_path / 'pre'}", "--config.methods=('non_private',)"
+  ], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "Non-private" in out.stdout and "| method |" in out.stdout
   workdir, _ = pretrained
-  out = subprocess.run(
-      [sys.executable, "experiments/finetune.py", "--config=experiments/configs/tiny_finetune.py",
-       f"--config.pretrain_workdir={workdir}", f"--workdir={tmp_path / 'ft'}",
-       "--config.methods=('logit_dp','non_private')"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  out = subprocess.run([
+      sys.executable, "experiments/finetune.py", "--config=experiments/configs/tiny_finetune.py",
+      f"--config.pretrain_workdir={workdir}", f"--workdir={tmp_path / 'ft'}",
+      "--config.methods=('logit_dp','non_private')"
+  ], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "head acc" in out.stdout and "Logit-DP" in out.stdout
 
@@ -218,8 +217,9 @@ def test_default_config_is_the_offline_digits_demo():
   assert cfg.model.name == "embedding_net" and cfg.target_epsilon == 5.0
 
 
-@pytest.mark.parametrize("name", ["cifar10_embedding_net", "cifar10_resnet18",
-                                  "cifar10_embedding_net_cpu", "cifar100_finetune"])
+@pytest.mark.parametrize(
+    "name",
+    ["cifar10_embedding_net", "cifar10_resnet18", "cifar10_embedding_net_cpu", "cifar100_finetune"])
 def test_paper_configs(name):
   import importlib
   cfg = importlib.import_module(f"experiments.configs.{name}").get_config()
@@ -240,7 +240,8 @@ def test_paper_configs(name):
 def test_cifar_embedding_net_smoke(tmp_path):
   d = os.environ.get("LOGIT_DP_CIFAR_DIR")
   if not d or not os.path.exists(os.path.join(d, "cifar10.npz")):
-    pytest.skip("set LOGIT_DP_CIFAR_DIR to a folder made by `python <shared>/data/unpack.py --out DIR`")
+    pytest.skip(
+        "set LOGIT_DP_CIFAR_DIR to a folder made by `python <shared>/data/unpack.py --out DIR`")
   from experiments.configs import cifar10_embedding_net
   cfg = cifar10_embedding_net.get_config()
   cfg.data.npz_dir = d

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SmallConv
 
 import logit_dp
+from conftest import SmallConv
 from logit_dp import audit
 from logit_dp._src import clipping
 
@@ -23,9 +23,11 @@ def _problem(family: str, seed: int = 0):
   model = SmallConv()
   x = jax.random.uniform(k1, (N, 8, 8, 3))
   noise = jax.random.normal(k2, x.shape)
-  x_prime = {"near_identical": x + 1e-2 * noise,
-             "near_identical_off_diagonal": jnp.roll(x, 1, axis=0) + 1e-2 * noise,
-             "unrelated": jax.random.uniform(k2, x.shape)}[family]
+  x_prime = {
+      "near_identical": x + 1e-2 * noise,
+      "near_identical_off_diagonal": jnp.roll(x, 1, axis=0) + 1e-2 * noise,
+      "unrelated": jax.random.uniform(k2, x.shape)
+  }[family]
   return model.apply, model.init(k3, x[:1]), x, x_prime
 
 
@@ -48,8 +50,8 @@ def _float64_truth(embed_fn, params, x, x_prime, eps=logit_dp.DEFAULT_COSINE_EPS
 
 
 def _batch_and_factors(embed_fn, params, x, x_prime):
-  batch = clipping._Batch(embed_fn, params, x, x_prime, jnp.ones((N,), bool),
-                          eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
+  batch = clipping._Batch(embed_fn, params, x, x_prime, jnp.ones(
+      (N,), bool), eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
                           collective=clipping._Collective(None))
   return batch, (batch.factors(batch.x), batch.factors(batch.x_prime))
 
@@ -67,8 +69,8 @@ def truths():
 def test_clip_norms_are_never_below_the_float64_truth(truths, method, family):
   embed_fn, params, x, x_prime = _problem(family)
   truth = truths[family]
-  got = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method,
-                                            microbatch_size=3), np.float64)
+  got = np.asarray(
+      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size=3), np.float64)
   assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)
   if method != "triangle":  # an exact method over-estimates by no more than its allowance
     _, factors = _batch_and_factors(embed_fn, params, x, x_prime)
@@ -92,8 +94,7 @@ def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
 def test_triangle_takes_the_diagonal_pairs_from_their_vectors(truths):
   """The positives are not over-clipped by the triangle bound (it over-estimated them 22-64×)."""
   embed_fn, params, x, x_prime = _problem("near_identical")
-  tri = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"),
-                   np.float64)
+  tri = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"), np.float64)
   truth = truths["near_identical"]
   _, factors = _batch_and_factors(embed_fn, params, x, x_prime)
   s_u, s_v = (np.asarray(clipping._jacobian_norms(f.gram), np.float64) for f in factors)

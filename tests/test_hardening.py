@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_model
-from helpers import flat
 
 import logit_dp
+from conftest import make_model
+from helpers import flat
 from logit_dp import distributed
 
 LOSS = logit_dp.losses.contrastive(temperature=1.0)
@@ -46,12 +46,10 @@ def test_private_train_step_accepts_the_noise_first_and_an_explicit_non_private_
   plain = distributed.make_private_train_step(embed_fn, LOSS, 1.0, _mesh(), optax.sgd(1.0),
                                               non_private=True)
   new_params, _, _ = plain(params, optax.sgd(1.0).init(params), x, x_prime)
-  np.testing.assert_allclose(flat(new_params), flat(params) - flat(clipped), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(flat(new_params), flat(params) - flat(clipped), rtol=1e-5, atol=1e-6)
 
 
 class BatchNormNet(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(6)(x.reshape(x.shape[0], -1))
@@ -102,8 +100,8 @@ def test_independent_embed_fn_is_accepted_under_jit():
 @pytest.mark.parametrize("method", ["ghost", "naive"])
 def test_nan_parameters_under_jit_give_a_nan_loss_and_count_the_dropped_rows(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=5)
-  grad_fn = (logit_dp.naive_clipped_grad(embed_fn, LOSS, 1.0) if method == "naive"
-             else logit_dp.clipped_grad(embed_fn, LOSS, 1.0, method=method))
+  grad_fn = (logit_dp.naive_clipped_grad(embed_fn, LOSS, 1.0)
+             if method == "naive" else logit_dp.clipped_grad(embed_fn, LOSS, 1.0, method=method))
   nan_params = jax.tree_util.tree_map(lambda a: jnp.full_like(a, jnp.nan), params)
   loss, grads, dropped = jax.jit(grad_fn.with_num_dropped)(nan_params, x, x_prime)
   assert np.isnan(float(loss)) and int(dropped) == 5
@@ -125,8 +123,8 @@ def test_non_boolean_masks_are_refused():
   as_bool = grad_fn(params, x, x_prime, jnp.array([True, False, True, True]))[1]
   np.testing.assert_array_equal(flat(as_int), flat(as_bool))
   with pytest.raises(ValueError, match="boolean"):
-    distributed.make_sharded_grad_fn(embed_fn, LOSS, 1.0, _mesh())(
-        params, x, x_prime, jnp.array([1.0, 0.5, 1.0, 1.0]))
+    distributed.make_sharded_grad_fn(embed_fn, LOSS, 1.0, _mesh())(params, x, x_prime,
+                                                                   jnp.array([1.0, 0.5, 1.0, 1.0]))
 
 
 def test_transform_without_a_key_is_refused():

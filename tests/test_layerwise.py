@@ -36,8 +36,8 @@ def test_conv_patches_times_kernel_is_the_convolution(name):
   assert config is not None
   patches = layerwise.conv_patches(x, *config)
   kernel = params["kernel"]
-  y = conv.apply({"params": {"kernel": kernel, "bias": jnp.zeros(5)}} if conv.use_bias
-                 else {"params": {"kernel": kernel}}, x)
+  y = conv.apply({"params": {"kernel": kernel, "bias": jnp.zeros(5)}}
+                 if conv.use_bias else {"params": {"kernel": kernel}}, x)
   via_patches = patches @ kernel.reshape(-1, kernel.shape[-1])
   np.testing.assert_allclose(via_patches, y.reshape(3, -1, 5), rtol=1e-5, atol=1e-5)
 
@@ -53,9 +53,8 @@ def test_conv_patches_other_ranks(rank):
                              rtol=1e-5, atol=1e-5)
 
 
-CONV_VJP_CASES = dict(
-    CONV_CONFIGS,
-    stride3_valid=dict(kernel_size=(2, 3), strides=(3, 2), padding="VALID"))
+CONV_VJP_CASES = dict(CONV_CONFIGS, stride3_valid=dict(kernel_size=(2, 3), strides=(3, 2),
+                                                       padding="VALID"))
 
 
 @pytest.mark.parametrize("name", sorted(CONV_VJP_CASES) + ["rank1", "rank3"])
@@ -72,8 +71,8 @@ def test_channels_last_conv_has_the_values_and_gradients_of_jax(name):
   kernel = jax.random.normal(k2, tuple(config[0]) + (shape[-1], conv.features))
 
   def flax_conv(x, kernel):
-    params = {"kernel": kernel, "bias": jnp.zeros(conv.features)} if conv.use_bias else {
-        "kernel": kernel}
+    params = {"kernel": kernel, "bias": jnp.zeros(conv.features)
+             } if conv.use_bias else {"kernel": kernel}
     return conv.apply({"params": params}, x)
 
   y, reference_vjp = jax.vjp(flax_conv, x, kernel)
@@ -98,7 +97,6 @@ class ConvNet(nn.Module):
 
 class SequenceNet(nn.Module):
   """Dense layers on (n, L, F) inputs: T = L positions per example."""
-
   @nn.compact
   def __call__(self, x):
     x = nn.tanh(nn.Dense(6)(x))
@@ -108,7 +106,6 @@ class SequenceNet(nn.Module):
 
 class TiedNet(nn.Module):
   """One Dense applied twice: its kernel belongs to two calls."""
-
   @nn.compact
   def __call__(self, x):
     shared = nn.Dense(5)
@@ -118,7 +115,6 @@ class TiedNet(nn.Module):
 
 class KernelAlsoUsedElsewhere(nn.Module):
   """A Dense whose kernel also enters the output outside the layer call."""
-
   @nn.compact
   def __call__(self, x):
     dense = nn.Dense(5)
@@ -128,17 +124,15 @@ class KernelAlsoUsedElsewhere(nn.Module):
 
 class ExamplesNotLeading(nn.Module):
   """Moves the example axis away from axis 0 before a Dense."""
-
   @nn.compact
-  def __call__(self, x):            # x: (n, L, F)
-    h = jnp.swapaxes(x, 0, 1)       # (L, n, F): the Dense sees L as its leading axis
+  def __call__(self, x):  # x: (n, L, F)
+    h = jnp.swapaxes(x, 0, 1)  # (L, n, F): the Dense sees L as its leading axis
     h = nn.tanh(nn.Dense(5)(h))
     return nn.Dense(4)(jnp.swapaxes(h, 0, 1).mean(axis=1))
 
 
 class MixedNet(nn.Module):
   """Recognised layers next to GroupNorm, a circular conv and a raw parameter."""
-
   @nn.compact
   def __call__(self, x):
     x = nn.Conv(4, (3, 3), padding="CIRCULAR")(x)
@@ -159,8 +153,10 @@ def _problem(model, shape, n=6, seed=0):
   x_prime = x + 0.5 * jax.random.normal(k2, x.shape)
   if model is None:
     f = int(np.prod(shape))
-    params = {"w1": jax.random.normal(k3, (f, 5)) / np.sqrt(f), "b1": jnp.zeros(5),
-              "w2": jax.random.normal(k1, (5, 4))}
+    params = {
+        "w1": jax.random.normal(k3, (f, 5)) / np.sqrt(f), "b1": jnp.zeros(5),
+        "w2": jax.random.normal(k1, (5, 4))
+    }
     return pure_jax_embed, params, x, x_prime
   return model.apply, model.init(k3, x[:1]), x, x_prime
 
@@ -182,13 +178,15 @@ def test_recognised_layers_keep_values_and_gradients_in_a_microbatch_loop(model,
       x_chunk, cot_chunk = xs
       y, vjp = jax.vjp(lambda p: fn(p, x_chunk), params)
       return y, vjp(cot_chunk)[0]
+
     ys, grads = jax.lax.map(chunk, (x.reshape((2, 3) + shape), cotangents.reshape(2, 3, 4)))
     return ys.reshape(x.shape[0], -1), jax.tree_util.tree_map(lambda g: g.sum(0), grads)
 
   got = jax.jit(lambda: microbatched(layerwise.with_recognised_layers(embed_fn)))()
   y, vjp = jax.vjp(lambda p: embed_fn(p, x), params)
   np.testing.assert_allclose(got[0], y, rtol=1e-6, atol=1e-6)
-  for g, want in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(vjp(cotangents)[0])):
+  for g, want in zip(jax.tree_util.tree_leaves(got[1]),
+                     jax.tree_util.tree_leaves(vjp(cotangents)[0])):
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(want))))
 
 
@@ -198,8 +196,8 @@ MODES = {"all_ghost": True, "all_flat": False}
 
 def _check_norms(embed_fn, params, x, x_prime, monkeypatch, modes=MODES):
   """Ghost pair norms equal materialised ones, and triangle bounds them, in every layer mode."""
-  exact = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
-                                              float_allowance=False))
+  exact = np.asarray(
+      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize", float_allowance=False))
   for mode, ghost_everywhere in modes.items():
     with monkeypatch.context() as patch:
       if ghost_everywhere is not None:
@@ -225,7 +223,8 @@ FAST_CONV_CONFIGS = ("explicit_pad", "same_stride2")
 
 @pytest.mark.parametrize("name", [
     name if name in FAST_CONV_CONFIGS else pytest.param(name, marks=pytest.mark.slow)
-    for name in sorted(CONV_CONFIGS)])
+    for name in sorted(CONV_CONFIGS)
+])
 def test_ghost_norms_exact_for_conv_configs(name, monkeypatch):
   embed_fn, params, x, x_prime = _problem(ConvNet(CONV_CONFIGS[name]), (7, 6, 3))
   plan = _plan(embed_fn, params, x)
@@ -248,26 +247,30 @@ def test_embedding_net_plan():
   params = model.init(jax.random.PRNGKey(0), x[:1])
   plan = _plan(model.apply, params, x)
   assert [(layer.kind, layer.positions, layer.fan_in, layer.features) for layer in plan.layers] == [
-      ("conv", 256, 28, 8), ("conv", 64, 73, 16), ("conv", 16, 145, 32), ("dense", 1, 33, 8)]
+      ("conv", 256, 28, 8), ("conv", 64, 73, 16), ("conv", 16, 145, 32), ("dense", 1, 33, 8)
+  ]
   assert plan.ghost == (False, False, True, True)
   assert plan.generic == ()
 
 
 def _leaf_names(params, indices):
   """Leaf paths without the leading 'params' key, e.g. ("Dense_0", "kernel")."""
-  paths = [tuple(k.key for k in path if k.key != "params")
-           for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  paths = [
+      tuple(k.key for k in path if k.key != "params")
+      for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
   return {paths[i] for i in indices}
 
 
-@pytest.mark.parametrize("model,shape,generic", [
-    (TiedNet(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
-    (KernelAlsoUsedElsewhere(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
-    (ExamplesNotLeading(), (3, 5), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
-    (MixedNet(), (6, 6, 2), {("Conv_0", "bias"), ("Conv_0", "kernel"), ("GroupNorm_0", "bias"),
-                             ("GroupNorm_0", "scale"), ("scale",)}),
-    (None, (3, 2), {("b1",), ("w1",), ("w2",)}),
-], ids=["tied", "kernel_used_elsewhere", "examples_not_leading", "mixed", "pure_jax"])
+@pytest.mark.parametrize(
+    "model,shape,generic", [
+        (TiedNet(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
+        (KernelAlsoUsedElsewhere(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
+        (ExamplesNotLeading(), (3, 5), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
+        (MixedNet(), (6, 6, 2), {("Conv_0", "bias"), ("Conv_0", "kernel"), ("GroupNorm_0", "bias"),
+                                 ("GroupNorm_0", "scale"), ("scale",)}),
+        (None, (3, 2), {("b1",), ("w1",), ("w2",)}),
+    ], ids=["tied", "kernel_used_elsewhere", "examples_not_leading", "mixed", "pure_jax"])
 def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic, monkeypatch):
   """Leaves not owned by exactly one recognised call get ordinary per-example Jacobians."""
   embed_fn, params, x, x_prime = _problem(model, shape)
@@ -292,16 +295,16 @@ def test_unrolled_and_vmapped_backward_passes_give_the_same_factors(monkeypatch)
   plan = _plan(embed_fn, params, x)
   normalize = logit_dp.normalize
   factors = {}
-  for min_batch in (1, 10**9):
+  for min_batch in (1, 10 ** 9):
     monkeypatch.setattr(layerwise, "_UNROLLED_MIN_BATCH", min_batch)
     factors[min_batch] = layerwise.layer_factors(embed_fn, params, plan, x, normalize, None)
-  for a, b in zip(jax.tree_util.tree_leaves(factors[1]), jax.tree_util.tree_leaves(factors[10**9])):
+  for a, b in zip(jax.tree_util.tree_leaves(factors[1]),
+                  jax.tree_util.tree_leaves(factors[10 ** 9])):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 class SqrtNet(nn.Module):
   """Finite embedding whose Jacobian is not finite for an all-zero input (√|h| at h = 0)."""
-
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(3, use_bias=False)(x)
@@ -310,8 +313,8 @@ class SqrtNet(nn.Module):
 
 def _batch(embed_fn, params, x):
   from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  return clipping._Batch(embed_fn, params, x, x, jnp.ones((x.shape[0],), bool),
-                         eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
+  return clipping._Batch(embed_fn, params, x, x, jnp.ones(
+      (x.shape[0],), bool), eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
                          collective=clipping._Collective(None))
 
 
@@ -319,8 +322,8 @@ def _backward_pass(batch, params, x, cotangents):
   """Σ_e J_eᵀ c_e by jax.vjp of the normalised embeddings of embed_fn itself (JAX's own
   convolution gradients, not the library's layers): the reference."""
   from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  embed = lambda p: jax.vmap(
-      lambda xe: clipping.normalize(batch.embed_fn(p, xe[None])[0], batch.eps))(x)
+  embed = lambda p: jax.vmap(lambda xe: clipping.normalize(
+      batch.embed_fn(p, xe[None])[0], batch.eps))(x)
   return jax.vjp(embed, params)[1](cotangents)[0]
 
 
@@ -363,16 +366,16 @@ def test_nonfinite_factors_with_zero_cotangent_contribute_exactly_zero(mode, mon
   cotangents = jax.random.normal(jax.random.PRNGKey(8), (x.shape[0], 4)).at[1].set(0.0)
   grads = jax.tree_util.tree_leaves(batch._factor_backward(factors, cotangents))
   keep = np.arange(x.shape[0]) != 1
-  expected = jax.tree_util.tree_leaves(
-      _backward_pass(batch, params, x[keep], cotangents[keep]))
+  expected = jax.tree_util.tree_leaves(_backward_pass(batch, params, x[keep], cotangents[keep]))
   assert len(grads) == len(expected)
   for got, want in zip(grads, expected):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
   # End to end: the pairs (1, j), whose gradients are not finite, are dropped, exactly as
   # Algorithm 1 drops them; the example stays a negative of the others.
   loss = logit_dp.losses.contrastive(temperature=0.5)
-  grads = {method: jax.jit(logit_dp.clipped_grad(embed_fn, loss, 0.5, method))(params, x, x_prime)[1]
-           for method in ("ghost", "materialize")}
+  grads = {
+      method: jax.jit(logit_dp.clipped_grad(embed_fn, loss, 0.5, method))(params, x, x_prime)[1]
+      for method in ("ghost", "materialize")
+  }
   assert np.all(np.isfinite(flat(grads["ghost"])))
-  np.testing.assert_allclose(flat(grads["ghost"]), flat(grads["materialize"]), rtol=1e-4,
-                             atol=1e-6)
+  np.testing.assert_allclose(flat(grads["ghost"]), flat(grads["materialize"]), rtol=1e-4, atol=1e-6)

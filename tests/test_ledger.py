@@ -19,12 +19,13 @@ import logit_dp
 from logit_dp import accounting
 from logit_dp import ledger as ledger_lib
 from logit_dp import sampling
-from logit_dp.ledger import PrivacyBudgetExceededError, PrivacyLedger
-
+from logit_dp.ledger import PrivacyBudgetExceededError
+from logit_dp.ledger import PrivacyLedger
 
 # ----------------------------------------------------------------------------
 # The ledger itself.
 # ----------------------------------------------------------------------------
+
 
 def test_epsilon_matches_accounting():
   led = PrivacyLedger(noise_multiplier=1.1, sampling_rate=0.01, target_delta=1e-5)
@@ -48,12 +49,12 @@ def test_refuses_to_exceed_budget():
   led = PrivacyLedger(sigma, q, delta, epsilon_budget=budget)
   assert led.remaining_steps() == limit
   led.record_steps(limit - 2)
-  led.record_steps(2)                           # exactly at the limit: allowed
+  led.record_steps(2)  # exactly at the limit: allowed
   assert led.epsilon() <= budget and led.remaining_steps() == 0
   with pytest.raises(PrivacyBudgetExceededError, match="budget"):
     led.record_steps(1)
   assert issubclass(PrivacyBudgetExceededError, ValueError)
-  assert led.steps == limit                     # nothing recorded on refusal
+  assert led.steps == limit  # nothing recorded on refusal
   assert led.record_steps(1, allow_exceeding_budget=True) > budget
   assert led.steps == limit + 1
   # Refusal is decided before the step: a big jump is refused as a whole.
@@ -89,9 +90,15 @@ def test_overflow_probability_adds_to_delta():
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(noise_multiplier=0.0), dict(noise_multiplier=-1.0), dict(sampling_rate=0.0),
-    dict(sampling_rate=2.0), dict(target_delta=1.0), dict(accountant="moments"),
-    dict(steps=-1), dict(epsilon_budget=0.0), dict(num_examples=0),
+    dict(noise_multiplier=0.0),
+    dict(noise_multiplier=-1.0),
+    dict(sampling_rate=0.0),
+    dict(sampling_rate=2.0),
+    dict(target_delta=1.0),
+    dict(accountant="moments"),
+    dict(steps=-1),
+    dict(epsilon_budget=0.0),
+    dict(num_examples=0),
     dict(overflow_probability=1.0),
 ])
 def test_rejects_bad_input(kwargs):
@@ -117,7 +124,7 @@ def _embed(params, x):
   return jnp.tanh(x @ params["w1"]) @ params["w2"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup():
   """Builds the data, model, optimizer, sampler and jitted step of a run.
 
@@ -140,8 +147,7 @@ def _setup():
   def train_step(state, indices, mask):
     _, grads = grad_fn(state["params"], x[indices], x_prime[indices], mask)
     # The noise of this step, drawn exactly as the chain draws it.
-    noise, _ = noise_tx.update(jax.tree_util.tree_map(jnp.zeros_like, grads),
-                               state["opt_state"][0])
+    noise, _ = noise_tx.update(jax.tree_util.tree_map(jnp.zeros_like, grads), state["opt_state"][0])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, noise
 
@@ -161,14 +167,13 @@ def _train(ckpt_dir, total_steps, *, epsilon_budget=None, kill_after_step=None, 
     state, led, step = ledger_lib.restore_checkpoint(ckpt_dir, state)
     assert step == led.steps == int(state["opt_state"][0].count)
   else:
-    led = PrivacyLedger(SIGMA, RATE, DELTA, epsilon_budget=epsilon_budget,
-                        num_examples=N_RECORDS,
+    led = PrivacyLedger(SIGMA, RATE, DELTA, epsilon_budget=epsilon_budget, num_examples=N_RECORDS,
                         overflow_probability=sampler.step_overflow_probability)
   noises = {}
   while led.steps < total_steps:
     t = led.steps
     batch = sampler(t)
-    led.record_steps(1)                      # refuses before the update is made
+    led.record_steps(1)  # refuses before the update is made
     state, noises[t] = train_step(state, batch.indices, batch.mask)
     if kill_after_step == t + 1:
       os.kill(os.getpid(), signal.SIGKILL)
@@ -192,13 +197,13 @@ def test_kill_and_resume_reports_the_same_epsilon_and_noise(tmp_path):
   assert led_b.steps == led_a.steps == 6
   assert led_b.epsilon() == led_a.epsilon() == accounting.epsilon(SIGMA, DELTA, RATE, 6)
   assert led_b == led_a
-  _assert_same_tree(state_b, state_a)           # bitwise identical run
+  _assert_same_tree(state_b, state_a)  # bitwise identical run
   for t in range(3):
     _assert_same_tree(noise_b1[t], noise_a[t])
   for t in (3, 4, 5):
     _assert_same_tree(noise_b2[t], noise_a[t])  # steps 4–6 draw A's noise...
   flat = lambda t: np.concatenate([np.ravel(l) for l in jax.tree_util.tree_leaves(noise_a[t])])
-  for s in range(6):                            # ...and no two steps share a draw.
+  for s in range(6):  # ...and no two steps share a draw.
     for t in range(s):
       assert not np.allclose(flat(s), flat(t))
   assert int(state_b["opt_state"][0].count) == 6
@@ -234,8 +239,8 @@ def test_sigkilled_process_resumes_exactly(tmp_path):
   update costs no privacy), and ends exactly where an uninterrupted run ends."""
   ckpt = str(tmp_path / "killed")
   code = _WORKER.format(tests_dir=os.path.dirname(os.path.abspath(__file__)), ckpt=ckpt)
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        timeout=240, env=dict(os.environ))
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                        env=dict(os.environ))
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
   assert ledger_lib.latest_step(ckpt) == 3
   state_b, led_b, noise_b = _train(ckpt, 6)

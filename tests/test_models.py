@@ -23,12 +23,11 @@ def test_embedding_net_architecture():
   model = models.EmbeddingNet()
   params = _shapes(model, (1, 32, 32, 3))
   p = params["params"]
-  assert [p[f"Conv_{i}"]["kernel"].shape for i in range(3)] == [
-      (3, 3, 3, 8), (3, 3, 8, 16), (3, 3, 16, 32)]
+  assert [p[f"Conv_{i}"]["kernel"].shape for i in range(3)] == [(3, 3, 3, 8), (3, 3, 8, 16),
+                                                                (3, 3, 16, 32)]
   assert p["Dense_0"]["kernel"].shape == (32, 8)
   x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
-  out, inter = jax.eval_shape(lambda p, x: model.apply(p, x, capture_intermediates=True),
-                              params, x)
+  out, inter = jax.eval_shape(lambda p, x: model.apply(p, x, capture_intermediates=True), params, x)
   assert out.shape == (2, 8)
   shapes = [inter["intermediates"][f"Conv_{i}"]["__call__"][0].shape for i in range(3)]
   assert shapes == [(2, 16, 16, 8), (2, 8, 8, 16), (2, 4, 4, 32)]  # stride 2, NHWC
@@ -77,14 +76,13 @@ def test_examples_are_independent(model):
 
 
 def test_resnet18_size_and_norms():
-  shapes = jax.eval_shape(models.ResNet18().init, jax.random.PRNGKey(0),
-                          jnp.zeros((1, 32, 32, 3)))
+  shapes = jax.eval_shape(models.ResNet18().init, jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)))
   n = sum(np.prod(l.shape) for l in jax.tree_util.tree_leaves(shapes))
   assert 11.0e6 < n < 11.3e6  # ResNet-18 (CIFAR variant, 8-d head): ~11.2M parameters
   flat = flax.traverse_util.flatten_dict(shapes["params"])
   assert not any("BatchNorm" in "/".join(k) for k in flat)
-  gn = jax.eval_shape(models.ResNet18(norm="group").init, jax.random.PRNGKey(0),
-                      jnp.zeros((1, 32, 32, 3)))
+  gn = jax.eval_shape(
+      models.ResNet18(norm="group").init, jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)))
   assert any("GroupNorm" in "/".join(k) for k in flax.traverse_util.flatten_dict(gn["params"]))
   with pytest.raises(ValueError, match="batch norm"):
     models.ResNet18(norm="batch").init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 3)))

@@ -7,8 +7,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "notebooks", "quickstart.ipynb")
+NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks",
+                        "quickstart.ipynb")
 
 # Run after the notebook's own cells, in its kernel; not saved.
 CHECKS = """
@@ -24,7 +24,8 @@ print("checks passed")
 
 
 def _ensure_kernel():
-  from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+  from jupyter_client.kernelspec import KernelSpecManager
+  from jupyter_client.kernelspec import NoSuchKernel
   try:
     KernelSpecManager().get_kernel_spec("python3")
   except NoSuchKernel:
@@ -33,8 +34,8 @@ def _ensure_kernel():
 
 
 def _text(nb):
-  return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                 for o in c.get("outputs", []))
+  return "".join(
+      o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
 
 
 def test_committed_notebook_has_its_outputs():
@@ -51,9 +52,8 @@ def test_quickstart_notebook_runs():
   _ensure_kernel()
   nb = nbformat.read(NOTEBOOK, as_version=4)
   nb.cells.append(nbformat.v4.new_code_cell(CHECKS))
-  client = nbclient.NotebookClient(
-      nb, timeout=600, kernel_name="python3",
-      resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
+  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                   resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
   client.execute()
   outputs = _text(nb)
   for name in ("Logit-DP", "Naive-DP", "Non-private"):

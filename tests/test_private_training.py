@@ -26,11 +26,10 @@ def _embed():
 
 def _setup(**kwargs):
   embed_fn, _ = _embed()
-  args = dict(target_epsilon=EPS, target_delta=DELTA, num_records=N,
-              expected_batch_size=BATCH, optimizer=optax.sgd(0.1), steps=50)
+  args = dict(target_epsilon=EPS, target_delta=DELTA, num_records=N, expected_batch_size=BATCH,
+              optimizer=optax.sgd(0.1), steps=50)
   args.update(kwargs)
-  return logit_dp.make_private(embed_fn, logit_dp.losses.contrastive(temperature=1.0), 1.0,
-                               **args)
+  return logit_dp.make_private(embed_fn, logit_dp.losses.contrastive(temperature=1.0), 1.0, **args)
 
 
 def _recorder(lr=0.25):
@@ -50,8 +49,9 @@ def _dp_accounting_epsilon(sigma, q, steps, delta):
   acc = dp_accounting.pld.PLDAccountant(
       neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
       value_discretization_interval=1e-3)
-  acc.compose(dp_accounting.SelfComposedDpEvent(
-      dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+  acc.compose(
+      dp_accounting.SelfComposedDpEvent(
+          dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
   return acc.get_epsilon(delta)
 
 
@@ -115,8 +115,8 @@ def test_naive_method_uses_naive_gradient_and_sensitivity():
   jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
 
 
-@pytest.mark.parametrize("method,microbatch_size", [
-    ("ghost", None), ("ghost", 2), ("triangle", 2), ("materialize", 3)])
+@pytest.mark.parametrize("method,microbatch_size", [("ghost", None), ("ghost", 2), ("triangle", 2),
+                                                    ("materialize", 3)])
 def test_grad_fn_is_clipped_grad_with_method_and_microbatch(method, microbatch_size):
   # A conv net: clipped_grad(microbatch_size=m) currently fails on nets of Dense layers only
   # (a zero-size leaf reshaped with -1 in clipping._unchunk_rows), not make_private's concern.
@@ -134,14 +134,15 @@ def _chi2_statistic(pt, mean, grads):
   """Σ z² over the k coordinates, z = (optimizer input · scale − ḡ)/(σC): χ²(k) if correct."""
   state = pt.optimizer.init(grads)
   out, state = pt.optimizer.update(grads, state, grads)
-  seen = state[-1]                            # what the optimizer was given
+  seen = state[-1]  # what the optimizer was given
   scale = BATCH if mean else 1.0
   # The optimizer comes last: its output is −lr × its input, nothing added after it.
   jax.tree_util.tree_map(lambda o, s: np.testing.assert_array_equal(o, -0.25 * s), out, seen)
   z = np.concatenate([
-      ((np.asarray(s, np.float64) * scale - np.asarray(g, np.float64))
-       / (pt.noise_multiplier * pt.sensitivity)).ravel()
-      for s, g in zip(jax.tree_util.tree_leaves(seen), jax.tree_util.tree_leaves(grads))])
+      ((np.asarray(s, np.float64) * scale - np.asarray(g, np.float64)) /
+       (pt.noise_multiplier * pt.sensitivity)).ravel()
+      for s, g in zip(jax.tree_util.tree_leaves(seen), jax.tree_util.tree_leaves(grads))
+  ])
   return float(np.sum(z * z)), z.size
 
 
@@ -154,7 +155,7 @@ def test_noise_of_std_sigma_c_is_added_before_the_optimizer(mean):
   # the statistic) is rejected.
   lo, hi = stats.chi2.ppf(1e-9, k), stats.chi2.isf(1e-9, k)
   assert lo < stat < hi, (stat, k)
-  assert not lo < stat * 1.02**2 < hi and not lo < stat / 1.02**2 < hi
+  assert not lo < stat * 1.02 ** 2 < hi and not lo < stat / 1.02 ** 2 < hi
 
 
 def test_mean_scales_after_the_noise():
@@ -171,15 +172,15 @@ def test_mean_scales_after_the_noise():
 def test_noise_key_and_sampler_seed_are_secret_by_default():
   grads = {"w": jnp.zeros((64,))}
   a, b = _setup(), _setup()
-  assert a.sampler.seed != b.sampler.seed      # drawn with `secrets`: equal w.p. 2⁻⁶³
-  assert a.sampler.seed != 0                   # not PoissonSampler's default
+  assert a.sampler.seed != b.sampler.seed  # drawn with `secrets`: equal w.p. 2⁻⁶³
+  assert a.sampler.seed != 0  # not PoissonSampler's default
   noise = [p.optimizer.update(grads, p.optimizer.init(grads))[0]["w"] for p in (a, b)]
   assert not np.array_equal(noise[0], noise[1])
   # Fixed on purpose: reproducible.
   c, d = (_setup(noise_key=jax.random.key(5), sampler_seed=11) for _ in range(2))
   assert c.sampler.seed == d.sampler.seed == 11
-  np.testing.assert_array_equal(*[p.optimizer.update(grads, p.optimizer.init(grads))[0]["w"]
-                                  for p in (c, d)])
+  np.testing.assert_array_equal(
+      *[p.optimizer.update(grads, p.optimizer.init(grads))[0]["w"] for p in (c, d)])
   np.testing.assert_array_equal(c.sampler(3).indices, d.sampler(3).indices)
 
 
@@ -243,6 +244,6 @@ def test_end_to_end_training_run():
   assert pt.ledger.steps == pt.steps == 8
   eps, delta = pt.ledger.guarantee()
   assert eps <= EPS and DELTA <= delta < 2 * DELTA
-  assert int(opt_state[0].count) == 8           # the noise transform ran at every step
+  assert int(opt_state[0].count) == 8  # the noise transform ran at every step
   moved = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, start)
   assert all(np.isfinite(v) and v > 0 for v in jax.tree_util.tree_leaves(moved))

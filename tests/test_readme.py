@@ -61,7 +61,7 @@ def test_every_block_runs_and_prints_what_it_quotes(executed):
 
 def test_worked_example_numbers(executed):
   namespace, _ = executed
-  text = " ".join(_text().split())        # one space everywhere, so line breaks do not matter
+  text = " ".join(_text().split())  # one space everywhere, so line breaks do not matter
   n = 50_000
   q = 1_000 / n
   steps = math.ceil(20 / q)
@@ -74,8 +74,9 @@ def test_worked_example_numbers(executed):
   acc = dp_accounting.pld.PLDAccountant(
       neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
       value_discretization_interval=1e-3)
-  acc.compose(dp_accounting.SelfComposedDpEvent(
-      dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+  acc.compose(
+      dp_accounting.SelfComposedDpEvent(
+          dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
   eps = acc.get_epsilon(delta)
   assert (f"**σ = {sigma:.3f}** (ε = {eps:.2f}; the RDP accountant needs "
           f"σ = {sigma_rdp:.3f})") in text
@@ -104,8 +105,8 @@ def test_worked_example_numbers(executed):
   assert ledger.steps == steps and ledger.noise_multiplier == sigma
   p_over = logit_dp.sampling.overflow_probability(n, q, sampler.max_batch_size)
   extra = ledger.delta() - delta
-  assert extra == pytest.approx((1 + math.exp(ledger.epsilon())) * -math.expm1(
-      steps * math.log1p(-p_over)), rel=1e-9)
+  assert extra == pytest.approx(
+      (1 + math.exp(ledger.epsilon())) * -math.expm1(steps * math.log1p(-p_over)), rel=1e-9)
   assert (f"Padded batches hold {sampler.max_batch_size:,} rows, so a batch overflows with "
           f"probability {_sci(p_over, 1)} per step. Counting that adds {_sci(extra, 1)} to δ, so "
           f"the run is ({ledger.epsilon():.2f}, {_sci(ledger.delta(), 3)})-DP") in text

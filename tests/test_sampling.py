@@ -26,9 +26,9 @@ def test_poisson_batch_structure():
   assert k == int(batch.sampled_size) == int(batch.mask.sum()) and not bool(batch.overflow)
   assert np.all(np.asarray(batch.mask[:k])) and not np.any(np.asarray(batch.mask[k:]))
   idx = np.asarray(batch.indices)
-  assert np.all(np.diff(idx[:k]) > 0)            # distinct, increasing
+  assert np.all(np.diff(idx[:k]) > 0)  # distinct, increasing
   assert idx.min() >= 0 and idx[:k].max() < n
-  assert np.all(idx[k:] == 0)                    # padding points at record 0, masked out
+  assert np.all(idx[k:] == 0)  # padding points at record 0, masked out
   again = sampling.poisson_batch(jax.random.PRNGKey(3), n, q, b)
   np.testing.assert_array_equal(idx, np.asarray(again.indices))
   # Full batch: q = 1 takes every record.
@@ -66,7 +66,7 @@ def test_batch_sizes_are_binomial_and_inclusion_is_uniform():
   # Inclusion frequency per record: Binomial(draws, q) each, all equal.
   counts = np.bincount(out.indices[out.mask], minlength=n)
   z = (counts - draws * q) / np.sqrt(draws * q * (1 - q))
-  assert np.abs(z).max() < 4.5          # Bonferroni over 400 records at ~1e-5 each
+  assert np.abs(z).max() < 4.5  # Bonferroni over 400 records at ~1e-5 each
   p_uniform = stats.chi2.sf(np.sum(z ** 2), df=n)
   assert p_uniform > 1e-3, p_uniform
 
@@ -96,9 +96,9 @@ def test_max_batch_size_and_overflow_probability():
   assert p <= sampling.DEFAULT_OVERFLOW_PROBABILITY
   assert sampling.overflow_probability(n, q, b - 1) > sampling.DEFAULT_OVERFLOW_PROBABILITY
   assert p == pytest.approx(stats.binom.sf(b, n + 1, q))
-  assert 1000 + 6 * 31 < b < 1000 + 8 * 31   # ≈ 7σ above the mean of 1000
+  assert 1000 + 6 * 31 < b < 1000 + 8 * 31  # ≈ 7σ above the mean of 1000
   assert sampling.max_batch_size_for(n, q, multiple_of=64) % 64 == 0
-  assert sampling.max_batch_size_for(10, 1.0) == 11            # q = 1: never overflows
+  assert sampling.max_batch_size_for(10, 1.0) == 11  # q = 1: never overflows
   assert sampling.overflow_probability(10, 1.0, 11) == 0.0
   # The extra δ: (1 + e^ε)(1 − (1 − p)^T) ≤ (1 + e^ε)·T·p, and 0 when p = 0.
   extra = sampling.overflow_delta(n, q, b, steps=1000, epsilon=5.0)
@@ -113,8 +113,8 @@ def test_max_batch_size_and_overflow_probability():
 
 def test_inclusion_probability_never_exceeds_q():
   for q in (1e-6, 0.02, 1 / 3, 0.5, 1 - 1e-12):
-    p = sampling.inclusion_threshold(q) / 2**32
-    assert q - 2**-32 < p <= q
+    p = sampling.inclusion_threshold(q) / 2 ** 32
+    assert q - 2 ** -32 < p <= q
   assert sampling.inclusion_threshold(1.0) is None
 
 
@@ -151,9 +151,9 @@ def test_shuffled_batcher_visits_every_record_once_per_epoch():
     for idx, mask in batcher.epoch(e):
       assert idx.shape == mask.shape == (5,)
       seen.extend(idx[mask].tolist())
-    assert sorted(seen) == list(range(23))      # exactly once
+    assert sorted(seen) == list(range(23))  # exactly once
     epochs.append(seen)
-  assert epochs[0] != epochs[1] != epochs[2]    # reshuffled every epoch
+  assert epochs[0] != epochs[1] != epochs[2]  # reshuffled every epoch
   assert [i.tolist() for i, _ in batcher.epoch(1)] == [i.tolist() for i, _ in batcher.epoch(1)]
   dropped = sampling.ShuffledBatcher(num_records=23, batch_size=5, seed=3, drop_remainder=True)
   batches = list(dropped.epoch(0))

@@ -26,11 +26,10 @@ def weight_change(loss, z, k):
   keep = np.arange(n) != k
   tau_without = np.asarray(grad(z[keep][:, keep]), np.float64)
   others = tau[keep][:, keep]
-  return (np.abs(tau[k]).sum() + np.abs(tau[keep, k]).sum()
-          + np.abs(others - tau_without).sum())
+  return (np.abs(tau[k]).sum() + np.abs(tau[keep, k]).sum() + np.abs(others - tau_without).sum())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_grad(loss):
   return jax.jit(jax.grad(loss))
 
@@ -40,8 +39,10 @@ def adversarial_contrastive_z(n, k=0):
 
   Realised by 1-D unit embeddings û_k = 1, v̂_k = −1, û_i = −1, v̂_j = 1 (i, j ≠ k).
   """
-  u = -np.ones(n); u[k] = 1.0
-  v = np.ones(n); v[k] = -1.0
+  u = -np.ones(n)
+  u[k] = 1.0
+  v = np.ones(n)
+  v[k] = -1.0
   return jnp.asarray(np.outer(u, v), jnp.float32)
 
 
@@ -63,13 +64,14 @@ def test_contrastive_constant_is_attained_and_exceeds_the_papers_lemma(temperatu
     assert worst > paper  # Lemma 3.4's constant is too small
 
 
-@pytest.mark.parametrize("loss", [logit_dp.losses.contrastive(0.7), logit_dp.losses.spreadout()],
-                         ids=["contrastive", "spreadout"])
+@pytest.mark.parametrize("loss", [logit_dp.losses.contrastive(0.7),
+                                  logit_dp.losses.spreadout()], ids=["contrastive", "spreadout"])
 def test_random_similarity_matrices_stay_below_the_constant(loss):
   rng = np.random.default_rng(0)
   for n in (2, 3, 5, 12):
     for _ in range(20):
-      u = rng.normal(size=(n, 3)); v = rng.normal(size=(n, 3))
+      u = rng.normal(size=(n, 3))
+      v = rng.normal(size=(n, 3))
       z = logit_dp.cosine_similarity(jnp.asarray(u), jnp.asarray(v))
       worst = max(weight_change(loss, z, k) for k in range(n))
       assert worst <= loss.sensitivity_factor(n) * (1 + 1e-5)
@@ -88,7 +90,7 @@ def test_sensitivity_values_supremum_and_monotonicity():
   loss = logit_dp.losses.contrastive(1.0)
   sup = logit_dp.sensitivity(loss, clip_norm=1.0)
   np.testing.assert_allclose(sup, 2 * (1 + math.exp(2)), rtol=1e-12)
-  values = [logit_dp.sensitivity(loss, 1.0, batch_size=n) for n in (2, 10, 100, 10**4, 10**8)]
+  values = [logit_dp.sensitivity(loss, 1.0, batch_size=n) for n in (2, 10, 100, 10 ** 4, 10 ** 8)]
   assert all(a < b for a, b in zip(values, values[1:])) and values[-1] < sup
   np.testing.assert_allclose(values[-1], sup, rtol=1e-5)
   assert logit_dp.sensitivity(loss, clip_norm=3.0) == pytest.approx(3 * sup)
@@ -137,8 +139,8 @@ def _neighbour_differences(fn, params, x, x_prime):
   return np.array(diffs)
 
 
-@pytest.mark.parametrize("loss", [logit_dp.losses.contrastive(0.5), logit_dp.losses.spreadout()],
-                         ids=["contrastive", "spreadout"])
+@pytest.mark.parametrize("loss", [logit_dp.losses.contrastive(0.5),
+                                  logit_dp.losses.spreadout()], ids=["contrastive", "spreadout"])
 def test_removing_any_pair_moves_clipped_gradient_by_at_most_c(model_kind, loss):
   clip_norm = 0.05  # every pair is clipped
   c = logit_dp.sensitivity(loss, clip_norm, batch_size=6)
@@ -154,11 +156,16 @@ def test_adversarial_embeddings_respect_the_bound():
   n, d = 6, 3
   loss = logit_dp.losses.contrastive(0.5)
   rng = np.random.default_rng(1)
-  u = -np.ones(n); u[0] = 1.0
-  v = np.ones(n); v[0] = -1.0
-  x = np.zeros((n, d)); x[:, 0] = u
-  x_prime = np.zeros((n, d)); x_prime[:, 0] = v
-  x += 0.05 * rng.normal(size=x.shape); x_prime += 0.05 * rng.normal(size=x.shape)
+  u = -np.ones(n)
+  u[0] = 1.0
+  v = np.ones(n)
+  v[0] = -1.0
+  x = np.zeros((n, d))
+  x[:, 0] = u
+  x_prime = np.zeros((n, d))
+  x_prime[:, 0] = v
+  x += 0.05 * rng.normal(size=x.shape)
+  x_prime += 0.05 * rng.normal(size=x.shape)
   embed_fn = lambda w, xs: xs @ w
   params = jnp.eye(d)
   clip_norm = 1e-3

@@ -13,13 +13,12 @@ from ml_collections import config_dict
 def get_config():
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.pretrain_workdir = ""       # --workdir of a finished pretrain.py run (required)
-  config.methods = ()                # () = every method found in pretrain_workdir
-  config.data = ml_collections.ConfigDict(dict(
-      source="npz", name="cifar100", label="coarse",
-      npz_dir=config_dict.placeholder(str), tfds_data_dir=config_dict.placeholder(str),
-      test_fraction=0.2, train_subset=config_dict.placeholder(int),
-      test_subset=config_dict.placeholder(int)))
+  config.pretrain_workdir = ""  # --workdir of a finished pretrain.py run (required)
+  config.methods = ()  # () = every method found in pretrain_workdir
+  config.data = ml_collections.ConfigDict(
+      dict(source="npz", name="cifar100", label="coarse", npz_dir=config_dict.placeholder(str),
+           tfds_data_dir=config_dict.placeholder(str), test_fraction=0.2,
+           train_subset=config_dict.placeholder(int), test_subset=config_dict.placeholder(int)))
   config.head_hidden = (64, 32)
   config.batch_size = 400
   config.num_epochs = 10

@@ -31,7 +31,7 @@ def get_config():
   config.target_delta = 1e-5
   config.clip_norm = 1.0
   config.clip_method = "ghost"
-  config.microbatch_size = 1000      # bounds memory of per-example Jacobians
+  config.microbatch_size = 1000  # bounds memory of per-example Jacobians
   config.eval_batch_size = 1000
   config.eval_num_batches = 4
   config.log_every = 1

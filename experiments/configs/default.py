@@ -12,7 +12,7 @@ from ml_collections import config_dict
 
 def get_config():
   config = ml_collections.ConfigDict()
-  config.seed = 0                      # data split, pairs, init, augmentation (public)
+  config.seed = 0  # data split, pairs, init, augmentation (public)
   # Noise key and Poisson sampling seed of DP runs: None draws them secretly (see
   # experiments.train.privacy_seeds); an int makes runs reproducible but not private.
   config.privacy_seed = config_dict.placeholder(int)
@@ -21,29 +21,31 @@ def get_config():
   config.methods = ("logit_dp", "naive_dp", "non_private")
 
   config.data = ml_collections.ConfigDict()
-  config.data.source = "digits"        # digits | npz | tfds
-  config.data.name = "digits"          # cifar10 | cifar100 for npz/tfds
-  config.data.label = "fine"           # fine | coarse (CIFAR-100 superclasses)
-  config.data.npz_dir = config_dict.placeholder(str)           # folder with cifar10.npz / cifar100.npz (or $LOGIT_DP_CIFAR_DIR)
+  config.data.source = "digits"  # digits | npz | tfds
+  config.data.name = "digits"  # cifar10 | cifar100 for npz/tfds
+  config.data.label = "fine"  # fine | coarse (CIFAR-100 superclasses)
+  config.data.npz_dir = config_dict.placeholder(
+      str)  # folder with cifar10.npz / cifar100.npz (or $LOGIT_DP_CIFAR_DIR)
   config.data.tfds_data_dir = config_dict.placeholder(str)
-  config.data.test_fraction = 0.2      # digits only
-  config.data.train_subset = config_dict.placeholder(int)      # use only this many (random) train images
+  config.data.test_fraction = 0.2  # digits only
+  config.data.train_subset = config_dict.placeholder(
+      int)  # use only this many (random) train images
   config.data.test_subset = config_dict.placeholder(int)
 
   # Positive pairs: "same_class" (two different images of a class, as in the
   # authors' code) or "augment" (two random augmentations of one image).
   config.pair_mode = "same_class"
-  config.augment_same_class = False    # also augment the two views of same_class pairs
-  config.augment = ml_collections.ConfigDict(dict(
-      crop_padding=1, flip=False, brightness=0.3, contrast=0.3, saturation=0.0))
+  config.augment_same_class = False  # also augment the two views of same_class pairs
+  config.augment = ml_collections.ConfigDict(
+      dict(crop_padding=1, flip=False, brightness=0.3, contrast=0.3, saturation=0.0))
 
   config.model = ml_collections.ConfigDict(dict(name="embedding_net", embedding_dim=8))
 
   config.loss = "contrastive"
   config.temperature = 1.0
-  config.batch_size = 100              # expected batch size (Poisson) / batch size (epochs)
+  config.batch_size = 100  # expected batch size (Poisson) / batch size (epochs)
   config.num_epochs = 20
-  config.learning_rate = 1e-2          # fallback for methods missing from learning_rates
+  config.learning_rate = 1e-2  # fallback for methods missing from learning_rates
   config.learning_rates = ml_collections.ConfigDict(
       dict(logit_dp=1e-2, naive_dp=1e-2, non_private=1e-3))
 
@@ -51,25 +53,27 @@ def get_config():
   config.target_epsilon = 5.0
   config.target_delta = 1e-5
   config.accountant = "pld"
-  config.noise_multiplier = config_dict.placeholder(float)       # None: calibrated to (target_epsilon, target_delta)
+  config.noise_multiplier = config_dict.placeholder(
+      float)  # None: calibrated to (target_epsilon, target_delta)
   config.clip_norm = 1.0
-  config.clip_method = "ghost"         # ghost | triangle | materialize
+  config.clip_method = "ghost"  # ghost | triangle | materialize
   config.microbatch_size = config_dict.placeholder(int)
   config.log_private_train_loss = False
   config.allow_exceeding_budget = False  # refuse to train past target_epsilon (e.g. more epochs on resume)
 
   # Evaluation.
   config.knn_k = 3
-  config.knn_train_size = config_dict.placeholder(int)         # None: all train embeddings
+  config.knn_train_size = config_dict.placeholder(int)  # None: all train embeddings
   config.f_beta = 1.0
   config.linear_probe = True
-  config.eval_batch_size = config_dict.placeholder(int)        # test-loss batches (None: batch_size)
+  config.eval_batch_size = config_dict.placeholder(int)  # test-loss batches (None: batch_size)
   config.eval_num_batches = 3
 
   # Running.
-  config.num_devices = 1               # data-parallel devices: 1, k, or -1 for every visible device
+  config.num_devices = 1  # data-parallel devices: 1, k, or -1 for every visible device
   config.log_every = 10
   config.checkpoint_every = 50
-  config.stop_after_steps = config_dict.placeholder(int)       # stop early (simulate an interruption); rerun resumes
+  config.stop_after_steps = config_dict.placeholder(
+      int)  # stop early (simulate an interruption); rerun resumes
   config.progress = True
   return config

@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import dp_accounting
 
@@ -68,10 +68,10 @@ DEFAULT_PLD_DISCRETIZATION = 1e-3
 DEFAULT_MIN_NOISE_MULTIPLIER = 0.1
 DEFAULT_MAX_NOISE_MULTIPLIER = 1e4
 
-
 # ----------------------------------------------------------------------------
 # Validation.
 # ----------------------------------------------------------------------------
+
 
 def _check_real(name: str, value) -> float:
   if isinstance(value, bool):
@@ -105,9 +105,8 @@ def check_sampling_rate(sampling_rate) -> float:
   """Returns q as a float; raises ValueError unless 0 < q ≤ 1."""
   q = _check_real("sampling_rate", sampling_rate)
   if not 0 < q <= 1:
-    raise ValueError(
-        f"sampling_rate must be in (0, 1] (q = expected batch size / dataset size; "
-        f"1.0 = full batch), got {sampling_rate!r}.")
+    raise ValueError(f"sampling_rate must be in (0, 1] (q = expected batch size / dataset size; "
+                     f"1.0 = full batch), got {sampling_rate!r}.")
   return q
 
 
@@ -138,7 +137,7 @@ def check_accountant(accountant) -> str:
   return accountant
 
 
-def warn_if_large_delta(target_delta: float, num_examples: Optional[int], *,
+def warn_if_large_delta(target_delta: float, num_examples: int | None, *,
                         stacklevel: int = 3) -> None:
   """Warns when δ ≥ 1/N: such a δ allows releasing one record in the clear."""
   if num_examples is None:
@@ -149,13 +148,14 @@ def warn_if_large_delta(target_delta: float, num_examples: Optional[int], *,
     warnings.warn(
         f"target_delta={target_delta:g} ≥ 1/N = {1.0 / num_examples:g} (N = {num_examples}). "
         "A mechanism that publishes a random record in the clear satisfies "
-        "(0, 1/N)-DP, so such a δ gives a weak guarantee; prefer δ ≪ 1/N.",
-        UserWarning, stacklevel=stacklevel)
+        "(0, 1/N)-DP, so such a δ gives a weak guarantee; prefer δ ≪ 1/N.", UserWarning,
+        stacklevel=stacklevel)
 
 
 # ----------------------------------------------------------------------------
 # Events and accountants.
 # ----------------------------------------------------------------------------
+
 
 def make_event(noise_multiplier: float, sampling_rate: float, steps: int) -> dp_accounting.DpEvent:
   """The `dp_accounting` event of T Logit-DP steps.
@@ -181,8 +181,7 @@ def make_event(noise_multiplier: float, sampling_rate: float, steps: int) -> dp_
 
 def make_accountant(accountant: str = "pld", *,
                     pld_discretization: float = DEFAULT_PLD_DISCRETIZATION,
-                    rdp_orders: Optional[Sequence[float]] = None
-                    ) -> dp_accounting.PrivacyAccountant:
+                    rdp_orders: Sequence[float] | None = None) -> dp_accounting.PrivacyAccountant:
   """A fresh, empty accountant under the add-or-remove-one relation.
 
   Args:
@@ -197,29 +196,26 @@ def make_accountant(accountant: str = "pld", *,
     interval = _check_real("pld_discretization", pld_discretization)
     if not 0 < interval <= 1:
       raise ValueError(f"pld_discretization must be in (0, 1], got {pld_discretization!r}.")
-    return dp_accounting.pld.PLDAccountant(
-        neighboring_relation=relation, value_discretization_interval=interval)
-  return dp_accounting.rdp.RdpAccountant(
-      orders=None if rdp_orders is None else list(rdp_orders),
-      neighboring_relation=relation)
+    return dp_accounting.pld.PLDAccountant(neighboring_relation=relation,
+                                           value_discretization_interval=interval)
+  return dp_accounting.rdp.RdpAccountant(orders=None if rdp_orders is None else list(rdp_orders),
+                                         neighboring_relation=relation)
 
 
 @functools.lru_cache(maxsize=4096)
 def _epsilon_cached(sigma: float, delta: float, q: float, steps: int, accountant: str,
-                    pld_discretization: float, rdp_orders: Optional[tuple]) -> float:
+                    pld_discretization: float, rdp_orders: tuple | None) -> float:
   if sigma == 0:
     return math.inf
-  acc = make_accountant(accountant, pld_discretization=pld_discretization,
-                        rdp_orders=rdp_orders)
+  acc = make_accountant(accountant, pld_discretization=pld_discretization, rdp_orders=rdp_orders)
   acc.compose(make_event(sigma, q, steps))
   return float(acc.get_epsilon(delta))
 
 
-def epsilon(noise_multiplier: float, target_delta: float, sampling_rate: float,
-            steps: int, accountant: str = "pld", *,
-            num_examples: Optional[int] = None,
+def epsilon(noise_multiplier: float, target_delta: float, sampling_rate: float, steps: int,
+            accountant: str = "pld", *, num_examples: int | None = None,
             pld_discretization: float = DEFAULT_PLD_DISCRETIZATION,
-            rdp_orders: Optional[Sequence[float]] = None) -> float:
+            rdp_orders: Sequence[float] | None = None) -> float:
   """ε of T Poisson-sampled Gaussian steps at the given δ.
 
   ε is the smallest value (up to the accountant's pessimistic approximation)
@@ -251,10 +247,9 @@ def epsilon(noise_multiplier: float, target_delta: float, sampling_rate: float,
   return _epsilon_cached(sigma, delta, q, t, accountant, float(pld_discretization), orders)
 
 
-def delta(noise_multiplier: float, target_epsilon: float, sampling_rate: float,
-          steps: int, accountant: str = "pld", *,
-          pld_discretization: float = DEFAULT_PLD_DISCRETIZATION,
-          rdp_orders: Optional[Sequence[float]] = None) -> float:
+def delta(noise_multiplier: float, target_epsilon: float, sampling_rate: float, steps: int,
+          accountant: str = "pld", *, pld_discretization: float = DEFAULT_PLD_DISCRETIZATION,
+          rdp_orders: Sequence[float] | None = None) -> float:
   """δ of T Poisson-sampled Gaussian steps at the given ε (inverse view of `epsilon`)."""
   sigma = check_noise_multiplier(noise_multiplier)
   eps = _check_real("target_epsilon", target_epsilon)
@@ -264,17 +259,15 @@ def delta(noise_multiplier: float, target_epsilon: float, sampling_rate: float,
   t = check_steps(steps)
   if sigma == 0:
     return 1.0
-  acc = make_accountant(accountant, pld_discretization=pld_discretization,
-                        rdp_orders=rdp_orders)
+  acc = make_accountant(accountant, pld_discretization=pld_discretization, rdp_orders=rdp_orders)
   acc.compose(make_event(sigma, q, t))
   return float(acc.get_delta(eps))
 
 
-def noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: float,
-                     steps: int, accountant: str = "pld", *,
-                     num_examples: Optional[int] = None,
+def noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: float, steps: int,
+                     accountant: str = "pld", *, num_examples: int | None = None,
                      pld_discretization: float = DEFAULT_PLD_DISCRETIZATION,
-                     rdp_orders: Optional[Sequence[float]] = None,
+                     rdp_orders: Sequence[float] | None = None,
                      min_noise_multiplier: float = DEFAULT_MIN_NOISE_MULTIPLIER,
                      max_noise_multiplier: float = DEFAULT_MAX_NOISE_MULTIPLIER,
                      rtol: float = 1e-3) -> float:
@@ -323,20 +316,18 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: 
   orders = None if rdp_orders is None else tuple(float(o) for o in rdp_orders)
 
   def eps_of(sigma: float) -> float:
-    return _epsilon_cached(float(sigma), dlt, q, t, accountant,
-                           float(pld_discretization), orders)
+    return _epsilon_cached(float(sigma), dlt, q, t, accountant, float(pld_discretization), orders)
 
   # Bracket: eps_of is non-increasing in σ.
   hi = min(max(1.0, lo_limit), hi_limit)
   while eps_of(hi) > eps:
     if hi >= hi_limit:
-      raise ValueError(
-          f"No noise multiplier σ ≤ {hi_limit:g} reaches ε ≤ {eps:g} at δ = {dlt:g} "
-          f"with q = {q:g} and T = {t} steps ({accountant} accountant gives "
-          f"ε = {eps_of(hi_limit):.4g} at σ = {hi_limit:g}). Raise the budget, take "
-          "fewer steps or a smaller sampling rate"
-          + (", or use a finer pld_discretization (the PLD grid bounds ε from "
-             "below)" if accountant == "pld" else "") + ".")
+      raise ValueError(f"No noise multiplier σ ≤ {hi_limit:g} reaches ε ≤ {eps:g} at δ = {dlt:g} "
+                       f"with q = {q:g} and T = {t} steps ({accountant} accountant gives "
+                       f"ε = {eps_of(hi_limit):.4g} at σ = {hi_limit:g}). Raise the budget, take "
+                       "fewer steps or a smaller sampling rate"
+                       + (", or use a finer pld_discretization (the PLD grid bounds ε from "
+                          "below)" if accountant == "pld" else "") + ".")
     hi = min(hi * 2.0, hi_limit)
   lo = hi
   while eps_of(lo) <= eps:
@@ -350,12 +341,9 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: 
   # Now eps_of(lo) > eps ≥ eps_of(hi).
 
   sigma = dp_accounting.calibrate_dp_mechanism(
-      lambda: make_accountant(accountant, pld_discretization=pld_discretization,
-                              rdp_orders=orders),
-      lambda s: make_event(s, q, t),
-      eps, dlt,
-      bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
-      tol=rtol * lo)
+      lambda: make_accountant(accountant, pld_discretization=pld_discretization, rdp_orders=orders),
+      lambda s: make_event(s, q, t), eps, dlt,
+      bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=rtol * lo)
   sigma = float(sigma)
   # Verify with the same (cached) computation users will call, nudge up if needed.
   while eps_of(sigma) > eps:
@@ -368,10 +356,9 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: 
 
 
 def max_steps(noise_multiplier: float, target_epsilon: float, target_delta: float,
-              sampling_rate: float, accountant: str = "pld", *,
-              max_steps_limit: int = 10**7,
+              sampling_rate: float, accountant: str = "pld", *, max_steps_limit: int = 10 ** 7,
               pld_discretization: float = DEFAULT_PLD_DISCRETIZATION,
-              rdp_orders: Optional[Sequence[float]] = None) -> int:
+              rdp_orders: Sequence[float] | None = None) -> int:
   """Largest T with epsilon(σ, δ, q, T) ≤ target_epsilon (0 if even T = 1 exceeds it).
 
   Binary search on T (ε is non-decreasing in T); returns ``max_steps_limit`` if
@@ -410,9 +397,8 @@ def sampling_rate_for(expected_batch_size: float, num_examples: int) -> float:
     raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}.")
   b = _check_real("expected_batch_size", expected_batch_size)
   if not 0 < b <= num_examples:
-    raise ValueError(
-        f"expected_batch_size must be in (0, num_examples={num_examples}], "
-        f"got {expected_batch_size!r}.")
+    raise ValueError(f"expected_batch_size must be in (0, num_examples={num_examples}], "
+                     f"got {expected_batch_size!r}.")
   return b / num_examples
 
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -142,8 +143,8 @@ def _prepare(loss, x, x_prime, mask):
   return x, x_prime, mask
 
 
-def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *,
-                 mask=None, method: str = "ghost", chunk: Optional[int] = None,
+def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
+                 method: str = "ghost", chunk: int | None = None,
                  cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> np.ndarray:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, as an (n,) array.
 
@@ -161,8 +162,8 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
   return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk), np.float64)
 
 
-def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *,
-                      mask=None, method: str = "ghost", chunk: Optional[int] = None,
+def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
+                      method: str = "ghost", chunk: int | None = None,
                       cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> RemovalAudit:
   """max_k ‖ḡ(X) − ḡ(X∖k)‖₂ and its ratio to the sensitivity.
 
@@ -241,7 +242,8 @@ def _restart_points(params, x, x_prime, key, num_restarts, init_scale, optimize_
       keys = jax.random.split(kp, len(leaves))
       p0 = jax.tree_util.tree_unflatten(treedef, [
           leaf + init_scale * jnp.sqrt(jnp.mean(leaf * leaf) + 1e-12)
-          * jax.random.normal(k, leaf.shape, leaf.dtype) for leaf, k in zip(leaves, keys)])
+          * jax.random.normal(k, leaf.shape, leaf.dtype) for leaf, k in zip(leaves, keys)
+      ])
     points.append((p0, x0, xp0))
   return points
 
@@ -261,11 +263,10 @@ def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime) -> RemovalA
                       gaps=gaps, method=method, x=x, x_prime=x_prime, params=params)
 
 
-def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *,
-                      key, num_restarts: int = 4, num_steps: int = 50,
-                      learning_rate: float = 0.05, init_scale: float = 1.0,
-                      optimize_params: bool = False, method: str = "ghost",
-                      chunk: Optional[int] = None,
+def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, key,
+                      num_restarts: int = 4, num_steps: int = 50, learning_rate: float = 0.05,
+                      init_scale: float = 1.0, optimize_params: bool = False, method: str = "ghost",
+                      chunk: int | None = None,
                       cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
 
@@ -309,8 +310,9 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   points = _restart_points(params, x, x_prime, key, int(num_restarts), float(init_scale),
                            bool(optimize_params))
   if num_steps == 0 and not optimize_params:
-    gaps = np.asarray(_evaluate_many(core, params, jnp.stack([p[1] for p in points]),
-                                     jnp.stack([p[2] for p in points]), mask, chunk))
+    gaps = np.asarray(
+        _evaluate_many(core, params, jnp.stack([p[1] for p in points]),
+                       jnp.stack([p[2] for p in points]), mask, chunk))
     values = np.where(np.all(np.isfinite(gaps), axis=1), np.max(gaps, axis=1), -1.0)
     r = int(np.argmax(values))
     return _result(gaps[r], loss, clip_norm, mask, method, params, points[r][1], points[r][2])
@@ -318,11 +320,11 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     best, best_args = -1.0, points[0]
     for p0, x0, xp0 in points:
       if num_steps == 0:
-        value, v = float(jnp.max(_gaps_jit(core, p0, x0, xp0, mask, chunk))) ** 2, dict(
-            params=p0, x=x0, x_prime=xp0)
+        value, v = float(jnp.max(_gaps_jit(core, p0, x0, xp0, mask,
+                                           chunk))) ** 2, dict(params=p0, x=x0, x_prime=xp0)
       else:
-        value, v = _ascent(core, int(num_steps), float(learning_rate), bool(optimize_params),
-                           chunk, p0, x0, xp0, mask)
+        value, v = _ascent(core, int(num_steps), float(learning_rate), bool(optimize_params), chunk,
+                           p0, x0, xp0, mask)
       value = float(value)
       if math.isfinite(value) and value > best:
         best = value

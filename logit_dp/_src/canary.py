@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +81,8 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
   return min(beta + alpha * delta * 2 * m, 1.0)
 
 
-def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float = 0.95,
-                        *, tolerance: float = 1e-6) -> float:
+def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float = 0.95, *,
+                        tolerance: float = 1e-6) -> float:
   """Largest ε rejected at level 1 − confidence after v of r guesses were correct.
 
   Doubling then bisection on ε, keeping the largest ε found with
@@ -166,13 +166,12 @@ def audit_scores(scores, included, *, delta: float, confidence: float = 0.95,
     grid.append((2 * half, v, epsilon_lower_bound(m, 2 * half, v, delta, level)))
   best = max(grid, key=lambda t: t[2])
   return OneRunAudit(epsilon_lower_bound=best[2], num_canaries=m, num_guesses=best[0],
-                     num_correct=best[1], confidence=confidence, delta=delta,
-                     grid=tuple(grid))
+                     num_correct=best[1], confidence=confidence, delta=delta, grid=tuple(grid))
 
 
 def _flatten(tree) -> jax.Array:
-  return jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32)
-                          for leaf in jax.tree_util.tree_leaves(tree)])
+  return jnp.concatenate(
+      [jnp.ravel(leaf).astype(jnp.float32) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
 class GradientCanaries:
@@ -187,14 +186,13 @@ class GradientCanaries:
   grads); ``project(noisy)`` returns ⟨noisy, d_k⟩ for every k. Both are
   jittable. The directions are the Q factor of a p×m Gaussian matrix.
   """
-
   def __init__(self, params, num_canaries: int, key):
     leaves, self.treedef = jax.tree_util.tree_flatten(params)
     self.shapes = [leaf.shape for leaf in leaves]
     self.sizes = [int(np.prod(s)) for s in self.shapes]
     p = sum(self.sizes)
-    if isinstance(num_canaries, bool) or int(num_canaries) != num_canaries or not (
-        1 <= num_canaries <= p):
+    if isinstance(num_canaries,
+                  bool) or int(num_canaries) != num_canaries or not (1 <= num_canaries <= p):
       raise ValueError(f"num_canaries must be an integer in [1, {p}], got {num_canaries!r}.")
     self.num_canaries = int(num_canaries)
     gauss = jax.random.normal(key, (p, self.num_canaries), jnp.float32)

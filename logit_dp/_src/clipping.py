@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,6 @@ def _varying_axes(x) -> frozenset:
 
 class _Collective:
   """Gathers over a shard_map axis, or the identity on a single device."""
-
   def __init__(self, axis_name):
     self.axis_name = axis_name
 
@@ -187,7 +187,6 @@ def _unchunk_rows(tree, n: int):
 
 class _Batch:
   """The shared forward state of one gradient computation."""
-
   def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective):
     self.embed_fn, self.params, self.eps = embed_fn, params, eps
     # The same function, with recognised convolutions differentiated into channels-last
@@ -240,9 +239,10 @@ class _Batch:
     plan = self.plan
 
     def chunk_factors(x_chunk):
-      return layerwise.layer_factors(
-          self.embed_fn, self.params, plan, x_chunk, lambda e: normalize(e, self.eps),
-          lambda indices: self._generic_jacobian(indices, x_chunk), self.c.local_params)
+      return layerwise.layer_factors(self.embed_fn, self.params, plan, x_chunk,
+                                     lambda e: normalize(e, self.eps),
+                                     lambda indices: self._generic_jacobian(indices, x_chunk),
+                                     self.c.local_params)
 
     m, n = self.microbatch_size, xs.shape[0]
     if not chunked or m is None or m >= n:
@@ -340,7 +340,6 @@ def _full_float32(fn):
   the mechanism is the same on every backend. Layers given an explicit `precision=`
   keep it.
   """
-
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with jax.default_matmul_precision("highest"):
@@ -369,8 +368,8 @@ def _row_chunks(fn, rows, row_floats: int, budget: int, max_rows: int | None = N
 def _flat_cross_terms(flat_rows, u_rows, flat_columns, v):
   """layerwise.flat_cross for all local rows, in row chunks of about _CROSS_GRAM_CHUNK_FLOATS."""
   n, d, _ = flat_columns.shape
-  return _row_chunks(lambda f, u: layerwise.flat_cross(f, u, flat_columns, v),
-                     (flat_rows, u_rows), n * d * d, _CROSS_GRAM_CHUNK_FLOATS)
+  return _row_chunks(lambda f, u: layerwise.flat_cross(f, u, flat_columns, v), (flat_rows, u_rows),
+                     n * d * d, _CROSS_GRAM_CHUNK_FLOATS)
 
 
 def _ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v):
@@ -379,8 +378,8 @@ def _ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_colu
   d, n, t, c = deltas_columns.shape
   return _row_chunks(
       lambda a, delta, u: layerwise.ghost_layer_cross(a, delta, u, a_columns, deltas_columns, v),
-      (a_rows, deltas_rows, u_rows), n * (t * t + 2 * t * c + d),
-      _GHOST_LAYER_CHUNK_FLOATS, _GHOST_LAYER_CHUNK_ROWS)
+      (a_rows, deltas_rows, u_rows), n * (t * t + 2 * t * c + d), _GHOST_LAYER_CHUNK_FLOATS,
+      _GHOST_LAYER_CHUNK_ROWS)
 
 
 def _ghost_terms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors):
@@ -393,8 +392,8 @@ def _ghost_terms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors):
   cross = jnp.zeros_like(anchor)
   if f_v.flat.shape[-1]:
     cross += _flat_cross_terms(f_u.flat, batch.u_loc, f_v.flat, batch.v)
-  for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas,
-                                        f_v.ghost_patches, f_v.ghost_deltas):
+  for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas, f_v.ghost_patches,
+                                        f_v.ghost_deltas):
     cross += _ghost_layer_cross_terms(a_u, delta_u, batch.u_loc, a_v, delta_v, batch.v)
   return anchor, positive, cross
 
@@ -455,8 +454,8 @@ def _triangle_norms(batch: _Batch, allowance: float = 1.0):
   s_local, s_prime_local = _jacobian_norms(k_local), _jacobian_norms(k_prime_local)
   anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
   norms = _triangle_bound(anchor, positive, s_local, batch.c.gather(s_prime_local), allowance)
-  diagonal = (jnp.sqrt(jnp.maximum(diag_sq, 0.0))
-              + allowance * _VECTOR_FLOAT_ERROR * (s_local + s_prime_local))
+  diagonal = (jnp.sqrt(jnp.maximum(diag_sq, 0.0)) + allowance * _VECTOR_FLOAT_ERROR *
+              (s_local + s_prime_local))
   return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)
 
 
@@ -468,14 +467,14 @@ def _ghost_norms(batch: _Batch, f_u: layerwise.Factors, f_v_local: layerwise.Fac
   anchor, positive, cross = _ghost_terms(batch, f_u, f_v)
   s_local, s_all = _jacobian_norms(f_u.gram), _jacobian_norms(f_v.gram)
   scale = s_local[:, None] + s_all[None, :]
-  gram_norms = jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0)
-                        + allowance * _GRAM_FLOAT_ERROR * scale ** 2)
+  gram_norms = jnp.sqrt(
+      jnp.maximum(anchor + positive + 2.0 * cross, 0.0)
+      + allowance * _GRAM_FLOAT_ERROR * scale ** 2)
   norms = jnp.minimum(gram_norms, _triangle_bound(anchor, positive, s_local, s_all, allowance))
   return _with_diagonal(batch, norms, f_u, f_v_local, allowance)
 
 
-def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size,
-                 allowance: float = 1.0):
+def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size, allowance: float = 1.0):
   """Algorithm 1: every pair gradient by its own backward pass, in blocks of pairs.
 
   Each norm is raised by the vector allowance _VECTOR_FLOAT_ERROR·(‖J_i‖_F + ‖J'_j‖_F).
@@ -504,8 +503,8 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size,
   def step(acc, blk):
     i, j, w, slack = blk
     grads = jax.vmap(pair_grad)(i, j)
-    sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
-             for g in jax.tree_util.tree_leaves(grads))
+    sq = sum(
+        jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in jax.tree_util.tree_leaves(grads))
     norms = jnp.sqrt(sq) + slack
     coef = w * _clip_factor(norms, clip_norm)
     finite = jnp.isfinite(norms)  # dropped pairs must add exactly 0, not 0·inf = NaN
@@ -526,11 +525,10 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size,
 
 
 def _as_array(a, name: str, xp):
-  if isinstance(a, (dict, list, tuple)) or not hasattr(a, "shape") and not isinstance(
-      a, (int, float)):
-    raise ValueError(
-        f"{name} must be one array with the examples along axis 0, got "
-        f"{type(a).__name__}: pytrees of inputs are not supported by clipped_grad.")
+  if isinstance(a,
+                (dict, list, tuple)) or not hasattr(a, "shape") and not isinstance(a, (int, float)):
+    raise ValueError(f"{name} must be one array with the examples along axis 0, got "
+                     f"{type(a).__name__}: pytrees of inputs are not supported by clipped_grad.")
   return xp.asarray(a)
 
 
@@ -554,9 +552,8 @@ def check_pairs(x, x_prime, mask=None, xp=jnp):
   pytree inputs, or a mask that is not boolean (integer 0/1 is accepted)."""
   x, x_prime = _as_array(x, "x", xp), _as_array(x_prime, "x_prime", xp)
   if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
-    raise ValueError(
-        f"x and x_prime must hold the same number of examples, got shapes "
-        f"{x.shape} and {x_prime.shape}.")
+    raise ValueError(f"x and x_prime must hold the same number of examples, got shapes "
+                     f"{x.shape} and {x_prime.shape}.")
   n = x.shape[0]
   mask = xp.ones((n,), dtype=bool) if mask is None else _check_mask(mask, n, xp)
   return x, x_prime, mask
@@ -594,8 +591,8 @@ def check_embed_fn(embed_fn: EmbedFn, params, x) -> None:
   """
   if isinstance(params, dict) or hasattr(params, "keys"):
     keys = set(params.keys())
-    extra = keys & set(_NON_TRAINABLE_COLLECTIONS) or (keys - {"params"} if "params" in keys
-                                                      else set())
+    extra = keys & set(_NON_TRAINABLE_COLLECTIONS) or (keys
+                                                       - {"params"} if "params" in keys else set())
     if extra:
       raise ValueError(
           f"params holds the flax collection(s) {sorted(extra)}: pass only the trainable "
@@ -611,13 +608,12 @@ def check_embed_fn(embed_fn: EmbedFn, params, x) -> None:
   with jax.ensure_compile_time_eval():
     batched = np.asarray(embed_fn(params, rows), np.float64)
     if batched.ndim != 2 or batched.shape[0] != rows.shape[0]:
-      raise ValueError(
-          f"embed_fn must return (n, d) embeddings, one row per example; got shape "
-          f"{batched.shape} for {rows.shape[0]} examples.")
+      raise ValueError(f"embed_fn must return (n, d) embeddings, one row per example; got shape "
+                       f"{batched.shape} for {rows.shape[0]} examples.")
     if rows.shape[0] < 2:
       return
-    single = np.concatenate([np.asarray(embed_fn(params, rows[i:i + 1]), np.float64)
-                             for i in range(rows.shape[0])])
+    single = np.concatenate(
+        [np.asarray(embed_fn(params, rows[i:i + 1]), np.float64) for i in range(rows.shape[0])])
   if not np.all(np.isfinite(batched)) or not np.all(np.isfinite(single)):
     return  # non-finite embeddings are handled (dropped) by the gradient itself
   tol = 1e-3 * max(float(np.max(np.abs(batched))), 1e-6)
@@ -641,8 +637,8 @@ def _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1):
 def _forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective):
   """(batch, ℒ, τ): the embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs)."""
   params = collective.local_params(params)
-  batch = _Batch(embed_fn, params, x, x_prime, mask, eps=eps,
-                 microbatch_size=microbatch_size, collective=collective)
+  batch = _Batch(embed_fn, params, x, x_prime, mask, eps=eps, microbatch_size=microbatch_size,
+                 collective=collective)
   loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
   tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
   # Every valid pair dropped as non-finite (e.g. NaN parameters): the loss is NaN, not the
@@ -670,10 +666,9 @@ def _make_grad_fn(core, embed_fn, loss, what, axis_name=None):
   def grad_fn(params, x, x_prime, mask=None):
     loss_value, grads, num_nonfinite = with_num_dropped(params, x, x_prime, mask)
     if not _is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
-      raise ValueError(
-          f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
-          "(NaN/inf). Nothing was released. Under jit such pairs are masked out "
-          "instead (see docs/PRIVACY.md).")
+      raise ValueError(f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
+                       "(NaN/inf). Nothing was released. Under jit such pairs are masked out "
+                       "instead (see docs/PRIVACY.md).")
     return loss_value, grads
 
   grad_fn.core = core
@@ -773,8 +768,7 @@ def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost"
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
 @_full_float32
-def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps,
-                     allowance):
+def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps, allowance):
   mask = jnp.ones((x.shape[0],), dtype=bool)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                  microbatch_size=microbatch_size, collective=_Collective(None))
@@ -807,14 +801,13 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
     norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
     factor = _clip_factor(norm, clip_norm)
     clipped = jax.tree_util.tree_map(lambda g: jnp.where(factor > 0, g * factor, 0.0), grads)
-    return (collective.replicated(loss_value), clipped,
-            collective.replicated(batch.num_nonfinite))
+    return (collective.replicated(loss_value), clipped, collective.replicated(batch.num_nonfinite))
 
   return _make_grad_fn(core, embed_fn, loss, "naive_clipped_grad", axis_name)
 
 
 def _check_microbatch(microbatch_size):
-  if microbatch_size is not None and (
-      isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
-      or microbatch_size < 1):
-    raise ValueError(f"microbatch_size must be a positive integer or None, got {microbatch_size!r}.")
+  if microbatch_size is not None and (isinstance(microbatch_size, bool) or
+                                      not isinstance(microbatch_size, int) or microbatch_size < 1):
+    raise ValueError(
+        f"microbatch_size must be a positive integer or None, got {microbatch_size!r}.")

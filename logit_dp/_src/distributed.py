@@ -32,7 +32,8 @@ but has only been run with simulated devices in one process.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,15 @@ from logit_dp._src import noise as noise_lib
 DATA_AXIS = "data"
 
 __all__ = [
-    "DATA_AXIS", "data_mesh", "make_private_optimizer", "make_private_train_step",
-    "make_sharded_grad_fn", "pad_to_multiple", "replicate", "resolve_devices", "shard_batch",
+    "DATA_AXIS",
+    "data_mesh",
+    "make_private_optimizer",
+    "make_private_train_step",
+    "make_sharded_grad_fn",
+    "pad_to_multiple",
+    "replicate",
+    "resolve_devices",
+    "shard_batch",
 ]
 
 DevicesArg = Union[None, int, Sequence[Any]]
@@ -91,8 +99,9 @@ def data_mesh(devices: DevicesArg = None, axis_name: str = DATA_AXIS) -> Mesh:
   sharding and XLA moves them (`make_sharded_grad_fn` also places them itself).
   """
   devs = resolve_devices(devices)
-  return Mesh(np.asarray(devs, dtype=object).reshape(len(devs)), (axis_name,),
-              axis_types=(jax.sharding.AxisType.Auto,))
+  return Mesh(
+      np.asarray(devs, dtype=object).reshape(len(devs)), (axis_name,),
+      axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _axis_size(mesh: Mesh, axis_name: str) -> int:
@@ -183,11 +192,10 @@ def _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs):
   is called directly and the checks are done here on the global batch instead.
   """
   if naive:  # Naive-DP has no pair norms, hence no method
-    grad_fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, axis_name=axis_name,
-                                          **kwargs)
+    grad_fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, axis_name=axis_name, **kwargs)
   else:
-    grad_fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method,
-                                    axis_name=axis_name, **kwargs)
+    grad_fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, axis_name=axis_name,
+                                    **kwargs)
   return grad_fn.core
 
 
@@ -220,8 +228,7 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   k = _axis_size(mesh, axis_name)
   core = _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
   batch_spec = P(axis_name)
-  shard_mapped = _shard_map(core, mesh, (P(), batch_spec, batch_spec, batch_spec),
-                            (P(), P(), P()))
+  shard_mapped = _shard_map(core, mesh, (P(), batch_spec, batch_spec, batch_spec), (P(), P(), P()))
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
   jitted = jax.jit(shard_mapped)
   min_batch_size = getattr(loss, "min_batch_size", 1)
@@ -235,18 +242,17 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
     if not checked:
       clipping.check_embed_fn(embed_fn, params, x)
       checked.append(True)
-    mask = (jnp.ones((x.shape[0],), bool) if mask is None
-            else clipping._check_mask(mask, x.shape[0], jnp))
+    mask = (jnp.ones(
+        (x.shape[0],), bool) if mask is None else clipping._check_mask(mask, x.shape[0], jnp))
     if not clipping._is_traced((params, x, x_prime, mask)):
       # One placement whatever the caller's: no resharding inside, one jit cache entry.
       params = jax.device_put(params, replicated)
       x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))
     loss_value, grads, num_nonfinite = jitted(params, x, x_prime, mask)
     if not clipping._is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
-      raise ValueError(
-          f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
-          "(NaN/inf). Nothing was released. Under jit such pairs are masked out "
-          "instead (see docs/PRIVACY.md).")
+      raise ValueError(f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
+                       "(NaN/inf). Nothing was released. Under jit such pairs are masked out "
+                       "instead (see docs/PRIVACY.md).")
     return loss_value, grads
 
   grad_fn.shard_mapped = shard_mapped
@@ -256,7 +262,7 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
                            optimizer: optax.GradientTransformation, *,
-                           expected_batch_size: Optional[float] = None,
+                           expected_batch_size: float | None = None,
                            allow_zero_noise: bool = False) -> optax.GradientTransformation:
   """ḡ → N(0, (σC)²) noise (`logit_dp.transform`) → optional 1/E[n] scaling → optimizer.
 
@@ -266,8 +272,9 @@ def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
   pairs, or None under Poisson sampling), never a per-device quantity: the
   mechanism, hence the accounting, does not depend on the number of devices.
   """
-  parts = [noise_lib.transform(noise_multiplier, sensitivity, key,
-                               allow_zero_noise=allow_zero_noise)]
+  parts = [
+      noise_lib.transform(noise_multiplier, sensitivity, key, allow_zero_noise=allow_zero_noise)
+  ]
   if expected_batch_size is not None:
     parts.append(optax.scale(1.0 / float(expected_batch_size)))
   parts.append(optimizer)
@@ -298,9 +305,8 @@ def check_adds_noise(optimizer: optax.GradientTransformation, params) -> None:
 
 def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
                             optimizer: optax.GradientTransformation, method: str = "ghost", *,
-                            naive: bool = False, axis_name: str = DATA_AXIS,
-                            donate: bool = False, non_private: bool = False,
-                            **kwargs) -> Callable:
+                            naive: bool = False, axis_name: str = DATA_AXIS, donate: bool = False,
+                            non_private: bool = False, **kwargs) -> Callable:
   """One data-parallel private step: (params, opt_state, x, x_prime, mask) -> (params, opt_state, ℒ).
 
   `optimizer` must add the noise (build it with `make_private_optimizer` or
@@ -343,8 +349,8 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
         check_adds_noise(optimizer, params)
       clipping.check_embed_fn(embed_fn, params, x)
       checked.append(True)
-    mask = (jnp.ones((x.shape[0],), bool) if mask is None
-            else clipping._check_mask(mask, x.shape[0], jnp))
+    mask = (jnp.ones(
+        (x.shape[0],), bool) if mask is None else clipping._check_mask(mask, x.shape[0], jnp))
     if not clipping._is_traced((params, opt_state, x, x_prime, mask)):
       params, opt_state = jax.device_put((params, opt_state), replicated)
       x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))

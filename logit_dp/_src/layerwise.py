@@ -39,11 +39,11 @@ import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
-from flax.linen import dtypes as flax_dtypes
-from flax.linen import linear as flax_linear
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import dtypes as flax_dtypes
+from flax.linen import linear as flax_linear
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # A pair cost unit of a ghost layer's α/β/⟨α,β⟩ work is ~this many GEMM multiply-adds
@@ -57,12 +57,12 @@ _UNROLLED_MIN_BATCH = 128
 
 class LayerCall(NamedTuple):
   """One recognised layer call: kind, parameter leaves and factor sizes."""
-  kind: str                  # "dense" or "conv"
-  leaves: tuple[int, ...]    # flat indices of (kernel,) or (kernel, bias)
+  kind: str  # "dense" or "conv"
+  leaves: tuple[int, ...]  # flat indices of (kernel,) or (kernel, bias)
   out_shape: tuple[int, ...]  # per-example shape of y
-  positions: int             # T
-  fan_in: int                # P (with the bias column)
-  features: int              # C
+  positions: int  # T
+  fan_in: int  # P (with the bias column)
+  features: int  # C
 
   def pair_cost(self, d: int, ghost: bool) -> float:
     if ghost:
@@ -74,7 +74,7 @@ class LayerCall(NamedTuple):
 class Plan(NamedTuple):
   """Which leaves are factored through which layer calls, and which are generic."""
   layers: tuple[LayerCall, ...]
-  ghost: tuple[bool, ...]   # per layer: cross term from factors (True) or flattened
+  ghost: tuple[bool, ...]  # per layer: cross term from factors (True) or flattened
   generic: tuple[int, ...]  # leaves the embedding uses outside recognised layers
 
   @property
@@ -88,8 +88,8 @@ def _is_float(x) -> bool:
 
 def _conv_config(module, x):
   """(kernel_size, strides, padding, lhs_dil, rhs_dil) if this nn.Conv call is reproduced exactly."""
-  kernel_size = ((module.kernel_size,) if isinstance(module.kernel_size, int)
-                 else tuple(module.kernel_size))
+  kernel_size = ((module.kernel_size,)
+                 if isinstance(module.kernel_size, int) else tuple(module.kernel_size))
   if (len(kernel_size) > 3 or x.ndim != len(kernel_size) + 2 or module.feature_group_count != 1
       or module.mask is not None or getattr(module, "conv_general_dilated", None) is not None
       or getattr(module, "conv_general_dilated_cls", None) is not None):
@@ -102,8 +102,8 @@ def _conv_config(module, x):
   padding = flax_linear.canonicalize_padding(module.padding, len(kernel_size))
   if isinstance(padding, str) and padding not in ("SAME", "VALID"):
     return None  # CIRCULAR / REFLECT / CAUSAL pad the input themselves
-  return (kernel_size, broadcast(module.strides), padding,
-          broadcast(module.input_dilation), broadcast(module.kernel_dilation))
+  return (kernel_size, broadcast(module.strides), padding, broadcast(module.input_dilation),
+          broadcast(module.kernel_dilation))
 
 
 def _layer_inputs(context, args, kwargs, placeholder_index):
@@ -114,9 +114,8 @@ def _layer_inputs(context, args, kwargs, placeholder_index):
     return None
   x = args[0]
   if (not hasattr(x, "dtype") or x.dtype != jnp.float32 or x.ndim < 2
-      or module.dtype not in (None, jnp.float32) or module.param_dtype != jnp.float32
-      or getattr(module, "promote_dtype", flax_dtypes.promote_dtype)
-      is not flax_dtypes.promote_dtype):
+      or module.dtype not in (None, jnp.float32) or module.param_dtype != jnp.float32 or getattr(
+          module, "promote_dtype", flax_dtypes.promote_dtype) is not flax_dtypes.promote_dtype):
     return None
   if not module.has_variable("params", "kernel"):
     return None
@@ -128,8 +127,7 @@ def _layer_inputs(context, args, kwargs, placeholder_index):
   if any(i is None for i in leaves):
     return None
   if type(module) is nn.Dense:
-    if (not isinstance(module.features, int)
-        or getattr(module, "dot_general", None) is not None
+    if (not isinstance(module.features, int) or getattr(module, "dot_general", None) is not None
         or getattr(module, "dot_general_cls", None) is not None):
       return None
     return "dense", tuple(leaves), None
@@ -161,14 +159,20 @@ def _dilated(sizes, dilation):
 def _explicit_padding(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation):
   if not isinstance(padding, str):
     return tuple(tuple(p) for p in padding)
-  return tuple(jax.lax.padtype_to_pads(_dilated(x.shape[1:-1], lhs_dilation),
-                                       _dilated(kernel_size, rhs_dilation), strides, padding))
+  return tuple(
+      jax.lax.padtype_to_pads(_dilated(x.shape[1:-1], lhs_dilation),
+                              _dilated(kernel_size, rhs_dilation), strides, padding))
 
 
 def _conv(x, kernel, strides, padding, lhs_dilation, rhs_dilation, precision):
   """Channels-last convolution (N, *spatial, C) * (*window, I, O), explicit padding."""
   return jax.lax.conv_general_dilated(
-      x, kernel, strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+      x,
+      kernel,
+      strides,
+      padding,
+      lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation,
       dimension_numbers=flax_linear._conv_dimension_numbers(x.shape),  # pylint: disable=protected-access
       precision=precision)
 
@@ -198,18 +202,20 @@ def _channels_last_conv_bwd(config, precision, residuals, g):
   kernel_size, strides, _, lhs_dil, rhs_dil = config
   padding = _explicit_padding(x, *config)
   in_sizes, out_sizes = x.shape[1:-1], g.shape[1:-1]
-  in_d, window_d, out_d = (_dilated(in_sizes, lhs_dil), _dilated(kernel_size, rhs_dil),
-                           _dilated(out_sizes, strides))
+  in_d, window_d, out_d = (_dilated(in_sizes,
+                                    lhs_dil), _dilated(kernel_size,
+                                                       rhs_dil), _dilated(out_sizes, strides))
   lhs_before = [w - lo - 1 for w, (lo, _) in zip(window_d, padding)]
   lhs_padding = [(b, i + w - 1 - o - b) for b, i, w, o in zip(lhs_before, in_d, window_d, out_d)]
   spatial = tuple(range(len(kernel_size)))
   flipped = jnp.swapaxes(jnp.flip(kernel, spatial), -1, -2)  # (*window, O, I)
   x_bar = _conv(g, flipped, lhs_dil, lhs_padding, strides, rhs_dil, precision)
-  rhs_padding = [(lo, o - i + w - lo - 1)
-                 for (lo, _), i, w, o in zip(padding, in_d, window_d, out_d)]
+  rhs_padding = [
+      (lo, o - i + w - lo - 1) for (lo, _), i, w, o in zip(padding, in_d, window_d, out_d)
+  ]
   # Batch as the contracted feature axis: x as (C_in, *spatial, N), g as (*out, N, C_out).
-  kernel_bar = _conv(jnp.swapaxes(x, 0, -1), jnp.moveaxis(g, 0, -2), rhs_dil, rhs_padding,
-                     lhs_dil, strides, precision)  # (C_in, *window, C_out)
+  kernel_bar = _conv(jnp.swapaxes(x, 0, -1), jnp.moveaxis(g, 0, -2), rhs_dil, rhs_padding, lhs_dil,
+                     strides, precision)  # (C_in, *window, C_out)
   return x_bar, jnp.moveaxis(kernel_bar, 0, -2).astype(kernel.dtype)
 
 
@@ -228,7 +234,8 @@ def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation):
   dilated_k = [(k - 1) * d + 1 for k, d in zip(kernel_size, rhs_dilation)]
   if isinstance(padding, str):
     padding = jax.lax.padtype_to_pads(dilated_in, dilated_k, strides, padding)
-  config = [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation)] + [(0, 0, 0)]
+  config = [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation)
+                         ] + [(0, 0, 0)]
   padded = jax.lax.pad(x, jnp.zeros((), x.dtype), config)
   out = [(p - k) // s + 1 for p, k, s in zip(padded.shape[1:-1], dilated_k, strides)]
   columns = []
@@ -244,11 +251,11 @@ def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation):
 @dataclasses.dataclass
 class _Interceptor:
   """Computes recognised layers from the real leaves (plus ξ), recording patches."""
-  placeholder_index: dict          # id(placeholder) -> leaf index
+  placeholder_index: dict  # id(placeholder) -> leaf index
   real_leaves: list
-  perturbations: Any = None        # list of ξ in call order (None while planning)
-  with_patches: bool = True        # False: only compute the layers (with_recognised_layers)
-  calls: list = dataclasses.field(default_factory=list)    # (kind, leaves) per call
+  perturbations: Any = None  # list of ξ in call order (None while planning)
+  with_patches: bool = True  # False: only compute the layers (with_recognised_layers)
+  calls: list = dataclasses.field(default_factory=list)  # (kind, leaves) per call
   records: list = dataclasses.field(default_factory=list)  # (x, y, patches) shapes per call
   patches: list = dataclasses.field(default_factory=list)
 
@@ -285,6 +292,7 @@ def with_recognised_layers(embed_fn):
                                with_patches=False)
     with nn.intercept_methods(interceptor):
       return embed_fn(params, x)
+
   return embed
 
 
@@ -334,8 +342,9 @@ def _trace(embed_fn, leaves, treedef, candidates, x_struct):
     with nn.intercept_methods(interceptor):
       return embed_fn(params, x)
 
-  placeholders = [jax.ShapeDtypeStruct(np.shape(leaves[i]), jnp.result_type(leaves[i]))
-                  for i in candidates]
+  placeholders = [
+      jax.ShapeDtypeStruct(np.shape(leaves[i]), jnp.result_type(leaves[i])) for i in candidates
+  ]
   reals = [jax.ShapeDtypeStruct(np.shape(l), jnp.result_type(l)) for l in leaves]
   closed = jax.make_jaxpr(fn)(placeholders, reals, x_struct)
   interceptor = interceptor_box[-1]
@@ -343,8 +352,10 @@ def _trace(embed_fn, leaves, treedef, candidates, x_struct):
   # Flat inputs: placeholders first, then every real leaf, then x.
   num_placeholders = len(candidates)
   placeholder_deps = {candidates[k] for k in depends if k < num_placeholders}
-  real_deps = {k - num_placeholders for k in depends
-               if num_placeholders <= k < num_placeholders + len(leaves)}
+  real_deps = {
+      k - num_placeholders for k in depends
+      if num_placeholders <= k < num_placeholders + len(leaves)
+  }
   return interceptor.calls, interceptor.records, placeholder_deps, real_deps
 
 
@@ -355,8 +366,8 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
   structs = [jax.ShapeDtypeStruct((m,) + tuple(x.shape[1:]), x.dtype) for m in (n, n + 1)]
   candidates = {i for i, leaf in enumerate(leaves) if _is_float(leaf)}
   while True:
-    calls, records, placeholder_deps, real_deps = _trace(
-        embed_fn, leaves, treedef, candidates, structs[0])
+    calls, records, placeholder_deps, real_deps = _trace(embed_fn, leaves, treedef, candidates,
+                                                         structs[0])
     owners = collections.Counter(i for _, ls in calls for i in ls)
     _, records_plus, _, _ = _trace(embed_fn, leaves, treedef, candidates, structs[1])
     bad = set(placeholder_deps) | {i for i, c in owners.items() if c > 1}
@@ -372,11 +383,11 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
     candidates -= bad
   layers = []
   for (kind, ls), (_, y_shape, p_shape) in zip(calls, records):
-    layers.append(LayerCall(kind, ls, tuple(y_shape[1:]), int(p_shape[1]), int(p_shape[2]),
-                            int(y_shape[-1])))
+    layers.append(
+        LayerCall(kind, ls, tuple(y_shape[1:]), int(p_shape[1]), int(p_shape[2]), int(y_shape[-1])))
   factored = {i for layer in layers for i in layer.leaves}
-  generic = tuple(sorted(i for i in real_deps | placeholder_deps
-                         if i not in factored and _is_float(leaves[i])))
+  generic = tuple(
+      sorted(i for i in real_deps | placeholder_deps if i not in factored and _is_float(leaves[i])))
   return Plan(tuple(layers), tuple(use_ghost(layer, d) for layer in layers), generic)
 
 
@@ -497,7 +508,8 @@ def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=Non
     return jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a))
 
   grads = [jnp.zeros_like(leaf) for leaf in leaves]
-  flat = jnp.matmul(cotangents.reshape(m * d), select(factors.flat).reshape(m * d, q),
+  flat = jnp.matmul(cotangents.reshape(m * d),
+                    select(factors.flat).reshape(m * d, q),
                     precision=_HIGHEST)  # one GEMV; an einsum here is ~15x slower on CPU
   offset = 0
   ghost = iter(zip(factors.ghost_patches, factors.ghost_deltas))
@@ -505,8 +517,9 @@ def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=Non
     if is_ghost:
       patches, deltas = next(ghost)
       weighted = jnp.sum(select(deltas) * cotangents[:, None, :, None], axis=2)  # (m, T, C)
-      grad = jnp.matmul(select(patches).reshape(-1, layer.fan_in).T,
-                        weighted.reshape(-1, layer.features), precision=_HIGHEST)
+      grad = jnp.matmul(
+          select(patches).reshape(-1, layer.fan_in).T, weighted.reshape(-1, layer.features),
+          precision=_HIGHEST)
     else:
       size = layer.fan_in * layer.features
       grad = flat[offset:offset + size].reshape(layer.fan_in, layer.features)
@@ -536,8 +549,8 @@ def diagonal_sq_norms(plan: Plan, f_u: Factors, f_v: Factors, u, v, chunk: int =
     flat = (jnp.matmul(vi, fu.flat, precision=_HIGHEST)
             + jnp.matmul(ui, fv.flat, precision=_HIGHEST))
     sq = jnp.sum(flat * flat)
-    for a_u, d_u, a_v, d_v in zip(fu.ghost_patches, fu.ghost_deltas,
-                                  fv.ghost_patches, fv.ghost_deltas):
+    for a_u, d_u, a_v, d_v in zip(fu.ghost_patches, fu.ghost_deltas, fv.ghost_patches,
+                                  fv.ghost_deltas):
       alpha = jnp.einsum("tkc,k->tc", d_u, vi, precision=_HIGHEST)
       beta = jnp.einsum("tkc,k->tc", d_v, ui, precision=_HIGHEST)
       grad = (jnp.matmul(a_u.T, alpha, precision=_HIGHEST)
@@ -556,8 +569,8 @@ def flat_cross(flat_rows, u_rows, flat_all, v_all):
   """
   rows, d, q = flat_rows.shape
   n = flat_all.shape[0]
-  gram = jnp.matmul(flat_rows.reshape(rows * d, q), flat_all.reshape(n * d, q).T,
-                    precision=_HIGHEST).reshape(rows, d, n, d)
+  gram = jnp.matmul(flat_rows.reshape(rows * d, q),
+                    flat_all.reshape(n * d, q).T, precision=_HIGHEST).reshape(rows, d, n, d)
   return jnp.einsum("jk,ikjl,il->ij", v_all, gram, u_rows, precision=_HIGHEST)
 
 

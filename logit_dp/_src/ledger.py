@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 from logit_dp._src import accounting
 
@@ -83,8 +83,8 @@ class PrivacyLedger:
   target_delta: float
   accountant: str = "pld"
   steps: int = 0
-  epsilon_budget: Optional[float] = None
-  num_examples: Optional[int] = None
+  epsilon_budget: float | None = None
+  num_examples: int | None = None
   overflow_probability: float = 0.0
   pld_discretization: float = accounting.DEFAULT_PLD_DISCRETIZATION
 
@@ -119,7 +119,7 @@ class PrivacyLedger:
 
   @classmethod
   def for_sampler(cls, sampler, noise_multiplier: float, target_delta: float,
-                  **kwargs) -> "PrivacyLedger":
+                  **kwargs) -> PrivacyLedger:
     """A ledger matching a `logit_dp.sampling.PoissonSampler`.
 
     Takes q, N and the per-step overflow probability from the sampler, so the
@@ -131,7 +131,7 @@ class PrivacyLedger:
 
   # -- Reporting. -------------------------------------------------------------
 
-  def epsilon(self, steps: Optional[int] = None) -> float:
+  def epsilon(self, steps: int | None = None) -> float:
     """ε after ``steps`` steps (default: the steps taken so far); 0.0 for 0 steps.
 
     Computed by `logit_dp.accounting.epsilon` (results are cached).
@@ -141,11 +141,10 @@ class PrivacyLedger:
       raise ValueError(f"steps must be an integer ≥ 0, got {steps!r}.")
     if t == 0:
       return 0.0
-    return accounting.epsilon(self.noise_multiplier, self.target_delta, self.sampling_rate,
-                              int(t), self.accountant,
-                              pld_discretization=self.pld_discretization)
+    return accounting.epsilon(self.noise_multiplier, self.target_delta, self.sampling_rate, int(t),
+                              self.accountant, pld_discretization=self.pld_discretization)
 
-  def delta(self, steps: Optional[int] = None) -> float:
+  def delta(self, steps: int | None = None) -> float:
     """δ of the guarantee: target_delta + (1 + e^ε)·(1 − (1 − p_over)^steps)."""
     t = self.steps if steps is None else int(steps)
     if self.overflow_probability == 0.0 or t == 0:
@@ -158,7 +157,7 @@ class PrivacyLedger:
     """(ε, δ) of the run so far."""
     return self.epsilon(), self.delta()
 
-  def remaining_steps(self) -> Optional[int]:
+  def remaining_steps(self) -> int | None:
     """How many more steps fit in the budget (None if there is no budget)."""
     if self.epsilon_budget is None:
       return None
@@ -205,7 +204,7 @@ class PrivacyLedger:
     return out
 
   @classmethod
-  def from_dict(cls, data: dict[str, Any]) -> "PrivacyLedger":
+  def from_dict(cls, data: dict[str, Any]) -> PrivacyLedger:
     """Inverse of `to_dict`; rejects unknown keys and unknown format versions."""
     data = dict(data)
     version = data.pop("format_version", LEDGER_FORMAT_VERSION)
@@ -226,14 +225,14 @@ _STATE_ITEM = "state"
 _LEDGER_ITEM = "privacy_ledger"
 
 
-def _manager(directory, max_to_keep: Optional[int] = None, create: bool = True):
+def _manager(directory, max_to_keep: int | None = None, create: bool = True):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create)
   return ocp.CheckpointManager(os.fspath(os.path.abspath(directory)), options=options)
 
 
 def save_checkpoint(directory, step: int, state: Any, ledger: PrivacyLedger, *,
-                    max_to_keep: Optional[int] = None) -> None:
+                    max_to_keep: int | None = None) -> None:
   """Saves ``state`` (any pytree of arrays) and the ledger as one orbax checkpoint.
 
   Both go into the same checkpoint step (items "state" and "privacy_ledger"),
@@ -253,16 +252,18 @@ def save_checkpoint(directory, step: int, state: Any, ledger: PrivacyLedger, *,
     raise TypeError(f"ledger must be a PrivacyLedger, got {type(ledger).__name__}.")
   mngr = _manager(directory, max_to_keep=max_to_keep)
   try:
-    mngr.save(int(step), args=ocp.args.Composite(**{
-        _STATE_ITEM: ocp.args.StandardSave(state),
-        _LEDGER_ITEM: ocp.args.JsonSave(ledger.to_dict()),
-    }), force=True)
+    mngr.save(
+        int(step), args=ocp.args.Composite(
+            **{
+                _STATE_ITEM: ocp.args.StandardSave(state),
+                _LEDGER_ITEM: ocp.args.JsonSave(ledger.to_dict()),
+            }), force=True)
     mngr.wait_until_finished()
   finally:
     mngr.close()
 
 
-def latest_step(directory) -> Optional[int]:
+def latest_step(directory) -> int | None:
   """Newest checkpoint step in ``directory`` (None if there is none)."""
   if not os.path.isdir(directory):
     return None
@@ -273,8 +274,8 @@ def latest_step(directory) -> Optional[int]:
     mngr.close()
 
 
-def restore_checkpoint(directory, template: Any, step: Optional[int] = None
-                       ) -> tuple[Any, PrivacyLedger, int]:
+def restore_checkpoint(directory, template: Any,
+                       step: int | None = None) -> tuple[Any, PrivacyLedger, int]:
   """Restores (state, ledger, step) saved by `save_checkpoint`.
 
   Args:
@@ -295,10 +296,11 @@ def restore_checkpoint(directory, template: Any, step: Optional[int] = None
       step = mngr.latest_step()
       if step is None:
         raise FileNotFoundError(f"No checkpoint in {directory!r}.")
-    restored = mngr.restore(int(step), args=ocp.args.Composite(**{
-        _STATE_ITEM: ocp.args.StandardRestore(template),
-        _LEDGER_ITEM: ocp.args.JsonRestore(),
-    }))
+    restored = mngr.restore(
+        int(step), args=ocp.args.Composite(**{
+            _STATE_ITEM: ocp.args.StandardRestore(template),
+            _LEDGER_ITEM: ocp.args.JsonRestore(),
+        }))
   finally:
     mngr.close()
   ledger = PrivacyLedger.from_dict(restored[_LEDGER_ITEM])

@@ -85,9 +85,8 @@ class Contrastive:
     if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
       raise ValueError(f"temperature must be a finite number > 0, got {t!r}.")
     if 2.0 / t > 700.0:
-      raise ValueError(
-          f"temperature={t} makes the sensitivity overflow (it grows like "
-          f"2·exp(2/τ)/τ); use τ ≥ {2.0 / 700.0:.4f}.")
+      raise ValueError(f"temperature={t} makes the sensitivity overflow (it grows like "
+                       f"2·exp(2/τ)/τ); use τ ≥ {2.0 / 700.0:.4f}.")
 
   def row_losses(self, z: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Per-row losses ℓ^{(i,n)}(Z_i), zero on invalid rows."""

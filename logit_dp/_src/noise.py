@@ -18,20 +18,18 @@ class AddNoiseState(NamedTuple):
 
 def _key_data(key) -> jax.Array:
   if key is None:
-    raise ValueError(
-        "key is required: pass a secret JAX PRNG key, e.g. "
-        "jax.random.key(secrets.randbits(63)); whoever knows it can remove the noise.")
+    raise ValueError("key is required: pass a secret JAX PRNG key, e.g. "
+                     "jax.random.key(secrets.randbits(63)); whoever knows it can remove the noise.")
   key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return jax.random.key_data(key)
   if key.dtype != jnp.uint32 or key.ndim != 1:
-    raise ValueError(
-        f"key must be a JAX PRNG key (jax.random.key or PRNGKey), got {key!r}.")
+    raise ValueError(f"key must be a JAX PRNG key (jax.random.key or PRNGKey), got {key!r}.")
   return key
 
 
-def transform(noise_multiplier: float, sensitivity: float, key,
-              *, allow_zero_noise: bool = False) -> optax.GradientTransformation:
+def transform(noise_multiplier: float, sensitivity: float, key, *,
+              allow_zero_noise: bool = False) -> optax.GradientTransformation:
   """Adds i.i.d. N(0, (σ·C)²) noise to every coordinate of every leaf.
 
   The input is the SUMMED clipped gradient ḡ of `logit_dp.clipped_grad` (not a
@@ -59,9 +57,8 @@ def transform(noise_multiplier: float, sensitivity: float, key,
   if math.isnan(sigma) or sigma < 0 or math.isinf(sigma):
     raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier!r}.")
   if sigma == 0 and not allow_zero_noise:
-    raise ValueError(
-        "noise_multiplier=0 adds no noise, so training is not private. Pass "
-        "allow_zero_noise=True to run non-privately on purpose.")
+    raise ValueError("noise_multiplier=0 adds no noise, so training is not private. Pass "
+                     "allow_zero_noise=True to run non-privately on purpose.")
   c = float(sensitivity)
   if not math.isfinite(c) or c <= 0:
     raise ValueError(f"sensitivity must be finite and > 0, got {sensitivity!r}.")
@@ -77,10 +74,8 @@ def transform(noise_multiplier: float, sensitivity: float, key,
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng_key), state.count)
     leaf_keys = jax.random.split(step_key, max(len(leaves), 1))
-    noisy = [
-        (leaf + stddev * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
-        for leaf, k in zip(leaves, leaf_keys)
-    ]
+    noisy = [(leaf + stddev * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
+             for leaf, k in zip(leaves, leaf_keys)]
     return (jax.tree_util.tree_unflatten(treedef, noisy),
             AddNoiseState(count=state.count + 1, rng_key=state.rng_key))
 

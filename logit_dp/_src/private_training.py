@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import secrets
 import warnings
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -74,15 +75,13 @@ def _secret_seed() -> int:
   return secrets.randbits(63)
 
 
-def make_private(embed_fn: Callable, loss, clip_norm: float, *,
-                 target_epsilon: float, target_delta: float, num_records: int,
-                 expected_batch_size: float, optimizer: optax.GradientTransformation,
-                 epochs: Optional[float] = None, steps: Optional[int] = None,
-                 method: str = "ghost", mean: bool = False,
-                 microbatch_size: Optional[int] = None, accountant: str = "pld",
-                 noise_key: Any = None, sampler_seed: Optional[int] = None,
-                 max_batch_size: Optional[int] = None, overflow: str = "error",
-                 **grad_kwargs) -> PrivateTraining:
+def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: float,
+                 target_delta: float, num_records: int, expected_batch_size: float,
+                 optimizer: optax.GradientTransformation, epochs: float | None = None,
+                 steps: int | None = None, method: str = "ghost", mean: bool = False,
+                 microbatch_size: int | None = None, accountant: str = "pld", noise_key: Any = None,
+                 sampler_seed: int | None = None, max_batch_size: int | None = None,
+                 overflow: str = "error", **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
@@ -150,8 +149,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *,
   b = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
 
   if method == "naive":
-    grad_fn = clipping.naive_clipped_grad(embed_fn, loss, b,
-                                          microbatch_size=microbatch_size, **grad_kwargs)
+    grad_fn = clipping.naive_clipped_grad(embed_fn, loss, b, microbatch_size=microbatch_size,
+                                          **grad_kwargs)
     c = sensitivity_lib.naive_sensitivity(b)
   else:
     grad_fn = clipping.clipped_grad(embed_fn, loss, b, method=method,
@@ -171,5 +170,5 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *,
     ledger = PrivacyLedger.for_sampler(sampler, sigma, delta, accountant=accountant,
                                        epsilon_budget=eps)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
-                         noise_multiplier=sigma, sensitivity=c, clip_norm=b,
-                         sampling_rate=q, steps=t, method=method)
+                         noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
+                         steps=t, method=method)

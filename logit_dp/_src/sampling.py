@@ -53,7 +53,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Iterator, NamedTuple, Optional
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -155,8 +156,8 @@ def max_batch_size_for(num_records: int, sampling_rate: float, *,
   return min(b, -(-(n + 1) // m) * m)
 
 
-def overflow_delta(num_records: int, sampling_rate: float, max_batch_size: int,
-                   steps: int, epsilon: float) -> float:
+def overflow_delta(num_records: int, sampling_rate: float, max_batch_size: int, steps: int,
+                   epsilon: float) -> float:
   """Extra δ from overflows: (1 + e^ε)·(1 − (1 − p_over)^T) ≤ (1 + e^ε)·T·p_over.
 
   See the module docstring for the proof. Add it to the accountant's δ.
@@ -169,7 +170,7 @@ def overflow_delta(num_records: int, sampling_rate: float, max_batch_size: int,
   return min(1.0, (1.0 + math.exp(min(float(epsilon), 700.0))) * eta)
 
 
-def inclusion_threshold(sampling_rate: float) -> Optional[int]:
+def inclusion_threshold(sampling_rate: float) -> int | None:
   """⌊q·2³²⌋: record i is included iff its uniform 32-bit draw is below it.
 
   The realised inclusion probability is ⌊q·2³²⌋/2³² ∈ (q − 2⁻³², q], never
@@ -179,12 +180,12 @@ def inclusion_threshold(sampling_rate: float) -> Optional[int]:
   q = _check_rate(sampling_rate)
   if q == 1.0:
     return None
-  return min(math.floor(q * 2.0**32), 2**32 - 1)
+  return min(math.floor(q * 2.0 ** 32), 2 ** 32 - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("num_records", "sampling_rate", "max_batch_size"))
-def poisson_batch(key: jax.Array, num_records: int, sampling_rate: float, max_batch_size: int
-                  ) -> PoissonBatch:
+def poisson_batch(key: jax.Array, num_records: int, sampling_rate: float,
+                  max_batch_size: int) -> PoissonBatch:
   """Draws one Poisson batch, padded to ``max_batch_size`` (jittable).
 
   Every record i ∈ {0, …, N−1} is included independently with probability q
@@ -221,8 +222,8 @@ def poisson_batch(key: jax.Array, num_records: int, sampling_rate: float, max_ba
   batch_size = jnp.minimum(sampled_size, max_batch_size).astype(jnp.int32)
   mask = jnp.arange(max_batch_size) < batch_size
   indices = jnp.where(mask, indices, 0)
-  return PoissonBatch(indices=indices, mask=mask, batch_size=batch_size,
-                      sampled_size=sampled_size, overflow=sampled_size > max_batch_size)
+  return PoissonBatch(indices=indices, mask=mask, batch_size=batch_size, sampled_size=sampled_size,
+                      overflow=sampled_size > max_batch_size)
 
 
 def check_overflow(batch: PoissonBatch, overflow: str = "error") -> PoissonBatch:
@@ -263,7 +264,7 @@ class PoissonSampler:
   """
   num_records: int
   sampling_rate: float
-  max_batch_size: Optional[int] = None
+  max_batch_size: int | None = None
   seed: int = 0
   overflow: str = "error"
   overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY
@@ -293,16 +294,14 @@ class PoissonSampler:
 
   def overflow_delta(self, steps: int, epsilon: float) -> float:
     """Extra δ (see module docstring) for ``steps`` steps at privacy level ε."""
-    return overflow_delta(self.num_records, self.sampling_rate, self.max_batch_size,
-                          steps, epsilon)
+    return overflow_delta(self.num_records, self.sampling_rate, self.max_batch_size, steps, epsilon)
 
   def key(self, step: int) -> jax.Array:
     return jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
 
   def __call__(self, step: int) -> PoissonBatch:
     """The padded batch of step ``step``; raises on overflow if overflow="error"."""
-    batch = poisson_batch(self.key(step), self.num_records, self.sampling_rate,
-                          self.max_batch_size)
+    batch = poisson_batch(self.key(step), self.num_records, self.sampling_rate, self.max_batch_size)
     return check_overflow(batch, self.overflow)
 
   sample = __call__

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 
-from logit_dp._src import losses as losses_lib
-
 
 def check_clip_norm(clip_norm, *, allow_inf: bool) -> float:
   """Returns clip_norm as a float or raises ValueError (≤ 0, NaN, wrong type)."""
@@ -31,9 +29,8 @@ def check_clip_norm(clip_norm, *, allow_inf: bool) -> float:
   if math.isnan(value) or value <= 0:
     raise ValueError(f"clip_norm must be > 0, got {clip_norm!r}.")
   if math.isinf(value) and not allow_inf:
-    raise ValueError(
-        "clip_norm=inf means no clipping: the sensitivity is unbounded and no "
-        "amount of noise makes the release private.")
+    raise ValueError("clip_norm=inf means no clipping: the sensitivity is unbounded and no "
+                     "amount of noise makes the release private.")
   return value
 
 
@@ -54,8 +51,7 @@ def sensitivity(loss, clip_norm: float, batch_size: int | None = None) -> float:
   """
   b = check_clip_norm(clip_norm, allow_inf=False)
   if not hasattr(loss, "sensitivity_factor"):
-    raise ValueError(
-        f"No sensitivity is known for loss {loss!r}; use a loss from logit_dp.losses.")
+    raise ValueError(f"No sensitivity is known for loss {loss!r}; use a loss from logit_dp.losses.")
   return loss.sensitivity_factor(batch_size) * b
 
 
