@@ -91,7 +91,7 @@ def run(device_counts, methods, batch: int, image_size: int, repeats: int) -> di
   x = jax.random.normal(k1, (batch, image_size, image_size, 3))
   x_prime = x + 0.3 * jax.random.normal(k2, x.shape)
   params = model.init(k3, x[:1])
-  num_params = sum(l.size for l in jax.tree_util.tree_leaves(params))
+  num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
   configs = {}
   for k in device_counts:
     if batch % k:
@@ -132,13 +132,16 @@ def run(device_counts, methods, batch: int, image_size: int, repeats: int) -> di
 
 
 def markdown(result: dict) -> str:
+  simulated = (f", simulated devices sharing {result['host_cpus']} CPU cores"
+               if result["simulated_devices"] else "")
   lines = [
       f"Global batch n = {result['global_batch']} pairs, {result['model']} ({result['num_params']} "
       f"params), {result['loss']}, backend {result['backend']} ({result['device_kind']}"
-      f"{', simulated devices sharing ' + str(result['host_cpus']) + ' CPU cores' if result['simulated_devices'] else ''}), "
+      f"{simulated}), "
       f"jax {result['jax']}, median of {result['repeats']} interleaved runs.",
       "",
-      "| devices | pairs / device | method | median step (s) | min (s) | vs. fewest devices | vs. non-private (same k) | first call (s) |",
+      "| devices | pairs / device | method | median step (s) | min (s) | vs. fewest devices "
+      "| vs. non-private (same k) | first call (s) |",
       "|---:|---:|---|---:|---:|---:|---:|---:|",
   ]
   for r in sorted(result["rows"], key=lambda r: (METHODS.index(r["method"]), r["devices"])):

@@ -9,8 +9,8 @@ Each piece is jitted on its own and timed (median of --repeats runs after a warm
                  backward pass per embedding coordinate, per-example weight
                  gradients of the flattened layers, per-example Grams    (_Batch.factors)
   flat cross     the n²·d²·q cross-Gram of the flattened layers           (layerwise.flat_cross)
-  ghost layer L  the per-layer cross terms of ghost layer L               (layerwise.ghost_layer_cross)
-  pair norms     all exact ‖g_ij‖: factors + quadratic + cross terms + diagonal (_ghost_norms)
+  ghost layer L  the cross terms of ghost layer L          (layerwise.ghost_layer_cross)
+  pair norms     all ‖g_ij‖ clipped by: pair terms + diagonal  (_ghost_norms)
   backward ḡ     ḡ contracted from the factors with λ-weighted cotangents, plus
                  the forward pass that gives λ                           (_Batch.weighted_backward)
   noise + adam   logit_dp.transform + optax.adam on a p-vector

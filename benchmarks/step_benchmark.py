@@ -45,8 +45,9 @@ estimated time (≈ n × the non-private step: n² pair backward passes instead 
 example ones) exceeds `--max-step-s`, "ghost"/"triangle" where even d × the
 non-private step (d backward passes per example for the Jacobians) exceeds it, and
 "ghost" where the Jacobian factors of both views (2·n·(d·q + ghost-layer factors)
-floats, q = flattened parameters) exceed `--memory-limit-gb`. Every other step is compiled and XLA's own buffer assignment
-(`compiled.memory_analysis()`: arguments + outputs + temporaries) is compared with
+floats, q = flattened parameters) exceed `--memory-limit-gb`. Every other step is compiled and
+XLA's own buffer assignment (`compiled.memory_analysis()`: arguments + outputs + temporaries) is
+compared with
 `--memory-limit-gb` before it runs.
 
 Method specs: a name, optionally with a microbatch size, e.g. `triangle@8` runs
@@ -662,9 +663,9 @@ def code_version() -> dict:
     out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, text=True,
                                        capture_output=True, check=True).stdout.strip()
     out["git_dirty_files"] = [
-        l[3:]
-        for l in subprocess.run(["git", "--no-optional-locks", "status", "--porcelain"], cwd=root,
-                                text=True, capture_output=True, check=True).stdout.splitlines()
+        line[3:] for line in
+        subprocess.run(["git", "--no-optional-locks", "status", "--porcelain"], cwd=root, text=True,
+                       capture_output=True, check=True).stdout.splitlines()
     ]
   except (OSError, subprocess.CalledProcessError):
     pass

@@ -105,7 +105,7 @@ SCALAR_KEYS = ("accuracy", "best_recall", "best_precision", "best_fbeta", "linea
 
 
 def relative_metrics(metrics: dict, reference: dict, keys=SCALAR_KEYS) -> dict[str, float]:
-  """``metrics[k] / reference[k]`` for the scalar metrics present in both (reference: non-private)."""
+  """``metrics[k] / reference[k]`` for the scalar metrics in both (reference: non-private)."""
   out = {}
   for k in keys:
     if k in metrics and k in reference and reference[k]:

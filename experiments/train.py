@@ -645,8 +645,8 @@ def plot_results(results: dict[str, dict], workdir: str, class_names=None):
   has_curves = all(results[m].get("history") for m in results)
   fig, ax = plt.subplots(figsize=(5, 3.5)) if has_curves else (None, None)
   for m in (results if has_curves else ()):
-    e, l = curve(m)
-    ax.plot(e, l, marker=".", label=METHOD_LABELS.get(m, m))
+    epochs, test_loss = curve(m)
+    ax.plot(epochs, test_loss, marker=".", label=METHOD_LABELS.get(m, m))
   if has_curves:
     ax.set_xlabel("epoch")
     ax.set_ylabel("test contrastive loss (per pair)")
@@ -661,8 +661,9 @@ def plot_results(results: dict[str, dict], workdir: str, class_names=None):
     for m in results:
       if m == "non_private":
         continue
-      e, l = curve(m)
-      ax.plot(e, l / np.interp(e, e_ref, l_ref), marker=".", label=METHOD_LABELS.get(m, m))
+      epochs, test_loss = curve(m)
+      ax.plot(epochs, test_loss / np.interp(epochs, e_ref, l_ref), marker=".",
+              label=METHOD_LABELS.get(m, m))
     ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="Non-private")
     ax.set_xlabel("epoch")
     ax.set_ylabel("test loss / non-private test loss")

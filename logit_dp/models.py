@@ -16,6 +16,7 @@ independently, as required by :func:`logit_dp.clipped_grad`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ class EmbeddingNet(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    """(n, H, W, C) images -> (n, embedding_dim) embeddings."""
     x = jnp.asarray(x, self.dtype)
     for c in self.channels:
       x = nn.Conv(c, (3, 3), strides=(2, 2), padding="SAME", kernel_init=kaiming_normal,
@@ -54,22 +56,24 @@ class ResNetBlock(nn.Module):
   norm: Callable[..., nn.Module] | None = None
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    """relu(x + norm(conv(relu(norm(conv(x)))))), x projected by a 1x1 conv if shapes differ."""
     residual = x
+    use_bias = self.norm is None  # a norm's own offset replaces the bias
     y = nn.Conv(self.filters, (3, 3), strides=(self.strides,) * 2, padding="SAME",
-                use_bias=self.norm is None, kernel_init=kaiming_normal)(x)
+                use_bias=use_bias, kernel_init=kaiming_normal)(x)
     if self.norm is not None:
       y = self.norm()(y)
     y = nn.relu(y)
-    y = nn.Conv(self.filters, (3, 3), padding="SAME", use_bias=self.norm is None,
+    y = nn.Conv(self.filters, (3, 3), padding="SAME", use_bias=use_bias,
                 kernel_init=kaiming_normal)(y)
     if self.norm is not None:
       # Zero-initialised last scale: each block starts as the identity, which
       # keeps a norm-free-ish ResNet trainable.
       y = self.norm(scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
-      residual = nn.Conv(self.filters, (1, 1), strides=(self.strides,) * 2, use_bias=self.norm
-                         is None, kernel_init=kaiming_normal, name="proj")(residual)
+      residual = nn.Conv(self.filters, (1, 1), strides=(self.strides,) * 2, use_bias=use_bias,
+                         kernel_init=kaiming_normal, name="proj")(residual)
       if self.norm is not None:
         residual = self.norm(name="proj_norm")(residual)
     return nn.relu(residual + y)
@@ -90,13 +94,12 @@ class ResNet18(nn.Module):
   num_groups: int = 32
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    """(n, H, W, C) images -> (n, embedding_dim) embeddings."""
     if self.norm is None or self.norm == "none":
       norm = None
     elif self.norm == "group":
-
-      def norm(**kw):
-        return nn.GroupNorm(num_groups=self.num_groups, **kw)
+      norm = functools.partial(nn.GroupNorm, num_groups=self.num_groups)
     else:
       raise ValueError(f"unknown norm {self.norm!r}: use None or 'group' "
                        "(batch norm would mix examples and break per-example clipping)")
@@ -121,7 +124,8 @@ class FinetuneHead(nn.Module):
   num_classes: int = 20
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    """(n, d) embeddings -> (n, num_classes) logits."""
     for h in self.hidden:
       x = nn.relu(nn.Dense(h, kernel_init=kaiming_normal)(x))
     return nn.Dense(self.num_classes, kernel_init=xavier_normal)(x)
@@ -134,7 +138,8 @@ class MLPEmbedding(nn.Module):
   hidden: Sequence[int] = (32,)
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    """(n, ...) inputs, flattened per example -> (n, embedding_dim) embeddings."""
     x = jnp.asarray(x, jnp.float32).reshape(x.shape[0], -1)
     for h in self.hidden:
       x = nn.relu(nn.Dense(h, kernel_init=kaiming_normal)(x))

@@ -6,7 +6,7 @@ import numpy as np
 
 def flat(tree) -> np.ndarray:
   return np.concatenate(
-      [np.ravel(np.asarray(l, np.float64)) for l in jax.tree_util.tree_leaves(tree)])
+      [np.ravel(np.asarray(leaf, np.float64)) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
 def rel_err(a, b) -> float:

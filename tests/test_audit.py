@@ -194,7 +194,7 @@ def test_no_private_noise_without_clipping_or_noise():
 
 
 def test_nonfinite_parameters_raise_eagerly_and_give_a_data_independent_result_under_jit():
-  """Parameters are public (released iterates): a failure that depends on them alone leaks nothing."""
+  """Parameters are public (released iterates): a failure depending on them alone leaks nothing."""
   fn, params, x, x_prime = make("linear", 4, seed=7)
   bad = {"w": params["w"].at[0, 0].set(jnp.nan)}
   grad_fn = logit_dp.clipped_grad(fn, logit_dp.losses.contrastive(1.0), 1.0)
@@ -354,7 +354,7 @@ def test_canary_audit_of_a_training_run_no_noise_control_and_calibrated_noise():
 
 
 def test_a_known_noise_key_removes_all_noise():
-  """Why the noise key must stay secret (docs/PRIVACY.md §5): whoever knows it recovers ḡ exactly."""
+  """Why the noise key must stay secret (docs/PRIVACY.md §5): who knows it recovers ḡ exactly."""
   key = jax.random.PRNGKey(0)  # e.g. derived from a seed written in a published config
   params = {"a": jnp.zeros((3,)), "b": jnp.zeros((2, 2))}
   clean = {"a": jnp.array([0.1, -0.2, 0.3]), "b": jnp.array([[1.0, 2.0], [3.0, 4.0]])}

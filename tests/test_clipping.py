@@ -248,8 +248,8 @@ def test_ghost_never_allocates_n_squared_p_floats():
     temp[n] = compiled.memory_analysis().temp_size_in_bytes / 4
     plan = layerwise.make_plan(model.apply, params, x, d)
     pair_chunk = sum(
-        min(chunk_budget, n * n * (l.positions ** 2 + 2 * l.positions * l.features + d))
-        for l, ghost in zip(plan.layers, plan.ghost) if ghost)
+        min(chunk_budget, n * n * (layer.positions ** 2 + 2 * layer.positions * layer.features + d))
+        for layer, ghost in zip(plan.layers, plan.ghost) if ghost)
     # Both views' Jacobians + the cross-Gram + one chunk of ghost-layer pair terms.
     budget[n] = 2 * n * d * p + n * n * d * d + pair_chunk
   assert temp[256] - temp[64] < 2 * (budget[256] - budget[64]), (temp, budget)

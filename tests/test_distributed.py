@@ -215,7 +215,7 @@ def test_noise_is_identical_on_every_device_and_matches_single_device():
 
 def _flat(tree):
   return np.concatenate(
-      [np.ravel(np.asarray(l, np.float64)) for l in jax.tree_util.tree_leaves(tree)])
+      [np.ravel(np.asarray(leaf, np.float64)) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
 def test_accounting_does_not_depend_on_device_count():
@@ -253,8 +253,8 @@ def test_data_mesh_and_padding_helpers():
       distributed.data_mesh(bad)
   x, xp = np.ones((5, 3), np.float32), np.ones((5, 3), np.float32)
   px, pxp, pm = distributed.pad_to_multiple(x, xp, None, 4)
-  assert isinstance(px,
-                    np.ndarray) and px.shape == (8, 3) and pm.tolist() == [True] * 5 + [False] * 3
+  assert isinstance(px, np.ndarray) and px.shape == (8, 3)
+  assert pm.tolist() == [True] * 5 + [False] * 3
   assert not px[5:].any()
   jx, _, jm = distributed.pad_to_multiple(jnp.asarray(x), jnp.asarray(xp), np.arange(5) < 4, 5)
   assert isinstance(jx, jax.Array) and jx.shape == (5, 3) and jm.tolist() == [True] * 4 + [False]

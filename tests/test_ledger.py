@@ -202,7 +202,7 @@ def test_kill_and_resume_reports_the_same_epsilon_and_noise(tmp_path):
     _assert_same_tree(noise_b1[t], noise_a[t])
   for t in (3, 4, 5):
     _assert_same_tree(noise_b2[t], noise_a[t])  # steps 4–6 draw A's noise...
-  flat = lambda t: np.concatenate([np.ravel(l) for l in jax.tree_util.tree_leaves(noise_a[t])])
+  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(noise_a[t])])
   for s in range(6):  # ...and no two steps share a draw.
     for t in range(s):
       assert not np.allclose(flat(s), flat(t))

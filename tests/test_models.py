@@ -46,7 +46,7 @@ def test_embedding_net_initialisers():
   all_params = jax.jit(jax.vmap(lambda k: model.lazy_init(k, spec)))(keys)
   stds_conv, stds_dense = [], []
   for seed in range(4):
-    p = jax.tree_util.tree_map(lambda l: l[seed], all_params)["params"]
+    p = jax.tree_util.tree_map(lambda leaf, seed=seed: leaf[seed], all_params)["params"]
     k = np.asarray(p["Conv_2"]["kernel"])
     stds_conv.append(k.std() / np.sqrt(2.0 / (3 * 3 * 16)))
     d = np.asarray(p["Dense_0"]["kernel"])
@@ -77,7 +77,7 @@ def test_examples_are_independent(model):
 
 def test_resnet18_size_and_norms():
   shapes = jax.eval_shape(models.ResNet18().init, jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)))
-  n = sum(np.prod(l.shape) for l in jax.tree_util.tree_leaves(shapes))
+  n = sum(np.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))
   assert 11.0e6 < n < 11.3e6  # ResNet-18 (CIFAR variant, 8-d head): ~11.2M parameters
   flat = flax.traverse_util.flatten_dict(shapes["params"])
   assert not any("BatchNorm" in "/".join(k) for k in flat)
@@ -109,6 +109,6 @@ def test_embedding_net_with_logit_dp_clipping():
   xp = jax.random.uniform(jax.random.PRNGKey(1), (6, 8, 8, 1))
   loss = logit_dp.losses.contrastive()
   _, g = logit_dp.clipped_grad(model.apply, loss, clip_norm=1e-3)(params, x, xp)
-  norm = np.sqrt(sum(float(jnp.sum(l ** 2)) for l in jax.tree_util.tree_leaves(g)))
+  norm = np.sqrt(sum(float(jnp.sum(leaf ** 2)) for leaf in jax.tree_util.tree_leaves(g)))
   # Each pair gradient is clipped to 1e-3 and weighted by |tau_ij|; sum_ij |tau_ij| <= 2n.
   assert 0 < norm <= 2 * 6 * 1e-3 + 1e-9

@@ -59,7 +59,8 @@ def get_config():
   config.clip_method = "ghost"  # ghost | triangle | materialize
   config.microbatch_size = config_dict.placeholder(int)
   config.log_private_train_loss = False
-  config.allow_exceeding_budget = False  # refuse to train past target_epsilon (e.g. more epochs on resume)
+  # Refuse to train past target_epsilon (e.g. more epochs on resume).
+  config.allow_exceeding_budget = False
 
   # Evaluation.
   config.knn_k = 3

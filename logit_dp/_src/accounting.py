@@ -132,6 +132,7 @@ def check_noise_multiplier(noise_multiplier) -> float:
 
 
 def check_accountant(accountant) -> str:
+  """Returns accountant; raises ValueError unless it is one of ACCOUNTANTS."""
   if accountant not in ACCOUNTANTS:
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}.")
   return accountant

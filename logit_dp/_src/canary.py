@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -191,8 +192,8 @@ class GradientCanaries:
     self.shapes = [leaf.shape for leaf in leaves]
     self.sizes = [int(np.prod(s)) for s in self.shapes]
     p = sum(self.sizes)
-    if isinstance(num_canaries,
-                  bool) or int(num_canaries) != num_canaries or not (1 <= num_canaries <= p):
+    integer = not isinstance(num_canaries, bool) and int(num_canaries) == num_canaries
+    if not integer or not (1 <= num_canaries <= p):
       raise ValueError(f"num_canaries must be an integer in [1, {p}], got {num_canaries!r}.")
     self.num_canaries = int(num_canaries)
     gauss = jax.random.normal(key, (p, self.num_canaries), jnp.float32)
@@ -206,12 +207,14 @@ class GradientCanaries:
       start += size
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
-  def inject(self, grads, sampled, scale):
+  def inject(self, grads, sampled, scale) -> Any:
+    """ḡ + scale·Σ_k sampled_k·d_k: grads (a pytree) plus the sampled canaries."""
     sampled = jnp.asarray(sampled, jnp.float32)
     extra = self._unflatten(scale * (sampled @ self.directions))
     return jax.tree_util.tree_map(lambda g, e: g + e.astype(g.dtype), grads, extra)
 
-  def project(self, noisy):
+  def project(self, noisy) -> jax.Array:
+    """(m,) projections ⟨noisy, d_k⟩ of a pytree like the parameters on each direction."""
     return self.directions @ _flatten(noisy)
 
 

@@ -37,9 +37,10 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -72,6 +73,23 @@ _GRAM_FLOAT_ERROR = 2.0 ** -20
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
+
+
+class GradFn(Protocol):
+  """grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ), as built by `clipped_grad`.
+
+  ``core(params, x, x_prime, mask) -> (ℒ, ḡ, n_nonfinite)`` is its jitted body without the
+  input checks (n_nonfinite: valid pairs with non-finite inputs or embeddings, masked out);
+  ``with_num_dropped`` is grad_fn returning n_nonfinite too, never raising.
+  """
+
+  core: Callable[..., tuple[jax.Array, Any, jax.Array]]
+  with_num_dropped: Callable[..., tuple[jax.Array, Any, jax.Array]]
+
+  def __call__(self, params: Any, x: jax.Array, x_prime: jax.Array,
+               mask: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """(ℒ, ḡ) on the batch of pairs (x_i, x'_i) with mask_i true."""
+    ...
 
 
 def normalize(u: jax.Array, eps: float = DEFAULT_COSINE_EPS) -> jax.Array:
@@ -517,16 +535,15 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size, allo
     return acc, norms
 
   zeros = jax.tree_util.tree_map(jnp.zeros_like, batch.params)
-  blocks = (rows.reshape(num_blocks, block), cols.reshape(num_blocks, block),
-            weights.reshape(num_blocks, block), slack.reshape(-1)[flat].reshape(num_blocks, block))
+  blocks = tuple(a.reshape(num_blocks, block) for a in (rows, cols, weights, slack.reshape(-1)[flat]))
   grads, norms = jax.lax.scan(step, zeros, blocks)
   norms = norms.reshape(-1)[:num_pairs].reshape(n_local, n)
   return batch.c.psum(grads), norms
 
 
 def _as_array(a, name: str, xp):
-  if isinstance(a,
-                (dict, list, tuple)) or not hasattr(a, "shape") and not isinstance(a, (int, float)):
+  pytree = isinstance(a, (dict, list, tuple))
+  if pytree or not hasattr(a, "shape") and not isinstance(a, (int, float)):
     raise ValueError(f"{name} must be one array with the examples along axis 0, got "
                      f"{type(a).__name__}: pytrees of inputs are not supported by clipped_grad.")
   return xp.asarray(a)
@@ -547,7 +564,7 @@ def _check_mask(mask, n: int, xp):
   return mask.astype(bool)
 
 
-def check_pairs(x, x_prime, mask=None, xp=jnp):
+def check_pairs(x, x_prime, mask=None, xp=jnp) -> tuple[Any, Any, Any]:
   """(x, x_prime, mask) as `xp` arrays, mask all-True if None; ValueError on mismatched shapes,
   pytree inputs, or a mask that is not boolean (integer 0/1 is accepted)."""
   x, x_prime = _as_array(x, "x", xp), _as_array(x_prime, "x_prime", xp)
@@ -635,7 +652,7 @@ def _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1):
 
 
 def _forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective):
-  """(batch, ℒ, τ): the embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs)."""
+  """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs)."""
   params = collective.local_params(params)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=eps, microbatch_size=microbatch_size,
                  collective=collective)
@@ -671,17 +688,18 @@ def _make_grad_fn(core, embed_fn, loss, what, axis_name=None):
                        "instead (see docs/PRIVACY.md).")
     return loss_value, grads
 
-  grad_fn.core = core
+  typed = cast(GradFn, grad_fn)
+  typed.core = core
   with_num_dropped.__doc__ = (
       "(ℒ, ḡ, num_dropped): as grad_fn, never raising; num_dropped counts the valid pairs "
       "dropped for non-finite inputs or embeddings (ℒ is NaN when that is all of them).")
-  grad_fn.with_num_dropped = with_num_dropped
-  return grad_fn
+  typed.with_num_dropped = with_num_dropped
+  return typed
 
 
 def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost", *,
                  microbatch_size: int | None = None, pair_block_size: int | None = None,
-                 axis_name: str | None = None, cosine_eps: float = DEFAULT_COSINE_EPS):
+                 axis_name: str | None = None, cosine_eps: float = DEFAULT_COSINE_EPS) -> GradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
   ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
@@ -749,7 +767,7 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
 
 def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost", *,
                     microbatch_size: int | None = None, cosine_eps: float = DEFAULT_COSINE_EPS,
-                    float_allowance: bool = True):
+                    float_allowance: bool = True) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle": an upper bound off the diagonal, exact on it).
 
@@ -784,7 +802,7 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosi
 
 def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
                        microbatch_size: int | None = None, axis_name: str | None = None,
-                       cosine_eps: float = DEFAULT_COSINE_EPS):
+                       cosine_eps: float = DEFAULT_COSINE_EPS) -> GradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
   Sensitivity 2B under add-or-remove-one (`logit_dp.naive_sensitivity`). Same

@@ -33,7 +33,7 @@ but has only been run with simulated devices in one process.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,38 @@ __all__ = [
     "shard_batch",
 ]
 
-DevicesArg = Union[None, int, Sequence[Any]]
+DevicesArg = None | int | Sequence[Any]
+
+
+class ShardedGradFn(Protocol):
+  """grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) on the GLOBAL batch (`make_sharded_grad_fn`).
+
+  ``shard_mapped`` is its un-jitted shard_map, (params, x, x_prime, mask) -> (ℒ, ḡ,
+  n_nonfinite); ``mesh`` the mesh it runs on.
+  """
+
+  shard_mapped: Callable[..., tuple[jax.Array, Any, jax.Array]]
+  mesh: Mesh
+
+  def __call__(self, params: Any, x: jax.Array, x_prime: jax.Array,
+               mask: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """(ℒ, ḡ) on the batch of pairs (x_i, x'_i) with mask_i true, replicated on every device."""
+    ...
+
+
+class TrainStep(Protocol):
+  """step(params, opt_state, x, x_prime, mask=None) -> (params, opt_state, ℒ).
+
+  ``shard_mapped`` is its un-jitted body; ``mesh`` the mesh it runs on.
+  """
+
+  shard_mapped: Callable[..., tuple[Any, Any, jax.Array]]
+  mesh: Mesh
+
+  def __call__(self, params: Any, opt_state: Any, x: jax.Array, x_prime: jax.Array,
+               mask: jax.Array | None = None) -> tuple[Any, Any, jax.Array]:
+    """One private step on the batch of pairs (x_i, x'_i) with mask_i true."""
+    ...
 
 
 def resolve_devices(devices: DevicesArg = None) -> list:
@@ -85,6 +116,8 @@ def resolve_devices(devices: DevicesArg = None) -> list:
           f"with {jax.process_count()} processes the mesh must use all {len(all_devices)} "
           f"devices (num_devices=-1), got {k}.")
     return list(all_devices[:k])
+  if isinstance(devices, bool):
+    raise TypeError(f"devices must be None, an int or a sequence of devices, got {devices!r}.")
   devices = list(devices)
   if not devices:
     raise ValueError("devices must not be empty.")
@@ -110,7 +143,7 @@ def _axis_size(mesh: Mesh, axis_name: str) -> int:
   return int(mesh.shape[axis_name])
 
 
-def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1):
+def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1) -> tuple[Any, Any, Any]:
   """Pads the batch with masked rows so that its size divides by `multiple`.
 
   Padded rows are zeros with mask False: they contribute exactly nothing to the
@@ -137,7 +170,7 @@ def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1):
   return padded(x), padded(x_prime), padded(mask)
 
 
-def replicate(tree, mesh: Mesh):
+def replicate(tree, mesh: Mesh) -> Any:
   """Places a pytree (params, optimizer state) replicated on every device of the mesh.
 
   Multi-host: every process must pass the same values (e.g. params initialised
@@ -146,7 +179,8 @@ def replicate(tree, mesh: Mesh):
   return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def shard_batch(mesh: Mesh, x, x_prime, mask=None, *, axis_name: str = DATA_AXIS):
+def shard_batch(mesh: Mesh, x, x_prime, mask=None, *,
+                axis_name: str = DATA_AXIS) -> tuple[jax.Array, ...]:
   """Builds the global batch, sharded along `axis_name`, from this process's rows.
 
   Single process: x, x_prime (and mask) are the whole batch. Multi-host: each
@@ -206,7 +240,8 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 
 def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: str = "ghost", *,
-                         naive: bool = False, axis_name: str = DATA_AXIS, **kwargs):
+                         naive: bool = False, axis_name: str = DATA_AXIS,
+                         **kwargs) -> ShardedGradFn:
   """Data-parallel `clipped_grad` (or `naive_clipped_grad`) over `mesh`.
 
   Returns grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ): x, x_prime, mask
@@ -255,9 +290,10 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
                        "instead (see docs/PRIVACY.md).")
     return loss_value, grads
 
-  grad_fn.shard_mapped = shard_mapped
-  grad_fn.mesh = mesh
-  return grad_fn
+  typed = cast(ShardedGradFn, grad_fn)
+  typed.shard_mapped = shard_mapped
+  typed.mesh = mesh
+  return typed
 
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
@@ -306,8 +342,8 @@ def check_adds_noise(optimizer: optax.GradientTransformation, params) -> None:
 def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
                             optimizer: optax.GradientTransformation, method: str = "ghost", *,
                             naive: bool = False, axis_name: str = DATA_AXIS, donate: bool = False,
-                            non_private: bool = False, **kwargs) -> Callable:
-  """One data-parallel private step: (params, opt_state, x, x_prime, mask) -> (params, opt_state, ℒ).
+                            non_private: bool = False, **kwargs) -> TrainStep:
+  """One data-parallel private step: (params, opt_state, x, x', mask) -> (params, opt_state, ℒ).
 
   `optimizer` must add the noise (build it with `make_private_optimizer` or
   start it with `logit_dp.transform`): on first use the step raises ValueError
@@ -356,6 +392,7 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
       x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))
     return jitted(params, opt_state, x, x_prime, mask)
 
-  step.shard_mapped = shard_mapped
-  step.mesh = mesh
-  return step
+  typed = cast(TrainStep, step)
+  typed.shard_mapped = shard_mapped
+  typed.mesh = mesh
+  return typed

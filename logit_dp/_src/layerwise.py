@@ -36,7 +36,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import flax.linen as nn
 import jax
@@ -65,6 +66,7 @@ class LayerCall(NamedTuple):
   features: int  # C
 
   def pair_cost(self, d: int, ghost: bool) -> float:
+    """Cost model per pair: T²P + k·(2TCd + T²C) (k = _GHOST_OVERHEAD) if ghost, else d²PC."""
     if ghost:
       t, c = self.positions, self.features
       return t * t * self.fan_in + _GHOST_OVERHEAD * (2 * t * c * d + t * t * c)
@@ -79,6 +81,7 @@ class Plan(NamedTuple):
 
   @property
   def factored_leaves(self) -> frozenset:
+    """Indices of the leaves some recognised layer call owns."""
     return frozenset(i for layer in self.layers for i in layer.leaves)
 
 
@@ -87,7 +90,10 @@ def _is_float(x) -> bool:
 
 
 def _conv_config(module, x):
-  """(kernel_size, strides, padding, lhs_dil, rhs_dil) if this nn.Conv call is reproduced exactly."""
+  """(kernel_size, strides, padding, lhs_dil, rhs_dil) if this nn.Conv call is reproduced exactly.
+
+  None otherwise.
+  """
   kernel_size = ((module.kernel_size,)
                  if isinstance(module.kernel_size, int) else tuple(module.kernel_size))
   if (len(kernel_size) > 3 or x.ndim != len(kernel_size) + 2 or module.feature_group_count != 1
@@ -143,11 +149,12 @@ def _apply_layer(kind, config, x, kernel, bias, precision, with_patches=True):
     y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
     patches = x.reshape(x.shape[0], -1, x.shape[-1]) if with_patches else None
   else:
-    y = channels_last_conv(x, kernel, config, precision)
+    # cast: a custom_vjp under functools.partial loses its return type in JAX's annotations.
+    y = cast(jax.Array, channels_last_conv(x, kernel, config, precision))
     patches = conv_patches(x, *config) if with_patches else None
   if bias is not None:
     y = y + bias.reshape((1,) * (y.ndim - 1) + bias.shape)
-    if with_patches:
+    if patches is not None:
       patches = jnp.concatenate([patches, jnp.ones(patches.shape[:-1] + (1,), patches.dtype)], -1)
   return y, None if patches is None else jax.lax.stop_gradient(patches)
 
@@ -178,7 +185,7 @@ def _conv(x, kernel, strides, padding, lhs_dilation, rhs_dilation, precision):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def channels_last_conv(x, kernel, config, precision):
+def channels_last_conv(x, kernel, config, precision) -> jax.Array:
   """nn.Conv's convolution for a `_conv_config` config, with a backward pass made of
   channels-last convolutions only.
 
@@ -202,9 +209,9 @@ def _channels_last_conv_bwd(config, precision, residuals, g):
   kernel_size, strides, _, lhs_dil, rhs_dil = config
   padding = _explicit_padding(x, *config)
   in_sizes, out_sizes = x.shape[1:-1], g.shape[1:-1]
-  in_d, window_d, out_d = (_dilated(in_sizes,
-                                    lhs_dil), _dilated(kernel_size,
-                                                       rhs_dil), _dilated(out_sizes, strides))
+  in_d = _dilated(in_sizes, lhs_dil)
+  window_d = _dilated(kernel_size, rhs_dil)
+  out_d = _dilated(out_sizes, strides)
   lhs_before = [w - lo - 1 for w, (lo, _) in zip(window_d, padding)]
   lhs_padding = [(b, i + w - 1 - o - b) for b, i, w, o in zip(lhs_before, in_d, window_d, out_d)]
   spatial = tuple(range(len(kernel_size)))
@@ -222,7 +229,7 @@ def _channels_last_conv_bwd(config, precision, residuals, g):
 channels_last_conv.defvjp(_channels_last_conv_fwd, _channels_last_conv_bwd)
 
 
-def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation):
+def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation) -> jax.Array:
   """Input patches of a channels-last convolution: (N, T, K·C_in), kernel-offset major.
 
   Row t, column (o, c) is the input value that kernel offset o, input channel c multiply
@@ -273,13 +280,13 @@ class _Interceptor:
     if self.perturbations is not None and position < len(self.perturbations):
       y = y + self.perturbations[position]  # a call beyond the plan fails layer_factors' check
     self.calls.append((kind, leaves))
-    if self.with_patches:
+    if patches is not None:  # self.with_patches
       self.records.append((x.shape, y.shape, patches.shape))
       self.patches.append(patches)
     return y
 
 
-def with_recognised_layers(embed_fn):
+def with_recognised_layers(embed_fn) -> Callable[[Any, jax.Array], jax.Array]:
   """embed_fn with every recognised nn.Dense / nn.Conv call computed by `_apply_layer`.
 
   Same values and gradients; the difference is that convolutions then differentiate into
@@ -296,7 +303,7 @@ def with_recognised_layers(embed_fn):
   return embed
 
 
-def replace_leaves(leaves, treedef, indices, values):
+def replace_leaves(leaves, treedef, indices, values) -> Any:
   """The pytree of `leaves` with leaves[i] replaced by values[k] for i = indices[k]."""
   out = list(leaves)
   for i, value in zip(indices, values):
@@ -345,7 +352,7 @@ def _trace(embed_fn, leaves, treedef, candidates, x_struct):
   placeholders = [
       jax.ShapeDtypeStruct(np.shape(leaves[i]), jnp.result_type(leaves[i])) for i in candidates
   ]
-  reals = [jax.ShapeDtypeStruct(np.shape(l), jnp.result_type(l)) for l in leaves]
+  reals = [jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf)) for leaf in leaves]
   closed = jax.make_jaxpr(fn)(placeholders, reals, x_struct)
   interceptor = interceptor_box[-1]
   depends = _dependent_inputs(closed)
@@ -374,7 +381,7 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
     if len(records_plus) != len(records):
       bad |= set(owners)
     else:
-      for (kind, ls), (xs, ys, _), (xs1, ys1, _) in zip(calls, records, records_plus):
+      for (_, ls), (xs, ys, _), (xs1, ys1, _) in zip(calls, records, records_plus):
         if not (xs[0] == n and ys[0] == n and xs1[0] == n + 1 and ys1[0] == n + 1
                 and xs[1:] == xs1[1:] and ys[1:] == ys1[1:]):
           bad |= set(ls)  # the leading axis is not the example axis
@@ -409,7 +416,7 @@ class Factors(NamedTuple):
   gram: jax.Array
 
 
-def ghost_layer_gram(patches, deltas):
+def ghost_layer_gram(patches, deltas) -> jax.Array:
   """Σ_{t,s} ⟨a_t, a_s⟩⟨δ_t^k, δ_s^l⟩ per example: (m, d, d)."""
   a = jnp.einsum("mtp,msp->mts", patches, patches, precision=_HIGHEST)
   a_delta = jnp.einsum("mts,mslc->mtlc", a, deltas, precision=_HIGHEST)
@@ -495,10 +502,11 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
 def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=None) -> list:
   """Σ_e J_eᵀ c_e per parameter leaf, contracted from the factors (no backward pass).
 
-  Flattened layers and generic leaves: Σ_e flat_eᵀ c_e; ghost layer: Σ_{e,t} a_et ⊗ (Σ_k c_ek δ_et^k)
-  (kernel rows of the patch axis, then the bias column). Leaves the embedding does not use get
-  zeros. keep: optional (m,) bool; examples not kept have their factors *selected* to 0, so they
-  add exactly 0 even where their factors are not finite (0·NaN is NaN).
+  Flattened layers and generic leaves: Σ_e flat_eᵀ c_e; ghost layer:
+  Σ_{e,t} a_et ⊗ (Σ_k c_ek δ_et^k) (kernel rows of the patch axis, then the bias column). Leaves
+  the embedding does not use get zeros. keep: optional (m,) bool; examples not kept have their
+  factors *selected* to 0, so they add exactly 0 even where their factors are not finite (0·NaN is
+  NaN).
   """
   m, d, q = factors.flat.shape
 
@@ -534,7 +542,7 @@ def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=Non
   return grads
 
 
-def diagonal_sq_norms(plan: Plan, f_u: Factors, f_v: Factors, u, v, chunk: int = 1):
+def diagonal_sq_norms(plan: Plan, f_u: Factors, f_v: Factors, u, v, chunk: int = 1) -> jax.Array:
   """‖J_iᵀv̂_i + J'_iᵀû_i‖² of the pairs (x_i, x'_i), from both views' factors: (m,).
 
   The pair gradient is formed as a vector (per layer Σ_t a_it ⊗ α_it + Σ_s a'_is ⊗ β_is, with
@@ -562,7 +570,7 @@ def diagonal_sq_norms(plan: Plan, f_u: Factors, f_v: Factors, u, v, chunk: int =
   return jax.lax.map(lambda r: one(*r), rows, batch_size=max(1, int(chunk)))
 
 
-def flat_cross(flat_rows, u_rows, flat_all, v_all):
+def flat_cross(flat_rows, u_rows, flat_all, v_all) -> jax.Array:
   """v̂_jᵀ J_i J'_jᵀ û_i over the flattened parameters, rows i × all columns j: (I, n).
 
   One (I·d × q)·(q × n·d) matmul per chunk of rows: n²d²q multiply-adds in all.
@@ -574,7 +582,7 @@ def flat_cross(flat_rows, u_rows, flat_all, v_all):
   return jnp.einsum("jk,ikjl,il->ij", v_all, gram, u_rows, precision=_HIGHEST)
 
 
-def ghost_layer_cross(a_rows, delta_rows, u_rows, a_all, delta_all, v_all):
+def ghost_layer_cross(a_rows, delta_rows, u_rows, a_all, delta_all, v_all) -> jax.Array:
   """Σ_{t,s} ⟨a_it, a'_js⟩⟨α_ij,t, β_ij,s⟩ of one ghost layer, rows i × all columns j: (I, n).
 
   Layouts (see `ghost_cross_layouts`): a_rows (I, T, P), delta_rows (I, T, C, d),
@@ -596,7 +604,7 @@ def ghost_layer_cross(a_rows, delta_rows, u_rows, a_all, delta_all, v_all):
   return jnp.einsum("ijk,jk->ij", rho, v_all, precision=_HIGHEST)
 
 
-def ghost_cross_layouts(row_deltas, column_deltas):
+def ghost_cross_layouts(row_deltas, column_deltas) -> tuple[jax.Array, jax.Array]:
   """Factors.ghost_deltas (m, T, d, C) of the row and column views, in the layouts of
   `ghost_layer_cross`: (m, T, C, d) and (d, m, T, C)."""
   return jnp.swapaxes(row_deltas, 2, 3), jnp.moveaxis(column_deltas, 2, 0)

@@ -139,6 +139,7 @@ class Spreadout:
   min_batch_size = 2
 
   def row_losses(self, z: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Per-row losses ℓ^{(i,n)}(Z_i) = Σ_{j≠i} Z_ij² / (n − 1), zero on invalid rows."""
     valid = _valid_mask(z, mask)
     n = z.shape[0]
     off_diagonal = valid[:, None] & valid[None, :] & ~jnp.eye(n, dtype=bool)
@@ -148,6 +149,7 @@ class Spreadout:
     return jnp.sum(squares, axis=1) / denom
 
   def __call__(self, z: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """ℒ(Z) = Σ_i ℓ^{(i,n)}(Z_i) over valid rows."""
     return jnp.sum(self.row_losses(z, mask))
 
   def sensitivity_factor(self, batch_size: int | None = None) -> float:

@@ -12,7 +12,8 @@ import optax
 
 class AddNoiseState(NamedTuple):
   """State of `transform`: steps taken and the base key (raw uint32 key data)."""
-  count: jax.Array
+  # Shadows tuple.count, as optax's states do (ScaleByAdamState.count): the name is the API.
+  count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]
   rng_key: jax.Array
 
 

@@ -285,18 +285,22 @@ class PoissonSampler:
 
   @property
   def expected_batch_size(self) -> float:
+    """E[n] = N·q, the expected number of sampled records per step."""
     return self.num_records * self.sampling_rate
 
   @property
   def step_overflow_probability(self) -> float:
     """p_over = P[Binomial(N+1, q) > max_batch_size] for this sampler."""
+    assert self.max_batch_size is not None  # an int after __post_init__
     return overflow_probability(self.num_records, self.sampling_rate, self.max_batch_size)
 
   def overflow_delta(self, steps: int, epsilon: float) -> float:
     """Extra δ (see module docstring) for ``steps`` steps at privacy level ε."""
+    assert self.max_batch_size is not None  # an int after __post_init__
     return overflow_delta(self.num_records, self.sampling_rate, self.max_batch_size, steps, epsilon)
 
   def key(self, step: int) -> jax.Array:
+    """The PRNG key of step ``step``: fold_in(PRNGKey(seed), step)."""
     return jax.random.fold_in(jax.random.PRNGKey(self.seed), step)
 
   def __call__(self, step: int) -> PoissonBatch:
@@ -328,6 +332,7 @@ class ShuffledBatcher:
     _check_int("seed", self.seed, 0)
 
   def num_batches(self) -> int:
+    """Batches per epoch: ⌊N/B⌋ with drop_remainder, else ⌈N/B⌉."""
     if self.drop_remainder:
       return self.num_records // self.batch_size
     return -(-self.num_records // self.batch_size)
