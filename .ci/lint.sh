@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lint, format and type checks; exits non-zero on any finding. Seconds, offline.
 # Needs the lint extra: pip install -e '.[lint]'   (configuration: pyproject.toml)
-# To fix what can be fixed mechanically: bash ci/lint.sh --fix
+# To fix what can be fixed mechanically: bash .ci/lint.sh --fix
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY_DIRS=(logit_dp tests benchmarks experiments)
@@ -15,7 +15,7 @@ fi
 status=0
 echo "== ruff check (lint, import order, docstrings and return types of the public API)"
 ruff check . || status=1
-echo "== yapf (format; the diff below is what 'bash ci/lint.sh --fix' would change)"
+echo "== yapf (format; the diff below is what 'bash .ci/lint.sh --fix' would change)"
 yapf --diff --recursive --parallel "${PY_DIRS[@]}" || status=1
 echo "== pyright (types of logit_dp/)"
 pyright || status=1

@@ -7,7 +7,8 @@ For the initial parameters (``config.seed``) and each method's final parameters 
 pre-training run, it embeds ``n`` same-class pairs of the (public) test split and reports
 quantiles of the n × n matrix of pair-gradient norms, exact ("ghost") and the triangle upper
 bound, and the fraction of pairs that B clips (norm > B) for B = 1 (ours) and 1e-5 (the paper's
-Logit-DP B); and ‖∇_θ ℒ‖ of the whole batch of n pairs, the norm Naive-DP clips to B. docs/RESULTS.md renders the JSON (``experiments.render_results``).
+Logit-DP B); and ‖∇_θ ℒ‖ of the whole batch of n pairs, the norm Naive-DP clips to B.
+docs/RESULTS.md renders the JSON (``experiments.render_results``).
 """
 
 import json
@@ -52,7 +53,7 @@ def pair_norm_report(config, params_by_name, x, xp, methods=("ghost", "triangle"
       return loss(logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, xp)))
 
     g = jax.grad(total)(params)
-    return jnp.sqrt(sum(jnp.sum(l * l) for l in jax.tree_util.tree_leaves(g)))
+    return jnp.sqrt(sum(jnp.sum(leaf * leaf) for leaf in jax.tree_util.tree_leaves(g)))
 
   out = {}
   for name, params in params_by_name.items():

@@ -100,7 +100,8 @@ def _dig(d, dotted):
 
 
 def paper_rows(paper, group: str):
-  """{method: dict(abs=[(mean, std or None)] * 4, rel=[value] * 4)} of the paper's table, or None."""
+  """{method: dict(abs=[(mean, std or None)] * 4, rel=[value] * 4)} of the paper's table,
+  or None."""
   for prefix, (abs_key, rel_key) in PAPER_TABLES.items():
     if group.startswith(prefix):
       absolute, relative = _dig(paper, abs_key), _dig(paper, rel_key)
@@ -237,7 +238,7 @@ def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:
   """Ours (mean ± std over seeds) beside the paper's: absolute, then relative to non-private."""
   labels = (acc_label,) + METRIC_LABELS[1:]
   head = ("| method | source | ε | δ | " + " | ".join(labels) + " | "
-          + " | ".join(f"rel. {l}" for l in labels) + " |")
+          + " | ".join(f"rel. {label}" for label in labels) + " |")
   lines = [head, "|" + "---|" * (4 + 2 * len(METRICS))]
   for m in METHODS:
     n = sum(m in r["results"] for r in group_runs)
@@ -440,7 +441,8 @@ def render(text: str, runs, paper, results_dir: str = "") -> str:
 
 
 def plot_group(group: str, group_runs, out_dir: str) -> list[str]:
-  """Figures of a group: relative test loss (mean ± std over seeds) and the first seed's confusion matrices."""
+  """Figures of a group: relative test loss (mean ± std over seeds) and the first seed's
+  confusion matrices."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

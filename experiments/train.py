@@ -88,7 +88,8 @@ def learning_rate(config, method: str) -> float:
 
 
 def clip_norm(config, method: str) -> float:
-  """B of ``method``: ``config.clip_norms[method]`` if set (e.g. the paper's), else config.clip_norm."""
+  """B of ``method``: ``config.clip_norms[method]`` if set (e.g. the paper's), else
+  config.clip_norm."""
   norms = config.get("clip_norms") or {}
   return float(norms[method] if method in norms else config.clip_norm)
 

@@ -92,7 +92,7 @@ def test_paper_hparams_config_clips_each_method_with_its_own_bound():
   # The bound binds: with B = 1 the same batch gives another (larger) clipped gradient.
   big = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip_norm=1.0,
                                       method="triangle"))(params, x, xp, mask)[1]
-  norm = lambda t: float(jnp.sqrt(sum(jnp.sum(l ** 2) for l in jax.tree_util.tree_leaves(t))))
+  norm = lambda t: float(jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(t))))
   assert norm(big) > 10 * norm(want["logit_dp"](params, x, xp, mask)[1])
 
 
@@ -177,10 +177,10 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   _fake_runs(tmp_path / "results", "cifar10_embnet_x", (0, 1, 2), rng)
   runs = render_results.load_runs(str(tmp_path / "results"))
   paper = render_results.load_paper(os.path.join(REPO, "experiments", "paper_results.json"))
-  doc = (
-      "# t\n<!-- generated:group:cifar10_embnet_x -->\nstale\n<!-- /generated:group:cifar10_embnet_x -->\n"
-      "<!-- generated:verdict -->\n<!-- /generated:verdict -->\n"
-      "<!-- generated:runs -->\n<!-- /generated:runs -->\n")
+  doc = ("# t\n<!-- generated:group:cifar10_embnet_x -->\nstale\n"
+         "<!-- /generated:group:cifar10_embnet_x -->\n"
+         "<!-- generated:verdict -->\n<!-- /generated:verdict -->\n"
+         "<!-- generated:runs -->\n<!-- /generated:runs -->\n")
   out = render_results.render(doc, runs, paper)
   assert "stale" not in out and out.startswith("# t\n")
   assert render_results.render(out, runs, paper) == out  # idempotent
@@ -250,7 +250,8 @@ def test_renderer_compare_block_pairs_seeds_of_two_configurations(tmp_path):
   _fake_runs(tmp_path, "cifar10_embnet_a", (0, 1, 2), rng)
   _fake_runs(tmp_path, "cifar10_embnet_b", (1, 2, 3), rng)  # seeds 1, 2 in common
   runs = render_results.load_runs(str(tmp_path))
-  doc = "<!-- generated:compare:cifar10_embnet_a:cifar10_embnet_b -->\n<!-- /generated:compare:cifar10_embnet_a:cifar10_embnet_b -->\n"
+  doc = ("<!-- generated:compare:cifar10_embnet_a:cifar10_embnet_b -->\n"
+         "<!-- /generated:compare:cifar10_embnet_a:cifar10_embnet_b -->\n")
   out = render_results.render(doc, runs, None)
   a = [runs[f"cifar10_embnet_a_s{s}"]["results"]["naive_dp"]["best_fbeta"] for s in (1, 2)]
   b = [runs[f"cifar10_embnet_b_s{s}"]["results"]["naive_dp"]["best_fbeta"] for s in (1, 2)]

@@ -7,7 +7,8 @@ paper's learning rates 1e-2 / 1e-2 / 1e-3 (the same as ours). The noise standard
 deviation scales with B (σ·C(τ)·B and σ·2B), so only the clipping regime and Adam's
 ε_adam = 1e-8 against the update's scale differ from B = 1.
 
-    python experiments/pretrain.py --config=experiments/configs/cifar10_embedding_net_paper_hparams.py \
+    python experiments/pretrain.py \
+        --config=experiments/configs/cifar10_embedding_net_paper_hparams.py \
         --config.data.npz_dir=DIR --config.seed=0 --workdir=runs/cifar10_embnet_paper_s0
 """
 

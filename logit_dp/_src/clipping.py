@@ -200,7 +200,9 @@ def _map_chunks(fn, xs, chunk: int):
 
 def _unchunk_rows(tree, n: int):
   """(num_chunks, chunk, ...) per-row results of _map_chunks back to their n rows."""
-  return jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:])[:n], tree)
+  # The explicit size, not -1: a zero-size leaf (no flattened parameters) cannot infer it.
+  return jax.tree_util.tree_map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])[:n],
+                                tree)
 
 
 class _Batch:
@@ -535,7 +537,8 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size, allo
     return acc, norms
 
   zeros = jax.tree_util.tree_map(jnp.zeros_like, batch.params)
-  blocks = tuple(a.reshape(num_blocks, block) for a in (rows, cols, weights, slack.reshape(-1)[flat]))
+  blocks = tuple(
+      a.reshape(num_blocks, block) for a in (rows, cols, weights, slack.reshape(-1)[flat]))
   grads, norms = jax.lax.scan(step, zeros, blocks)
   norms = norms.reshape(-1)[:num_pairs].reshape(n_local, n)
   return batch.c.psum(grads), norms
@@ -621,7 +624,7 @@ def check_embed_fn(embed_fn: EmbedFn, params, x) -> None:
     return
   if _is_traced((params, x)):
     params, x = _probe_inputs(params, x)
-  rows = x[:_PROBE_ROWS]
+  rows = jnp.asarray(x[:_PROBE_ROWS])
   with jax.ensure_compile_time_eval():
     batched = np.asarray(embed_fn(params, rows), np.float64)
     if batched.ndim != 2 or batched.shape[0] != rows.shape[0]:
