@@ -154,3 +154,17 @@ def test_training_loop_stops_with_a_clear_message_on_a_non_finite_loss(tmp_path)
   cfg.model.hidden = (16, 16, 16)
   with pytest.raises(FloatingPointError, match="not finite"):
     train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
+
+
+@pytest.mark.parametrize("method", ["ghost", "triangle"])
+def test_microbatches_on_a_net_without_flattened_parameters(method):
+  """Every layer a ghost layer: the flattened factors are zero-size (once a ZeroDivisionError)."""
+  embed_fn, params, x, x_prime = make_model("mlp", n=6)
+  from logit_dp._src import layerwise
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(layerwise, "use_ghost", lambda layer, d: True)
+    fresh = lambda p, xs: embed_fn(p, xs)
+    whole = logit_dp.clipped_grad(fresh, LOSS, 0.1, method)(params, x, x_prime)[1]
+    chunked = logit_dp.clipped_grad(fresh, LOSS, 0.1, method, microbatch_size=4)(params, x,
+                                                                                 x_prime)[1]
+  np.testing.assert_allclose(flat(chunked), flat(whole), rtol=1e-5, atol=1e-7)
