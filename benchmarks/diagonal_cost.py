@@ -49,16 +49,17 @@ def _compiled(method: str, safe: bool, microbatch_size: int, params, x, x_prime,
     clipping.layerwise.diagonal_sq_norms = saved_diagonal
 
 
-def main():
+def main(argv=None) -> list:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default="256,1000")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--microbatch", type=int, default=250)
+  parser.add_argument("--image-size", type=int, default=32)
   parser.add_argument("--out", default=None)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   results = []
   for n in (int(s) for s in args.sizes.split(",")):
-    x = jax.random.uniform(jax.random.PRNGKey(0), (n, 32, 32, 3))
+    x = jax.random.uniform(jax.random.PRNGKey(0), (n, args.image_size, args.image_size, 3))
     x_prime = x + 0.01 * jax.random.normal(jax.random.PRNGKey(1), x.shape)
     params = models.EmbeddingNet().init(jax.random.PRNGKey(2), x[:1])
     mask = jnp.ones((n,), bool)
@@ -83,6 +84,7 @@ def main():
   if args.out:
     with open(args.out, "w") as f:
       json.dump(dict(device=str(jax.devices()[0]), repeats=args.repeats, rows=results), f, indent=1)
+  return results
 
 
 if __name__ == "__main__":

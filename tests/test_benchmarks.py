@@ -205,3 +205,15 @@ def test_profile_floor_counts_the_multiply_adds_xla_counts():
   d = batch.u.shape[-1]
   counted = n * n * profile_ghost.pair_multiply_adds(batch.plan, d)
   assert abs(analysis["flops"] / 2 - counted) <= n * n * d * sum(batch.plan.ghost)
+
+
+@pytest.mark.slow  # four compilations of the clipped gradient
+def test_diagonal_cost_times_both_variants_and_restores_the_library():
+  from benchmarks import diagonal_cost  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
+  before = [getattr(clipping, name) for name in diagonal_cost._SWITCHES]
+  rows = diagonal_cost.main(
+      ["--sizes", "4", "--repeats", "1", "--microbatch", "2", "--image-size", "8"])
+  assert [r["method"] for r in rows] == ["ghost", "triangle"]
+  assert all(r["safe_s"] > 0 and r["previous_s"] > 0 and math.isfinite(r["ratio"]) for r in rows)
+  assert [getattr(clipping, name) for name in diagonal_cost._SWITCHES] == before
