@@ -11,7 +11,7 @@ so edits of the queue (and of this file) take effect while it works. Each run tr
 in ``runs/<run-name>`` (re-running a workdir resumes from its checkpoints) with
 ``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished
 when its results.json has every method finished; then its config.json, results.json and
-wallclock.json (the wall-clock seconds of every attempt) are copied to
+wallclock.json (wall-clock seconds, commit and dirty flag of every attempt) are copied to
 ``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds).
 """
 
@@ -100,6 +100,17 @@ def publish(workdir, dest):
       shutil.copy(src, os.path.join(dest, name))
 
 
+def code_version():
+  """The commit the run starts from, and whether logit_dp/ or experiments/ differ from it."""
+
+  def git(*args):
+    r = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, check=False)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+  return dict(commit=git("rev-parse", "HEAD"),
+              dirty=bool(git("status", "--porcelain", "--", "logit_dp", "experiments")))
+
+
 def run_one(name, config, overrides, workdir):
   """One attempt: pretrain.py in ``workdir``; appends its wall-clock to wallclock.json."""
   os.makedirs(workdir, exist_ok=True)
@@ -107,6 +118,7 @@ def run_one(name, config, overrides, workdir):
   wc_path = os.path.join(workdir, "wallclock.json")
   wc = json.load(open(wc_path)) if os.path.exists(wc_path) else dict(attempts=[])
   wc["command"] = " ".join(cmd[1:])
+  code = code_version()
   t0 = time.time()
   with open(os.path.join(workdir, "log.txt"), "a") as log:
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC: "
@@ -115,7 +127,7 @@ def run_one(name, config, overrides, workdir):
     rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO)
   wc["attempts"].append(
       dict(start_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-           seconds=round(time.time() - t0, 1), returncode=rc))
+           seconds=round(time.time() - t0, 1), returncode=rc, **code))
   wc["total_seconds"] = round(sum(a["seconds"] for a in wc["attempts"]), 1)
   with open(wc_path, "w") as f:
     json.dump(wc, f, indent=1)
@@ -144,6 +156,10 @@ def main(argv):
   print(f"{time.strftime('%H:%M:%S', time.gmtime())} end {name} rc={rc}", flush=True)
   if is_finished(workdir):
     publish(workdir, os.path.join(FLAGS.results_dir, name))
+  elif rc != 0:  # a crash is most often broken code: stop rather than burn through the queue
+    print(f"stopped: {name} failed (rc={rc}); see {workdir}/log.txt, fix, then restart the driver",
+          flush=True)
+    sys.exit(1)
   # Re-execute: picks up edits of the queue and of this file.
   argv = [a for a in sys.argv[1:] if not a.startswith("--wait_pid")]
   os.execv(sys.executable, [sys.executable, "-m", "experiments.run_queue", *argv])

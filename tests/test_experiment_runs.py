@@ -79,19 +79,19 @@ def test_paper_hparams_config_clips_each_method_with_its_own_bound():
   loss = train.make_loss(cfg)
   key = jax.random.PRNGKey(2)
   want = dict(
-      logit_dp=jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip_norm=1e-5, method="triangle")),
-      naive_dp=jax.jit(logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=1e-4)))
+      logit_dp=logit_dp.clipped_grad(apply_fn, loss, clip_norm=1e-5, method="triangle"),
+      naive_dp=logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=1e-4))
   sens = dict(logit_dp=logit_dp.sensitivity(loss, 1e-5, batch_size=None), naive_dp=2e-4)
   for m in ("logit_dp", "naive_dp"):
     grad_fn, _, info = train.make_method(cfg, m, apply_fn, 25_000, key)
     assert info["clip_norm"] == cfg.clip_norms[m]
     np.testing.assert_allclose(info["sensitivity"], sens[m], rtol=1e-12)
-    got, ref = jax.jit(grad_fn)(params, x, xp, mask)[1], want[m](params, x, xp, mask)[1]
+    got, ref = grad_fn(params, x, xp, mask)[1], want[m](params, x, xp, mask)[1]
     for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
   # The bound binds: with B = 1 the same batch gives another (larger) clipped gradient.
-  big = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip_norm=1.0,
-                                      method="triangle"))(params, x, xp, mask)[1]
+  big = logit_dp.clipped_grad(apply_fn, loss, clip_norm=1.0, method="triangle")(params, x, xp,
+                                                                                 mask)[1]
   norm = lambda t: float(jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(t))))
   assert norm(big) > 10 * norm(want["logit_dp"](params, x, xp, mask)[1])
 
