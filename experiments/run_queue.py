@@ -102,7 +102,6 @@ def publish(workdir, dest):
 
 def code_version():
   """The commit the run starts from, and whether logit_dp/ or experiments/ differ from it."""
-
   def git(*args):
     r = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, check=False)
     return r.stdout.strip() if r.returncode == 0 else None

@@ -78,9 +78,8 @@ def test_paper_hparams_config_clips_each_method_with_its_own_bound():
   mask = jnp.ones(6, bool)
   loss = train.make_loss(cfg)
   key = jax.random.PRNGKey(2)
-  want = dict(
-      logit_dp=logit_dp.clipped_grad(apply_fn, loss, clip_norm=1e-5, method="triangle"),
-      naive_dp=logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=1e-4))
+  want = dict(logit_dp=logit_dp.clipped_grad(apply_fn, loss, clip_norm=1e-5, method="triangle"),
+              naive_dp=logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=1e-4))
   sens = dict(logit_dp=logit_dp.sensitivity(loss, 1e-5, batch_size=None), naive_dp=2e-4)
   for m in ("logit_dp", "naive_dp"):
     grad_fn, _, info = train.make_method(cfg, m, apply_fn, 25_000, key)
@@ -91,7 +90,7 @@ def test_paper_hparams_config_clips_each_method_with_its_own_bound():
       np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
   # The bound binds: with B = 1 the same batch gives another (larger) clipped gradient.
   big = logit_dp.clipped_grad(apply_fn, loss, clip_norm=1.0, method="triangle")(params, x, xp,
-                                                                                 mask)[1]
+                                                                                mask)[1]
   norm = lambda t: float(jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(t))))
   assert norm(big) > 10 * norm(want["logit_dp"](params, x, xp, mask)[1])
 

@@ -624,8 +624,8 @@ def check_embed_fn(embed_fn: EmbedFn, params, x) -> None:
     return
   if _is_traced((params, x)):
     params, x = _probe_inputs(params, x)
-  rows = jnp.asarray(x[:_PROBE_ROWS])
-  with jax.ensure_compile_time_eval():
+  with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
+    rows = jnp.asarray(x[:_PROBE_ROWS])
     batched = np.asarray(embed_fn(params, rows), np.float64)
     if batched.ndim != 2 or batched.shape[0] != rows.shape[0]:
       raise ValueError(f"embed_fn must return (n, d) embeddings, one row per example; got shape "
