@@ -431,6 +431,13 @@ def _triangle_bound(anchor, positive, s_local, s_all, allowance: float):
           + jnp.sqrt(jnp.maximum(positive, 0.0) + eps * s_all[None, :] ** 2))
 
 
+def _vectors_per_block(batch: _Batch, count: int) -> int:
+  """How many parameter-sized vectors (pair gradients) to hold at once: at most `count`, about
+  _PAIR_BLOCK_FLOATS floats, at least one."""
+  num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(batch.params))
+  return max(1, min(count, _PAIR_BLOCK_FLOATS // max(num_params, 1)))
+
+
 def _with_diagonal(batch: _Batch, norms, f_u: layerwise.Factors, f_v_local: layerwise.Factors,
                    allowance: float):
   """norms with each diagonal pair (x_i, x'_i) replaced by its vector-form norm.
@@ -442,8 +449,7 @@ def _with_diagonal(batch: _Batch, norms, f_u: layerwise.Factors, f_v_local: laye
   the vector allowance allowance·_VECTOR_FLOAT_ERROR·(s_i + s'_i).
   """
   n_local = batch.u_loc.shape[0]
-  num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(batch.params))
-  chunk = max(1, min(n_local, _PAIR_BLOCK_FLOATS // max(num_params, 1)))
+  chunk = _vectors_per_block(batch, n_local)
   sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v_local, batch.u_loc, batch.v_loc, chunk)
   scale = _jacobian_norms(f_u.gram) + _jacobian_norms(f_v_local.gram)
   diagonal = jnp.sqrt(jnp.maximum(sq, 0.0)) + allowance * _VECTOR_FLOAT_ERROR * scale
@@ -459,8 +465,7 @@ def _triangle_norms(batch: _Batch, allowance: float = 1.0):
   """
   def chunk_terms(x_chunk, x_prime_chunk, u_chunk, v_chunk):
     f_u, f_v = batch.factors(x_chunk, chunked=False), batch.factors(x_prime_chunk, chunked=False)
-    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(batch.params))
-    rows = max(1, min(x_chunk.shape[0], _PAIR_BLOCK_FLOATS // max(num_params, 1)))
+    rows = _vectors_per_block(batch, x_chunk.shape[0])
     sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v, u_chunk, v_chunk, rows)
     return f_u.gram, f_v.gram, sq
 
@@ -505,8 +510,7 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size, allo
   s_all = batch.c.gather(_jacobian_norms(batch.factors(batch.x_prime).gram))
   slack = allowance * _VECTOR_FLOAT_ERROR * (s_local[:, None] + s_all[None, :])
   n_local, n = tau_local_rows.shape
-  num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(batch.params))
-  block = pair_block_size or max(1, min(n_local * n, _PAIR_BLOCK_FLOATS // max(num_params, 1)))
+  block = pair_block_size or _vectors_per_block(batch, n_local * n)
   num_pairs = n_local * n
   num_blocks = -(-num_pairs // block)
   flat = jnp.arange(num_blocks * block)
