@@ -79,14 +79,14 @@ def reference(fn, params, x, x_prime, views, valid, groups, temperature, clip_no
       return value
 
     value, grad = jax.jit(jax.value_and_grad(group_loss))(params)
-    norm = jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree_util.tree_leaves(grad)))
+    norm = jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(grad)))
     factor = jnp.minimum(1.0, clip_norm / norm)
     total_loss += value
     total = jax.tree_util.tree_map(lambda t, gr, f=factor: t + f * gr, total, grad)
   return total_loss, total
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _grad_fn(fn, clip_norm, num_groups, temperature, microbatch_size):
   return logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(temperature), clip_norm,
                                        num_groups, microbatch_size=microbatch_size)
@@ -99,9 +99,8 @@ def _grads(fn, params, x, x_prime, views, mask, ids, clip_norm, num_groups, temp
 
 
 @pytest.mark.parametrize("kind,k,microbatch,clip_norm", [("linear", 0, None, 1e-3),
-                                                          ("mlp", 2, None, 0.5),
-                                                          ("mlp", 2, 3, 1e3),
-                                                          ("linear", 1, 4, 0.05)])
+                                                         ("mlp", 2, None, 0.5), ("mlp", 2, 3, 1e3),
+                                                         ("linear", 1, 4, 0.05)])
 def test_gradient_matches_the_brute_force_reference_in_float64(no_norm_allowance, kind, k,
                                                                microbatch, clip_norm):
   with jax.enable_x64(True):
@@ -137,17 +136,17 @@ def test_one_group_without_extra_views_is_naive_dp(no_norm_allowance):
   fn, params, x, x_prime, _ = make("mlp", 9, seed=4)
   loss = logit_dp.losses.contrastive(0.5)
   for clip_norm in (1e-3, 1e3):
-    got_loss, got = logit_dp.grouped_clipped_grad(fn, loss, clip_norm, 1)(
-        params, x, x_prime, record_ids=jnp.arange(9), group_key=KEY)
+    got_loss, got = logit_dp.grouped_clipped_grad(fn, loss, clip_norm,
+                                                  1)(params, x, x_prime, record_ids=jnp.arange(9),
+                                                     group_key=KEY)
     ref_loss, ref = logit_dp.naive_clipped_grad(fn, loss, clip_norm)(params, x, x_prime)
     assert rel_err(got, ref) < 1e-6
     np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-6)
 
 
-@pytest.mark.parametrize("scale,spread,log_clip", [
-    (1.0, 0.3, -6.0), (100.0, 1e-3, 0.0),
-    pytest.param(1e-3, 0.3, -2.0, marks=pytest.mark.slow)
-])
+@pytest.mark.parametrize("scale,spread,log_clip",
+                         [(1.0, 0.3, -6.0), (100.0, 1e-3, 0.0),
+                          pytest.param(1e-3, 0.3, -2.0, marks=pytest.mark.slow)])
 def test_released_group_gradients_never_exceed_b_in_float64(scale, spread, log_clip):
   """Stress inputs (tiny B, huge and tiny inputs, near-identical views); B swept across the
   group's own gradient norm, where the float32 norm decides whether to clip."""
@@ -159,7 +158,7 @@ def test_released_group_gradients_never_exceed_b_in_float64(scale, spread, log_c
   # The unclipped group gradient (float32) and its norm in float64.
   _, unclipped = _grads(fn, params, x, x_prime, views, one_group, ids, 1e30, 2)
   norm = np.linalg.norm(flat(unclipped))
-  bounds = [10.0**log_clip] + list(norm * (1.0 + np.array([-1e-7, 0.0, 1e-7])))
+  bounds = [10.0 ** log_clip] + list(norm * (1.0 + np.array([-1e-7, 0.0, 1e-7])))
   for bound in bounds:
     _, released = _grads(fn, params, x, x_prime, views, one_group, ids, float(bound), 2)
     assert np.linalg.norm(flat(released)) <= bound, (bound, norm)
@@ -191,8 +190,8 @@ def test_adding_a_record_changes_only_its_own_group():
   groups = np.asarray(logit_dp.assign_groups(ids, KEY, 3))
   r = 4  # record 22 joins at position 4: S is the batch without it
   keep = np.arange(12) != r
-  run = lambda rows, mask=None: _grads(fn, params, x[rows], x_prime[rows], views[rows], mask,
-                                       ids[rows], 0.05, 3)[1]
+  run = lambda rows, mask=None: _grads(fn, params, x[rows], x_prime[rows], views[rows], mask, ids[
+      rows], 0.05, 3)[1]
   with_r, without_r = run(np.arange(12)), run(np.flatnonzero(keep))
   own = groups == groups[r]
   own_with = run(np.arange(12), jnp.asarray(own))
@@ -316,9 +315,9 @@ def test_jit_matches_eager():
   grad_fn = logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(), 0.3, 2)
   ids = jnp.arange(7) * 2
   eager = grad_fn(params, x, x_prime, record_ids=ids, group_key=KEY, extra_views=views)
-  jitted = jax.jit(lambda p, a, b, i, key, v: grad_fn(p, a, b, record_ids=i, group_key=key,
-                                                      extra_views=v))(params, x, x_prime, ids, KEY,
-                                                                      views)
+  jitted = jax.jit(
+      lambda p, a, b, i, key, v: grad_fn(p, a, b, record_ids=i, group_key=key, extra_views=v))(
+          params, x, x_prime, ids, KEY, views)
   assert rel_err(jitted[1], eager[1]) < 1e-6
 
 
@@ -334,16 +333,16 @@ def test_bad_arguments_raise_value_error():
                                     microbatch_size=bad.get("microbatch_size"))
   grad_fn = logit_dp.grouped_clipped_grad(fn, contrastive, 1.0, 2)
   ids = jnp.arange(5)
-  call = lambda **kw: grad_fn(params, kw.pop("x", x), x_prime, kw.pop("mask", None), **(
-      dict(record_ids=ids, group_key=KEY) | kw))
-  for kwargs, match in ((dict(record_ids=None), "record_ids is required"),
-                        (dict(record_ids=ids[:4]), "shape"),
-                        (dict(record_ids=ids.astype(jnp.float32)), "integer"),
-                        (dict(record_ids=jnp.asarray([0, 1, 2, 2, 4])), "unique"),
-                        (dict(record_ids=jnp.asarray([0, 1, -2, 3, 4])), "≥ 0"),
-                        (dict(extra_views=views[:, 0]), "extra_views"),
-                        (dict(extra_views=[views]), "extra_views"),
-                        (dict(extra_views=views[:3]), "extra_views"),
+  call = lambda **kw: grad_fn(params, kw.pop("x", x), x_prime, kw.pop("mask", None),
+                              **(dict(record_ids=ids, group_key=KEY) | kw))
+  for kwargs, match in ((dict(record_ids=None),
+                         "record_ids is required"), (dict(record_ids=ids[:4]), "shape"),
+                        (dict(record_ids=ids.astype(jnp.float32)),
+                         "integer"), (dict(record_ids=jnp.asarray([0, 1, 2, 2, 4])), "unique"),
+                        (dict(record_ids=jnp.asarray([0, 1, -2, 3, 4])),
+                         "≥ 0"), (dict(extra_views=views[:, 0]), "extra_views"),
+                        (dict(extra_views=[views]), "extra_views"), (dict(extra_views=views[:3]),
+                                                                     "extra_views"),
                         (dict(mask=jnp.ones(5)), "boolean"), (dict(x=x[:4]), "same number")):
     with pytest.raises(ValueError, match=match):
       call(**kwargs)

@@ -121,6 +121,8 @@ def _grouping(method, num_groups, group_seed, extra_views_fn) -> _Grouping | Non
 def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None):
   """The jitted core of the audited grad_fn (cached: one compilation per configuration)."""
   if method == "dp_gcl":
+    if grouping is None:
+      raise ValueError("method='dp_gcl' needs num_groups.")
     fn = grouped.grouped_clipped_grad(embed_fn, loss, clip_norm, grouping.num_groups,
                                       cosine_eps=cosine_eps)
 
@@ -310,8 +312,7 @@ def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime) -> RemovalA
 def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, key,
                       num_restarts: int = 4, num_steps: int = 50, learning_rate: float = 0.05,
                       init_scale: float = 1.0, optimize_params: bool = False, method: str = "ghost",
-                      chunk: int | None = None,
-                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
+                      chunk: int | None = None, cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.

@@ -51,7 +51,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # sum of squares of the very vector that is scaled, so its computed value is within a few
 # ulps·log(p) of the true one; clipping by (1 + 2⁻¹²)·norm keeps the released clipped group
 # gradient's true norm ≤ B (tests/test_grouped.py measures the float32 error against float64).
-_NORM_FLOAT_ALLOWANCE = 2.0**-12
+_NORM_FLOAT_ALLOWANCE = 2.0 ** -12
 
 
 class GroupedGradFn(Protocol):
@@ -75,7 +75,8 @@ class GroupedGradFn(Protocol):
 
 
 def _check_num_groups(num_groups) -> int:
-  if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
+  if isinstance(num_groups, bool) or not isinstance(num_groups,
+                                                    (int, np.integer)) or num_groups < 1:
     raise ValueError(f"num_groups must be an integer ≥ 1, got {num_groups!r}.")
   return int(num_groups)
 
@@ -256,13 +257,13 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
                                (x, x_prime, views, cots[0], cots[1], cot_w, valid, group_ids),
                                microbatch_size)
     leaves = jax.tree_util.tree_leaves(group_grads)
-    sq = sum(jnp.sum(g.reshape(num_groups, -1)**2, axis=1) for g in leaves)
+    sq = sum(jnp.sum(g.reshape(num_groups, -1) ** 2, axis=1) for g in leaves)
     norms = jnp.sqrt(sq) * (1.0 + _NORM_FLOAT_ALLOWANCE)
     finite = jnp.isfinite(norms)
     factor = clipping._clip_factor(norms, bound)
     grads = jax.tree_util.tree_map(
-        lambda g: jnp.tensordot(factor.astype(g.dtype), _zero_rows(finite, g), axes=1,
-                                precision=_HIGHEST), group_grads)
+        lambda g: jnp.tensordot(factor.astype(g.dtype), _zero_rows(finite, g), axes=1, precision=
+                                _HIGHEST), group_grads)
     all_dropped = (num_nonfinite > 0) & ~jnp.any(valid)
     return jnp.where(all_dropped, jnp.nan, loss_value), grads, num_nonfinite
 
@@ -326,7 +327,8 @@ def _check_extra_views(extra_views, x) -> jax.Array:
   return views
 
 
-def expected_group_size_to_num_groups(expected_batch_size: float, expected_group_size: float) -> int:
+def expected_group_size_to_num_groups(expected_batch_size: float,
+                                      expected_group_size: float) -> int:
   """G = max(1, round(E[n] / s)): the number of hash buckets for an expected group size s."""
   if not (math.isfinite(expected_group_size) and expected_group_size > 0):
     raise ValueError(f"expected_group_size must be > 0, got {expected_group_size!r}.")
