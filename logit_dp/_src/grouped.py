@@ -33,7 +33,6 @@ Gaussian mechanism with noise multiplier σ that `logit_dp.accounting` accounts 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -325,11 +324,3 @@ def _check_extra_views(extra_views, x) -> jax.Array:
     raise ValueError(f"extra_views must have shape ({x.shape[0]}, k) + {tuple(x.shape[1:])}, "
                      f"got {views.shape}.")
   return views
-
-
-def expected_group_size_to_num_groups(expected_batch_size: float,
-                                      expected_group_size: float) -> int:
-  """G = max(1, round(E[n] / s)): the number of hash buckets for an expected group size s."""
-  if not (math.isfinite(expected_group_size) and expected_group_size > 0):
-    raise ValueError(f"expected_group_size must be > 0, got {expected_group_size!r}.")
-  return max(1, int(round(float(expected_batch_size) / float(expected_group_size))))
