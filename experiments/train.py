@@ -25,8 +25,8 @@ as Poisson batches have random size), Naive-DP σ·2B, DP-GCL σ·2B (the groupe
 `logit_dp.grouped_clipped_grad`: records hashed into G = round(batch_size /
 config.dp_gcl.group_size) groups by record id, regrouped every step, with
 config.dp_gcl.extra_views augmented views of each record as extra negatives).
-The training loss of a DP run is computed on private data and is not differentially private: it is only
-logged when ``config.log_private_train_loss`` is True, in a column named
+The training loss of a DP run is computed on private data and is not differentially
+private: it is only logged when ``config.log_private_train_loss`` is True, in a column named
 ``train_loss_NONPRIVATE_diagnostic``.  The curves and tables use the test set.
 """
 
