@@ -98,9 +98,12 @@ def _grads(fn, params, x, x_prime, views, mask, ids, clip_norm, num_groups, temp
   return grad_fn(params, x, x_prime, mask, record_ids=ids, group_key=KEY, extra_views=views)
 
 
-@pytest.mark.parametrize("kind,k,microbatch,clip_norm", [("linear", 0, None, 1e-3),
-                                                         ("mlp", 2, None, 0.5), ("mlp", 2, 3, 1e3),
-                                                         ("linear", 1, 4, 0.05)])
+@pytest.mark.parametrize("kind,k,microbatch,clip_norm", [
+    ("linear", 0, None, 1e-3),
+    pytest.param("mlp", 2, None, 0.5, marks=pytest.mark.slow),
+    ("mlp", 2, 3, 1e3),
+    pytest.param("linear", 1, 4, 0.05, marks=pytest.mark.slow),
+])
 def test_gradient_matches_the_brute_force_reference_in_float64(no_norm_allowance, kind, k,
                                                                microbatch, clip_norm):
   with jax.enable_x64(True):
@@ -121,13 +124,13 @@ def test_gradient_matches_the_brute_force_reference_in_float64(no_norm_allowance
 
 
 def test_float32_gradient_matches_the_float64_reference(no_norm_allowance):
-  fn, params, x, x_prime, views = make("mlp", 10, seed=2, k=2)
-  ids = jnp.arange(10) * 3 + 1
+  fn, params, x, x_prime, views = make("mlp", 8, seed=2, k=1)
+  ids = jnp.arange(8) * 3 + 1
   loss, got = _grads(fn, params, x, x_prime, views, None, ids, 0.2, 2)
   with jax.enable_x64(True):
     cast = lambda t: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), t)
     ref_loss, ref = reference(fn, cast(params), cast(x), cast(x_prime), cast(views),
-                              np.ones(10, bool), logit_dp.assign_groups(ids, KEY, 2), 0.7, 0.2)
+                              np.ones(8, bool), logit_dp.assign_groups(ids, KEY, 2), 0.7, 0.2)
   assert rel_err(got, ref) < 2e-6
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
 
@@ -135,7 +138,7 @@ def test_float32_gradient_matches_the_float64_reference(no_norm_allowance):
 def test_one_group_without_extra_views_is_naive_dp(no_norm_allowance):
   fn, params, x, x_prime, _ = make("mlp", 9, seed=4)
   loss = logit_dp.losses.contrastive(0.5)
-  for clip_norm in (1e-3, 1e3):
+  for clip_norm in (1e-3,):  # clipped; unclipped is the brute-force test at B = 1e3
     got_loss, got = logit_dp.grouped_clipped_grad(fn, loss, clip_norm,
                                                   1)(params, x, x_prime, record_ids=jnp.arange(9),
                                                      group_key=KEY)
@@ -237,8 +240,9 @@ def test_groups_by_position_in_the_batch_are_not_private(no_norm_allowance):
   assert max(hash_gaps) <= 2 * clip_norm * (1 + TOL)
 
 
-@pytest.mark.parametrize("kind,k,num_groups,clip_norm", [("linear", 0, 2, 1e-3), ("mlp", 2, 3, 1.0),
-                                                         ("mlp", 1, 1, 0.1)])
+@pytest.mark.parametrize("kind,k,num_groups,clip_norm",
+                         [("linear", 0, 2, 1e-3), ("mlp", 2, 3, 1.0),
+                          pytest.param("mlp", 1, 1, 0.1, marks=pytest.mark.slow)])
 def test_removal_audit_stays_within_2b(kind, k, num_groups, clip_norm):
   fn, params, x, x_prime, _ = make(kind, 8, seed=8)
   views_fn = None
