@@ -1,4 +1,4 @@
-"""Contrastive pre-training with Logit-DP, Naive-DP and non-private training.
+"""Contrastive pre-training with Logit-DP, Naive-DP, DP-GCL and non-private training.
 
 ``train_and_evaluate(config, workdir)`` trains every method in ``config.methods``
 with the same seed, data, pairs and initial parameters, evaluates the frozen
@@ -21,9 +21,12 @@ embeddings (k-NN, linear probe) and writes a results folder::
 Privacy: DP methods use Poisson sampling of records with rate q = batch_size / R (R
 records) and σ from the accountant for (ε, δ) after ``steps = epochs·R/batch_size``
 steps; Logit-DP noise has scale σ·sensitivity(loss, B) (supremum over batch sizes,
-as Poisson batches have random size), Naive-DP σ·2B.  The training loss of a DP
-run is computed on private data and is not differentially private: it is only
-logged when ``config.log_private_train_loss`` is True, in a column named
+as Poisson batches have random size), Naive-DP σ·2B, DP-GCL σ·2B (the grouped baseline,
+`logit_dp.grouped_clipped_grad`: records hashed into G = round(batch_size /
+config.dp_gcl.group_size) groups by record id, regrouped every step, with
+config.dp_gcl.extra_views augmented views of each record as extra negatives).
+The training loss of a DP run is computed on private data and is not differentially
+private: it is only logged when ``config.log_private_train_loss`` is True, in a column named
 ``train_loss_NONPRIVATE_diagnostic``.  The curves and tables use the test set.
 """
 
@@ -53,8 +56,13 @@ from experiments import data as data_lib
 from experiments import evaluation
 from logit_dp import models
 
-METHOD_LABELS = {"logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "non_private": "Non-private"}
-PRIVATE_METHODS = ("logit_dp", "naive_dp")
+METHOD_LABELS = {
+    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL", "non_private": "Non-private"
+}
+PRIVATE_METHODS = ("logit_dp", "naive_dp", "dp_gcl")
+# Folded into the seed's key to get DP-GCL's group keys (public: the assignment only has to be
+# independent of the data). A separate derivation leaves the other methods' keys unchanged.
+_GROUP_KEY_TAG = 0x6763_6C
 
 
 @flax.struct.dataclass
@@ -147,6 +155,21 @@ def _noise_multiplier_cached(eps, delta, q, steps, accountant):
   return float(logit_dp.accounting.noise_multiplier(eps, delta, q, steps, accountant))
 
 
+def dp_gcl_num_groups(config) -> int:
+  """G = max(1, round(batch_size / config.dp_gcl.group_size)): the expected group size."""
+  size = config.dp_gcl.group_size
+  if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
+    raise ValueError(f"config.dp_gcl.group_size must be a number > 0, got {size!r}.")
+  return max(1, int(round(int(config.batch_size) / float(size))))
+
+
+def dp_gcl_extra_views(config) -> int:
+  k = config.dp_gcl.extra_views
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f"config.dp_gcl.extra_views must be an integer ≥ 0, got {k!r}.")
+  return k
+
+
 def make_mesh(config):
   """A data-parallel mesh over config.num_devices devices (-1: all visible), or None for 1."""
   num_devices = config.get("num_devices", 1)
@@ -201,8 +224,16 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
       grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh, naive=True,
                                                           **microbatch)
     sens = logit_dp.naive_sensitivity(bound)
+  elif method == "dp_gcl":
+    if mesh is not None:
+      raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
+    dp_gcl_extra_views(config)
+    grad_fn = logit_dp.grouped_clipped_grad(apply_fn, loss, bound, dp_gcl_num_groups(config),
+                                            **microbatch)
+    # One group's clipped gradient is replaced when a record joins or leaves: 2B.
+    sens = logit_dp.grouped_sensitivity(bound)
   else:
-    raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp or non_private)")
+    raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp, dp_gcl or non_private)")
   tx = optax.chain(
       logit_dp.transform(noise_multiplier=plan["noise_multiplier"], sensitivity=sens,
                          key=noise_key),
@@ -221,6 +252,25 @@ def gather_pairs(config, x_train, pairs, idx, aug_key, step):
     xa = augment_lib.augment_batch(k1, xa, **dict(config.augment))
     xb = augment_lib.augment_batch(k2, xb, **dict(config.augment))
   return xa, xb
+
+
+def extra_views(config, x_train, pairs, idx, aug_key, step):
+  """DP-GCL's extra views, (n, k, ...): view m is a fresh augmentation of the record's first
+  image (m even) or second image (m odd); None when config.dp_gcl.extra_views = 0.
+
+  Functions of the record's own images and of public randomness only: no privacy cost.
+  """
+  k = dp_gcl_extra_views(config)
+  if k == 0:
+    return None
+  rec = pairs[idx]
+  images = (data_lib.to_float(x_train[rec[:, 0]]), data_lib.to_float(x_train[rec[:, 1]]))
+  step_key = jax.random.fold_in(aug_key, step)
+  views = [
+      augment_lib.augment_batch(jax.random.fold_in(step_key, 2 + m), images[m % 2],
+                                **dict(config.augment)) for m in range(k)
+  ]
+  return jnp.stack(views, axis=1)
 
 
 def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
@@ -257,6 +307,13 @@ def get_step_fn(config, method: str, num_records: int):
     @jax.jit
     def step_fn(state, x_train, pairs, idx, mask):
       x, xp = gather_pairs(config, x_train, pairs, idx, keys["augment"], state.step)
+      if method == "dp_gcl":  # groups: a keyed hash of the record ids, regrouped every step
+        group_key = jax.random.fold_in(
+            jax.random.fold_in(jax.random.PRNGKey(config.seed), _GROUP_KEY_TAG), state.step)
+        views = extra_views(config, x_train, pairs, idx, keys["augment"], state.step)
+        grouped_fn = functools.partial(grad_fn, record_ids=idx, group_key=group_key,
+                                       extra_views=views)
+        return train_step(state, x, xp, mask, grad_fn=grouped_fn, tx=tx)
       if mesh is not None:  # masked rows so the global batch divides by the device count
         x, xp, mask = logit_dp.distributed.pad_to_multiple(x, xp, mask, mesh.size)
       return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
@@ -722,6 +779,9 @@ def save_config(config, workdir: str):
     f.write(config.to_json_best_effort(indent=2))
 
 
+_ADDED_CONFIG_GROUPS = ("dp_gcl",)
+
+
 def check_resumable(config, workdir: str):
   """Refuses to resume a workdir whose checkpoints were made with another training config."""
   path = os.path.join(workdir, "config.json")
@@ -730,7 +790,11 @@ def check_resumable(config, workdir: str):
   with open(path) as f:
     old = ml_collections.ConfigDict(json.load(f))
   new = ml_collections.ConfigDict(json.loads(config.to_json_best_effort()))
-  key = lambda c: _freeze({k: v for k, v in c.items() if k not in _RUN_ONLY_FIELDS})
+  # Config groups added after a run was started (absent from its config.json) are compared
+  # as absent: they configure methods that run did not train.
+  added = [k for k in _ADDED_CONFIG_GROUPS if k not in old]
+  key = lambda c: _freeze(
+      {k: v for k, v in c.items() if k not in _RUN_ONLY_FIELDS and k not in added})
   if key(old) != key(new):
     raise ValueError(
         f"{workdir} holds a run with a different training config ({path}); resuming it "
