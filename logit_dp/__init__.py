@@ -30,6 +30,7 @@ from logit_dp._src.private_training import make_private
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sensitivity import naive_sensitivity
 from logit_dp._src.sensitivity import sensitivity
+from logit_dp._src.two_tower import shared_parameters
 
 __version__ = "0.1.0"
 
@@ -56,5 +57,6 @@ __all__ = [
     "normalize",
     "pair_grad_norms",
     "sensitivity",
+    "shared_parameters",
     "transform",
 ]

@@ -92,12 +92,14 @@ def _bounds(loss, clip_norm: float, n_valid: int, naive: bool) -> tuple[float, f
 
 
 @functools.lru_cache(maxsize=64)
-def _make_core(embed_fn, loss, clip_norm, method, cosine_eps):
+def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, positive_embed_fn=None):
   """The jitted core of the audited grad_fn (cached: one compilation per configuration)."""
   if method == "naive":
-    fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps)
+    fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps,
+                                     positive_embed_fn=positive_embed_fn)
   else:
-    fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps)
+    fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps,
+                               positive_embed_fn=positive_embed_fn)
   return fn.core
 
 
@@ -107,7 +109,7 @@ def _flat(tree) -> jax.Array:
 
 def _gaps_fn(core, params, x, x_prime, mask, chunk):
   """gap_k for every k: ḡ(X) against ḡ(X with pair k masked out)."""
-  n = x.shape[0]
+  n = clipping._num_rows(x)
   _, full, _ = core(params, x, x_prime, mask)
   full = _flat(full)
 
@@ -136,16 +138,19 @@ def _check_method(method: str) -> str:
 
 
 def _prepare(loss, x, x_prime, mask):
-  x, x_prime = jnp.asarray(x, jnp.float32), jnp.asarray(x_prime, jnp.float32)
-  mask = clipping._check_pair_inputs(x, x_prime, mask, getattr(loss, "min_batch_size", 1))[2]
-  if not (bool(jnp.all(jnp.isfinite(x))) and bool(jnp.all(jnp.isfinite(x_prime)))):
+  x, x_prime, mask = clipping._check_pair_inputs(x, x_prime, mask,
+                                                 getattr(loss, "min_batch_size", 1))
+  as_float32 = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  x, x_prime = jax.tree_util.tree_map(as_float32, (x, x_prime))
+  if not (bool(jnp.all(clipping._finite_rows(x))) and bool(jnp.all(clipping._finite_rows(x_prime)))):
     raise ValueError("audit inputs must be finite.")
   return x, x_prime, mask
 
 
 def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
                  method: str = "ghost", chunk: int | None = None,
-                 cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> np.ndarray:
+                 cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
+                 positive_embed_fn: EmbedFn | None = None) -> np.ndarray:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, as an (n,) array.
 
   Args:
@@ -154,17 +159,19 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
     mask: optional (n,) bool of valid pairs (invalid ones get gap 0).
     method: a `logit_dp.METHODS` entry, or "naive" for `naive_clipped_grad`.
     chunk: removals computed at once (None: all n, vmapped).
-    cosine_eps: as for `logit_dp.clipped_grad`.
+    cosine_eps, positive_embed_fn: as for `logit_dp.clipped_grad` (two towers: x, x_prime
+      may be pytrees).
   """
   method = _check_method(method)
   x, x_prime, mask = _prepare(loss, x, x_prime, mask)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, positive_embed_fn)
   return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk), np.float64)
 
 
 def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
                       method: str = "ghost", chunk: int | None = None,
-                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> RemovalAudit:
+                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
+                      positive_embed_fn: EmbedFn | None = None) -> RemovalAudit:
   """max_k ‖ḡ(X) − ḡ(X∖k)‖₂ and its ratio to the sensitivity.
 
   Args: as for `removal_gaps`; method="naive" audits Naive-DP against 2B.
@@ -177,7 +184,7 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   _check_method(method)
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
   gaps = removal_gaps(embed_fn, params, loss, clip_norm, x, x_prime, mask=mask, method=method,
-                      chunk=chunk, cosine_eps=cosine_eps)
+                      chunk=chunk, cosine_eps=cosine_eps, positive_embed_fn=positive_embed_fn)
   x, x_prime, mask_arr = _prepare(loss, x, x_prime, mask)
   return _result(gaps, loss, clip_norm, mask_arr, method, params, x, x_prime)
 
