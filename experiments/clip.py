@@ -140,8 +140,8 @@ def load_images(config) -> dict[str, Any]:
   if int(max(ds["y_train"].max(), ds["y_test"].max())) >= len(names):
     raise ValueError(f"{len(names)} class names but labels up to {ds['y_train'].max()}.")
   for split in ("train", "test"):
-    x, y = data_lib._subset(ds[f"x_{split}"], ds[f"y_{split}"],
-                            config.data.get(f"{split}_subset"), rng)
+    x, y = data_lib._subset(ds[f"x_{split}"], ds[f"y_{split}"], config.data.get(f"{split}_subset"),
+                            rng)
     ds[f"x_{split}"], ds[f"y_{split}"] = x, y
   ds["names"] = names
   return ds
@@ -183,8 +183,7 @@ def zero_shot(embed_images, embed_texts, params, images, labels, class_tokens,
 
 def _pairs(ds, tokens, indices):
   """(images, texts) of the records `indices` (record r = training image r and its text)."""
-  return ds["x_train"][indices], jax.tree_util.tree_map(lambda a: a[ds["y_train"][indices]],
-                                                        tokens)
+  return ds["x_train"][indices], jax.tree_util.tree_map(lambda a: a[ds["y_train"][indices]], tokens)
 
 
 def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, Any]:
@@ -200,6 +199,12 @@ def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, A
       optimizer=optax.adam(config.learning_rates.logit_dp), method=config.clip_method, mean=True,
       microbatch_size=config.microbatch_size, noise_key=jax.random.key(noise_seed),
       sampler_seed=sampling_seed, positive_embed_fn=embed_texts)
+  # Diagnostic on the initial parameters and 64 TEST pairs (never on training records, which
+  # would release something not covered by the guarantee): the share of pair norms above B.
+  test_texts = jax.tree_util.tree_map(lambda a: a[ds["y_test"][:64]], tokens)
+  initial_norms = logit_dp.pair_grad_norms(embed_images, params, ds["x_test"][:64], test_texts,
+                                           positive_embed_fn=embed_texts)
+  clipped_at_start = float(np.mean(np.asarray(initial_norms) > config.clip_norm))
   opt_state = private.optimizer.init(params)
   update = jax.jit(lambda g, s, p: private.optimizer.update(g, s, p))
   start = time.time()
@@ -216,12 +221,13 @@ def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, A
       log(f"logit_dp step {step + 1}/{private.steps}  ε = {private.ledger.epsilon():.3f}  "
           f"{time.time() - start:.0f} s")
   epsilon, delta = private.ledger.guarantee()
-  return dict(params=params, steps=private.steps, epsilon=epsilon, delta=delta,
-              noise_multiplier=private.noise_multiplier, sensitivity=private.sensitivity,
-              clip_norm=private.clip_norm, sampling_rate=private.sampling_rate,
-              train_seconds=time.time() - start,
-              shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params,
-                                                           *_pairs(ds, tokens, np.arange(2))))
+  return dict(
+      params=params, steps=private.steps, epsilon=epsilon, delta=delta,
+      noise_multiplier=private.noise_multiplier, sensitivity=private.sensitivity,
+      clip_norm=private.clip_norm, sampling_rate=private.sampling_rate,
+      clipped_at_start=clipped_at_start, method=private.method, train_seconds=time.time() - start,
+      shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params,
+                                                   ds["x_test"][:64], test_texts))
 
 
 def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
@@ -268,8 +274,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, quiet: bool = False) ->
                        jax.tree_util.tree_map(lambda a: a[:1], tokens))
   results: dict[str, Any] = dict(num_records=int(len(ds["y_train"])),
                                  num_test=int(len(ds["y_test"])), num_classes=len(texts),
-                                 vocabulary_size=len(vocab), example_text=texts[0],
-                                 methods={})
+                                 vocabulary_size=len(vocab), example_text=texts[0], methods={})
   for method in config.methods:
     if method == "logit_dp":
       out = train_logit_dp(config, ds, tokens, towers, workdir, log)

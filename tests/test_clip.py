@@ -32,8 +32,8 @@ def test_texts_and_vocabulary():
   vocab = clip.Vocabulary(texts)
   tokens = vocab.tokenize(texts)
   assert tokens["ids"].shape == (5, 6) and tokens["mask"].dtype == bool
-  assert [vocab.words[i] for i in tokens["ids"][1] if i] == ["a", "photo", "of", "a", "maple",
-                                                             "tree"]
+  assert [vocab.words[i] for i in tokens["ids"][1] if i
+         ] == ["a", "photo", "of", "a", "maple", "tree"]
   assert tokens["mask"].sum(axis=1).tolist() == [5, 6, 6, 5, 6]
   assert len({tuple(r) for r in tokens["ids"]}) == 5  # every class its own text
 

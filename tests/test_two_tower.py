@@ -21,7 +21,6 @@ from helpers import rel_err
 from logit_dp import audit
 from logit_dp import distributed
 from logit_dp._src import clipping
-from logit_dp._src import two_tower
 
 N, D, VOCAB, LENGTH = 8, 4, 9, 3
 LOSS = logit_dp.losses.contrastive(temperature=1.0)
@@ -73,8 +72,8 @@ def _towers(kind: str, seed: int = 0, n: int = N):
     params["head"] = head.init(k[4], jnp.zeros((1, D)))["params"]
     f = lambda p, xs: head.apply({"params": p["head"]},
                                  jnp.tanh(image.apply({"params": p["image"]}, xs)))
-    g = lambda p, ts: head.apply({"params": p["head"]}, jnp.tanh(text.apply({"params": p["text"]},
-                                                                            ts)))
+    g = lambda p, ts: head.apply({"params": p["head"]},
+                                 jnp.tanh(text.apply({"params": p["text"]}, ts)))
     return f, g, params, x, tokens
   x_prime = x + 1e-2 * jax.random.normal(k[1], x.shape)
   first, last = nn.Dense(6), nn.Dense(D)
@@ -87,8 +86,8 @@ def _towers(kind: str, seed: int = 0, n: int = N):
     return (lambda p, xs: tower(p["a1"], p["a2"], xs), lambda p, xs: tower(p["b1"], p["b2"], xs),
             params, x, x_prime)
   params = {"a1": p1, "b1": copy(p1), "head": p2}
-  return (lambda p, xs: tower(p["a1"], p["head"], xs),
-          lambda p, xs: tower(p["b1"], p["head"], xs), params, x, x_prime)
+  return (lambda p, xs: tower(p["a1"], p["head"], xs), lambda p, xs: tower(p["b1"], p["head"], xs),
+          params, x, x_prime)
 
 
 def _to64(tree):
@@ -96,7 +95,7 @@ def _to64(tree):
       lambda a: jnp.asarray(a, jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _truth(kind: str) -> np.ndarray:
   return _float64_truth(*_towers(kind))
 
@@ -129,8 +128,8 @@ def _reference(f, g, params, x, x_prime, keep):
 
 
 def _batch(f, g, params, x, x_prime):
-  return clipping._Batch(f, params, x, x_prime, jnp.ones((N,), bool),
-                         eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
+  return clipping._Batch(f, params, x, x_prime, jnp.ones(
+      (N,), bool), eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
                          collective=clipping._Collective(None), positive_embed_fn=g)
 
 
@@ -138,9 +137,8 @@ def test_shared_parameters_are_found_by_tracing():
   f, g, params, x, tokens = _towers("disjoint")
   assert logit_dp.shared_parameters(f, g, params, x, tokens) == []
   f, g, params, x, tokens = _towers("shared")
-  assert logit_dp.shared_parameters(f, g, params, x, tokens) == [
-      "['head']['bias']", "['head']['kernel']"
-  ]
+  assert logit_dp.shared_parameters(f, g, params, x,
+                                    tokens) == ["['head']['bias']", "['head']['kernel']"]
   assert _batch(f, g, params, x, tokens).tower_plans.shared  # what the gradient uses
 
 
@@ -163,8 +161,8 @@ def test_infinite_clip_norm_is_jax_grad_with_mask_and_microbatches(kind, method)
 
 
 @pytest.mark.parametrize("kind, method", [
-    pytest.param(kind, method, marks=() if kind in STRESS else SLOW)
-    for kind in KINDS + STRESS for method in logit_dp.METHODS
+    pytest.param(kind, method, marks=() if kind in STRESS else SLOW) for kind in KINDS + STRESS
+    for method in logit_dp.METHODS
 ])
 def test_clip_norms_are_never_below_the_float64_truth(kind, method):
   f, g, params, x, x_prime = _towers(kind)
@@ -199,9 +197,9 @@ def test_ghost_and_triangle_match_materialize_with_clipping(kind, no_float_allow
   clip_norm = float(jnp.median(exact))  # about half of the pairs are clipped
   mask = jnp.array([1, 1, 1, 1, 0, 1, 1, 1], bool)
   grads = {
-      method: logit_dp.clipped_grad(f, LOSS, clip_norm, method, microbatch_size=5,
-                                    positive_embed_fn=g)(params, x, tokens, mask)[1]
-      for method in logit_dp.METHODS
+      method:
+          logit_dp.clipped_grad(f, LOSS, clip_norm, method, microbatch_size=5, positive_embed_fn=g)
+          (params, x, tokens, mask)[1] for method in logit_dp.METHODS
   }
   assert rel_err(grads["ghost"], grads["materialize"]) < 1e-4
   if kind == "disjoint":  # exact norms: the same clipped gradient
@@ -217,18 +215,20 @@ def test_a_leaf_used_outside_a_layer_by_the_other_tower_is_shared():
   f, g0, params, x, tokens = _towers("disjoint", seed=2)
   g = lambda p, ts: g0(p, ts) * (1.0 + jnp.tanh(jnp.sum(p["image"]["Dense_0"]["bias"]) + 0.3))
   batch = _batch(f, g, params, x, tokens)
-  names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  names = [
+      jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
   assert [names[i] for i in batch.tower_plans.shared] == ["['image']['Dense_0']['bias']"]
-  norms = {
-      method: np.asarray(
-          logit_dp.pair_grad_norms(f, params, x, tokens, method, positive_embed_fn=g,
-                                   float_allowance=False)) for method in ("ghost", "materialize")
-  }
+  norms = {}
+  for method in ("ghost", "materialize"):
+    norms[method] = np.asarray(
+        logit_dp.pair_grad_norms(f, params, x, tokens, method, positive_embed_fn=g,
+                                 float_allowance=False))
   np.testing.assert_allclose(norms["ghost"], norms["materialize"], rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=() if m == "ghost" else SLOW)
-                                    for m in logit_dp.METHODS])
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=() if m == "ghost" else SLOW) for m in logit_dp.METHODS])
 def test_one_tower_written_as_two_gives_the_one_tower_norms(method):
   """positive_embed_fn = a copy of embed_fn: every leaf shared, the general path must agree
   with the one-tower computation."""
@@ -242,8 +242,8 @@ def test_one_tower_written_as_two_gives_the_one_tower_norms(method):
 
 
 @pytest.mark.parametrize("kind, method", [
-    pytest.param(kind, method, marks=() if method == "ghost" else SLOW)
-    for kind in STRESS for method in logit_dp.METHODS
+    pytest.param(kind, method, marks=() if method == "ghost" else SLOW) for kind in STRESS
+    for method in logit_dp.METHODS
 ])
 def test_tiny_clip_norm_on_aligned_towers_respects_the_sensitivity(kind, method):
   f, g, params, x, x_prime = _towers(kind)
@@ -289,11 +289,12 @@ def test_sharded_two_towers_match_one_device():
   mask = jnp.array([1, 1, 1, 0, 1, 1, 1], bool)
   expected = logit_dp.clipped_grad(f, LOSS, 0.2, positive_embed_fn=g)(params, x, tokens, mask)
   mesh = distributed.data_mesh(4)
-  xs, ts, ms = distributed.pad_to_multiple(np.asarray(x), jax.tree_util.tree_map(
-      np.asarray, tokens), np.asarray(mask), 4)
+  xs, ts, ms = distributed.pad_to_multiple(np.asarray(x),
+                                           jax.tree_util.tree_map(np.asarray, tokens),
+                                           np.asarray(mask), 4)
   assert ts["ids"].shape[0] == 8
   got = distributed.make_sharded_grad_fn(f, LOSS, 0.2, mesh, positive_embed_fn=g)(params, xs, ts,
-                                                                                    ms)
+                                                                                  ms)
   np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
   assert rel_err(got[1], expected[1]) < 1e-4
 

@@ -142,7 +142,8 @@ def _prepare(loss, x, x_prime, mask):
                                                  getattr(loss, "min_batch_size", 1))
   as_float32 = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
   x, x_prime = jax.tree_util.tree_map(as_float32, (x, x_prime))
-  if not (bool(jnp.all(clipping._finite_rows(x))) and bool(jnp.all(clipping._finite_rows(x_prime)))):
+  if not (bool(jnp.all(clipping._finite_rows(x)))
+          and bool(jnp.all(clipping._finite_rows(x_prime)))):
     raise ValueError("audit inputs must be finite.")
   return x, x_prime, mask
 

@@ -342,8 +342,8 @@ class _Batch:
     def chunk_grad(x_chunk, cot_chunk):
       embed = lambda p: normalize(fn(p, x_chunk), self.eps)
       _, vjp = jax.vjp(embed, self.params)
-      return _finite_or(vjp(cot_chunk)[0],
-                        lambda: self._selected_backward(x_chunk, cot_chunk, positive))
+      return _finite_or(
+          vjp(cot_chunk)[0], lambda: self._selected_backward(x_chunk, cot_chunk, positive))
 
     m = self.microbatch_size
     if m is None or m >= _num_rows(xs):
@@ -370,11 +370,12 @@ class _Batch:
     cot_u = jnp.matmul(lam_local_rows, self.v, precision=_HIGHEST)
     cot_v = jnp.matmul(lam_full[:, self.rows].T, self.u, precision=_HIGHEST)
     if factors is None:
-      grads = (self._backward_pass(self.x, cot_u),
-               self._backward_pass(self.x_prime, cot_v, positive=True))
+      anchor = self._backward_pass(self.x, cot_u)
+      positive = self._backward_pass(self.x_prime, cot_v, positive=True)
     else:
-      grads = (self._factor_backward(factors[0], cot_u),
-               self._factor_backward(factors[1], cot_v, positive=True))
+      anchor = self._factor_backward(factors[0], cot_u)
+      positive = self._factor_backward(factors[1], cot_v, positive=True)
+    grads = (anchor, positive)
     return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
 
 
@@ -620,20 +621,21 @@ def _as_inputs(a, name: str, xp):
     if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float, bool, np.generic)):
       raise ValueError(f"{where} must be an array with the examples along axis 0, got "
                        f"{type(leaf).__name__}.")
-    if np.dtype(leaf.dtype if hasattr(leaf, "dtype") else type(leaf)).kind not in "biuf":
-      raise ValueError(f"{where} must hold numbers (bool, int or float), got dtype "
-                       f"{np.dtype(getattr(leaf, 'dtype', type(leaf)))}.")
+    dtype = np.dtype(getattr(leaf, "dtype", type(leaf)))
+    if dtype.kind not in "biuf":
+      raise ValueError(f"{where} must hold numbers (bool, int or float), got dtype {dtype}.")
     leaf = xp.asarray(leaf)
     if leaf.ndim < 1:
       raise ValueError(f"{where} must have the examples along axis 0, got a scalar.")
     out.append(leaf)
   sizes = sorted({leaf.shape[0] for leaf in out})
   if len(sizes) > 1:
-    raise ValueError(f"every leaf of {name} must hold the same number of examples along axis 0, "
-                     f"got {sizes}: " + ", ".join(
-                         f"{name}{jax.tree_util.keystr(path)}: {leaf.shape}"
-                         for (path, _), leaf in zip(jax.tree_util.tree_flatten_with_path(a)[0],
-                                                    out)) + ".")
+    raise ValueError(
+        f"every leaf of {name} must hold the same number of examples along axis 0, "
+        f"got {sizes}: "
+        + ", ".join(f"{name}{jax.tree_util.keystr(path)}: {leaf.shape}"
+                    for (path, _), leaf in zip(jax.tree_util.tree_flatten_with_path(a)[0], out))
+        + ".")
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -727,10 +729,8 @@ def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn") -> None
                        f"{batched.shape} for {num} examples.")
     if num < 2:
       return
-    single = np.concatenate([
-        np.asarray(embed_fn(params, jax.tree_util.tree_map(lambda a: a[i:i + 1], rows)),
-                   np.float64) for i in range(num)
-    ])
+    one_by_one = [jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], rows) for i in range(num)]
+    single = np.concatenate([np.asarray(embed_fn(params, r), np.float64) for r in one_by_one])
   if not np.all(np.isfinite(batched)) or not np.all(np.isfinite(single)):
     return  # non-finite embeddings are handled (dropped) by the gradient itself
   tol = 1e-3 * max(float(np.max(np.abs(batched))), 1e-6)
@@ -766,8 +766,7 @@ def _forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, col
   return batch, loss_value, tau
 
 
-def check_towers(embed_fn: EmbedFn, positive_embed_fn: EmbedFn | None, params, x,
-                 x_prime) -> None:
+def check_towers(embed_fn: EmbedFn, positive_embed_fn: EmbedFn | None, params, x, x_prime) -> None:
   """`check_embed_fn` on embed_fn with x and, for two towers, on positive_embed_fn with x_prime."""
   check_embed_fn(embed_fn, params, x)
   if positive_embed_fn is not None and positive_embed_fn is not embed_fn:

@@ -376,8 +376,9 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
   leaves, treedef = jax.tree_util.tree_flatten(params)
   n = _num_rows(x)
   structs = [
-      jax.tree_util.tree_map(lambda a, m=m: jax.ShapeDtypeStruct((m,) + tuple(a.shape[1:]), a.dtype),
-                             x) for m in (n, n + 1)
+      jax.tree_util.tree_map(
+          lambda a, m=m: jax.ShapeDtypeStruct((m,) + tuple(a.shape[1:]), a.dtype), x)
+      for m in (n, n + 1)
   ]
   candidates = {i for i, leaf in enumerate(leaves) if _is_float(leaf)}
   while True:

@@ -49,9 +49,8 @@ def dependencies(plan: layerwise.Plan) -> frozenset:
 
 def _flatten_layers_of(plan: layerwise.Plan, leaves: frozenset) -> layerwise.Plan:
   """plan with every layer that owns one of `leaves` flattened (not a ghost layer)."""
-  ghost = tuple(
-      is_ghost and not frozenset(layer.leaves) & leaves
-      for layer, is_ghost in zip(plan.layers, plan.ghost))
+  ghost = tuple(is_ghost and not frozenset(layer.leaves) & leaves
+                for layer, is_ghost in zip(plan.layers, plan.ghost))
   return plan._replace(ghost=ghost)
 
 
@@ -144,7 +143,8 @@ def _shared_cross(flat_rows, u_rows, flat_columns_all, v):
   return clipping._unchunk_rows(out, rows)
 
 
-def pair_norms(batch, method: str, allowance: float = 1.0):
+def pair_norms(batch, method: str,
+               allowance: float = 1.0) -> tuple[jax.Array, tuple[layerwise.Factors, ...] | None]:
   """(norms (n_local, n), factors or None) for clipping the pair gradients of two towers.
 
   Off the diagonal, disjoint towers: √(a + b + ε_G S_ij²) (exact up to the float32
@@ -215,5 +215,7 @@ def shared_parameters(embed_fn, positive_embed_fn, params, x, x_prime) -> list[s
   d = int(embed_fn(params, x).shape[-1])
   anchor = layerwise.make_plan(embed_fn, params, x, d)
   positive = layerwise.make_plan(positive_embed_fn, params, x_prime, d)
-  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  paths = [
+      jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
   return [paths[i] for i in sorted(dependencies(anchor) & dependencies(positive))]
