@@ -35,6 +35,7 @@ from logit_dp._src.private_training import make_private
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sensitivity import naive_sensitivity
 from logit_dp._src.sensitivity import sensitivity
+from logit_dp._src.two_tower import shared_parameters
 
 __version__ = "0.1.0"
 
@@ -64,5 +65,6 @@ __all__ = [
     "normalize",
     "pair_grad_norms",
     "sensitivity",
+    "shared_parameters",
     "transform",
 ]

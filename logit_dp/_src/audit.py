@@ -118,11 +118,14 @@ def _grouping(method, num_groups, group_seed, extra_views_fn) -> _Grouping | Non
 
 
 @functools.lru_cache(maxsize=64)
-def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None):
+def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None,
+               positive_embed_fn=None):
   """The jitted core of the audited grad_fn (cached: one compilation per configuration)."""
   if method == "dp_gcl":
     if grouping is None:
       raise ValueError("method='dp_gcl' needs num_groups.")
+    if positive_embed_fn is not None:
+      raise ValueError("method='dp_gcl' audits one tower: positive_embed_fn is not supported.")
     fn = grouped.grouped_clipped_grad(embed_fn, loss, clip_norm, grouping.num_groups,
                                       cosine_eps=cosine_eps)
 
@@ -135,9 +138,11 @@ def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None):
 
     return grouped_core
   if method == "naive":
-    fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps)
+    fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps,
+                                     positive_embed_fn=positive_embed_fn)
   else:
-    fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps)
+    fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps,
+                               positive_embed_fn=positive_embed_fn)
   return fn.core
 
 
@@ -147,7 +152,7 @@ def _flat(tree) -> jax.Array:
 
 def _gaps_fn(core, params, x, x_prime, mask, chunk):
   """gap_k for every k: ḡ(X) against ḡ(X with pair k masked out)."""
-  n = x.shape[0]
+  n = clipping._num_rows(x)
   _, full, _ = core(params, x, x_prime, mask)
   full = _flat(full)
 
@@ -176,9 +181,12 @@ def _check_method(method: str) -> str:
 
 
 def _prepare(loss, x, x_prime, mask):
-  x, x_prime = jnp.asarray(x, jnp.float32), jnp.asarray(x_prime, jnp.float32)
-  mask = clipping._check_pair_inputs(x, x_prime, mask, getattr(loss, "min_batch_size", 1))[2]
-  if not (bool(jnp.all(jnp.isfinite(x))) and bool(jnp.all(jnp.isfinite(x_prime)))):
+  x, x_prime, mask = clipping._check_pair_inputs(x, x_prime, mask,
+                                                 getattr(loss, "min_batch_size", 1))
+  as_float32 = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  x, x_prime = jax.tree_util.tree_map(as_float32, (x, x_prime))
+  if not (bool(jnp.all(clipping._finite_rows(x)))
+          and bool(jnp.all(clipping._finite_rows(x_prime)))):
     raise ValueError("audit inputs must be finite.")
   return x, x_prime, mask
 
@@ -186,7 +194,8 @@ def _prepare(loss, x, x_prime, mask):
 def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
                  method: str = "ghost", chunk: int | None = None,
                  cosine_eps: float = clipping.DEFAULT_COSINE_EPS, num_groups: int | None = None,
-                 group_seed: int = 0, extra_views_fn: Callable | None = None) -> np.ndarray:
+                 group_seed: int = 0, extra_views_fn: Callable | None = None,
+                 positive_embed_fn: EmbedFn | None = None) -> np.ndarray:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, as an (n,) array.
 
   Args:
@@ -196,12 +205,13 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
     method: a `logit_dp.METHODS` entry, "naive" for `naive_clipped_grad` or "dp_gcl" for
       `grouped_clipped_grad` (with num_groups, group_seed, extra_views_fn: see the module doc).
     chunk: removals computed at once (None: all n, vmapped).
-    cosine_eps: as for `logit_dp.clipped_grad`.
+    cosine_eps, positive_embed_fn: as for `logit_dp.clipped_grad` (two towers: x, x_prime
+      may be pytrees).
   """
   method = _check_method(method)
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, mask)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, positive_embed_fn)
   return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk), np.float64)
 
 
@@ -209,7 +219,8 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       method: str = "ghost", chunk: int | None = None,
                       cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
-                      extra_views_fn: Callable | None = None) -> RemovalAudit:
+                      extra_views_fn: Callable | None = None,
+                      positive_embed_fn: EmbedFn | None = None) -> RemovalAudit:
   """max_k ‖ḡ(X) − ḡ(X∖k)‖₂ and its ratio to the sensitivity.
 
   Args: as for `removal_gaps`; method="naive" audits Naive-DP and "dp_gcl" DP-GCL against 2B.
@@ -223,7 +234,8 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
   gaps = removal_gaps(embed_fn, params, loss, clip_norm, x, x_prime, mask=mask, method=method,
                       chunk=chunk, cosine_eps=cosine_eps, num_groups=num_groups,
-                      group_seed=group_seed, extra_views_fn=extra_views_fn)
+                      group_seed=group_seed, extra_views_fn=extra_views_fn,
+                      positive_embed_fn=positive_embed_fn)
   x, x_prime, mask_arr = _prepare(loss, x, x_prime, mask)
   return _result(gaps, loss, clip_norm, mask_arr, method, params, x, x_prime)
 

@@ -156,10 +156,10 @@ def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1) -> tuple[Any, Any,
   """
   if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or multiple < 1:
     raise ValueError(f"multiple must be a positive integer, got {multiple!r}.")
-  host = all(isinstance(a, np.ndarray) for a in (x, x_prime) + (() if mask is None else (mask,)))
+  host = all(isinstance(a, np.ndarray) for a in jax.tree_util.tree_leaves((x, x_prime, mask)))
   xp = np if host else jnp
   x, x_prime, mask = clipping.check_pairs(x, x_prime, mask, xp)
-  n = x.shape[0]
+  n = clipping._num_rows(x)
   pad = (-n) % int(multiple)
   if pad == 0:
     return x, x_prime, mask
@@ -167,7 +167,7 @@ def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1) -> tuple[Any, Any,
   def padded(a):
     return xp.concatenate([a, xp.zeros((pad,) + a.shape[1:], a.dtype)])
 
-  return padded(x), padded(x_prime), padded(mask)
+  return jax.tree_util.tree_map(padded, (x, x_prime, mask))
 
 
 def replicate(tree, mesh: Mesh) -> Any:
@@ -194,19 +194,21 @@ def shard_batch(mesh: Mesh, x, x_prime, mask=None, *,
   """
   _axis_size(mesh, axis_name)
   local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-  x, x_prime, mask = pad_to_multiple(np.asarray(x), np.asarray(x_prime),
+  x, x_prime, mask = pad_to_multiple(jax.tree_util.tree_map(np.asarray, x),
+                                     jax.tree_util.tree_map(np.asarray, x_prime),
                                      None if mask is None else np.asarray(mask),
                                      max(int(local_devices), 1))
   sharding = NamedSharding(mesh, P(axis_name))
-  return tuple(jax.make_array_from_process_local_data(sharding, a) for a in (x, x_prime, mask))
+  return tuple(
+      jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(sharding, a), t)
+      for t in (x, x_prime, mask))
 
 
 def _check_global_batch(x, x_prime, mask, k: int, min_batch_size: int):
-  if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
-    raise ValueError(
-        f"x and x_prime must hold the same number of examples, got shapes {x.shape} and "
-        f"{x_prime.shape}.")
-  n = x.shape[0]
+  """(x, x_prime) as jax arrays (or pytrees of them); ValueError on a batch that cannot be
+  split over k devices or is too small for the loss."""
+  x, x_prime, _ = clipping.check_pairs(x, x_prime)
+  n = clipping._num_rows(x)
   if n < min_batch_size:
     raise ValueError(f"the loss needs at least {min_batch_size} pairs per batch, got {n}.")
   if n % k:
@@ -214,8 +216,9 @@ def _check_global_batch(x, x_prime, mask, k: int, min_batch_size: int):
         f"the global batch ({n} pairs) must split evenly over the {k} devices of the mesh; "
         f"pad it with masked rows first: logit_dp.distributed.pad_to_multiple(x, x_prime, "
         f"mask, {k}).")
-  if mask is not None and tuple(mask.shape) != (n,):
-    raise ValueError(f"mask must have shape ({n},), got {tuple(mask.shape)}.")
+  if mask is not None and tuple(np.shape(mask)) != (n,):
+    raise ValueError(f"mask must have shape ({n},), got {tuple(np.shape(mask))}.")
+  return x, x_prime
 
 
 def _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs):
@@ -258,7 +261,9 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
     mesh: a mesh with axis `axis_name` (e.g. `data_mesh()`).
     naive: use `naive_clipped_grad` (Naive-DP) instead.
     axis_name: the mesh axis the batch is split along.
-    **kwargs: microbatch_size, pair_block_size, cosine_eps (per device).
+    **kwargs: microbatch_size, pair_block_size, cosine_eps (per device), and
+      positive_embed_fn for two towers (x, x_prime may then be pytrees, split
+      along axis 0 of every leaf).
   """
   k = _axis_size(mesh, axis_name)
   core = _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
@@ -272,17 +277,16 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   checked = []
 
   def grad_fn(params, x, x_prime, mask=None):
-    x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
-    _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    x, x_prime = _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    n = clipping._num_rows(x)
     if not checked:
-      clipping.check_embed_fn(embed_fn, params, x)
+      clipping.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
       checked.append(True)
-    mask = (jnp.ones(
-        (x.shape[0],), bool) if mask is None else clipping._check_mask(mask, x.shape[0], jnp))
+    mask = jnp.ones((n,), bool) if mask is None else clipping._check_mask(mask, n, jnp)
     if not clipping._is_traced((params, x, x_prime, mask)):
       # One placement whatever the caller's: no resharding inside, one jit cache entry.
       params = jax.device_put(params, replicated)
-      x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))
+      x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
     loss_value, grads, num_nonfinite = jitted(params, x, x_prime, mask)
     if not clipping._is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
       raise ValueError(f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
@@ -378,18 +382,17 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
   checked = []
 
   def step(params, opt_state, x, x_prime, mask=None):
-    x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
-    _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    x, x_prime = _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    n = clipping._num_rows(x)
     if not checked:
       if not non_private:
         check_adds_noise(optimizer, params)
-      clipping.check_embed_fn(embed_fn, params, x)
+      clipping.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
       checked.append(True)
-    mask = (jnp.ones(
-        (x.shape[0],), bool) if mask is None else clipping._check_mask(mask, x.shape[0], jnp))
+    mask = jnp.ones((n,), bool) if mask is None else clipping._check_mask(mask, n, jnp)
     if not clipping._is_traced((params, opt_state, x, x_prime, mask)):
       params, opt_state = jax.device_put((params, opt_state), replicated)
-      x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))
+      x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
     return jitted(params, opt_state, x, x_prime, mask)
 
   typed = cast(TrainStep, step)

@@ -121,7 +121,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     sampler_seed: integer seed of the Poisson sampler; None draws one with
       `secrets` (read it from ``sampler.seed`` to resume; keep it secret).
     max_batch_size, overflow: passed to `PoissonSampler`.
-    **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps).
+    **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps;
+      positive_embed_fn for a two-tower model, with the same C).
 
   Returns:
     A `PrivateTraining`.
