@@ -22,11 +22,13 @@ import pytest
 import logit_dp
 from helpers import reference_grad
 from helpers import rel_err
+from logit_dp import distributed
 from logit_dp.ledger import PrivacyLedger
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, REPO)  # experiments.*
 
 import multihost_worker as worker  # noqa: E402
 
@@ -49,21 +51,22 @@ def _env():
 
 
 class _Job:
-  """The worker processes of one launch, with their logs in `log_dir`."""
+  """The processes of one launch, with their logs in `log_dir`.
 
-  def __init__(self, out, log_dir, tag, **flags):
-    port = _free_port()
+  ``command(i, coordinator)`` is the argv of process i; every process gets the same free
+  loopback port for the coordinator.
+  """
+  def __init__(self, command, log_dir, tag):
+    coordinator = f"127.0.0.1:{_free_port()}"
     self.logs = [os.path.join(log_dir, f"{tag}_process{i}.log") for i in range(NUM_PROCESSES)]
     self.procs = []
     for i, path in enumerate(self.logs):
-      argv = [sys.executable, os.path.join(HERE, "multihost_worker.py"),
-              f"--coordinator=127.0.0.1:{port}", f"--num_processes={NUM_PROCESSES}",
-              f"--process_id={i}", f"--out={out}"] + [f"--{k}={v}" for k, v in flags.items()]
       with open(path, "w") as log:
         self.procs.append(
-            subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT))
+            subprocess.Popen(command(i, coordinator), cwd=REPO, env=_env(), stdout=log,
+                             stderr=subprocess.STDOUT))
 
-  def output(self, tail: int = 3000) -> str:
+  def output(self, tail: int = 4000) -> str:
     text = []
     for i, path in enumerate(self.logs):
       with open(path, errors="replace") as f:
@@ -90,6 +93,18 @@ class _Job:
   def expect_success(self, timeout: float = LAUNCH_TIMEOUT_S):
     codes = self.wait(timeout)
     assert codes == [0] * NUM_PROCESSES, f"worker exit codes {codes}:\n{self.output()}"
+
+
+def _workers(out, log_dir, tag, **flags) -> _Job:
+  """tests/multihost_worker.py on every process."""
+  def command(i, coordinator):
+    return [
+        sys.executable,
+        os.path.join(HERE, "multihost_worker.py"), f"--coordinator={coordinator}",
+        f"--num_processes={NUM_PROCESSES}", f"--process_id={i}", f"--out={out}"
+    ] + [f"--{k}={v}" for k, v in flags.items()]
+
+  return _Job(command, log_dir, tag)
 
 
 def _read(out):
@@ -126,11 +141,38 @@ def _flat(tree):
   return np.concatenate([np.ravel(np.asarray(a)) for a in jax.tree.leaves(tree)])
 
 
+def test_local_batch_indices_in_one_process_is_the_padded_batch():
+  mesh = distributed.data_mesh(4)
+  indices, mask = np.array([3, 8, 9, 0, 0], np.int32), np.array([1, 1, 1, 0, 0], bool)
+  rows, local_mask = distributed.local_batch_indices(mesh, indices, mask)
+  np.testing.assert_array_equal(rows, [3, 8, 9, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(local_mask, [1, 1, 1, 0, 0, 0, 0, 0])
+  rows, local_mask = distributed.local_batch_indices(mesh, np.arange(4))
+  np.testing.assert_array_equal(rows, np.arange(4))
+  assert local_mask.all() and rows.dtype == np.int32
+  with pytest.raises(ValueError, match="1-D"):
+    distributed.local_batch_indices(mesh, np.zeros((2, 2), np.int32))
+  with pytest.raises(ValueError, match="bool array of shape"):
+    distributed.local_batch_indices(mesh, indices, np.ones(5, np.float32))
+  with pytest.raises(ValueError, match="bool array of shape"):
+    distributed.local_batch_indices(mesh, indices, np.ones(4, bool))
+
+
+def test_broadcast_seed_in_one_process():
+  assert distributed.broadcast_seed(2 ** 63 - 1) == 2 ** 63 - 1
+  assert distributed.broadcast_seed(np.int64(5)) == 5
+  drawn = {distributed.broadcast_seed() for _ in range(4)}
+  assert len(drawn) == 4 and all(0 <= s < 2 ** 63 for s in drawn)
+  for bad in (-1, 2 ** 63, 1.0, True, "3"):
+    with pytest.raises(ValueError, match="seed must be an integer"):
+      distributed.broadcast_seed(bad)
+
+
 def test_two_processes_give_the_single_process_gradient_update_and_ledger(tmp_path):
-  steps, seeds = 2, [2**62 + 12345, 2**40 + 7]
+  steps, seeds = 2, [2 ** 62 + 12345, 2 ** 40 + 7]
   with open(os.path.join(tmp_path, worker.SEED_FILE), "w") as f:
     json.dump(seeds, f)  # read by process 0 only; the others get them from broadcast_seed
-  job = _Job(str(tmp_path), str(tmp_path), "check", steps=steps)
+  job = _workers(str(tmp_path), str(tmp_path), "check", steps=steps)
   records, ledger, run = _reference(*seeds, steps)  # meanwhile, in this process
   job.expect_success()
   data, ledgers = _read(str(tmp_path))
@@ -175,7 +217,7 @@ def test_a_killed_process_is_survived_by_resuming_from_the_checkpoint(tmp_path, 
   steps, kill_after = 8, 3
   out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
   os.makedirs(out)
-  job = _Job(out, str(tmp_path), "killed", steps=steps, checkpoint_dir=ckpt, step_delay=1.0)
+  job = _workers(out, str(tmp_path), "killed", steps=steps, checkpoint_dir=ckpt, step_delay=1.0)
   deadline = time.monotonic() + LAUNCH_TIMEOUT_S
   while not _checkpoint_steps(ckpt) or _checkpoint_steps(ckpt)[-1] < kill_after:
     if time.monotonic() > deadline or any(p.poll() is not None for p in job.procs):
@@ -191,9 +233,9 @@ def test_a_killed_process_is_survived_by_resuming_from_the_checkpoint(tmp_path, 
   assert kill_after <= interrupted_at < steps, job.output()
   assert not os.path.exists(os.path.join(out, "process0.npz"))
 
-  resumed = _Job(out, str(tmp_path), "resumed", steps=steps, checkpoint_dir=ckpt)
+  resumed = _workers(out, str(tmp_path), "resumed", steps=steps, checkpoint_dir=ckpt)
   resumed.expect_success()
-  assert f"resumed from step {interrupted_at}" in resumed.output(), resumed.output()
+  assert f"resumed from step {interrupted_at}" in resumed.output(tail=10 ** 6), resumed.output()
   data, ledgers = _read(out)
   seeds = data[0]["seeds"]
   np.testing.assert_array_equal(data[1]["seeds"], seeds)
@@ -205,3 +247,79 @@ def test_a_killed_process_is_survived_by_resuming_from_the_checkpoint(tmp_path, 
   assert ledgers[0] == ledgers[1] == ledger.to_dict()
   assert ledger.steps == steps
   assert _checkpoint_steps(ckpt)[-1] == steps
+
+
+_PRETRAIN_CONFIG = """
+from experiments.configs import tiny
+
+
+def get_config():
+  config = tiny.get_config()
+  config.privacy_seed = None  # secret seeds: process 0 draws them and shares them
+  config.num_devices = {num_devices}
+  return config
+"""
+
+
+def _pretrain_config(path, num_devices):
+  with open(path, "w") as f:
+    f.write(_PRETRAIN_CONFIG.format(num_devices=num_devices))
+  return str(path)
+
+
+@pytest.mark.slow
+def test_pretrain_on_two_processes_matches_one_process_on_four_devices(tmp_path):
+  """experiments/pretrain.py, tiny config, 2 processes × 2 devices: interrupted after 2 steps of
+  every method, resumed, and compared with one process on 4 devices (same secret seeds)."""
+  from experiments import finetuning
+  from experiments import train
+  from experiments.configs import tiny
+  workdir = str(tmp_path / "run")
+  config_path = _pretrain_config(tmp_path / "config_2proc.py", -1)
+
+  def pretrain(*extra):
+    def command(i, coordinator):
+      return [
+          sys.executable,
+          os.path.join(REPO, "experiments", "pretrain.py"), f"--config={config_path}",
+          f"--workdir={workdir}", f"--coordinator_address={coordinator}",
+          f"--num_processes={NUM_PROCESSES}", f"--process_id={i}", "--local_device_count=2"
+      ] + list(extra)
+
+    return command
+
+  first = _Job(pretrain("--config.stop_after_steps=2"), str(tmp_path), "first")
+  first.expect_success()
+  second = _Job(pretrain(), str(tmp_path), "second")
+  second.expect_success()
+  log = second.output(tail=10 ** 6)
+  for method in tiny.get_config().methods:
+    assert f"[{method}] resumed from step 2" in log, log
+  with open(os.path.join(workdir, "results.json")) as f:
+    results = json.load(f)
+  # only process 0 prints (and writes) the results
+  with open(second.logs[1]) as f:
+    assert "results:" not in f.read()
+  with open(second.logs[0]) as f:
+    assert "results:" in f.read()
+
+  # One process, 4 devices, the same seeds (process 0's secret file).
+  import shutil
+  reference_dir = str(tmp_path / "reference")
+  shutil.copytree(workdir + ".secrets", reference_dir + ".secrets")
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("config_1proc",
+                                                _pretrain_config(tmp_path / "config_1proc.py", 4))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  reference = train.train_and_evaluate(module.get_config(), reference_dir, quiet=True)
+  for method, ref in reference.items():
+    got = results[method]
+    assert got["finished"] and ref["finished"]
+    assert got["steps"] == ref["steps"] == ref["total_steps"]
+    assert got["epsilon"] == ref["epsilon"] and got["delta"] == ref["delta"]
+    # as fine-tuning reads them, in one process
+    params = finetuning.load_pretrained(workdir, method, finetuning._read_pretrain(workdir)[0])
+    np.testing.assert_allclose(_flat(params), _flat(ref["params"]), rtol=1e-4, atol=1e-6)
+    losses = [row["test_loss"] for row in got["history"]]
+    np.testing.assert_allclose(losses, [row["test_loss"] for row in ref["history"]], rtol=1e-4)

@@ -199,7 +199,7 @@ def replicate(tree, mesh: Mesh) -> Any:
         "key from distributed.broadcast_seed(), not from `secrets` on each process.") from e
 
 
-_SEED_BOUND = 2**63
+_SEED_BOUND = 2 ** 63
 
 
 def broadcast_seed(seed: int | None = None) -> int:
@@ -216,8 +216,8 @@ def broadcast_seed(seed: int | None = None) -> int:
   """
   if seed is None:
     seed = secrets.randbits(63) if jax.process_index() == 0 else 0
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (0 <= seed
-                                                                               < _SEED_BOUND):
+  is_int = isinstance(seed, (int, np.integer)) and not isinstance(seed, bool)
+  if not is_int or not 0 <= seed < _SEED_BOUND:
     raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}.")
   seed = int(seed)
   if jax.process_count() == 1:
@@ -231,8 +231,11 @@ def broadcast_seed(seed: int | None = None) -> int:
 def _process_row_range(mesh: Mesh, axis_name: str, n: int) -> tuple[int, int]:
   """[start, stop): the rows of a P(axis_name) batch of n rows held by this process's devices."""
   sharding = NamedSharding(mesh, P(axis_name))
-  ranges = sorted({(0 if idx[0].start is None else idx[0].start, n if idx[0].stop is None else
-                    idx[0].stop) for idx in sharding.addressable_devices_indices_map((n,)).values()})
+  ranges = set()
+  for index in sharding.addressable_devices_indices_map((n,)).values():
+    rows = slice(None) if index is None else index[0]
+    ranges.add((0 if rows.start is None else rows.start, n if rows.stop is None else rows.stop))
+  ranges = sorted(ranges)
   if not ranges:
     raise ValueError("this process has no device in the mesh.")
   for (_, stop), (start, _) in zip(ranges, ranges[1:]):
