@@ -166,6 +166,20 @@ def _shared_seeds(seed_file):
   return seeds
 
 
+def _check_replicate_refuses_different_values(mesh, log):
+  """A noise key drawn on each process (here: its own seed) must not become 'replicated'."""
+  import jax
+
+  from logit_dp import distributed
+  own_key = jax.random.key_data(jax.random.key(jax.process_index()))
+  try:
+    distributed.replicate({"rng_key": own_key}, mesh)
+  except ValueError as e:
+    log(f"replicate refused different values: {str(e)[:100]}")
+  else:
+    raise SystemExit("replicate accepted different values on the processes")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--coordinator", required=True)
@@ -197,6 +211,7 @@ def main(argv=None):
   seed_file = os.path.join(args.out, SEED_FILE)
   noise_seed, sampler_seed = _shared_seeds(seed_file)
   if args.checkpoint_dir is None:
+    _check_replicate_refuses_different_values(mesh, log)
     records, ledger = check_steps(mesh, noise_seed, sampler_seed, args.steps)
   else:
     records, ledger = train_steps(mesh, noise_seed, sampler_seed, args.steps, args.checkpoint_dir,

@@ -178,6 +178,9 @@ def test_two_processes_give_the_single_process_gradient_update_and_ledger(tmp_pa
   data, ledgers = _read(str(tmp_path))
   for d in data:
     np.testing.assert_array_equal(d["seeds"], seeds)
+  for path in job.logs:  # a noise key drawn per process is refused
+    with open(path) as f:
+      assert "replicate refused different values" in f.read(), job.output()
   for t, ref in enumerate(records):
     # each process loaded its own rows; together, in process order, the padded batch
     rows = np.concatenate([d["rows"][t] for d in data])
