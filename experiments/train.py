@@ -295,6 +295,16 @@ def gather_pairs(config, x_train, pairs, idx, aug_key, step):
   return xa, xb
 
 
+def augment_rows(config, x, xp, aug_key, step, num_rows: int):
+  """Multi-process: the first ``num_rows`` rows of the global batch augmented as `gather_pairs`
+  augments the batcher's ``num_rows`` rows; the rows past them (mesh padding) are left as
+  they are."""
+  if not _augments(config):
+    return x, xp
+  xa, xb = augment_views(config, x[:num_rows], xp[:num_rows], aug_key, step)
+  return jnp.concatenate([xa, x[num_rows:]]), jnp.concatenate([xb, xp[num_rows:]])
+
+
 def local_batch(config, x_train: np.ndarray, pairs: np.ndarray, idx, mask, mesh):
   """Multi-process: the global batch (x, x_prime, mask) of the records ``idx``, this process
   loading only its own rows (`distributed.local_batch_indices`) on the host."""
@@ -342,9 +352,7 @@ def get_step_fn(config, method: str, num_records: int):
 
       @jax.jit
       def step_fn(state, x, xp, mask):  # the global batch of `local_batch`
-        if _augments(config):  # the rows of the single-process step, augmented alike
-          xa, xb = augment_views(config, x[:num_rows], xp[:num_rows], keys["augment"], state.step)
-          x, xp = jnp.concatenate([xa, x[num_rows:]]), jnp.concatenate([xb, xp[num_rows:]])
+        x, xp = augment_rows(config, x, xp, keys["augment"], state.step, num_rows)
         return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
     else:
 

@@ -168,6 +168,31 @@ def test_broadcast_seed_in_one_process():
       distributed.broadcast_seed(bad)
 
 
+def test_pretrain_multiprocess_batch_is_the_single_process_batch():
+  """train.local_batch + augment_rows (the multi-process step) give the rows that gather_pairs
+  + pad_to_multiple (the single-process step on a mesh) give, augmentation included."""
+  from experiments import train
+  from experiments.configs import tiny
+  config = tiny.get_config()
+  config.pair_mode = "augment"
+  rng = np.random.default_rng(0)
+  x_train = rng.integers(0, 256, (30, 8, 8, 1), dtype=np.uint8)
+  pairs = np.stack([np.arange(30), rng.permutation(30)], axis=1)
+  idx = np.array([2, 5, 7, 11, 13, 17, 19, 23, 0, 0], np.int32)
+  mask = np.arange(10) < 8
+  mesh = distributed.data_mesh(4)
+  key = jax.random.PRNGKey(3)
+  want = train.gather_pairs(config, x_train, pairs, idx, key, 4)
+  want_x, want_xp, want_mask = distributed.pad_to_multiple(*want, mask, 4)
+  x, xp, got_mask = train.local_batch(config, x_train, pairs, idx, mask, mesh)
+  x, xp = train.augment_rows(config, x, xp, key, 4, len(idx))
+  assert x.shape == want_x.shape == (12, 8, 8, 1)
+  np.testing.assert_array_equal(got_mask, want_mask)
+  np.testing.assert_array_equal(np.asarray(x)[:10], np.asarray(want_x)[:10])
+  np.testing.assert_array_equal(np.asarray(xp)[:10], np.asarray(want_xp)[:10])
+  assert not np.array_equal(np.asarray(x)[:8], x_train[pairs[idx[:8], 0]] / 255.0)  # augmented
+
+
 def test_two_processes_give_the_single_process_gradient_update_and_ledger(tmp_path):
   steps, seeds = 2, [2 ** 62 + 12345, 2 ** 40 + 7]
   with open(os.path.join(tmp_path, worker.SEED_FILE), "w") as f:
