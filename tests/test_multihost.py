@@ -168,6 +168,15 @@ def test_broadcast_seed_in_one_process():
       distributed.broadcast_seed(bad)
 
 
+def test_initialize_distributed_needs_all_three_addresses():
+  from experiments import train
+  train.initialize_distributed()  # nothing given: one process, nothing to do
+  for given in (dict(coordinator_address="127.0.0.1:1"), dict(num_processes=2, process_id=0)):
+    with pytest.raises(ValueError, match="needs coordinator_address, num_processes and"):
+      train.initialize_distributed(**given)
+  assert jax.process_count() == 1
+
+
 def test_pretrain_multiprocess_batch_is_the_single_process_batch():
   """train.local_batch + augment_rows (the multi-process step) give the rows that gather_pairs
   + pad_to_multiple (the single-process step on a mesh) give, augmentation included."""
