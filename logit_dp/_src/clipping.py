@@ -333,25 +333,37 @@ class _Batch:
                                   _map_chunks(chunk_grad, (xs, cot), m))
 
   def _factor_backward(self, factors: layerwise.Factors, cot):
-    """Σ_e J_eᵀ cot_e contracted from the examples' Jacobian factors."""
-    leaves, treedef = jax.tree_util.tree_flatten(self.params)
-    transpose = lambda keep=None: jax.tree_util.tree_unflatten(
-        treedef, layerwise.factors_transpose(self.plan, factors, cot, leaves, keep))
-    return _finite_or(transpose(), lambda: transpose(jnp.any(cot != 0, axis=-1)))
+    """Σ_e J_eᵀ cot_e contracted from the examples' Jacobian factors.
 
-  def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array, factors=None):
+    The selecting recomputation goes example by example: selecting all of them at once would
+    hold a second copy of the factors (the largest buffer of "ghost").
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(self.params)
+
+    def transpose(f, c, keep=None):
+      return jax.tree_util.tree_unflatten(
+          treedef, layerwise.factors_transpose(self.plan, f, c, leaves, keep))
+
+    def selected():
+      def add_example(total, example):
+        f, c = jax.tree_util.tree_map(lambda a: a[None], example)
+        return jax.tree_util.tree_map(jnp.add, total, transpose(f, c, jnp.any(c != 0, -1))), None
+
+      zeros = self.c.varying(jax.tree_util.tree_map(jnp.zeros_like, self.params))
+      return jax.lax.scan(add_example, zeros, (factors, cot))[0]
+
+    return _finite_or(transpose(factors, cot), selected)
+
+  def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array):
     """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ, summed over devices.
 
-    = Σ_i J_iᵀ(Σ_j λ_ij v̂_j) + Σ_j J'_jᵀ(Σ_i λ_ij û_i): one backward pass, or, given the
-    Jacobian factors (f_u, f_v) of the local examples of both views, their contraction.
-    Either way an example whose cotangent is 0 contributes exactly 0.
+    = Σ_i J_iᵀ(Σ_j λ_ij v̂_j) + Σ_j J'_jᵀ(Σ_i λ_ij û_i), by one backward pass per view; an
+    example whose cotangent is 0 contributes exactly 0. ("ghost" contracts its factors
+    instead, block by block: `_ghost`.)
     """
     cot_u = jnp.matmul(lam_local_rows, self.v, precision=_HIGHEST)
     cot_v = jnp.matmul(lam_full[:, self.rows].T, self.u, precision=_HIGHEST)
-    if factors is None:
-      grads = (self._backward_pass(self.x, cot_u), self._backward_pass(self.x_prime, cot_v))
-    else:
-      grads = (self._factor_backward(factors[0], cot_u), self._factor_backward(factors[1], cot_v))
+    grads = (self._backward_pass(self.x, cot_u), self._backward_pass(self.x_prime, cot_v))
     return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
 
 
@@ -590,7 +602,7 @@ def ghost_block_sizes(n_local: int, num_devices: int, example_bytes: int,
   for num_row_blocks in range(1, n_local + 1):
     r0 = -(-n_local // num_row_blocks)
     c = min(-(-r0 // buffers), (slots - r0) // buffers)
-    if c < min(_MIN_COLUMN_BLOCK, r0):
+    if c < min(_MIN_COLUMN_BLOCK, -(-r0 // buffers)):
       continue
     while True:
       per_row_block = -(-r0 // c)
@@ -1043,8 +1055,8 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
 
 
 def _check_memory_budget(memory_budget):
-  if memory_budget is not None and (isinstance(memory_budget, bool) or
-                                    not isinstance(memory_budget, int) or memory_budget < 1):
+  if memory_budget is not None and (isinstance(memory_budget, bool)
+                                    or not isinstance(memory_budget, int) or memory_budget < 1):
     raise ValueError(
         f"memory_budget must be a positive integer (bytes) or None, got {memory_budget!r}.")
   return memory_budget
