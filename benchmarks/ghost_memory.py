@@ -40,8 +40,8 @@ UNBOUNDED = 1 << 50  # bytes: every batch in one block (the path before the bloc
 
 def _ghost_memory(embed_fn, params, x, x_prime, microbatch_size, memory_budget) -> dict:
   loss = logit_dp.losses.contrastive(temperature=1.0)
-  grad_fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, "ghost", microbatch_size=microbatch_size,
-                                  memory_budget=memory_budget)
+  grad_fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, "ghost", microbatch_size=microbatch_size
+                                  or None, memory_budget=memory_budget)
   mask = jnp.ones((x.shape[0],), bool)
   t0 = time.perf_counter()
   compiled = grad_fn.core.lower(params, x, x_prime, mask).compile()
@@ -66,7 +66,7 @@ def memory(args) -> list:
     if not args.skip_unbounded:
       budgets["one block"] = UNBOUNDED
     for name, budget in budgets.items():
-      r, c = clipping.ghost_block_sizes(n, 1, example_bytes, budget)
+      r, c = clipping.ghost_block_sizes(n, 1, example_bytes, budget, args.microbatch or 1)
       row = dict(model=args.model, n=n, num_params=num_params, microbatch=args.microbatch,
                  variant=name, memory_budget=budget, factor_bytes_per_example=example_bytes,
                  row_block=r, column_block=c)

@@ -586,16 +586,18 @@ def factor_bytes_per_example(plan: layerwise.Plan, d: int, leaves) -> int:
   return 4 * (held + d * q + relaid)
 
 
-def ghost_block_sizes(n_local: int, num_devices: int, example_bytes: int,
-                      memory_budget: int) -> tuple[int, int]:
+def ghost_block_sizes(n_local: int, num_devices: int, example_bytes: int, memory_budget: int,
+                      multiple: int = 1) -> tuple[int, int]:
   """(r, c): rows and columns of the pair blocks of "ghost", c dividing r.
 
   With b = 1 column buffer on one device and 2 on a ring (the block in use and the one
   arriving), the factors held at once are (r + b·c)·example_bytes ≤ memory_budget. The
   column factors are recomputed once per row block, so r is as large as fits (all n_local
   rows when (n_local + b·⌈n_local/b⌉)·example_bytes fit: no recomputation, and on one device
-  the single block of today's "ghost"); c is then the largest that fits, at least
-  _MIN_COLUMN_BLOCK where the budget allows. Below (1 + b)·example_bytes: r = c = 1.
+  the single block of the path before the blocks); c is then the largest that fits, at least
+  _MIN_COLUMN_BLOCK where the budget allows, and a multiple of `multiple` (the microbatch of
+  the factor computations) when larger than it, except for that single block. Below
+  (1 + b)·example_bytes: r = c = 1.
   """
   buffers = 1 if num_devices == 1 else 2
   slots = memory_budget // max(example_bytes, 1)
@@ -607,6 +609,10 @@ def ghost_block_sizes(n_local: int, num_devices: int, example_bytes: int,
     while True:
       per_row_block = -(-r0 // c)
       c_balanced = -(-r0 // per_row_block)
+      if buffers == 1 and c_balanced == n_local:
+        return n_local, n_local
+      if c_balanced > multiple:  # whole microbatches: no padded chunk to slice off
+        c_balanced = -(-c_balanced // multiple) * multiple
       r = per_row_block * c_balanced
       if r + buffers * c_balanced <= slots or c == 1:
         return r, c_balanced
@@ -641,7 +647,8 @@ def _ghost(batch: _Batch, tau_local, clip_norm, allowance: float, memory_budget:
   k = col.size()
   leaves = jax.tree_util.tree_leaves(batch.params)
   budget = default_memory_budget() if memory_budget is None else memory_budget
-  r, c = ghost_block_sizes(n_local, k, factor_bytes_per_example(batch.plan, d, leaves), budget)
+  r, c = ghost_block_sizes(n_local, k, factor_bytes_per_example(batch.plan, d, leaves), budget,
+                           batch.microbatch_size or 1)
   per_row_block = r // c
   num_row_blocks, num_column_blocks = -(-n_local // r), -(-n_local // c)
   single = num_row_blocks == 1 and num_column_blocks == 1 and k == 1
