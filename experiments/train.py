@@ -1,4 +1,4 @@
-"""Contrastive pre-training with Logit-DP, Naive-DP and non-private training.
+"""Contrastive pre-training with Logit-DP, Naive-DP, DP-GCL and non-private training.
 
 ``train_and_evaluate(config, workdir)`` trains every method in ``config.methods``
 with the same seed, data, pairs and initial parameters, evaluates the frozen
@@ -18,12 +18,23 @@ embeddings (k-NN, linear probe) and writes a results folder::
                                   the secret noise / sampling seeds of a DP run, outside the
                                   results folder (see `privacy_seeds`)
 
+Multi-host (several processes, `initialize_distributed` first): every process runs this
+same code on the same config and data; the mesh spans every process's devices, every
+process draws the same Poisson batch and loads only its own rows of it
+(`logit_dp.distributed.local_batch_indices`), all of them write the orbax checkpoints
+together (each array once), and only process 0 evaluates and writes the results folder,
+metrics, TensorBoard logs and the secret seeds (which it draws and shares:
+`logit_dp.distributed.broadcast_seed`). Checkpoints need a folder every process sees.
+
 Privacy: DP methods use Poisson sampling of records with rate q = batch_size / R (R
 records) and σ from the accountant for (ε, δ) after ``steps = epochs·R/batch_size``
 steps; Logit-DP noise has scale σ·sensitivity(loss, B) (supremum over batch sizes,
-as Poisson batches have random size), Naive-DP σ·2B.  The training loss of a DP
-run is computed on private data and is not differentially private: it is only
-logged when ``config.log_private_train_loss`` is True, in a column named
+as Poisson batches have random size), Naive-DP σ·2B, DP-GCL σ·2B (the grouped baseline,
+`logit_dp.grouped_clipped_grad`: records hashed into G = round(batch_size /
+config.dp_gcl.group_size) groups by record id, regrouped every step, with
+config.dp_gcl.extra_views augmented views of each record as extra negatives).
+The training loss of a DP run is computed on private data and is not differentially
+private: it is only logged when ``config.log_private_train_loss`` is True, in a column named
 ``train_loss_NONPRIVATE_diagnostic``.  The curves and tables use the test set.
 """
 
@@ -53,8 +64,13 @@ from experiments import data as data_lib
 from experiments import evaluation
 from logit_dp import models
 
-METHOD_LABELS = {"logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "non_private": "Non-private"}
-PRIVATE_METHODS = ("logit_dp", "naive_dp")
+METHOD_LABELS = {
+    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL", "non_private": "Non-private"
+}
+PRIVATE_METHODS = ("logit_dp", "naive_dp", "dp_gcl")
+# Folded into the seed's key to get DP-GCL's group keys (public: the assignment only has to be
+# independent of the data). A separate derivation leaves the other methods' keys unchanged.
+_GROUP_KEY_TAG = 0x6763_6C
 
 
 @flax.struct.dataclass
@@ -147,9 +163,79 @@ def _noise_multiplier_cached(eps, delta, q, steps, accountant):
   return float(logit_dp.accounting.noise_multiplier(eps, delta, q, steps, accountant))
 
 
+def dp_gcl_num_groups(config) -> int:
+  """G = max(1, round(batch_size / config.dp_gcl.group_size)): the expected group size."""
+  size = config.dp_gcl.group_size
+  if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
+    raise ValueError(f"config.dp_gcl.group_size must be a number > 0, got {size!r}.")
+  return max(1, int(round(int(config.batch_size) / float(size))))
+
+
+def dp_gcl_extra_views(config) -> int:
+  k = config.dp_gcl.extra_views
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f"config.dp_gcl.extra_views must be an integer ≥ 0, got {k!r}.")
+  return k
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, *, local_device_count: int | None = None,
+                           cpu_collectives: str = "gloo", auto: bool = False) -> None:
+  """Joins a multi-process run (`jax.distributed.initialize`); call it before any JAX computation.
+
+  With coordinator_address / num_processes / process_id, or auto=True (Cloud TPU, SLURM, ...
+  detect them), every process of the run calls it with its own process_id. On the CPU,
+  local_device_count sets the devices this process simulates (``jax_num_cpu_devices``) and
+  the processes' collectives use ``cpu_collectives`` (gloo over TCP, or mpi). Without any
+  of them it only sets local_device_count (if given): one process.
+  """
+  if local_device_count is not None:
+    jax.config.update("jax_num_cpu_devices", int(local_device_count))
+  given = (coordinator_address, num_processes, process_id)
+  if not auto and all(v is None for v in given):
+    return
+  if not auto and any(v is None for v in given):
+    raise ValueError("a multi-process run needs coordinator_address, num_processes and "
+                     f"process_id together (or auto=True), got {given}.")
+  jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                             process_id=process_id)
+
+
+def is_primary() -> bool:
+  """Process 0 of a multi-process run (or the only process): the one that writes results."""
+  return jax.process_index() == 0
+
+
+def _multiprocess() -> bool:
+  return jax.process_count() > 1
+
+
+def _sync(name: str):
+  """Waits for every process (multi-process runs only)."""
+  if _multiprocess():
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)
+
+
+def _local(tree):
+  """This process's copy of replicated arrays (they span every process's devices otherwise)."""
+  return jax.tree.map(
+      lambda a: a.addressable_data(0)
+      if isinstance(a, jax.Array) and not a.is_fully_addressable else a, tree)
+
+
 def make_mesh(config):
-  """A data-parallel mesh over config.num_devices devices (-1: all visible), or None for 1."""
+  """A data-parallel mesh over config.num_devices devices (-1: all visible), or None for 1.
+
+  With several processes the mesh must span every device of every process: num_devices
+  must be -1 (or their number).
+  """
   num_devices = config.get("num_devices", 1)
+  if _multiprocess() and num_devices not in (-1, jax.device_count()):
+    raise ValueError(
+        f"{jax.process_count()} processes: the mesh must span all {jax.device_count()} devices "
+        f"of all processes; set --config.num_devices=-1 (got {num_devices}).")
   if num_devices == 1:
     return None
   return logit_dp.distributed.data_mesh(None if num_devices == -1 else num_devices)
@@ -201,8 +287,16 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
       grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh, naive=True,
                                                           **microbatch)
     sens = logit_dp.naive_sensitivity(bound)
+  elif method == "dp_gcl":
+    if mesh is not None:
+      raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
+    dp_gcl_extra_views(config)
+    grad_fn = logit_dp.grouped_clipped_grad(apply_fn, loss, bound, dp_gcl_num_groups(config),
+                                            **microbatch)
+    # One group's clipped gradient is replaced when a record joins or leaves: 2B.
+    sens = logit_dp.grouped_sensitivity(bound)
   else:
-    raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp or non_private)")
+    raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp, dp_gcl or non_private)")
   tx = optax.chain(
       logit_dp.transform(noise_multiplier=plan["noise_multiplier"], sensitivity=sens,
                          key=noise_key),
@@ -211,16 +305,65 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   return grad_fn, tx, dict(plan, sensitivity=sens, clip_norm=bound)
 
 
+def _augments(config) -> bool:
+  return config.pair_mode == "augment" or config.get("augment_same_class", False)
+
+
+def augment_views(config, xa, xb, aug_key, step):
+  """The two views augmented independently, with keys from fold_in(aug_key, step)."""
+  k1, k2 = jax.random.split(jax.random.fold_in(aug_key, step))
+  return (augment_lib.augment_batch(k1, xa, **dict(config.augment)),
+          augment_lib.augment_batch(k2, xb, **dict(config.augment)))
+
+
 def gather_pairs(config, x_train, pairs, idx, aug_key, step):
   """Images of the records ``idx`` as two views (x, x_prime) in [0, 1], augmented on device."""
   rec = pairs[idx]
   xa = data_lib.to_float(x_train[rec[:, 0]])
   xb = data_lib.to_float(x_train[rec[:, 1]])
-  if config.pair_mode == "augment" or config.get("augment_same_class", False):
-    k1, k2 = jax.random.split(jax.random.fold_in(aug_key, step))
-    xa = augment_lib.augment_batch(k1, xa, **dict(config.augment))
-    xb = augment_lib.augment_batch(k2, xb, **dict(config.augment))
+  if _augments(config):
+    xa, xb = augment_views(config, xa, xb, aug_key, step)
   return xa, xb
+
+
+def extra_views(config, x_train, pairs, idx, aug_key, step):
+  """DP-GCL's extra views, (n, k, ...): view m is a fresh augmentation of the record's first
+  image (m even) or second image (m odd); None when config.dp_gcl.extra_views = 0.
+
+  Functions of the record's own images and of public randomness only: no privacy cost.
+  """
+  k = dp_gcl_extra_views(config)
+  if k == 0:
+    return None
+  rec = pairs[idx]
+  images = (data_lib.to_float(x_train[rec[:, 0]]), data_lib.to_float(x_train[rec[:, 1]]))
+  step_key = jax.random.fold_in(aug_key, step)
+  views = [
+      augment_lib.augment_batch(jax.random.fold_in(step_key, 2 + m), images[m % 2],
+                                **dict(config.augment)) for m in range(k)
+  ]
+  return jnp.stack(views, axis=1)
+
+
+def augment_rows(config, x, xp, aug_key, step, num_rows: int):
+  """Multi-process: the first ``num_rows`` rows of the global batch augmented as `gather_pairs`
+  augments the batcher's ``num_rows`` rows; the rows past them (mesh padding) are left as
+  they are."""
+  if not _augments(config):
+    return x, xp
+  xa, xb = augment_views(config, x[:num_rows], xp[:num_rows], aug_key, step)
+  return jnp.concatenate([xa, x[num_rows:]]), jnp.concatenate([xb, xp[num_rows:]])
+
+
+def local_batch(config, x_train: np.ndarray, pairs: np.ndarray, idx, mask, mesh):
+  """Multi-process: the global batch (x, x_prime, mask) of the records ``idx``, this process
+  loading only its own rows (`distributed.local_batch_indices`) on the host."""
+  rows, local_mask = logit_dp.distributed.local_batch_indices(mesh, np.asarray(idx),
+                                                              np.asarray(mask))
+  rec = pairs[rows]
+  xa = np.asarray(data_lib.to_float(x_train[rec[:, 0]]))
+  xb = np.asarray(data_lib.to_float(x_train[rec[:, 1]]))
+  return logit_dp.distributed.shard_batch(mesh, xa, xb, local_mask)
 
 
 def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
@@ -244,7 +387,8 @@ def get_step_fn(config, method: str, num_records: int):
   """(step_fn, tx, info), cached per (method, training config) so resumes reuse compilations.
 
   ``step_fn(state, x_train, pairs, idx, mask)`` gathers and augments the batch on the
-  device and applies `train_step`; it is jitted.
+  device and applies `train_step`; it is jitted. Multi-process it is
+  ``step_fn(state, x, x_prime, mask)`` on the global batch of `local_batch`.
   """
   key = _step_key(config, method, num_records)
   if key not in _STEP_CACHE:
@@ -253,13 +397,28 @@ def get_step_fn(config, method: str, num_records: int):
     grad_fn, tx, info = make_method(config, method, apply_fn, num_records, keys["noise"])
 
     mesh = make_mesh(config)
+    if _multiprocess():
+      num_rows = int(info["max_batch"])  # the batcher's rows; then padding to the mesh
 
-    @jax.jit
-    def step_fn(state, x_train, pairs, idx, mask):
-      x, xp = gather_pairs(config, x_train, pairs, idx, keys["augment"], state.step)
-      if mesh is not None:  # masked rows so the global batch divides by the device count
-        x, xp, mask = logit_dp.distributed.pad_to_multiple(x, xp, mask, mesh.size)
-      return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
+      @jax.jit
+      def step_fn(state, x, xp, mask):  # the global batch of `local_batch`
+        x, xp = augment_rows(config, x, xp, keys["augment"], state.step, num_rows)
+        return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
+    else:
+
+      @jax.jit
+      def step_fn(state, x_train, pairs, idx, mask):
+        x, xp = gather_pairs(config, x_train, pairs, idx, keys["augment"], state.step)
+        if method == "dp_gcl":  # groups: a keyed hash of the record ids, regrouped every step
+          group_key = jax.random.fold_in(
+              jax.random.fold_in(jax.random.PRNGKey(config.seed), _GROUP_KEY_TAG), state.step)
+          views = extra_views(config, x_train, pairs, idx, keys["augment"], state.step)
+          grouped_fn = functools.partial(grad_fn, record_ids=idx, group_key=group_key,
+                                         extra_views=views)
+          return train_step(state, x, xp, mask, grad_fn=grouped_fn, tx=tx)
+        if mesh is not None:  # masked rows so the global batch divides by the device count
+          x, xp, mask = logit_dp.distributed.pad_to_multiple(x, xp, mask, mesh.size)
+        return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
 
     _STEP_CACHE[key] = (step_fn, tx, info)
   return _STEP_CACHE[key]
@@ -377,9 +536,18 @@ def privacy_seeds(config, workdir: str, method: str):
   outside the results folder (a run started before this layout keeps its file in
   ``workdir/<method>/`` and resumes from there). A set privacy_seed makes the run
   reproducible and NOT private against anyone who reads the config (tests, debugging).
+  Multi-process: process 0 keeps the file and shares the seeds with the others.
   """
   if config.get("privacy_seed") is not None:
     return int(config.privacy_seed), int(config.privacy_seed) + 1
+  seeds = _stored_seeds(config, workdir, method) if is_primary() else (None, None)
+  if _multiprocess():  # process 0's seeds, on every process
+    seeds = tuple(logit_dp.distributed.broadcast_seed(s) for s in seeds)
+  return seeds
+
+
+def _stored_seeds(config, workdir: str, method: str) -> tuple[int, int]:
+  """The secret seeds of `privacy_seeds`, read from their file or drawn and written there."""
   legacy = os.path.join(workdir, method, SECRET_SEEDS_FILE)
   path = legacy
   if not os.path.exists(legacy):
@@ -458,7 +626,10 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
   mdir = os.path.join(workdir, method)
-  os.makedirs(mdir, exist_ok=True)
+  primary = is_primary()  # multi-process: only process 0 evaluates and writes files
+  quiet = quiet or not primary
+  if primary:
+    os.makedirs(mdir, exist_ok=True)
   keys = _keys(config.seed)
   _, apply_fn, _, init_fn = get_model(config.model)
   num_records = int(pairs.shape[0])
@@ -473,6 +644,9 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     noise_seed, sampling_seed = privacy_seeds(config, workdir, method)
     opt_state = _with_noise_key(opt_state, jax.random.PRNGKey(noise_seed))
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  mesh = make_mesh(config) if _multiprocess() else None
+  if mesh is not None:  # the same values on every process (checked), on every device
+    state = logit_dp.distributed.replicate(state, mesh)
   batcher = _Batcher(method, num_records, info, int(config.batch_size), seed=sampling_seed)
   ledger = None
   if private:
@@ -492,13 +666,16 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
       done = " (finished)" if int(state.step) >= total_steps else ""
       print(f"[{method}] resumed from step {int(state.step)}{done}")
   start = int(state.step)
-  history = _read_history(csv_path, start) if start else []
+  history = _read_history(csv_path, start) if start and primary else []
 
-  x_train, pairs_d = jnp.asarray(ds["x_train"]), jnp.asarray(pairs)
+  if mesh is None:
+    x_train, pairs_d = jnp.asarray(ds["x_train"]), jnp.asarray(pairs)
+  else:  # each process gathers its own rows on the host
+    x_train, pairs_d = np.asarray(ds["x_train"]), np.asarray(pairs)
   eval_loss = get_eval_loss(config)
-  if eval_data is None:
+  if eval_data is None and primary:
     eval_data = eval_pairs(config, ds["x_test"], ds["y_test"], config.seed)
-  writer = SummaryWriter(os.path.join(workdir, "tensorboard", method))
+  writer = SummaryWriter(os.path.join(workdir, "tensorboard", method)) if primary else None
   fields = ["step", "epoch", "epsilon", "delta", "steps_per_sec", "test_loss"]
   if config.log_private_train_loss:
     fields.append("train_loss_NONPRIVATE_diagnostic")
@@ -506,23 +683,29 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   # Epochs seen: q per Poisson step; 1 / (batches per epoch) for shuffled epochs.
   epoch_per_step = (info["sampling_rate"] if private else 1.0 / -(-num_records // batch))
 
+  def test_loss(params):
+    return float(eval_loss(_local(params), *eval_data))
+
   def write_row(row):
+    if not primary:
+      return
     history.append(row)
     with open(csv_path, "a", newline="") as f:
       csv.DictWriter(f, fieldnames=fields, extrasaction="ignore").writerow(row)
     for k, v in row.items():
-      if k != "step" and v == v and v is not None:
+      if k != "step" and v == v and v is not None and writer is not None:
         writer.add_scalar(k, v, row["step"])
 
-  with open(csv_path, "w", newline="") as f:  # rewrite: drops rows past the checkpoint
-    w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-    w.writeheader()
-    for r in history:
-      w.writerow(r)
-  if start == 0:
+  if primary:
+    with open(csv_path, "w", newline="") as f:  # rewrite: drops rows past the checkpoint
+      w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+      w.writeheader()
+      for r in history:
+        w.writerow(r)
+  if start == 0 and primary:
     write_row(
         dict(step=0, epoch=0.0, epsilon=0.0, delta=0.0, steps_per_sec=float("nan"),
-             test_loss=float(eval_loss(state.params, *eval_data))))
+             test_loss=test_loss(state.params)))
 
   stop = total_steps
   if config.get("stop_after_steps"):
@@ -550,7 +733,10 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
       # Record the step before its noisy update exists. The whole run's ε was checked
       # against the budget above, so ε itself is computed lazily, at log time.
       ledger.steps += 1
-    state, metrics = step_fn(state, x_train, pairs_d, idx, mask)
+    if mesh is None:
+      state, metrics = step_fn(state, x_train, pairs_d, idx, mask)
+    else:
+      state, metrics = step_fn(state, *local_batch(config, x_train, pairs_d, idx, mask, mesh))
     if not bool(metrics["finite"]):
       raise FloatingPointError(
           f"{method}: the training loss is not finite at step {int(state.step)} (the "
@@ -560,13 +746,13 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     step += 1
     t_train += time.time() - t0
     bar.update(1)
-    if step % log_every == 0 or step == stop:
+    if primary and (step % log_every == 0 or step == stop):
       sps = (step - s_last) / max(time.time() - t_last, 1e-9)
       if ledger is not None:
         eps_now = ledger.epsilon()
       row = dict(step=step, epoch=step * epoch_per_step, epsilon=eps_now,
                  delta=ledger.delta() if ledger else 0.0, steps_per_sec=sps,
-                 test_loss=float(eval_loss(state.params, *eval_data)))
+                 test_loss=test_loss(state.params))
       if config.log_private_train_loss:
         row["train_loss_NONPRIVATE_diagnostic"] = float(metrics["train_loss"])
       write_row(row)
@@ -576,7 +762,8 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     if step % ckpt_every == 0 or step == stop:
       save_checkpoint(ckpt_dir, state, ledger, max_to_keep=keep)
   bar.close()
-  writer.close()
+  if writer is not None:
+    writer.close()
   if int(state.step) >= total_steps:
     save_params(os.path.join(mdir, "params"), state.params)
   eps_final = ledger.epsilon() if ledger else 0.0
@@ -585,7 +772,7 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
               noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
               clip_norm=info.get("clip_norm"), sampling_rate=info["sampling_rate"],
               epsilon=eps_final, delta=ledger.delta() if ledger else 0.0, train_seconds=t_train,
-              history=history, params=state.params, apply_fn=apply_fn)
+              history=history, params=_local(state.params), apply_fn=apply_fn)
 
 
 def evaluate_embeddings(config, params, ds) -> dict[str, Any]:
@@ -722,6 +909,9 @@ def save_config(config, workdir: str):
     f.write(config.to_json_best_effort(indent=2))
 
 
+_ADDED_CONFIG_GROUPS = ("dp_gcl",)
+
+
 def check_resumable(config, workdir: str):
   """Refuses to resume a workdir whose checkpoints were made with another training config."""
   path = os.path.join(workdir, "config.json")
@@ -730,7 +920,11 @@ def check_resumable(config, workdir: str):
   with open(path) as f:
     old = ml_collections.ConfigDict(json.load(f))
   new = ml_collections.ConfigDict(json.loads(config.to_json_best_effort()))
-  key = lambda c: _freeze({k: v for k, v in c.items() if k not in _RUN_ONLY_FIELDS})
+  # Config groups added after a run was started (absent from its config.json) are compared
+  # as absent: they configure methods that run did not train.
+  added = [k for k in _ADDED_CONFIG_GROUPS if k not in old]
+  key = lambda c: _freeze(
+      {k: v for k, v in c.items() if k not in _RUN_ONLY_FIELDS and k not in added})
   if key(old) != key(new):
     raise ValueError(
         f"{workdir} holds a run with a different training config ({path}); resuming it "
@@ -742,25 +936,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """Trains and evaluates every method of ``config.methods``; returns per-method results.
 
   Re-running with the same ``workdir`` resumes every method from its last checkpoint.
+  Multi-process, every process calls it; process 0 returns the evaluated results and
+  writes the folder, the others return their training records only.
   """
-  os.makedirs(workdir, exist_ok=True)
   check_resumable(config, workdir)
-  save_config(config, workdir)
+  _sync("config checked")  # before process 0 overwrites it
+  primary = is_primary()  # multi-process: process 0 evaluates and writes; all train
+  quiet = quiet or not primary
+  if primary:
+    os.makedirs(workdir, exist_ok=True)
+    save_config(config, workdir)
   np.random.seed(config.seed)
   ds = data_lib.load_dataset(config.data, seed=config.seed)
   pairs = data_lib.make_pairs(ds["y_train"], config.pair_mode, config.seed)
   if not quiet:
     print(f"data: {config.data.source}/{config.data.get('name', '')} train {len(ds['y_train'])} "
           f"test {len(ds['y_test'])}; {len(pairs)} records ({config.pair_mode} pairs)")
-  with open(os.path.join(workdir, "input_shape.json"), "w") as f:
-    json.dump(list(ds["x_train"].shape[1:]), f)
-  eval_data = eval_pairs(config, ds["x_test"], ds["y_test"], config.seed)
+  eval_data = None
+  if primary:
+    with open(os.path.join(workdir, "input_shape.json"), "w") as f:
+      json.dump(list(ds["x_train"].shape[1:]), f)
+    eval_data = eval_pairs(config, ds["x_test"], ds["y_test"], config.seed)
   results = {}
   for method in config.methods:
     r = train_method(config, method, ds, pairs, workdir, quiet=quiet, eval_data=eval_data)
-    if r["finished"]:
+    if r["finished"] and primary:
       r.update(evaluate_embeddings(config, r["params"], ds))
     results[method] = r
+  if not primary:
+    return results
   done = {m: r for m, r in results.items() if r["finished"]}
   if done:
     table = format_table(done)

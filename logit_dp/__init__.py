@@ -5,6 +5,8 @@ optimization for non-decomposable objective functions", ICLR 2025) in JAX:
 per-pair clipped gradients (`clipped_grad`), their sensitivity (`sensitivity`),
 and the Gaussian noise as an optax transformation (`transform`);
 `make_private` sets all of it up (with sampler and ledger) in one call.
+The grouped baseline DP-GCL (`grouped_clipped_grad`, `grouped_sensitivity`,
+`assign_groups`) clips each group's gradient instead of each pair's.
 """
 
 from logit_dp import accounting
@@ -20,6 +22,9 @@ from logit_dp._src.clipping import cosine_similarity
 from logit_dp._src.clipping import naive_clipped_grad
 from logit_dp._src.clipping import normalize
 from logit_dp._src.clipping import pair_grad_norms
+from logit_dp._src.grouped import assign_groups
+from logit_dp._src.grouped import grouped_clipped_grad
+from logit_dp._src.grouped import grouped_sensitivity
 from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.noise import AddNoiseState
@@ -30,6 +35,7 @@ from logit_dp._src.private_training import make_private
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sensitivity import naive_sensitivity
 from logit_dp._src.sensitivity import sensitivity
+from logit_dp._src.two_tower import shared_parameters
 
 __version__ = "0.1.0"
 
@@ -40,6 +46,7 @@ __all__ = [
     "PrivacyLedger",
     "PrivateTraining",
     "accounting",
+    "assign_groups",
     "audit",
     "distributed",
     "ledger",
@@ -49,6 +56,8 @@ __all__ = [
     "METHODS",
     "clipped_grad",
     "cosine_similarity",
+    "grouped_clipped_grad",
+    "grouped_sensitivity",
     "losses",
     "make_private",
     "naive_clipped_grad",
@@ -56,5 +65,6 @@ __all__ = [
     "normalize",
     "pair_grad_norms",
     "sensitivity",
+    "shared_parameters",
     "transform",
 ]

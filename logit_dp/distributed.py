@@ -1,7 +1,9 @@
 """Data-parallel Logit-DP across devices and hosts; see `logit_dp._src.distributed`."""
 
 from logit_dp._src.distributed import DATA_AXIS
+from logit_dp._src.distributed import broadcast_seed
 from logit_dp._src.distributed import data_mesh
+from logit_dp._src.distributed import local_batch_indices
 from logit_dp._src.distributed import make_private_optimizer
 from logit_dp._src.distributed import make_private_train_step
 from logit_dp._src.distributed import make_sharded_grad_fn
@@ -12,7 +14,9 @@ from logit_dp._src.distributed import shard_batch
 
 __all__ = [
     "DATA_AXIS",
+    "broadcast_seed",
     "data_mesh",
+    "local_batch_indices",
     "make_private_optimizer",
     "make_private_train_step",
     "make_sharded_grad_fn",

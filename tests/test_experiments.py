@@ -266,3 +266,49 @@ def test_augment_pair_mode_trains(tmp_path):
   cfg.linear_probe = False
   r = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["non_private"]
   assert r["finished"] and r["total_steps"] == 128 // 32  # one record per image
+
+
+def test_dp_gcl_trains_privately_beside_the_other_methods(pretrained, tmp_path):
+  """The grouped baseline: Poisson batches, σ of the same accountant (same ε), noise σ·2B,
+  groups hashed from the record ids, extra augmented views; a resume reproduces it."""
+  _, ref = pretrained
+  cfg = tiny.get_config()
+  cfg.methods = ("dp_gcl",)
+  cfg.dp_gcl.group_size = 4
+  cfg.dp_gcl.extra_views = 2
+  result = train.train_and_evaluate(cfg, str(tmp_path / "a"), quiet=True)["dp_gcl"]
+  assert result["finished"] and result["total_steps"] == ref["logit_dp"]["total_steps"]
+  assert result["noise_multiplier"] == ref["logit_dp"]["noise_multiplier"] > 0
+  assert 0.9 * cfg.target_epsilon < result["epsilon"] <= cfg.target_epsilon
+  assert result["sensitivity"] == logit_dp.grouped_sensitivity(cfg.clip_norm) == 2 * cfg.clip_norm
+  assert train.dp_gcl_num_groups(cfg) == 8  # round(32 / 4)
+  assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["linear_probe"] <= 1.0
+  initial = train.get_model(cfg.model)[3](train._keys(cfg.seed)["init"],
+                                          np.zeros((1, 8, 8, 1), np.float32))
+  assert not _params_equal(result["params"], initial)  # it trained
+  cfg.stop_after_steps = 3
+  first = train.train_and_evaluate(cfg, str(tmp_path / "b"), quiet=True)["dp_gcl"]
+  assert not first["finished"]
+  cfg.stop_after_steps = None
+  second = train.train_and_evaluate(cfg, str(tmp_path / "b"), quiet=True)["dp_gcl"]
+  assert _params_equal(second["params"], result["params"])
+  for bad in (dict(group_size=0.0), dict(extra_views=-1)):
+    cfg = tiny.get_config()
+    cfg.methods = ("dp_gcl",)
+    cfg.dp_gcl.update(bad)
+    with pytest.raises(ValueError, match="dp_gcl"):
+      train.train_and_evaluate(cfg, str(tmp_path / "bad"), quiet=True)
+
+
+def test_a_run_started_before_the_dp_gcl_config_resumes(tmp_path):
+  """config.json files written before config.dp_gcl existed still match today's config."""
+  cfg = tiny.get_config()
+  train.save_config(cfg, str(tmp_path))
+  path = tmp_path / "config.json"
+  old = json.loads(path.read_text())
+  del old["dp_gcl"]
+  path.write_text(json.dumps(old))
+  train.check_resumable(cfg, str(tmp_path))
+  cfg.learning_rates.logit_dp = 0.5
+  with pytest.raises(ValueError, match="different training config"):
+    train.check_resumable(cfg, str(tmp_path))

@@ -139,10 +139,17 @@ def test_embeddings_that_are_not_two_dimensional_are_refused():
     logit_dp.clipped_grad(flat_embed, LOSS, 1.0)(params, x, x_prime)
 
 
-def test_pytree_inputs_are_refused_with_a_clear_error():
+def test_unsupported_input_pytrees_are_refused_with_a_clear_error():
+  """Pytrees of arrays are inputs (two-tower models: tests/test_two_tower.py); leaves that are
+  not numeric arrays with the examples along axis 0 are refused, naming the leaf."""
   embed_fn, params, x, x_prime = make_model("mlp", n=4)
-  with pytest.raises(ValueError, match="one array"):
-    logit_dp.clipped_grad(embed_fn, LOSS, 1.0)(params, {"ids": x}, {"ids": x_prime})
+  fn = logit_dp.clipped_grad(embed_fn, LOSS, 1.0)
+  with pytest.raises(ValueError, match=r"x\['ids'\] must be an array"):
+    fn(params, {"ids": "abc"}, x_prime)
+  with pytest.raises(ValueError, match="no arrays"):
+    fn(params, {}, x_prime)
+  with pytest.raises(ValueError, match=r"every leaf of x .* same number of examples"):
+    fn(params, {"a": x, "b": x[:3]}, x_prime)
 
 
 def test_training_loop_stops_with_a_clear_message_on_a_non_finite_loss(tmp_path):

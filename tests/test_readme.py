@@ -48,7 +48,7 @@ def executed():
 
 def test_readme_has_the_blocks_this_test_knows():
   blocks = _blocks()
-  assert len(blocks) == 4
+  assert len(blocks) == 5
   assert sum("# -> " in b for b in blocks) == 3
 
 

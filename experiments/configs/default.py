@@ -59,6 +59,10 @@ def get_config():
   config.clip_method = "ghost"  # ghost | triangle | materialize
   config.microbatch_size = config_dict.placeholder(int)
   config.log_private_train_loss = False
+  # DP-GCL (method "dp_gcl", the grouped baseline): records are hashed by id into
+  # G = round(batch_size / group_size) groups every step; extra_views augmented views of
+  # each record join its group's negatives. Not in `methods` by default.
+  config.dp_gcl = ml_collections.ConfigDict(dict(group_size=8.0, extra_views=0))
   # Refuse to train past target_epsilon (e.g. more epochs on resume).
   config.allow_exceeding_budget = False
 

@@ -12,6 +12,12 @@ identical to deleting it) and compares the largest change with the bound.
     ratio∞ = max_k gap_k / C(∞)           (C(∞) = sensitivity(loss, B), the Poisson bound)
 
 For Naive-DP the bound is 2B for every n. A ratio above 1 is a privacy bug.
+DP-GCL (method="dp_gcl", `logit_dp.grouped_clipped_grad`) is audited against its 2B with
+record ids 0..n−1 grouped by `logit_dp.assign_groups` (key PRNGKey(group_seed)): removing
+record k by masking it keeps every other record's group, which is what removing it from a
+Poisson batch does under that assignment. Its extra views, if any, come from
+``extra_views_fn(x, x_prime) -> (n, k, ...)`` (row r a function of record r only), so the
+search moves them with the inputs.
 
 `search_worst_case` makes the ratio as large as it can: gradient ascent (Adam)
 on the inputs (x, x′) — and optionally on the parameters w, since the bound
@@ -44,6 +50,7 @@ import numpy as np
 import optax
 
 from logit_dp._src import clipping
+from logit_dp._src import grouped
 from logit_dp._src import sensitivity as sensitivity_lib
 
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
@@ -66,7 +73,7 @@ class RemovalAudit:
     gaps: np.ndarray (n,), gap_k for every k (0 for pairs already masked out).
       A NaN gap means the clipped gradient itself was NaN on X or X∖k (a
       failure of the audited code; ratio is then NaN and never passes ≤ 1).
-    method: the clipping method ("ghost", "materialize", "triangle" or "naive").
+    method: the clipping method ("ghost", "materialize", "triangle", "naive" or "dp_gcl").
     x, x_prime, params: the batch and parameters the audit ran on (for
       `search_worst_case`, the worst ones found).
   """
@@ -83,21 +90,59 @@ class RemovalAudit:
   params: Any = None
 
 
-def _bounds(loss, clip_norm: float, n_valid: int, naive: bool) -> tuple[float, float]:
-  if naive:
-    c = sensitivity_lib.naive_sensitivity(clip_norm)
+def _bounds(loss, clip_norm: float, n_valid: int, method: str) -> tuple[float, float]:
+  if method in ("naive", "dp_gcl"):
+    c = (sensitivity_lib.naive_sensitivity(clip_norm)
+         if method == "naive" else grouped.grouped_sensitivity(clip_norm))
     return c, c
   return (sensitivity_lib.sensitivity(loss, clip_norm, batch_size=max(n_valid, 2)),
           sensitivity_lib.sensitivity(loss, clip_norm, batch_size=None))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Grouping:
+  """The DP-GCL configuration of an audit (hashable: a static argument of the cores)."""
+  num_groups: int
+  group_seed: int = 0
+  extra_views_fn: Callable | None = None
+
+
+def _grouping(method, num_groups, group_seed, extra_views_fn) -> _Grouping | None:
+  if method != "dp_gcl":
+    if num_groups is not None or extra_views_fn is not None:
+      raise ValueError("num_groups and extra_views_fn are for method='dp_gcl' only.")
+    return None
+  if num_groups is None:
+    raise ValueError("method='dp_gcl' needs num_groups.")
+  return _Grouping(grouped._check_num_groups(num_groups), int(group_seed), extra_views_fn)
+
+
 @functools.lru_cache(maxsize=64)
-def _make_core(embed_fn, loss, clip_norm, method, cosine_eps):
+def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None,
+               positive_embed_fn=None):
   """The jitted core of the audited grad_fn (cached: one compilation per configuration)."""
+  if method == "dp_gcl":
+    if grouping is None:
+      raise ValueError("method='dp_gcl' needs num_groups.")
+    if positive_embed_fn is not None:
+      raise ValueError("method='dp_gcl' audits one tower: positive_embed_fn is not supported.")
+    fn = grouped.grouped_clipped_grad(embed_fn, loss, clip_norm, grouping.num_groups,
+                                      cosine_eps=cosine_eps)
+
+    def grouped_core(params, x, x_prime, mask):
+      ids = jnp.arange(x.shape[0])
+      groups = grouped.assign_groups(ids, jax.random.PRNGKey(grouping.group_seed),
+                                     grouping.num_groups)
+      views = None if grouping.extra_views_fn is None else grouping.extra_views_fn(x, x_prime)
+      return fn.core(params, x, x_prime, mask, groups, views)
+
+    return grouped_core
   if method == "naive":
-    fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps)
+    fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps,
+                                     positive_embed_fn=positive_embed_fn)
   else:
-    fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps)
+    fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps,
+                               positive_embed_fn=positive_embed_fn)
   return fn.core
 
 
@@ -107,7 +152,7 @@ def _flat(tree) -> jax.Array:
 
 def _gaps_fn(core, params, x, x_prime, mask, chunk):
   """gap_k for every k: ḡ(X) against ḡ(X with pair k masked out)."""
-  n = x.shape[0]
+  n = clipping._num_rows(x)
   _, full, _ = core(params, x, x_prime, mask)
   full = _flat(full)
 
@@ -129,45 +174,56 @@ def _gaps_jit(core, params, x, x_prime, mask, chunk):
 
 
 def _check_method(method: str) -> str:
-  allowed = clipping.METHODS + ("naive",)
+  allowed = clipping.METHODS + ("naive", "dp_gcl")
   if method not in allowed:
     raise ValueError(f"method must be one of {allowed}, got {method!r}.")
   return method
 
 
 def _prepare(loss, x, x_prime, mask):
-  x, x_prime = jnp.asarray(x, jnp.float32), jnp.asarray(x_prime, jnp.float32)
-  mask = clipping._check_pair_inputs(x, x_prime, mask, getattr(loss, "min_batch_size", 1))[2]
-  if not (bool(jnp.all(jnp.isfinite(x))) and bool(jnp.all(jnp.isfinite(x_prime)))):
+  x, x_prime, mask = clipping._check_pair_inputs(x, x_prime, mask,
+                                                 getattr(loss, "min_batch_size", 1))
+  as_float32 = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  x, x_prime = jax.tree_util.tree_map(as_float32, (x, x_prime))
+  if not (bool(jnp.all(clipping._finite_rows(x)))
+          and bool(jnp.all(clipping._finite_rows(x_prime)))):
     raise ValueError("audit inputs must be finite.")
   return x, x_prime, mask
 
 
 def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
                  method: str = "ghost", chunk: int | None = None,
-                 cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> np.ndarray:
+                 cosine_eps: float = clipping.DEFAULT_COSINE_EPS, num_groups: int | None = None,
+                 group_seed: int = 0, extra_views_fn: Callable | None = None,
+                 positive_embed_fn: EmbedFn | None = None) -> np.ndarray:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, as an (n,) array.
 
   Args:
     embed_fn, params, loss, clip_norm: as for `logit_dp.clipped_grad`.
     x, x_prime: the batch, (n, ...) each.
     mask: optional (n,) bool of valid pairs (invalid ones get gap 0).
-    method: a `logit_dp.METHODS` entry, or "naive" for `naive_clipped_grad`.
+    method: a `logit_dp.METHODS` entry, "naive" for `naive_clipped_grad` or "dp_gcl" for
+      `grouped_clipped_grad` (with num_groups, group_seed, extra_views_fn: see the module doc).
     chunk: removals computed at once (None: all n, vmapped).
-    cosine_eps: as for `logit_dp.clipped_grad`.
+    cosine_eps, positive_embed_fn: as for `logit_dp.clipped_grad` (two towers: x, x_prime
+      may be pytrees).
   """
   method = _check_method(method)
+  grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, mask)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, positive_embed_fn)
   return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk), np.float64)
 
 
 def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
                       method: str = "ghost", chunk: int | None = None,
-                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> RemovalAudit:
+                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
+                      num_groups: int | None = None, group_seed: int = 0,
+                      extra_views_fn: Callable | None = None,
+                      positive_embed_fn: EmbedFn | None = None) -> RemovalAudit:
   """max_k ‖ḡ(X) − ḡ(X∖k)‖₂ and its ratio to the sensitivity.
 
-  Args: as for `removal_gaps`; method="naive" audits Naive-DP against 2B.
+  Args: as for `removal_gaps`; method="naive" audits Naive-DP and "dp_gcl" DP-GCL against 2B.
 
   Returns:
     A `RemovalAudit`. ``ratio`` compares with C(n) for the n valid pairs of X
@@ -177,7 +233,9 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   _check_method(method)
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
   gaps = removal_gaps(embed_fn, params, loss, clip_norm, x, x_prime, mask=mask, method=method,
-                      chunk=chunk, cosine_eps=cosine_eps)
+                      chunk=chunk, cosine_eps=cosine_eps, num_groups=num_groups,
+                      group_seed=group_seed, extra_views_fn=extra_views_fn,
+                      positive_embed_fn=positive_embed_fn)
   x, x_prime, mask_arr = _prepare(loss, x, x_prime, mask)
   return _result(gaps, loss, clip_norm, mask_arr, method, params, x, x_prime)
 
@@ -256,7 +314,7 @@ def _evaluate_many(core, params, xs, xps, mask, chunk):
 
 def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime) -> RemovalAudit:
   gaps = np.asarray(gaps, np.float64)
-  bound, bound_sup = _bounds(loss, clip_norm, int(jnp.sum(mask)), method == "naive")
+  bound, bound_sup = _bounds(loss, clip_norm, int(jnp.sum(mask)), method)
   k = int(np.argmax(gaps))
   return RemovalAudit(ratio=float(gaps[k] / bound), ratio_sup=float(gaps[k] / bound_sup),
                       max_gap=float(gaps[k]), worst_pair=k, bound=bound, bound_sup=bound_sup,
@@ -266,8 +324,9 @@ def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime) -> RemovalA
 def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, key,
                       num_restarts: int = 4, num_steps: int = 50, learning_rate: float = 0.05,
                       init_scale: float = 1.0, optimize_params: bool = False, method: str = "ghost",
-                      chunk: int | None = None,
-                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> RemovalAudit:
+                      chunk: int | None = None, cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
+                      num_groups: int | None = None, group_seed: int = 0,
+                      extra_views_fn: Callable | None = None) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
 
   Restart 0 starts from (x, x′, params); restart r ≥ 1 from inputs drawn
@@ -292,9 +351,10 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     learning_rate: Adam step size.
     init_scale: scale of the random restarts.
     optimize_params: also move the parameters w (the bound holds for every w).
-    method: a `logit_dp.METHODS` entry or "naive" (audits against 2B).
+    method: a `logit_dp.METHODS` entry, "naive" or "dp_gcl" (both audited against 2B).
     chunk: removals computed at once (None: all n).
     cosine_eps: as for `logit_dp.clipped_grad`.
+    num_groups, group_seed, extra_views_fn: the DP-GCL configuration (method="dp_gcl").
 
   Returns:
     The `RemovalAudit` of the worst (x, x′, params) found.
@@ -305,8 +365,9 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     raise ValueError(f"num_restarts must be an integer ≥ 1, got {num_restarts!r}.")
   if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 0:
     raise ValueError(f"num_steps must be an integer ≥ 0, got {num_steps!r}.")
+  grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, None)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping)
   points = _restart_points(params, x, x_prime, key, int(num_restarts), float(init_scale),
                            bool(optimize_params))
   if num_steps == 0 and not optimize_params:
@@ -331,4 +392,5 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
         best_args = (v["params"] if optimize_params else p0, v["x"], v["x_prime"])
   p, bx, bxp = best_args
   return max_removal_ratio(embed_fn, p, loss, clip_norm, bx, bxp, method=method, chunk=chunk,
-                           cosine_eps=cosine_eps)
+                           cosine_eps=cosine_eps, num_groups=num_groups, group_seed=group_seed,
+                           extra_views_fn=extra_views_fn)

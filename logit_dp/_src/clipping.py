@@ -28,6 +28,12 @@ needs the per-example Grams K_i: clipping by a larger norm is still private
 (each term has norm ≤ B), just less accurate. "materialize" is Algorithm 1 of
 the paper: it forms every g_ij by its own backward pass, in blocks of pairs.
 
+Two towers (dual encoders, `positive_embed_fn=`): x_prime is embedded by its own
+function of the same params, v̂_j = n(Φ'_w(x'_j)), and J'_j = ∂v̂_j/∂w comes from it;
+everything above holds as written. The cross term only involves parameters both towers
+depend on: none for disjoint towers, whose norms are exact at triangle's cost
+(two_tower.py).
+
 Requirement: embed_fn must treat examples independently (no batch norm); the
 per-example Jacobians and pair gradients assume it.
 """
@@ -46,6 +52,7 @@ import numpy as np
 
 from logit_dp._src import layerwise
 from logit_dp._src import sensitivity as sensitivity_lib
+from logit_dp._src import two_tower
 
 DEFAULT_COSINE_EPS = 1e-6
 METHODS = ("ghost", "materialize", "triangle")
@@ -79,7 +86,8 @@ _VECTOR_FLOAT_ERROR = 2.0 ** -18
 _GRAM_FLOAT_ERROR = 2.0 ** -20
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-EmbedFn = Callable[[Any, jax.Array], jax.Array]
+# embed_fn(params, x) -> (n, d); x is an array or a pytree of arrays, examples along axis 0.
+EmbedFn = Callable[[Any, Any], jax.Array]
 
 
 class GradFn(Protocol):
@@ -113,12 +121,28 @@ def _is_traced(tree) -> bool:
   return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def _finite_rows(x: jax.Array) -> jax.Array:
-  return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+def _num_rows(x) -> int:
+  """The number of examples of an input (array or pytree of arrays, examples along axis 0)."""
+  return jax.tree_util.tree_leaves(x)[0].shape[0]
 
 
-def _where_rows(ok: jax.Array, x: jax.Array) -> jax.Array:
-  return jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+def _take_row(x, i):
+  """Example i of an input (array or pytree)."""
+  return jax.tree_util.tree_map(lambda a: a[i], x)
+
+
+def _finite_rows(x) -> jax.Array:
+  """(n,): whether every floating entry of each example (in every leaf) is finite."""
+  ok = jnp.ones((_num_rows(x),), bool)
+  for a in jax.tree_util.tree_leaves(x):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+      ok = ok & jnp.all(jnp.isfinite(a).reshape(a.shape[0], -1), axis=1)
+  return ok
+
+
+def _where_rows(ok: jax.Array, x):
+  return jax.tree_util.tree_map(
+      lambda a: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a)), x)
 
 
 def _varying_axes(x) -> frozenset:
@@ -221,8 +245,9 @@ def _map(fn, xs, batch_size):
 
 def _map_chunks(fn, xs, chunk: int):
   """fn(*chunk of rows) over the leading axis of xs (a tuple of arrays) in chunks of `chunk`
-  rows, the last one zero-padded; the results stacked per chunk, (num_chunks, ...)."""
-  n = xs[0].shape[0]
+  rows, the last one zero-padded; the results stacked per chunk, (num_chunks, ...).
+  An element of xs may be a pytree (inputs), chunked leaf by leaf."""
+  n = _num_rows(xs)
   num_chunks = -(-n // chunk)
   pad = num_chunks * chunk - n
 
@@ -230,7 +255,7 @@ def _map_chunks(fn, xs, chunk: int):
     a = jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
     return a.reshape((num_chunks, chunk) + a.shape[1:])
 
-  return jax.lax.map(lambda rows: fn(*rows), tuple(split(a) for a in xs))
+  return jax.lax.map(lambda rows: fn(*rows), jax.tree_util.tree_map(split, tuple(xs)))
 
 
 def _unchunk_rows(tree, n: int):
@@ -241,20 +266,32 @@ def _unchunk_rows(tree, n: int):
 
 
 class _Batch:
-  """The shared forward state of one gradient computation."""
-  def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective):
+  """The shared forward state of one gradient computation.
+
+  Methods taking `positive=True` act on the tower of x_prime (`positive_embed_fn`); with one
+  tower that is embed_fn itself.
+  """
+  def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective,
+               positive_embed_fn=None):
     self.embed_fn, self.params, self.eps = embed_fn, params, eps
+    self.two_tower = positive_embed_fn is not None and positive_embed_fn is not embed_fn
+    self.positive_embed_fn = positive_embed_fn if self.two_tower else embed_fn
     # The same function, with recognised convolutions differentiated into channels-last
     # convolutions: JAX's own rule runs 4-50x slower inside the loops of microbatching and of
     # materialize on XLA:CPU (layerwise.channels_last_conv). Factors intercept embed_fn themselves.
     self._embed_fn = layerwise.with_recognised_layers(embed_fn)
+    self._positive_fn = (layerwise.with_recognised_layers(self.positive_embed_fn)
+                         if self.two_tower else self._embed_fn)
     self.microbatch_size, self.c = microbatch_size, collective
-    n_local = x.shape[0]
+    n_local = _num_rows(x)
     inputs_ok = _finite_rows(x) & _finite_rows(x_prime)
     # Zero non-finite inputs so that their NaNs cannot reach the backward pass.
     self.x, self.x_prime = _where_rows(inputs_ok, x), _where_rows(inputs_ok, x_prime)
     u_loc = self._embed(self.x)
-    v_loc = self._embed(self.x_prime)
+    v_loc = self._embed(self.x_prime, positive=True)
+    if u_loc.shape[-1] != v_loc.shape[-1]:
+      raise ValueError(f"the two towers must embed into the same dimension: embed_fn gives "
+                       f"{u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
     ok = inputs_ok & _finite_rows(u_loc) & _finite_rows(v_loc)
     self.u_loc, self.v_loc = _where_rows(ok, u_loc), _where_rows(ok, v_loc)
     self.rows = collective.local_rows(n_local)
@@ -263,86 +300,107 @@ class _Batch:
     self.num_nonfinite = jnp.sum(collective.gather(mask & ~ok))
     self.z = jnp.matmul(self.u, self.v.T, precision=_HIGHEST)
 
-  def normalized_embedding(self, params, x_one):
-    return normalize(self._embed_fn(params, x_one[None])[0], self.eps)
+  def normalized_embedding(self, params, x_one, positive: bool = False):
+    fn = self._positive_fn if positive else self._embed_fn
+    return normalize(fn(params, jax.tree_util.tree_map(lambda a: a[None], x_one))[0], self.eps)
 
-  def _embed(self, xs):
-    return _map(lambda xe: self.normalized_embedding(self.params, xe), xs, self.microbatch_size)
+  def _embed(self, xs, positive: bool = False):
+    return _map(lambda xe: self.normalized_embedding(self.params, xe, positive), xs,
+                self.microbatch_size)
 
   @functools.cached_property
   def plan(self) -> layerwise.Plan:
     """Which parameters get per-layer factors and which generic per-example Jacobians."""
+    if self.two_tower:
+      return self.tower_plans.anchor
     return layerwise.make_plan(self.embed_fn, self.params, self.x, self.u_loc.shape[-1])
 
-  def _generic_jacobian(self, indices, xs):
+  @functools.cached_property
+  def tower_plans(self) -> two_tower.TowerPlans:
+    """The plans of both towers (the same plan twice with one tower)."""
+    if not self.two_tower:
+      return two_tower.TowerPlans(self.plan, self.plan,
+                                  tuple(sorted(two_tower.dependencies(self.plan))))
+    return two_tower.tower_plans(self.embed_fn, self.positive_embed_fn, self.params, self.x,
+                                 self.x_prime, self.u_loc.shape[-1])
+
+  def _plan_of(self, positive: bool) -> layerwise.Plan:
+    return self.tower_plans.positive if positive and self.two_tower else self.plan
+
+  def _generic_jacobian(self, indices, xs, positive: bool = False):
     """Per-example Jacobians w.r.t. the leaves `indices` (jacrev per example): (m, d, q)."""
     leaves, treedef = jax.tree_util.tree_flatten(self.params)
 
     def one(x_one):
       def embed(selected):
         params = layerwise.replace_leaves(leaves, treedef, indices, selected)
-        return self.normalized_embedding(params, x_one)
+        return self.normalized_embedding(params, x_one, positive)
 
       jac = jax.jacrev(embed)([leaves[i] for i in indices])
       return jnp.concatenate([j.reshape(j.shape[0], -1) for j in jac], axis=1)
 
     return jax.vmap(one)(xs)
 
-  def factors(self, xs, chunked: bool = True, chunk: int | None = None) -> layerwise.Factors:
+  def factors(self, xs, chunked: bool = True, positive: bool = False,
+              chunk: int | None = None) -> layerwise.Factors:
     """Per-example Jacobian factors of one view (see layerwise), microbatch by microbatch
     (chunk examples at a time if given; chunked=False: xs in one piece, for callers that
     chunk themselves)."""
-    plan = self.plan
+    plan = self._plan_of(positive)
+    embed_fn = self.positive_embed_fn if positive else self.embed_fn
 
     def chunk_factors(x_chunk):
-      return layerwise.layer_factors(self.embed_fn, self.params, plan, x_chunk,
-                                     lambda e: normalize(e, self.eps),
-                                     lambda indices: self._generic_jacobian(indices, x_chunk),
-                                     self.c.local_params)
+      return layerwise.layer_factors(
+          embed_fn, self.params, plan, x_chunk, lambda e: normalize(e, self.eps),
+          lambda indices: self._generic_jacobian(indices, x_chunk, positive), self.c.local_params)
 
-    m, n = chunk or self.microbatch_size, xs.shape[0]
+    m, n = chunk or self.microbatch_size, _num_rows(xs)
     if not chunked or m is None or m >= n:
       return chunk_factors(xs)
     return _unchunk_rows(_map_chunks(chunk_factors, (xs,), m), n)
 
-  def _selected_backward(self, xs, cot):
+  def _selected_backward(self, xs, cot, positive: bool = False):
     """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
     def one(xe, ce):
-      _, vjp = jax.vjp(lambda p: self.normalized_embedding(p, xe), self.params)
+      _, vjp = jax.vjp(lambda p: self.normalized_embedding(p, xe, positive), self.params)
       keep = jnp.any(ce != 0)
       return jax.tree_util.tree_map(lambda g: jnp.where(keep, g, jnp.zeros_like(g)), vjp(ce)[0])
 
     return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), jax.vmap(one)(xs, cot))
 
-  def _backward_pass(self, xs, cot):
+  def _backward_pass(self, xs, cot, positive: bool = False):
     """Σ_e J_eᵀ cot_e by backward passes, microbatch by microbatch.
 
     Each microbatch is embedded in one call (examples are independent): a vmap over examples
     would batch the convolutions' custom backward pass into grouped convolutions (~4x slower).
     """
+    fn = self._positive_fn if positive else self._embed_fn
+
     def chunk_grad(x_chunk, cot_chunk):
-      embed = lambda p: normalize(self._embed_fn(p, x_chunk), self.eps)
+      embed = lambda p: normalize(fn(p, x_chunk), self.eps)
       _, vjp = jax.vjp(embed, self.params)
-      return _finite_or(vjp(cot_chunk)[0], lambda: self._selected_backward(x_chunk, cot_chunk))
+      return _finite_or(
+          vjp(cot_chunk)[0], lambda: self._selected_backward(x_chunk, cot_chunk, positive))
 
     m = self.microbatch_size
-    if m is None or m >= xs.shape[0]:
+    if m is None or m >= _num_rows(xs):
       return chunk_grad(xs, cot)
     # Padded examples have zero cotangents and add exactly 0.
     return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0),
                                   _map_chunks(chunk_grad, (xs, cot), m))
 
-  def _factor_backward(self, factors: layerwise.Factors, cot):
+  def _factor_backward(self, factors: layerwise.Factors, cot, positive: bool = False):
     """Σ_e J_eᵀ cot_e contracted from the examples' Jacobian factors.
 
     The selecting recomputation goes example by example: selecting all of them at once would
     hold a second copy of the factors (the largest buffer of "ghost").
     """
     leaves, treedef = jax.tree_util.tree_flatten(self.params)
+    plan = self._plan_of(positive)
 
     def transpose(f, c, keep=None):
-      return jax.tree_util.tree_unflatten(
-          treedef, layerwise.factors_transpose(self.plan, f, c, leaves, keep))
+      return jax.tree_util.tree_unflatten(treedef,
+                                          layerwise.factors_transpose(plan, f, c, leaves, keep))
 
     def selected():
       def add_example(total, example):
@@ -354,16 +412,23 @@ class _Batch:
 
     return _finite_or(transpose(factors, cot), selected)
 
-  def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array):
+  def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array, factors=None):
     """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ, summed over devices.
 
-    = Σ_i J_iᵀ(Σ_j λ_ij v̂_j) + Σ_j J'_jᵀ(Σ_i λ_ij û_i), by one backward pass per view; an
-    example whose cotangent is 0 contributes exactly 0. ("ghost" contracts its factors
-    instead, block by block: `_ghost`.)
+    = Σ_i J_iᵀ(Σ_j λ_ij v̂_j) + Σ_j J'_jᵀ(Σ_i λ_ij û_i): one backward pass per view, or, given
+    the Jacobian factors (f_u, f_v) of the local examples of both views (two towers), their
+    contraction. Either way an example whose cotangent is 0 contributes exactly 0. (One-tower
+    "ghost" contracts its factors block by block instead: `_ghost`.)
     """
     cot_u = jnp.matmul(lam_local_rows, self.v, precision=_HIGHEST)
     cot_v = jnp.matmul(lam_full[:, self.rows].T, self.u, precision=_HIGHEST)
-    grads = (self._backward_pass(self.x, cot_u), self._backward_pass(self.x_prime, cot_v))
+    if factors is None:
+      anchor = self._backward_pass(self.x, cot_u)
+      positive = self._backward_pass(self.x_prime, cot_v, positive=True)
+    else:
+      anchor = self._factor_backward(factors[0], cot_u)
+      positive = self._factor_backward(factors[1], cot_v, positive=True)
+    grads = (anchor, positive)
     return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
 
 
@@ -546,7 +611,7 @@ def _triangle_norms(batch: _Batch, allowance: float = 1.0):
     return f_u.gram, f_v.gram, _diagonal_norms(batch, f_u, f_v, u_chunk, v_chunk, allowance)
 
   xs = (batch.x, batch.x_prime, batch.u_loc, batch.v_loc)
-  m, n_local = batch.microbatch_size, batch.x.shape[0]
+  m, n_local = batch.microbatch_size, _num_rows(batch.x)
   if m is None or m >= n_local:
     k_local, k_prime_local, diagonal = chunk_terms(*xs)
   else:
@@ -721,7 +786,7 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size, allo
   """
   x_prime_all = batch.c.gather(batch.x_prime)
   s_local = _jacobian_norms(batch.factors(batch.x).gram)
-  s_all = batch.c.gather(_jacobian_norms(batch.factors(batch.x_prime).gram))
+  s_all = batch.c.gather(_jacobian_norms(batch.factors(batch.x_prime, positive=True).gram))
   slack = allowance * _VECTOR_FLOAT_ERROR * (s_local[:, None] + s_all[None, :])
   n_local, n = tau_local_rows.shape
   block = pair_block_size or _vectors_per_block(batch, n_local * n)
@@ -734,8 +799,9 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size, allo
   weights = jnp.where(real, tau_local_rows.reshape(-1)[flat], 0.0)
 
   def pair_grad(i, j):
-    z = lambda p: jnp.dot(batch.normalized_embedding(p, batch.x[i]),
-                          batch.normalized_embedding(p, x_prime_all[j]), precision=_HIGHEST)
+    z = lambda p: jnp.dot(batch.normalized_embedding(p, _take_row(batch.x, i)),
+                          batch.normalized_embedding(p, _take_row(x_prime_all, j), positive=True),
+                          precision=_HIGHEST)
     return jax.grad(z)(batch.params)
 
   def step(acc, blk):
@@ -762,12 +828,34 @@ def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size, allo
   return batch.c.psum(grads), norms
 
 
-def _as_array(a, name: str, xp):
-  pytree = isinstance(a, (dict, list, tuple))
-  if pytree or not hasattr(a, "shape") and not isinstance(a, (int, float)):
-    raise ValueError(f"{name} must be one array with the examples along axis 0, got "
-                     f"{type(a).__name__}: pytrees of inputs are not supported by clipped_grad.")
-  return xp.asarray(a)
+def _as_inputs(a, name: str, xp):
+  """An array, or a pytree of arrays (e.g. token ids and their mask), with the examples along
+  axis 0 of every leaf, as `xp` arrays; ValueError otherwise."""
+  leaves, treedef = jax.tree_util.tree_flatten(a)
+  if not leaves:
+    raise ValueError(f"{name} must be an array or a pytree of arrays, got {a!r} (no arrays).")
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+    where = name + jax.tree_util.keystr(path)
+    if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float, bool, np.generic)):
+      raise ValueError(f"{where} must be an array with the examples along axis 0, got "
+                       f"{type(leaf).__name__}.")
+    dtype = np.dtype(getattr(leaf, "dtype", type(leaf)))
+    if dtype.kind not in "biuf":
+      raise ValueError(f"{where} must hold numbers (bool, int or float), got dtype {dtype}.")
+    leaf = xp.asarray(leaf)
+    if leaf.ndim < 1:
+      raise ValueError(f"{where} must have the examples along axis 0, got a scalar.")
+    out.append(leaf)
+  sizes = sorted({leaf.shape[0] for leaf in out})
+  if len(sizes) > 1:
+    raise ValueError(
+        f"every leaf of {name} must hold the same number of examples along axis 0, "
+        f"got {sizes}: "
+        + ", ".join(f"{name}{jax.tree_util.keystr(path)}: {leaf.shape}"
+                    for (path, _), leaf in zip(jax.tree_util.tree_flatten_with_path(a)[0], out))
+        + ".")
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _check_mask(mask, n: int, xp):
@@ -786,13 +874,19 @@ def _check_mask(mask, n: int, xp):
 
 
 def check_pairs(x, x_prime, mask=None, xp=jnp) -> tuple[Any, Any, Any]:
-  """(x, x_prime, mask) as `xp` arrays, mask all-True if None; ValueError on mismatched shapes,
-  pytree inputs, or a mask that is not boolean (integer 0/1 is accepted)."""
-  x, x_prime = _as_array(x, "x", xp), _as_array(x_prime, "x_prime", xp)
-  if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
-    raise ValueError(f"x and x_prime must hold the same number of examples, got shapes "
-                     f"{x.shape} and {x_prime.shape}.")
-  n = x.shape[0]
+  """(x, x_prime, mask) as `xp` arrays (or pytrees of them), mask all-True if None.
+
+  ValueError on leaves that are not numeric arrays with the examples along axis 0, leaves
+  of one input with different numbers of examples, x and x_prime with different numbers
+  of examples, or a mask that is not boolean (integer 0/1 is accepted).
+  """
+  x, x_prime = _as_inputs(x, "x", xp), _as_inputs(x_prime, "x_prime", xp)
+  if _num_rows(x) != _num_rows(x_prime):
+    raise ValueError(f"x and x_prime must hold the same number of examples, got "
+                     f"{_num_rows(x)} and {_num_rows(x_prime)} (shapes "
+                     f"{jax.tree_util.tree_map(jnp.shape, x)} and "
+                     f"{jax.tree_util.tree_map(jnp.shape, x_prime)}).")
+  n = _num_rows(x)
   mask = xp.ones((n,), dtype=bool) if mask is None else _check_mask(mask, n, xp)
   return x, x_prime, mask
 
@@ -810,14 +904,17 @@ def _probe_inputs(params, x):
       return np.asarray(scale * rng.standard_normal(a.shape), a.dtype)
     if jnp.issubdtype(a.dtype, jnp.integer):
       return np.asarray(rng.integers(0, 2, a.shape), a.dtype)
+    if a.dtype == bool:
+      return np.ones(a.shape, a.dtype)  # e.g. an attention mask: keep every position
     return np.zeros(a.shape, a.dtype)
 
+  rows = min(_num_rows(x), _PROBE_ROWS)
   return (jax.tree_util.tree_map(lambda a: stand_in(a, 0.3), params),
-          stand_in(jax.ShapeDtypeStruct((min(x.shape[0], _PROBE_ROWS),) + x.shape[1:], x.dtype),
-                   1.0))
+          jax.tree_util.tree_map(
+              lambda a: stand_in(jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype), 1.0), x))
 
 
-def check_embed_fn(embed_fn: EmbedFn, params, x) -> None:
+def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn") -> None:
   """ValueError unless embed_fn(params, x) is (n, d) and treats the examples independently.
 
   Per-pair clipping needs each embedding to depend on its own example only: a model that
@@ -838,26 +935,27 @@ def check_embed_fn(embed_fn: EmbedFn, params, x) -> None:
           "that non-trainable state is never differentiated or noised. Batch statistics "
           "mix the examples of a batch and break per-pair clipping: use GroupNorm/LayerNorm "
           "or no normalisation.")
-  if x.shape[0] < 1:
+  if _num_rows(x) < 1:
     return
   if _is_traced((params, x)):
     params, x = _probe_inputs(params, x)
   with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
-    rows = jnp.asarray(x[:_PROBE_ROWS])
+    rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:_PROBE_ROWS]), x)
+    num = _num_rows(rows)
     batched = np.asarray(embed_fn(params, rows), np.float64)
-    if batched.ndim != 2 or batched.shape[0] != rows.shape[0]:
-      raise ValueError(f"embed_fn must return (n, d) embeddings, one row per example; got shape "
-                       f"{batched.shape} for {rows.shape[0]} examples.")
-    if rows.shape[0] < 2:
+    if batched.ndim != 2 or batched.shape[0] != num:
+      raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
+                       f"{batched.shape} for {num} examples.")
+    if num < 2:
       return
-    single = np.concatenate(
-        [np.asarray(embed_fn(params, rows[i:i + 1]), np.float64) for i in range(rows.shape[0])])
+    one_by_one = [jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], rows) for i in range(num)]
+    single = np.concatenate([np.asarray(embed_fn(params, r), np.float64) for r in one_by_one])
   if not np.all(np.isfinite(batched)) or not np.all(np.isfinite(single)):
     return  # non-finite embeddings are handled (dropped) by the gradient itself
   tol = 1e-3 * max(float(np.max(np.abs(batched))), 1e-6)
   if np.max(np.abs(batched - single)) > tol:
     raise ValueError(
-        "embed_fn mixes the examples of a batch: embedding rows together differs from "
+        f"{name} mixes the examples of a batch: embedding rows together differs from "
         f"embedding them one by one (max difference {np.max(np.abs(batched - single)):.3g}). "
         "Logit-DP clips per-pair gradients and needs examples to be independent: no batch "
         "norm in training mode, no batch statistics.")
@@ -865,18 +963,19 @@ def check_embed_fn(embed_fn: EmbedFn, params, x) -> None:
 
 def _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1):
   x, x_prime, mask = check_pairs(x, x_prime, mask)
-  n = x.shape[0]
+  n = _num_rows(x)
   if n * num_shards < min_batch_size:  # the pair matrix spans the global batch
     raise ValueError(
         f"the loss needs at least {min_batch_size} pairs per batch, got {n * num_shards}.")
   return x, x_prime, mask
 
 
-def _forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective):
+def _forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective,
+             positive_embed_fn=None):
   """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs)."""
   params = collective.local_params(params)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=eps, microbatch_size=microbatch_size,
-                 collective=collective)
+                 collective=collective, positive_embed_fn=positive_embed_fn)
   loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
   tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
   # Every valid pair dropped as non-finite (e.g. NaN parameters): the loss is NaN, not the
@@ -886,7 +985,19 @@ def _forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, col
   return batch, loss_value, tau
 
 
-def _make_grad_fn(core, embed_fn, loss, what, axis_name=None):
+def check_towers(embed_fn: EmbedFn, positive_embed_fn: EmbedFn | None, params, x, x_prime) -> None:
+  """`check_embed_fn` on embed_fn with x and, for two towers, on positive_embed_fn with x_prime."""
+  check_embed_fn(embed_fn, params, x)
+  if positive_embed_fn is not None and positive_embed_fn is not embed_fn:
+    check_embed_fn(positive_embed_fn, params, x_prime, "positive_embed_fn")
+
+
+def _check_positive_embed_fn(positive_embed_fn):
+  if positive_embed_fn is not None and not callable(positive_embed_fn):
+    raise ValueError(f"positive_embed_fn must be callable or None, got {positive_embed_fn!r}.")
+
+
+def _make_grad_fn(core, embed_fn, loss, what, axis_name=None, positive_embed_fn=None):
   """Wraps a jitted core: input checks, and a ValueError on non-finite values when eager."""
   core = jax.jit(core)
   min_batch_size = getattr(loss, "min_batch_size", 1)
@@ -897,7 +1008,7 @@ def _make_grad_fn(core, embed_fn, loss, what, axis_name=None):
     num_shards = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     x, x_prime, mask = _check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards)
     if not checked:  # on first use
-      check_embed_fn(embed_fn, params, x)
+      check_towers(embed_fn, positive_embed_fn, params, x, x_prime)
       checked.append(True)
     return core(params, x, x_prime, mask)
 
@@ -921,7 +1032,8 @@ def _make_grad_fn(core, embed_fn, loss, what, axis_name=None):
 def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost", *,
                  microbatch_size: int | None = None, pair_block_size: int | None = None,
                  memory_budget: int | None = None, axis_name: str | None = None,
-                 cosine_eps: float = DEFAULT_COSINE_EPS) -> GradFn:
+                 cosine_eps: float = DEFAULT_COSINE_EPS,
+                 positive_embed_fn: EmbedFn | None = None) -> GradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
   ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
@@ -957,9 +1069,17 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
       split across devices; the pair matrix spans the global batch and every
       device returns the same global (ℒ, ḡ).
     cosine_eps: ε of the cosine similarity n(u) = u/√(‖u‖² + ε²).
+    positive_embed_fn: two towers (dual encoder, CLIP-style): x_prime is
+      embedded by positive_embed_fn(params, x_prime) -> (n, d), x by embed_fn;
+      params is one pytree holding both towers. Towers that share no parameter
+      (found by tracing which leaves each output depends on) get exact pair
+      norms at the cost of "triangle" (the cross term is 0); shared parameters
+      use the general computation. Same sensitivity as one tower.
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and
-  contribute exactly nothing. x and x_prime must have the same leading size.
+  contribute exactly nothing. x and x_prime are arrays or pytrees of arrays
+  (e.g. token ids and a padding mask) with the examples along axis 0 of every
+  leaf, and the same number of examples.
   Called eagerly, grad_fn raises ValueError when any valid pair has non-finite
   inputs or embeddings; under jit it masks those pairs out (still private: it is
   the same as removing them). `grad_fn.with_num_dropped(...)` returns
@@ -977,29 +1097,36 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   _check_microbatch(microbatch_size)
   _check_memory_budget(memory_budget)
+  _check_positive_embed_fn(positive_embed_fn)
   collective = _Collective(axis_name)
 
   @_full_float32
   def core(params, x, x_prime, mask):
     batch, loss_value, tau = _forward(embed_fn, loss, params, x, x_prime, mask, cosine_eps,
-                                      microbatch_size, collective)
+                                      microbatch_size, collective, positive_embed_fn)
     tau_local = tau[batch.rows]
     if method == "materialize":
       grads, _ = _materialize(batch, tau_local, clip_norm, pair_block_size)
       return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
-    if method == "ghost":
+    if batch.two_tower:
+      norms, factors = two_tower.pair_norms(batch, method)
+      lam_local = tau_local * _clip_factor(norms, clip_norm)
+      grads = batch.weighted_backward(lam_local, collective.gather(lam_local), factors)
+    elif method == "ghost":
       _, grads = _ghost(batch, tau_local, clip_norm, 1.0, memory_budget)
-      return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
-    lam_local = tau_local * _clip_factor(_triangle_norms(batch), clip_norm)
-    grads = batch.weighted_backward(lam_local, collective.gather(lam_local))
+    else:
+      lam_local = tau_local * _clip_factor(_triangle_norms(batch), clip_norm)
+      grads = batch.weighted_backward(lam_local, collective.gather(lam_local))
     return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
 
-  return _make_grad_fn(core, embed_fn, loss, f"clipped_grad({method})", axis_name)
+  return _make_grad_fn(core, embed_fn, loss, f"clipped_grad({method})", axis_name,
+                       positive_embed_fn)
 
 
 def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost", *,
                     microbatch_size: int | None = None, cosine_eps: float = DEFAULT_COSINE_EPS,
-                    float_allowance: bool = True, memory_budget: int | None = None) -> jax.Array:
+                    float_allowance: bool = True, memory_budget: int | None = None,
+                    positive_embed_fn: EmbedFn | None = None) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle": an upper bound off the diagonal, exact on it).
 
@@ -1010,55 +1137,62 @@ def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost"
   allowance that keeps it at or above the true norm (docs/PRIVACY.md): relative ~1e-4 on
   ordinary pairs, more on pairs whose gradient nearly cancels. float_allowance=False
   returns the computed values without it (for comparing methods; never clip by them).
+  positive_embed_fn: the tower of x_prime, as in `clipped_grad`.
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   _check_microbatch(microbatch_size)
+  _check_positive_embed_fn(positive_embed_fn)
   x, x_prime, _ = _check_pair_inputs(x, x_prime, None, 1)
-  return _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps,
-                          1.0 if float_allowance else 0.0, _check_memory_budget(memory_budget))
+  return _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size,
+                          cosine_eps, 1.0 if float_allowance else 0.0,
+                          _check_memory_budget(memory_budget), positive_embed_fn)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8, 9))
 @_full_float32
 def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps, allowance,
-                     memory_budget):
-  mask = jnp.ones((x.shape[0],), dtype=bool)
+                     memory_budget, positive_embed_fn):
+  n = _num_rows(x)
+  mask = jnp.ones((n,), dtype=bool)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
-                 microbatch_size=microbatch_size, collective=_Collective(None))
+                 microbatch_size=microbatch_size, collective=_Collective(None),
+                 positive_embed_fn=positive_embed_fn)
+  if batch.two_tower and method != "materialize":
+    return two_tower.pair_norms(batch, method, allowance)[0]
   if method == "ghost":
-    n = x.shape[0]
-    return _ghost(batch, jnp.zeros((n, n), x.dtype), math.inf, allowance, memory_budget,
+    return _ghost(batch, jnp.zeros((n, n), batch.u_loc.dtype), math.inf, allowance, memory_budget,
                   with_grads=False)[0]
   if method == "triangle":
     return _triangle_norms(batch, allowance)
-  n = x.shape[0]
-  _, norms = _materialize(batch, jnp.zeros((n, n), x.dtype), math.inf, None, allowance)
+  _, norms = _materialize(batch, jnp.zeros((n, n), batch.u_loc.dtype), math.inf, None, allowance)
   return norms
 
 
 def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
                        microbatch_size: int | None = None, axis_name: str | None = None,
-                       cosine_eps: float = DEFAULT_COSINE_EPS) -> GradFn:
+                       cosine_eps: float = DEFAULT_COSINE_EPS,
+                       positive_embed_fn: EmbedFn | None = None) -> GradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
   Sensitivity 2B under add-or-remove-one (`logit_dp.naive_sensitivity`). Same
-  signature and mask/axis semantics as `clipped_grad`.
+  signature and mask/axis/two-tower semantics as `clipped_grad`.
   """
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   _check_microbatch(microbatch_size)
+  _check_positive_embed_fn(positive_embed_fn)
   collective = _Collective(axis_name)
 
   def core(params, x, x_prime, mask):
     batch, loss_value, tau = _forward(embed_fn, loss, params, x, x_prime, mask, cosine_eps,
-                                      microbatch_size, collective)
+                                      microbatch_size, collective, positive_embed_fn)
     grads = batch.weighted_backward(tau[batch.rows], tau)
     norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
     factor = _clip_factor(norm, clip_norm)
     clipped = jax.tree_util.tree_map(lambda g: jnp.where(factor > 0, g * factor, 0.0), grads)
     return (collective.replicated(loss_value), clipped, collective.replicated(batch.num_nonfinite))
 
-  return _make_grad_fn(core, embed_fn, loss, "naive_clipped_grad", axis_name)
+  return _make_grad_fn(core, embed_fn, loss, "naive_clipped_grad", axis_name, positive_embed_fn)
 
 
 def _check_memory_budget(memory_budget):

@@ -20,20 +20,30 @@ This module adds the plumbing around that core:
 * `pad_to_multiple`: pads a batch with masked rows so that it splits evenly.
 * `shard_batch` / `replicate`: place a batch (each process feeding its own
   rows, via `jax.make_array_from_process_local_data`) and the replicated state.
+* `local_batch_indices`: the rows of a global batch of record indices (e.g. a
+  Poisson batch) that this process loads and feeds to `shard_batch`.
+* `broadcast_seed`: a secret seed drawn once (process 0) and shared by every
+  process, for the noise key and the sampler.
 * `make_sharded_grad_fn`: the jitted shard_map of `clipped_grad` /
   `naive_clipped_grad`, returning the global (ℒ, ḡ), replicated.
 * `make_private_optimizer` / `make_private_train_step`: ḡ → `logit_dp.transform`
   (noise) → optax, the optimizer running replicated on every device.
 
 Multi-host: call `jax.distributed.initialize()` first on every process; then
-`jax.devices()` lists the devices of all hosts, `data_mesh()` spans them, and
-every process calls `shard_batch` with its own equal-sized slice of the
-global batch. The multi-host path is the same code as the single-process one
-but has only been run with simulated devices in one process.
+`jax.devices()` lists the devices of all hosts and `data_mesh()` spans them.
+Every process runs the same program: the same parameters (same seed), the
+same noise key and sampler seed (`broadcast_seed`), hence the same Poisson
+batch of record indices at every step; `local_batch_indices` gives each
+process its rows, which it loads and passes to `shard_batch`. The result is
+the single-process computation on the same global batch: tests/test_multihost.py
+runs 2 processes × 2 CPU devices over loopback (gloo) and compares ḡ, the
+noisy update, the ledger and a run resumed after a killed process with one
+process.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
@@ -52,7 +62,9 @@ DATA_AXIS = "data"
 
 __all__ = [
     "DATA_AXIS",
+    "broadcast_seed",
     "data_mesh",
+    "local_batch_indices",
     "make_private_optimizer",
     "make_private_train_step",
     "make_sharded_grad_fn",
@@ -158,10 +170,10 @@ def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1) -> tuple[Any, Any,
   """
   if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or multiple < 1:
     raise ValueError(f"multiple must be a positive integer, got {multiple!r}.")
-  host = all(isinstance(a, np.ndarray) for a in (x, x_prime) + (() if mask is None else (mask,)))
+  host = all(isinstance(a, np.ndarray) for a in jax.tree_util.tree_leaves((x, x_prime, mask)))
   xp = np if host else jnp
   x, x_prime, mask = clipping.check_pairs(x, x_prime, mask, xp)
-  n = x.shape[0]
+  n = clipping._num_rows(x)
   pad = (-n) % int(multiple)
   if pad == 0:
     return x, x_prime, mask
@@ -169,16 +181,102 @@ def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1) -> tuple[Any, Any,
   def padded(a):
     return xp.concatenate([a, xp.zeros((pad,) + a.shape[1:], a.dtype)])
 
-  return padded(x), padded(x_prime), padded(mask)
+  return jax.tree_util.tree_map(padded, (x, x_prime, mask))
 
 
 def replicate(tree, mesh: Mesh) -> Any:
   """Places a pytree (params, optimizer state) replicated on every device of the mesh.
 
   Multi-host: every process must pass the same values (e.g. params initialised
-  from the same seed, or restored from the same checkpoint).
+  from the same seed, or restored from the same checkpoint, and the noise key
+  from `broadcast_seed`); JAX compares them across processes and this raises
+  ValueError if they differ.
   """
-  return jax.device_put(tree, NamedSharding(mesh, P()))
+  try:
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+  except AssertionError as e:  # jax's cross-process comparison (multihost_utils.assert_equal)
+    raise ValueError(
+        f"replicate: the processes passed different values ({e}). Every process must hold the "
+        "same parameters and optimizer state: initialise from the same seed and draw the noise "
+        "key from distributed.broadcast_seed(), not from `secrets` on each process.") from e
+
+
+_SEED_BOUND = 2 ** 63
+
+
+def broadcast_seed(seed: int | None = None) -> int:
+  """A seed in [0, 2⁶³) that is the same on every process: process 0's.
+
+  The noise key and the Poisson sampler's seed must be equal on every process
+  (each process draws the replicated noise itself and samples the global batch
+  itself), and secret. ``seed=None`` draws one with `secrets` on process 0; an
+  int is process 0's value. Single process: the seed itself, no communication.
+  Multi-host it is a collective: every process must call it, in the same order.
+
+  Raises:
+    ValueError: seed is not an integer in [0, 2⁶³).
+  """
+  if seed is None:
+    seed = secrets.randbits(63) if jax.process_index() == 0 else 0
+  is_int = isinstance(seed, (int, np.integer)) and not isinstance(seed, bool)
+  if not is_int or not 0 <= seed < _SEED_BOUND:
+    raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}.")
+  seed = int(seed)
+  if jax.process_count() == 1:
+    return seed
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  words = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+  shared = np.asarray(multihost_utils.broadcast_one_to_all(words)).astype(np.uint64)
+  return int(shared[0]) << 32 | int(shared[1])
+
+
+def _process_row_range(mesh: Mesh, axis_name: str, n: int) -> tuple[int, int]:
+  """[start, stop): the rows of a P(axis_name) batch of n rows held by this process's devices."""
+  sharding = NamedSharding(mesh, P(axis_name))
+  ranges = set()
+  for index in sharding.addressable_devices_indices_map((n,)).values():
+    rows = slice(None) if index is None else index[0]
+    ranges.add((0 if rows.start is None else rows.start, n if rows.stop is None else rows.stop))
+  ranges = sorted(ranges)
+  if not ranges:
+    raise ValueError("this process has no device in the mesh.")
+  for (_, stop), (start, _) in zip(ranges, ranges[1:]):
+    if start != stop:
+      raise ValueError(
+          f"this process's devices hold the non-contiguous rows {ranges} of the batch; build the "
+          "mesh with data_mesh() (devices in process order).")
+  return ranges[0][0], ranges[-1][1]
+
+
+def local_batch_indices(mesh: Mesh, indices, mask=None, *,
+                        axis_name: str = DATA_AXIS) -> tuple[np.ndarray, np.ndarray]:
+  """This process's share of a global batch of record indices (e.g. a Poisson batch).
+
+  Every process passes the same global batch (a `PoissonSampler` is a function
+  of (seed, step), so processes with the same seed draw the same batch). It is
+  padded with (index 0, mask False) to n' = ⌈n/k⌉·k rows for the k devices of
+  `axis_name`, and this process gets the rows [start, stop) that its devices
+  hold under P(axis_name). Load those records and pass them to `shard_batch`:
+  the global batch it assembles is the padded batch, row for row, on every
+  number of processes (padded rows carry mask False and contribute nothing).
+
+  Returns:
+    (indices, mask) of this process's rows: int32[n'/P] and bool[n'/P] when all
+    P processes have the same number of devices.
+  """
+  k = _axis_size(mesh, axis_name)
+  indices = np.asarray(indices)
+  if indices.ndim != 1:
+    raise ValueError(f"indices must be a 1-D array of record indices, got shape {indices.shape}.")
+  n = indices.shape[0]
+  mask = np.ones((n,), bool) if mask is None else np.asarray(mask)
+  if mask.shape != (n,) or mask.dtype != np.bool_:
+    raise ValueError(f"mask must be a bool array of shape ({n},), got {mask.dtype}{mask.shape}.")
+  pad = (-n) % k
+  indices = np.concatenate([indices.astype(np.int32), np.zeros((pad,), np.int32)])
+  mask = np.concatenate([mask, np.zeros((pad,), bool)])
+  start, stop = _process_row_range(mesh, axis_name, n + pad)
+  return indices[start:stop], mask[start:stop]
 
 
 def shard_batch(mesh: Mesh, x, x_prime, mask=None, *,
@@ -196,19 +294,21 @@ def shard_batch(mesh: Mesh, x, x_prime, mask=None, *,
   """
   _axis_size(mesh, axis_name)
   local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-  x, x_prime, mask = pad_to_multiple(np.asarray(x), np.asarray(x_prime),
+  x, x_prime, mask = pad_to_multiple(jax.tree_util.tree_map(np.asarray, x),
+                                     jax.tree_util.tree_map(np.asarray, x_prime),
                                      None if mask is None else np.asarray(mask),
                                      max(int(local_devices), 1))
   sharding = NamedSharding(mesh, P(axis_name))
-  return tuple(jax.make_array_from_process_local_data(sharding, a) for a in (x, x_prime, mask))
+  return tuple(
+      jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(sharding, a), t)
+      for t in (x, x_prime, mask))
 
 
 def _check_global_batch(x, x_prime, mask, k: int, min_batch_size: int):
-  if x.ndim < 1 or x_prime.ndim < 1 or x.shape[0] != x_prime.shape[0]:
-    raise ValueError(
-        f"x and x_prime must hold the same number of examples, got shapes {x.shape} and "
-        f"{x_prime.shape}.")
-  n = x.shape[0]
+  """(x, x_prime) as jax arrays (or pytrees of them); ValueError on a batch that cannot be
+  split over k devices or is too small for the loss."""
+  x, x_prime, _ = clipping.check_pairs(x, x_prime)
+  n = clipping._num_rows(x)
   if n < min_batch_size:
     raise ValueError(f"the loss needs at least {min_batch_size} pairs per batch, got {n}.")
   if n % k:
@@ -216,8 +316,9 @@ def _check_global_batch(x, x_prime, mask, k: int, min_batch_size: int):
         f"the global batch ({n} pairs) must split evenly over the {k} devices of the mesh; "
         f"pad it with masked rows first: logit_dp.distributed.pad_to_multiple(x, x_prime, "
         f"mask, {k}).")
-  if mask is not None and tuple(mask.shape) != (n,):
-    raise ValueError(f"mask must have shape ({n},), got {tuple(mask.shape)}.")
+  if mask is not None and tuple(np.shape(mask)) != (n,):
+    raise ValueError(f"mask must have shape ({n},), got {tuple(np.shape(mask))}.")
+  return x, x_prime
 
 
 def _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs):
@@ -260,7 +361,9 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
     mesh: a mesh with axis `axis_name` (e.g. `data_mesh()`).
     naive: use `naive_clipped_grad` (Naive-DP) instead.
     axis_name: the mesh axis the batch is split along.
-    **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device).
+    **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device), and
+      positive_embed_fn for two towers (x, x_prime may then be pytrees, split
+      along axis 0 of every leaf).
   """
   k = _axis_size(mesh, axis_name)
   core = _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
@@ -274,17 +377,16 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   checked = []
 
   def grad_fn(params, x, x_prime, mask=None):
-    x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
-    _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    x, x_prime = _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    n = clipping._num_rows(x)
     if not checked:
-      clipping.check_embed_fn(embed_fn, params, x)
+      clipping.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
       checked.append(True)
-    mask = (jnp.ones(
-        (x.shape[0],), bool) if mask is None else clipping._check_mask(mask, x.shape[0], jnp))
+    mask = jnp.ones((n,), bool) if mask is None else clipping._check_mask(mask, n, jnp)
     if not clipping._is_traced((params, x, x_prime, mask)):
       # One placement whatever the caller's: no resharding inside, one jit cache entry.
       params = jax.device_put(params, replicated)
-      x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))
+      x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
     loss_value, grads, num_nonfinite = jitted(params, x, x_prime, mask)
     if not clipping._is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
       raise ValueError(f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
@@ -380,18 +482,17 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
   checked = []
 
   def step(params, opt_state, x, x_prime, mask=None):
-    x, x_prime = jnp.asarray(x), jnp.asarray(x_prime)
-    _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    x, x_prime = _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    n = clipping._num_rows(x)
     if not checked:
       if not non_private:
         check_adds_noise(optimizer, params)
-      clipping.check_embed_fn(embed_fn, params, x)
+      clipping.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
       checked.append(True)
-    mask = (jnp.ones(
-        (x.shape[0],), bool) if mask is None else clipping._check_mask(mask, x.shape[0], jnp))
+    mask = jnp.ones((n,), bool) if mask is None else clipping._check_mask(mask, n, jnp)
     if not clipping._is_traced((params, opt_state, x, x_prime, mask)):
       params, opt_state = jax.device_put((params, opt_state), replicated)
-      x, x_prime, mask = (jax.device_put(a, data) for a in (x, x_prime, mask))
+      x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
     return jitted(params, opt_state, x, x_prime, mask)
 
   typed = cast(TrainStep, step)

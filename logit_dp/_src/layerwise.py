@@ -85,6 +85,11 @@ class Plan(NamedTuple):
     return frozenset(i for layer in self.layers for i in layer.leaves)
 
 
+def _num_rows(x) -> int:
+  """Examples in x, an array or a pytree of arrays with the examples along axis 0."""
+  return jax.tree_util.tree_leaves(x)[0].shape[0]
+
+
 def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
@@ -369,8 +374,12 @@ def _trace(embed_fn, leaves, treedef, candidates, x_struct):
 def make_plan(embed_fn, params, x, d: int) -> Plan:
   """Finds the recognised layers of embed_fn and the leaves they fully own (see module doc)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  n = x.shape[0]
-  structs = [jax.ShapeDtypeStruct((m,) + tuple(x.shape[1:]), x.dtype) for m in (n, n + 1)]
+  n = _num_rows(x)
+  structs = [
+      jax.tree_util.tree_map(
+          lambda a, m=m: jax.ShapeDtypeStruct((m,) + tuple(a.shape[1:]), a.dtype), x)
+      for m in (n, n + 1)
+  ]
   candidates = {i for i, leaf in enumerate(leaves) if _is_float(leaf)}
   while True:
     calls, records, placeholder_deps, real_deps = _trace(embed_fn, leaves, treedef, candidates,
@@ -432,7 +441,7 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   leaves, treedef = jax.tree_util.tree_flatten(params)
   factored = sorted(plan.factored_leaves)
   planned = [(layer.kind, layer.leaves) for layer in plan.layers]
-  m = x.shape[0]
+  m = _num_rows(x)
   xis = [varying(jnp.zeros((m,) + layer.out_shape, jnp.float32)) for layer in plan.layers]
 
   def embed(perturbations):
@@ -475,7 +484,7 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   varying(a) types a as per-device inside shard_map (so that derivatives w.r.t. the
   perturbations stay local instead of being summed over devices).
   """
-  m = x.shape[0]
+  m = _num_rows(x)
   u, deltas, patches = _deltas(embed_fn, params, plan, x, normalize_fn, varying, with_patches=True)
   d = u.shape[-1]
   flat, ghost_patches, ghost_deltas = [], [], []

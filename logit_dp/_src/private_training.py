@@ -9,7 +9,6 @@ unless fixed on purpose.
 
 from __future__ import annotations
 
-import secrets
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -72,7 +71,8 @@ def _check_count(name: str, value) -> int:
 
 
 def _secret_seed() -> int:
-  return secrets.randbits(63)
+  # `secrets` on process 0, shared with every process (one noise key, one sampler for all).
+  return distributed.broadcast_seed()
 
 
 def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: float,
@@ -115,13 +115,16 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     mean: scale the noisy sum by 1 / expected_batch_size before the optimizer.
     microbatch_size: passed to `clipped_grad` / `naive_clipped_grad`.
     accountant: "pld" (default) or "rdp", used for σ and by the ledger.
-    noise_key: JAX PRNG key of the noise; None draws one with `secrets`.
+    noise_key: JAX PRNG key of the noise; None draws one with `secrets`
+      (multi-host: on process 0, shared with every process; `broadcast_seed`).
       Fixing it makes runs reproducible and voids the guarantee against
       whoever knows it.
     sampler_seed: integer seed of the Poisson sampler; None draws one with
-      `secrets` (read it from ``sampler.seed`` to resume; keep it secret).
+      `secrets`, as noise_key (read it from ``sampler.seed`` to resume; keep
+      it secret).
     max_batch_size, overflow: passed to `PoissonSampler`.
-    **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps).
+    **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps;
+      positive_embed_fn for a two-tower model, with the same C).
 
   Returns:
     A `PrivateTraining`.

@@ -1,0 +1,341 @@
+r"""CLIP-style two-tower training with Logit-DP: CIFAR-100 images and their class-name texts.
+
+    python -m experiments.clip --config=experiments/configs/clip_cifar100.py \
+        --config.data.npz_dir=/path/to/cifar \
+        --config.data.label_names=/path/to/cifar100_label_names.json --workdir=runs/clip
+    python -m experiments.clip --config=experiments/configs/clip_tiny.py     # synthetic, seconds
+
+An image tower (the paper's embedding net) and a text tower (bag of words: token
+embeddings, masked mean, two dense layers) map into one d-dimensional space; one
+params pytree holds both and they share no parameter, so `logit_dp.clipped_grad(...,
+positive_embed_fn=text_tower)` clips exact pair-gradient norms at the cost of "triangle".
+Each record is one (image, text) pair: the image and the text "a photo of a <fine label
+name>", tokenised with a word vocabulary built here from the class names (nothing is
+downloaded). The metric is zero-shot accuracy on the test images: an image is assigned
+the class whose name text embeds closest to it (cosine), the same protocol as CLIP.
+
+Methods (``config.methods``): "logit_dp" (Poisson sampling, per-pair clipping to B,
+noise σ·C with σ from `logit_dp.accounting` for (target ε, δ) after the configured steps,
+all set up by `logit_dp.make_private`) and "non_private" (shuffled epochs, plain gradient
+of the same loss). Output in ``workdir``: config.json, results.json, results.md; the secret
+noise and sampling seeds of the private run in ``<workdir>.secrets/`` (kept apart).
+
+Duplicated texts. With class-name texts a batch of n pairs holds only ≤ 100 distinct
+texts: two records of one class have the same x', so v̂_j = v̂_i and Z_ij = Z_ii. The
+row-wise InfoNCE loss then counts that same-class text as a negative: its gradient
+cancels part of the positive's, and row i's loss cannot drop below ln(k_i) for k_i
+copies of its text (a fixed offset, no wrong signal between classes). The privacy unit
+is unchanged: a record is one (image, text) pair, and the sensitivity bound
+(docs/METHOD.md) holds for any Z, equal columns included; the text of a record reveals
+its label, which the guarantee therefore covers too (the list of class names is public).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+if __package__ in (None, ""):  # `python experiments/clip.py`: make the repo importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax.linen as nn  # pylint: disable=g-import-not-at-top
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+import logit_dp
+from experiments import data as data_lib
+from experiments import train as train_lib
+from logit_dp import models
+
+METHOD_LABELS = {"logit_dp": "Logit-DP (two towers)", "non_private": "Non-private"}
+PADDING = "<pad>"
+
+
+def load_label_names(path: str, label: str = "fine") -> list[str]:
+  """Class names from a JSON file: {"fine_label_names": [...]} (or "<label>_label_names")."""
+  if not path:
+    raise ValueError("config.data.label_names must be the path of the class-names JSON file.")
+  with open(os.path.expanduser(path)) as f:
+    names = json.load(f)
+  key = f"{label}_label_names"
+  if isinstance(names, dict):
+    if key not in names:
+      raise ValueError(f"{path} has no {key!r} (keys: {sorted(names)}).")
+    names = names[key]
+  if not names or not all(isinstance(n, str) and n for n in names):
+    raise ValueError(f"{path}: expected a non-empty list of class names.")
+  return list(names)
+
+
+def class_texts(names: list[str], template: str) -> list[str]:
+  """template.format(name) per class, underscores as spaces ("maple_tree" -> "maple tree")."""
+  return [template.format(name.replace("_", " ")) for name in names]
+
+
+def words(text: str) -> list[str]:
+  return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class Vocabulary:
+  """A word vocabulary built from the texts themselves; id 0 is padding."""
+  def __init__(self, texts: list[str]):
+    self.words = [PADDING] + sorted({w for t in texts for w in words(t)})
+    self.index = {w: i for i, w in enumerate(self.words)}
+
+  def __len__(self) -> int:
+    return len(self.words)
+
+  def tokenize(self, texts: list[str], length: int | None = None) -> dict[str, np.ndarray]:
+    """{"ids": (K, L) int32, "mask": (K, L) bool}, padded to the longest text (or `length`)."""
+    tokens = [[self.index[w] for w in words(t)] for t in texts]
+    length = length or max(len(t) for t in tokens)
+    if any(len(t) > length for t in tokens):
+      raise ValueError(f"a text has more than {length} words.")
+    ids = np.zeros((len(texts), length), np.int32)
+    for k, t in enumerate(tokens):
+      ids[k, :len(t)] = t
+    return {"ids": ids, "mask": ids != 0}
+
+
+class TextTower(nn.Module):
+  """Bag of words: token embeddings, their masked mean, a tanh layer, a dense projection."""
+  vocab_size: int
+  width: int = 32
+  embedding_dim: int = 16
+
+  @nn.compact
+  def __call__(self, tokens):
+    e = nn.Embed(self.vocab_size, self.width)(tokens["ids"])
+    m = tokens["mask"][..., None].astype(e.dtype)
+    mean = jnp.sum(e * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+    return nn.Dense(self.embedding_dim)(nn.tanh(nn.Dense(self.width)(mean)))
+
+
+def load_images(config) -> dict[str, Any]:
+  """x_train, y_train, x_test, y_test (uint8 NHWC images, int labels), subsets applied."""
+  rng = np.random.default_rng(config.seed)
+  names = load_label_names(config.data.label_names, config.data.label)
+  if config.data.source == "synthetic":  # tests: class-coloured noise, learnable
+    k, size = len(names), config.data.image_size
+    colours = rng.uniform(0, 255, (k, 1, 1, 3))
+
+    def split(count):
+      y = rng.integers(0, k, count).astype(np.int32)
+      x = np.clip(colours[y] + rng.normal(0, 20, (count, size, size, 3)), 0, 255)
+      return x.astype(np.uint8), y
+
+    (x_tr, y_tr), (x_te, y_te) = split(config.data.train_subset), split(config.data.test_subset)
+    ds = dict(x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
+  elif config.data.source == "npz":
+    ds = data_lib.load_npz(config.data.npz_dir, config.data.name, config.data.label)
+  else:
+    raise ValueError(f"data.source must be 'npz' or 'synthetic', got {config.data.source!r}.")
+  if int(max(ds["y_train"].max(), ds["y_test"].max())) >= len(names):
+    raise ValueError(f"{len(names)} class names but labels up to {ds['y_train'].max()}.")
+  for split in ("train", "test"):
+    x, y = data_lib._subset(ds[f"x_{split}"], ds[f"y_{split}"], config.data.get(f"{split}_subset"),
+                            rng)
+    ds[f"x_{split}"], ds[f"y_{split}"] = x, y
+  ds["names"] = names
+  return ds
+
+
+def make_towers(config, vocab_size: int, image_shape, tokens_one):
+  """(embed_fn, positive_embed_fn, params): image tower on x, text tower on x'."""
+  image = models.EmbeddingNet(embedding_dim=config.model.embedding_dim,
+                              channels=tuple(config.model.channels))
+  text = TextTower(vocab_size, config.model.text_width, config.model.embedding_dim)
+  k_image, k_text = jax.random.split(jax.random.PRNGKey(config.seed))
+  params = {
+      "image": image.init(k_image, jnp.zeros((1,) + tuple(image_shape), jnp.float32))["params"],
+      "text": text.init(k_text, tokens_one)["params"],
+  }
+
+  def embed_images(p, x):
+    return image.apply({"params": p["image"]}, data_lib.to_float(x))
+
+  def embed_texts(p, tokens):
+    return text.apply({"params": p["text"]}, tokens)
+
+  return embed_images, embed_texts, params
+
+
+def zero_shot(embed_images, embed_texts, params, images, labels, class_tokens,
+              batch_size: int) -> dict[str, float]:
+  """Top-1 / top-5 accuracy of argmax_c cos(image, text_c) over the class-name texts."""
+  texts = logit_dp.normalize(embed_texts(params, class_tokens))
+  embed = jax.jit(lambda p, x: jnp.matmul(logit_dp.normalize(embed_images(p, x)), texts.T))
+  scores = np.concatenate([
+      np.asarray(embed(params, images[i:i + batch_size]))
+      for i in range(0, len(labels), batch_size)
+  ])
+  top5 = np.argsort(-scores, axis=1)[:, :5]
+  return dict(zero_shot_top1=float(np.mean(top5[:, 0] == labels)),
+              zero_shot_top5=float(np.mean(np.any(top5 == labels[:, None], axis=1))))
+
+
+def _pairs(ds, tokens, indices):
+  """(images, texts) of the records `indices` (record r = training image r and its text)."""
+  return ds["x_train"][indices], jax.tree_util.tree_map(lambda a: a[ds["y_train"][indices]], tokens)
+
+
+def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, Any]:
+  """Logit-DP with two towers, set up by `logit_dp.make_private`."""
+  embed_images, embed_texts, params = towers
+  noise_seed, sampling_seed = train_lib.privacy_seeds(config, workdir, "logit_dp")
+  loss = logit_dp.losses.contrastive(config.temperature)
+  num_records = len(ds["y_train"])
+  private = logit_dp.make_private(
+      embed_images, loss, config.clip_norm, target_epsilon=config.target_epsilon,
+      target_delta=config.target_delta, num_records=num_records,
+      expected_batch_size=config.batch_size, epochs=config.num_epochs,
+      optimizer=optax.adam(config.learning_rates.logit_dp), method=config.clip_method, mean=True,
+      microbatch_size=config.microbatch_size, noise_key=jax.random.key(noise_seed),
+      sampler_seed=sampling_seed, positive_embed_fn=embed_texts)
+  # Diagnostic on the initial parameters and 64 TEST pairs (never on training records, which
+  # would release something not covered by the guarantee): the share of pair norms above B.
+  test_texts = jax.tree_util.tree_map(lambda a: a[ds["y_test"][:64]], tokens)
+  initial_norms = logit_dp.pair_grad_norms(embed_images, params, ds["x_test"][:64], test_texts,
+                                           positive_embed_fn=embed_texts)
+  clipped_at_start = float(np.mean(np.asarray(initial_norms) > config.clip_norm))
+  opt_state = private.optimizer.init(params)
+  update = jax.jit(lambda g, s, p: private.optimizer.update(g, s, p))
+  start = time.time()
+  for step in range(private.steps):
+    batch = private.sampler(step)
+    x, texts = _pairs(ds, tokens, batch.indices)
+    _, grads, dropped = private.grad_fn.with_num_dropped(params, x, texts, batch.mask)
+    if int(dropped):
+      raise FloatingPointError(f"step {step}: {int(dropped)} pair(s) with non-finite embeddings.")
+    private.ledger.record_steps(1)
+    updates, opt_state = update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if (step + 1) % config.log_every == 0 or step + 1 == private.steps:
+      log(f"logit_dp step {step + 1}/{private.steps}  ε = {private.ledger.epsilon():.3f}  "
+          f"{time.time() - start:.0f} s")
+  epsilon, delta = private.ledger.guarantee()
+  return dict(
+      params=params, steps=private.steps, epsilon=epsilon, delta=delta,
+      noise_multiplier=private.noise_multiplier, sensitivity=private.sensitivity,
+      clip_norm=private.clip_norm, sampling_rate=private.sampling_rate,
+      clipped_at_start=clipped_at_start, method=private.method, train_seconds=time.time() - start,
+      shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params,
+                                                   ds["x_test"][:64], test_texts))
+
+
+def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
+  """Shuffled epochs, Adam on the plain gradient of the same contrastive loss."""
+  embed_images, embed_texts, params = towers
+  loss = logit_dp.losses.contrastive(config.temperature)
+  optimizer = optax.adam(config.learning_rates.non_private)
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def step_fn(params, opt_state, x, texts, mask):
+    objective = lambda p: loss(
+        logit_dp.cosine_similarity(embed_images(p, x), embed_texts(p, texts)), mask)
+    value, grads = jax.value_and_grad(objective)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  batcher = logit_dp.sampling.ShuffledBatcher(len(ds["y_train"]), config.batch_size,
+                                              seed=config.seed)
+  start, steps = time.time(), 0
+  for epoch in range(int(np.ceil(config.num_epochs))):
+    for indices, mask in batcher.epoch(epoch):
+      x, texts = _pairs(ds, tokens, indices)
+      params, opt_state, value = step_fn(params, opt_state, x, texts, mask)
+      steps += 1
+      if not np.isfinite(float(value)):
+        raise FloatingPointError(f"non-private step {steps}: the loss is not finite.")
+      if steps % config.log_every == 0:
+        log(f"non_private step {steps}  loss {float(value):.3f}  {time.time() - start:.0f} s")
+  return dict(params=params, steps=steps, train_seconds=time.time() - start)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, quiet: bool = False) -> dict[str, Any]:
+  """Trains every method of config.methods, evaluates zero-shot accuracy, writes results."""
+  log = (lambda s: None) if quiet else print
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(json.loads(config.to_json_best_effort()), f, indent=2, sort_keys=True)
+  ds = load_images(config)
+  texts = class_texts(ds["names"], config.text_template)
+  vocab = Vocabulary(texts)
+  tokens = vocab.tokenize(texts)
+  towers = make_towers(config, len(vocab), ds["x_train"].shape[1:],
+                       jax.tree_util.tree_map(lambda a: a[:1], tokens))
+  results: dict[str, Any] = dict(num_records=int(len(ds["y_train"])),
+                                 num_test=int(len(ds["y_test"])), num_classes=len(texts),
+                                 vocabulary_size=len(vocab), example_text=texts[0], methods={})
+  for method in config.methods:
+    if method == "logit_dp":
+      out = train_logit_dp(config, ds, tokens, towers, workdir, log)
+    elif method == "non_private":
+      out = train_non_private(config, ds, tokens, towers, log)
+    else:
+      raise ValueError(f"unknown method {method!r}: use 'logit_dp' or 'non_private'.")
+    params = out.pop("params")
+    out.update(
+        zero_shot(towers[0], towers[1], params, ds["x_test"], ds["y_test"], tokens,
+                  config.eval_batch_size))
+    results["methods"][method] = out
+    log(f"{METHOD_LABELS[method]}: zero-shot top-1 {out['zero_shot_top1']:.4f}, "
+        f"top-5 {out['zero_shot_top5']:.4f}")
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2, sort_keys=True)
+  with open(os.path.join(workdir, "results.md"), "w") as f:
+    f.write(format_table(results) + "\n")
+  log(format_table(results))
+  return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+  rows = [
+      "| method | ε | δ | steps | zero-shot top-1 | zero-shot top-5 |", "|---|---|---|---|---|---|"
+  ]
+  for method, r in results["methods"].items():
+    eps = f"{r['epsilon']:.2f}" if "epsilon" in r else "∞"
+    delta = f"{r['delta']:.0e}" if "delta" in r else "–"
+    rows.append(f"| {METHOD_LABELS[method]} | {eps} | {delta} | {r['steps']} | "
+                f"{r['zero_shot_top1']:.4f} | {r['zero_shot_top5']:.4f} |")
+  rows.append(f"\nchance: top-1 {1 / results['num_classes']:.4f}, "
+              f"top-5 {min(5, results['num_classes']) / results['num_classes']:.4f}")
+  return "\n".join(rows)
+
+
+def main(argv):
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  workdir = flags.FLAGS.workdir or train_lib.default_workdir(flags.FLAGS["config"].config_filename,
+                                                             "clip")
+  print(f"workdir: {workdir}")
+  run(flags.FLAGS.config, workdir)
+  print(f"results: {os.path.join(workdir, 'results.md')}")
+
+
+def _define_flags():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  here = os.path.dirname(os.path.abspath(__file__))
+  config_flags.DEFINE_config_file("config", os.path.join(here, "configs", "clip_cifar100.py"),
+                                  "Training configuration (a file under experiments/configs/).",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "Results folder (default: runs/clip_<config name>).")
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  _define_flags()
+  app.run(main)

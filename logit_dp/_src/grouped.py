@@ -1,0 +1,326 @@
+"""DP-GCL: private contrastive learning by bounding group-level contribution.
+
+The grouped baseline of Li, Gong, Lin, Wang & Xiao, "Differentially Private Contrastive
+Learning via Bounding Group-level Contribution" (arXiv:2604.26467, 2026), implemented
+from its description. Every record r of a batch (a pair (x_r, x'_r), optionally with k
+extra augmented views w_r1..w_rk of its own data) belongs to one group g(r) ∈ {0..G−1}.
+The contrastive loss of an anchor only sees the records of its own group:
+
+    ℓ_i = −Z_ii/τ + log( Σ_{j∈g(i)} e^{Z_ij/τ} + Σ_{j∈g(i), j≠i} Σ_m e^{⟨û_i, ŵ_jm⟩/τ} ),
+
+Z_ij = ⟨û_i, v̂_j⟩ (normalised embeddings as in `logit_dp.clipped_grad`), so the extra views
+of the other members are extra negatives (a record's own views are not its negatives).
+With L_g = Σ_{i∈g} ℓ_i the released gradient is
+
+    ḡ = Σ_g min(1, B/‖∇_w L_g‖)·∇_w L_g,
+
+each GROUP's gradient clipped to B. Its L2 sensitivity under adding or removing one record
+is 2B (`grouped_sensitivity`), provided the groups are assigned by `assign_groups`: a keyed
+hash of the record id, so that a record's group does not depend on which other records
+were sampled. Chunking the sampled batch by position is NOT valid: removing one record
+shifts every later record into another group (docs/METHOD.md, "DP-GCL").
+
+Formal guarantees. Neighbouring relation: add or remove one record (with its extra
+views, which are functions of the record and of public randomness only) under Poisson
+sampling, the relation of `logit_dp.accounting`. For fixed parameters w, group key and G,
+let S be a sampled batch and S' = S ∪ {r}. With groups from `assign_groups`, S and S'
+have the same groups except g(r), which gains r. Every other L_g is a function of its own
+members only, so ḡ(S') − ḡ(S) = clip(∇L_{g(r)}(S')) − clip(∇L_{g(r)}(S)), and both terms
+have norm ≤ B: ‖ḡ(S') − ḡ(S)‖₂ ≤ 2B. Adding N(0, (σ·2B)²I) is then the Poisson-subsampled
+Gaussian mechanism with noise multiplier σ that `logit_dp.accounting` accounts for.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logit_dp._src import clipping
+from logit_dp._src import losses as losses_lib
+from logit_dp._src import sensitivity as sensitivity_lib
+
+EmbedFn = Callable[[Any, jax.Array], jax.Array]
+_HIGHEST = jax.lax.Precision.HIGHEST
+# Relative float allowance on every group-gradient norm before clipping: the norm is a float
+# sum of squares of the very vector that is scaled, so its computed value is within a few
+# ulps·log(p) of the true one; clipping by (1 + 2⁻¹²)·norm keeps the released clipped group
+# gradient's true norm ≤ B (tests/test_grouped.py measures the float32 error against float64).
+_NORM_FLOAT_ALLOWANCE = 2.0 ** -12
+
+
+class GroupedGradFn(Protocol):
+  """grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
+
+  Returns (ℒ, ḡ) as built by `grouped_clipped_grad`. ``core(params, x, x_prime, mask,
+  group_ids, extra_views) -> (ℒ, ḡ, n_nonfinite)`` is the jitted body without input checks,
+  taking the group ids directly (the guarantee needs them from `assign_groups`);
+  ``with_num_dropped`` is grad_fn returning n_nonfinite too, never raising.
+  """
+
+  core: Callable[..., tuple[jax.Array, Any, jax.Array]]
+  with_num_dropped: Callable[..., tuple[jax.Array, Any, jax.Array]]
+  num_groups: int
+
+  def __call__(self, params: Any, x: jax.Array, x_prime: jax.Array, mask: jax.Array | None = None,
+               *, record_ids: jax.Array, group_key: jax.Array,
+               extra_views: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """(ℒ, ḡ) on the records (x_i, x'_i[, extra_views_i]) with mask_i true."""
+    ...
+
+
+def _check_num_groups(num_groups) -> int:
+  if isinstance(num_groups, bool) or not isinstance(num_groups,
+                                                    (int, np.integer)) or num_groups < 1:
+    raise ValueError(f"num_groups must be an integer ≥ 1, got {num_groups!r}.")
+  return int(num_groups)
+
+
+def assign_groups(record_ids: jax.Array, key: jax.Array, num_groups: int) -> jax.Array:
+  """g(r) = a uniform integer in [0, G) drawn from fold_in(key, r), for every record id r.
+
+  A keyed hash of the record id alone (threefry, as every JAX key derivation): the group of
+  a record is the same whichever other records are in the batch, so adding or removing a
+  record changes only its own group. The key must not depend on the data (e.g.
+  fold_in(public_key, step) to regroup every step); it need not be secret.
+
+  Args:
+    record_ids: (n,) non-negative integer ids of the records (the sampler's indices).
+    key: a JAX PRNG key.
+    num_groups: G ≥ 1.
+
+  Returns:
+    (n,) int32 group ids.
+  """
+  g = _check_num_groups(num_groups)
+  ids = jnp.asarray(record_ids)
+  if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"record_ids must be a 1-D integer array, got shape {ids.shape}, dtype "
+                     f"{ids.dtype}.")
+  ids = ids.astype(jnp.uint32)
+  draw = lambda r: jax.random.randint(jax.random.fold_in(key, r), (), 0, g, dtype=jnp.int32)
+  return jax.vmap(draw)(ids)
+
+
+def grouped_sensitivity(clip_norm: float) -> float:
+  """Sensitivity 2B of the DP-GCL gradient ḡ = Σ_g clip_B(∇L_g), add/remove one record.
+
+  Adding a record changes one group's clipped gradient from a vector of norm ≤ B to
+  another one (both non-zero in general): 2B, as Naive-DP (G = 1 is Naive-DP).
+  """
+  return 2.0 * sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
+
+
+def grouped_contrastive_row_losses(u: jax.Array, v: jax.Array, w: jax.Array | None,
+                                   valid: jax.Array, group_ids: jax.Array,
+                                   temperature: float) -> jax.Array:
+  """ℓ_i of every valid row (0 elsewhere): InfoNCE over the own group's positives v̂_j and the
+  other members' extra views ŵ_jm; u, v: (n, d), w: (n, k, d) or None, all normalised."""
+  n = u.shape[0]
+  same = (group_ids[:, None] == group_ids[None, :]) & valid[:, None] & valid[None, :]
+  logits = jnp.matmul(u, v.T, precision=_HIGHEST) / temperature
+  columns = [(logits, same)]
+  if w is not None and w.shape[1]:
+    view_logits = jnp.einsum("id,jmd->ijm", u, w, precision=_HIGHEST).reshape(n, -1) / temperature
+    others = same & ~jnp.eye(n, dtype=bool)
+    columns.append((view_logits, jnp.repeat(others, w.shape[1], axis=1)))
+  all_logits = jnp.concatenate([c[0] for c in columns], axis=1)
+  ok = jnp.concatenate([c[1] for c in columns], axis=1)
+  safe = jnp.where(ok, all_logits, 0.0)
+  row_max = jax.lax.stop_gradient(jnp.max(jnp.where(ok, all_logits, -jnp.inf), axis=1))
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  total = jnp.sum(jnp.where(ok, jnp.exp(safe - row_max[:, None]), 0.0), axis=1)
+  log_norm = jnp.log(jnp.where(total > 0, total, 1.0)) + row_max
+  return jnp.where(valid, log_norm - jnp.diagonal(jnp.where(same, logits, 0.0)), 0.0)
+
+
+def _finite_rows(*arrays) -> jax.Array:
+  ok = [jnp.all(jnp.isfinite(a).reshape(a.shape[0], -1), axis=1) for a in arrays]
+  return functools.reduce(jnp.logical_and, ok)
+
+
+def _zero_rows(ok, a):
+  return jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a))
+
+
+def _scan_chunks(fn, init, xs, chunk: int | None):
+  """carry = fn(carry, rows) over the leading axis of xs (tuple) in chunks of `chunk` rows;
+  the last chunk is zero-padded (its padded rows must contribute nothing)."""
+  n = xs[0].shape[0]
+  if chunk is None or chunk >= n:
+    return fn(init, xs)
+  num_chunks = -(-n // chunk)
+  pad = num_chunks * chunk - n
+
+  def split(a):
+    a = jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
+    return a.reshape((num_chunks, chunk) + a.shape[1:])
+
+  carry, _ = jax.lax.scan(lambda c, rows: (fn(c, rows), None), init, tuple(split(a) for a in xs))
+  return carry
+
+
+def _embed_rows(embed_fn, params, xs, eps, chunk):
+  """n(Φ(x)) for the rows of xs, microbatch by microbatch: (n, d)."""
+  n = xs.shape[0]
+  if chunk is None or chunk >= n:
+    return clipping.normalize(embed_fn(params, xs), eps)
+  return clipping._unchunk_rows(
+      clipping._map_chunks(lambda rows: clipping.normalize(embed_fn(params, rows), eps), (xs,),
+                           chunk), n)
+
+
+def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: int, *,
+                         microbatch_size: int | None = None,
+                         cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> GroupedGradFn:
+  """Builds grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
+
+  grad_fn returns (ℒ, ḡ) with ℒ = Σ_g L_g and ḡ = Σ_g min(1, B/‖∇_w L_g‖)·∇_w L_g, a SUM
+  over the G groups of `assign_groups(record_ids, group_key, G)` (see the module docstring
+  for L_g). Its L2 sensitivity under adding or removing one record is
+  `grouped_sensitivity(B)` = 2B; noise it with `logit_dp.transform`.
+
+  Computation: one forward pass for the loss and its cotangents ∂ℒ/∂û_i, ∂ℒ/∂v̂_i, ∂ℒ/∂ŵ_im
+  (each embedding enters only its own group's loss, so these are the group losses'
+  cotangents); then per-record gradients ∇_w L restricted to record r,
+  p_r = J_rᵀ∂ℒ/∂û_r + J'_rᵀ∂ℒ/∂v̂_r + Σ_m J''_rmᵀ∂ℒ/∂ŵ_rm (one vjp per record, vmapped),
+  summed by group, ∇L_g = Σ_{r∈g} p_r, microbatch by microbatch into a (G, p) accumulator;
+  memory O(G·p + m·p) for microbatch m.
+
+  Args:
+    embed_fn: embed_fn(params, x) -> (n, d), acting on examples independently.
+    loss: `logit_dp.losses.contrastive(τ)` (the group loss is its InfoNCE restricted to the
+      group; other losses raise ValueError).
+    clip_norm: B > 0 (finite: this is a DP method).
+    num_groups: G ≥ 1, the number of hash buckets; the expected group size is E[n]/G and
+      group sizes are random (Binomial). G = 1 without extra views is Naive-DP.
+    microbatch_size: records per chunk of the per-record gradients and embeddings.
+    cosine_eps: ε of the cosine similarity n(u) = u/√(‖u‖² + ε²).
+
+  grad_fn's mask is an optional (n,) boolean: False rows are padding and contribute exactly
+  nothing. record_ids: (n,) integer ids of the records (unique among valid rows; the
+  sampler's indices). group_key: the JAX key of the assignment (public, data-independent).
+  extra_views: optional (n, k, ...) extra augmented views of each record (same example
+  shape as x). Called eagerly, grad_fn raises ValueError when a valid record has non-finite
+  inputs or embeddings; under jit such records are dropped (the same as removing them).
+  """
+  if not isinstance(loss, losses_lib.Contrastive):
+    raise ValueError(f"grouped_clipped_grad needs logit_dp.losses.contrastive(τ), got {loss!r}: "
+                     "its group loss is InfoNCE over the group's members and extra views.")
+  bound = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
+  num_groups = _check_num_groups(num_groups)
+  clipping._check_microbatch(microbatch_size)
+  temperature = float(loss.temperature)
+
+  def core(params, x, x_prime, mask, group_ids, extra_views):
+    n = x.shape[0]
+    k = 0 if extra_views is None else extra_views.shape[1]
+    views = jnp.zeros((n, 0) + x.shape[1:], x.dtype) if extra_views is None else extra_views
+    inputs_ok = _finite_rows(x, x_prime, views)
+    x, x_prime, views = (_zero_rows(inputs_ok, a) for a in (x, x_prime, views))
+    embed = lambda xs: _embed_rows(embed_fn, params, xs, cosine_eps, microbatch_size)
+    u, v = embed(x), embed(x_prime)
+    w = embed(views.reshape((n * k,) + x.shape[1:])).reshape(n, k, -1) if k else None
+    ok = inputs_ok & _finite_rows(u, v, *(() if w is None else (w,)))
+    valid = mask & ok
+    num_nonfinite = jnp.sum(mask & ~ok)
+    u, v = _zero_rows(ok, u), _zero_rows(ok, v)
+    w = None if w is None else _zero_rows(ok, w)
+    group_ids = jnp.where(valid, group_ids, 0).astype(jnp.int32)
+
+    def total_loss(u, v, w):
+      return jnp.sum(grouped_contrastive_row_losses(u, v, w, valid, group_ids, temperature))
+
+    loss_value, cots = jax.value_and_grad(total_loss, argnums=(0, 1, 2) if k else (0, 1))(u, v, w)
+    cot_w = cots[2] if k else jnp.zeros((n, 0, u.shape[1]), u.dtype)
+
+    def record_grad(xr, xpr, viewsr, cur, cvr, cwr):
+      examples = jnp.concatenate([xr[None], xpr[None], viewsr])
+      _, vjp = jax.vjp(lambda p: clipping.normalize(embed_fn(p, examples), cosine_eps), params)
+      return vjp(jnp.concatenate([cur[None], cvr[None], cwr]))[0]
+
+    def accumulate(acc, rows):
+      xr, xpr, viewsr, cur, cvr, cwr, keep, gid = rows
+      grads = jax.vmap(record_grad)(xr, xpr, viewsr, cur, cvr, cwr)
+      # Dropped and padded records add exactly 0 (a non-finite Jacobian times 0 is NaN).
+      grads = jax.tree_util.tree_map(lambda g: _zero_rows(keep, g), grads)
+      return jax.tree_util.tree_map(
+          lambda a, g: a + jax.ops.segment_sum(g, gid, num_segments=num_groups), acc, grads)
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros((num_groups,) + p.shape, p.dtype), params)
+    group_grads = _scan_chunks(accumulate, zeros,
+                               (x, x_prime, views, cots[0], cots[1], cot_w, valid, group_ids),
+                               microbatch_size)
+    leaves = jax.tree_util.tree_leaves(group_grads)
+    sq = sum(jnp.sum(g.reshape(num_groups, -1) ** 2, axis=1) for g in leaves)
+    norms = jnp.sqrt(sq) * (1.0 + _NORM_FLOAT_ALLOWANCE)
+    finite = jnp.isfinite(norms)
+    factor = clipping._clip_factor(norms, bound)
+    grads = jax.tree_util.tree_map(
+        lambda g: jnp.tensordot(factor.astype(g.dtype), _zero_rows(finite, g), axes=1, precision=
+                                _HIGHEST), group_grads)
+    all_dropped = (num_nonfinite > 0) & ~jnp.any(valid)
+    return jnp.where(all_dropped, jnp.nan, loss_value), grads, num_nonfinite
+
+  jitted = jax.jit(clipping._full_float32(core))
+  checked = []
+
+  def with_num_dropped(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None):
+    x, x_prime, mask = clipping._check_pair_inputs(x, x_prime, mask, loss.min_batch_size)
+    ids = _check_record_ids(record_ids, mask, x.shape[0])
+    if extra_views is not None:
+      extra_views = _check_extra_views(extra_views, x)
+    if not checked:
+      clipping.check_embed_fn(embed_fn, params, x)
+      checked.append(True)
+    return jitted(params, x, x_prime, mask, assign_groups(ids, group_key, num_groups), extra_views)
+
+  def grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None):
+    loss_value, grads, num_nonfinite = with_num_dropped(params, x, x_prime, mask,
+                                                        record_ids=record_ids, group_key=group_key,
+                                                        extra_views=extra_views)
+    traced = clipping._is_traced((params, x, x_prime, mask, record_ids, group_key, extra_views))
+    if not traced and int(num_nonfinite) > 0:
+      raise ValueError(f"grouped_clipped_grad: {int(num_nonfinite)} record(s) have non-finite "
+                       "inputs or embeddings (NaN/inf). Nothing was released. Under jit such "
+                       "records are dropped instead (see docs/PRIVACY.md).")
+    return loss_value, grads
+
+  typed = cast(GroupedGradFn, grad_fn)
+  typed.core = jitted
+  typed.with_num_dropped = with_num_dropped
+  typed.num_groups = num_groups
+  return typed
+
+
+def _check_record_ids(record_ids, mask, n: int) -> jax.Array:
+  if record_ids is None:
+    raise ValueError("record_ids is required: groups are a hash of the record id (a group by "
+                     "position in the batch is not private, see docs/METHOD.md).")
+  ids = jnp.asarray(record_ids)
+  if ids.shape != (n,) or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"record_ids must be an integer array of shape ({n},), got shape "
+                     f"{ids.shape}, dtype {ids.dtype}.")
+  if not clipping._is_traced((ids, mask)):
+    valid_ids = np.asarray(ids)[np.asarray(mask)]
+    if valid_ids.size and valid_ids.min() < 0:
+      raise ValueError("record_ids must be ≥ 0.")
+    if len(np.unique(valid_ids)) != valid_ids.size:
+      raise ValueError("record_ids of the valid rows must be unique: a record is sampled at most "
+                       "once per batch.")
+  return ids
+
+
+def _check_extra_views(extra_views, x) -> jax.Array:
+  if isinstance(extra_views, (dict, list, tuple)) or not hasattr(extra_views, "shape"):
+    raise ValueError("extra_views must be one array of shape (n, k, ...), got "
+                     f"{type(extra_views).__name__}.")
+  views = jnp.asarray(extra_views)
+  if views.ndim != x.ndim + 1 or views.shape[0] != x.shape[0] or views.shape[2:] != x.shape[1:]:
+    raise ValueError(f"extra_views must have shape ({x.shape[0]}, k) + {tuple(x.shape[1:])}, "
+                     f"got {views.shape}.")
+  return views
