@@ -10,7 +10,7 @@ Each piece is jitted on its own and timed (median of --repeats runs after a warm
                  gradients of the flattened layers, per-example Grams    (_Batch.factors)
   flat cross     the n²·d²·q cross-Gram of the flattened layers           (layerwise.flat_cross)
   ghost layer L  the cross terms of ghost layer L          (layerwise.ghost_layer_cross)
-  pair norms     all ‖g_ij‖ clipped by: pair terms + diagonal  (_ghost_norms)
+  pair norms     all ‖g_ij‖ clipped by: pair terms + diagonal  (_ghost, one block)
   backward ḡ     ḡ contracted from the factors with λ-weighted cotangents, plus
                  the forward pass that gives λ                           (_Batch.weighted_backward)
   noise + adam   logit_dp.transform + optax.adam on a p-vector
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 
@@ -105,13 +106,15 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
   def pair_norms(pp, xx, xxp):
     b = batch(pp, xx, xxp)
-    f_v = b.factors(b.x_prime)
-    return C._ghost_norms(b, b.factors(b.x), f_v, f_v)
+    n = xx.shape[0]
+    return C._ghost(b, jnp.zeros((n, n)), math.inf, 1.0, None, with_grads=False)[0]
 
   def backward_from_factors(fu, fv, pp, xx, xxp):
     b = batch(pp, xx, xxp)
     tau = jax.grad(loss)(b.z, b.valid)
-    return b.weighted_backward(tau, tau, (fu, fv))
+    cot_u, cot_v = tau @ b.v, tau.T @ b.u
+    return jax.tree_util.tree_map(jnp.add, b._factor_backward(fu, cot_u),
+                                  b._factor_backward(fv, cot_v))
 
   def backward_passes(pp, xx, xxp):
     b = batch(pp, xx, xxp)

@@ -84,7 +84,8 @@ def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
   """Without the vector form, ‖g_ii‖² = a + b + 2c of near-identical views is mostly rounding."""
   embed_fn, params, x, x_prime = _problem("near_identical")
   batch, (f_u, f_v) = _batch_and_factors(embed_fn, params, x, x_prime)
-  a, b, c = (np.asarray(t, np.float64) for t in clipping._ghost_terms(batch, f_u, f_v))
+  a, b, c = (
+      np.asarray(t, np.float64) for t in clipping._ghost_terms(f_u, batch.u_loc, f_v, batch.v))
   gram_form = np.sqrt(np.maximum(np.diag(a + b + 2 * c), 0.0))
   truth = np.diag(truths["near_identical"])
   assert np.max(np.abs(gram_form - truth) / truth) > 0.1

@@ -65,6 +65,13 @@ _GHOST_LAYER_CHUNK_ROWS = 8  # its batched small contractions run fastest in sma
 # a chunk there is a few kernel launches, and at the CPU sizes (1-13 rows at n = 10,000)
 # the launches, not the arithmetic, would set the time.
 _ACCELERATOR_CHUNK_SCALE = 16
+# Bytes of Jacobian factors "ghost" holds at once by default on the CPU (rows + column blocks;
+# `default_memory_budget`). ResNet-18 without batch norm: 29 MB per example, so 4 GiB hold
+# 146 examples' factors; the paper's embedding net: 0.2 MB, all of n = 10,000 in one block.
+DEFAULT_GHOST_MEMORY_BUDGET = 4 << 30
+# Smallest column block "ghost" uses when the budget lets it choose (factors of fewer examples
+# at a time run below batch speed).
+_MIN_COLUMN_BLOCK = 8
 # Floats held by one block of materialised pair gradients (pairs × p).
 _PAIR_BLOCK_FLOATS = 1 << 22
 # Float32 allowances added to every pair norm before clipping, so that a clip factor never
@@ -200,6 +207,34 @@ class _Collective:
     start = 0 if self.axis_name is None else jax.lax.axis_index(self.axis_name) * n_local
     return start + jnp.arange(n_local)
 
+  def size(self) -> int:
+    """k, the number of devices along the axis (1 outside shard_map)."""
+    return 1 if self.axis_name is None else jax.lax.axis_size(self.axis_name)
+
+  def index(self):
+    """This device's position along the axis (0 outside shard_map)."""
+    return 0 if self.axis_name is None else jax.lax.axis_index(self.axis_name)
+
+  def ring_shift(self, tree):
+    """Every device's value passed to the next device along the axis (ppermute i -> i + 1)."""
+    if self.axis_name is None:
+      return tree
+    k = self.size()
+    perm = [(i, (i + 1) % k) for i in range(k)]
+    return jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, self.axis_name, perm), tree)
+
+  def varying(self, tree):
+    """tree typed as per-device under check_vma=True (for loop carries that become varying)."""
+    if not self.checks_vma():
+      return tree
+
+    def cast_one(a):
+      if self.axis_name in _varying_axes(a):
+        return a
+      return jax.lax.pcast(a, self.axis_name, to="varying")
+
+    return jax.tree_util.tree_map(cast_one, tree)
+
 
 def _map(fn, xs, batch_size):
   """fn over the leading axis in chunks of batch_size (vmap if None)."""
@@ -306,9 +341,11 @@ class _Batch:
 
     return jax.vmap(one)(xs)
 
-  def factors(self, xs, chunked: bool = True, positive: bool = False) -> layerwise.Factors:
+  def factors(self, xs, chunked: bool = True, positive: bool = False,
+              chunk: int | None = None) -> layerwise.Factors:
     """Per-example Jacobian factors of one view (see layerwise), microbatch by microbatch
-    (chunked=False: xs in one piece, for callers that chunk themselves)."""
+    (chunk examples at a time if given; chunked=False: xs in one piece, for callers that
+    chunk themselves)."""
     plan = self._plan_of(positive)
     embed_fn = self.positive_embed_fn if positive else self.embed_fn
 
@@ -317,7 +354,7 @@ class _Batch:
           embed_fn, self.params, plan, x_chunk, lambda e: normalize(e, self.eps),
           lambda indices: self._generic_jacobian(indices, x_chunk, positive), self.c.local_params)
 
-    m, n = self.microbatch_size, _num_rows(xs)
+    m, n = chunk or self.microbatch_size, _num_rows(xs)
     if not chunked or m is None or m >= n:
       return chunk_factors(xs)
     return _unchunk_rows(_map_chunks(chunk_factors, (xs,), m), n)
@@ -353,19 +390,35 @@ class _Batch:
                                   _map_chunks(chunk_grad, (xs, cot), m))
 
   def _factor_backward(self, factors: layerwise.Factors, cot, positive: bool = False):
-    """Σ_e J_eᵀ cot_e contracted from the examples' Jacobian factors."""
+    """Σ_e J_eᵀ cot_e contracted from the examples' Jacobian factors.
+
+    The selecting recomputation goes example by example: selecting all of them at once would
+    hold a second copy of the factors (the largest buffer of "ghost").
+    """
     leaves, treedef = jax.tree_util.tree_flatten(self.params)
     plan = self._plan_of(positive)
-    transpose = lambda keep=None: jax.tree_util.tree_unflatten(
-        treedef, layerwise.factors_transpose(plan, factors, cot, leaves, keep))
-    return _finite_or(transpose(), lambda: transpose(jnp.any(cot != 0, axis=-1)))
+
+    def transpose(f, c, keep=None):
+      return jax.tree_util.tree_unflatten(treedef,
+                                          layerwise.factors_transpose(plan, f, c, leaves, keep))
+
+    def selected():
+      def add_example(total, example):
+        f, c = jax.tree_util.tree_map(lambda a: a[None], example)
+        return jax.tree_util.tree_map(jnp.add, total, transpose(f, c, jnp.any(c != 0, -1))), None
+
+      zeros = self.c.varying(jax.tree_util.tree_map(jnp.zeros_like, self.params))
+      return jax.lax.scan(add_example, zeros, (factors, cot))[0]
+
+    return _finite_or(transpose(factors, cot), selected)
 
   def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array, factors=None):
     """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ, summed over devices.
 
-    = Σ_i J_iᵀ(Σ_j λ_ij v̂_j) + Σ_j J'_jᵀ(Σ_i λ_ij û_i): one backward pass, or, given the
-    Jacobian factors (f_u, f_v) of the local examples of both views, their contraction.
-    Either way an example whose cotangent is 0 contributes exactly 0.
+    = Σ_i J_iᵀ(Σ_j λ_ij v̂_j) + Σ_j J'_jᵀ(Σ_i λ_ij û_i): one backward pass per view, or, given
+    the Jacobian factors (f_u, f_v) of the local examples of both views (two towers), their
+    contraction. Either way an example whose cotangent is 0 contributes exactly 0. (One-tower
+    "ghost" contracts its factors block by block instead: `_ghost`.)
     """
     cot_u = jnp.matmul(lam_local_rows, self.v, precision=_HIGHEST)
     cot_v = jnp.matmul(lam_full[:, self.rows].T, self.u, precision=_HIGHEST)
@@ -462,19 +515,16 @@ def _ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_colu
       _GHOST_LAYER_CHUNK_ROWS)
 
 
-def _ghost_terms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors):
-  """(a, b, c) with ‖g_ij‖² = a + b + 2c for local rows i and all columns j, each (n_local, n):
-  a = v̂_jᵀK_i v̂_j, b = û_iᵀK'_j û_i, c = v̂_jᵀ J_i J'_jᵀ û_i.
-
-  f_u: factors of the local rows of x; f_v: factors of all of x_prime (gathered).
-  """
-  anchor, positive = _quadratic_terms(f_u.gram, f_v.gram, batch.u_loc, batch.v)
+def _ghost_terms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns):
+  """(a, b, c) with ‖g_ij‖² = a + b + 2c for the rows i of f_u and the columns j of f_v,
+  each (rows, columns): a = v̂_jᵀK_i v̂_j, b = û_iᵀK'_j û_i, c = v̂_jᵀ J_i J'_jᵀ û_i."""
+  anchor, positive = _quadratic_terms(f_u.gram, f_v.gram, u_rows, v_columns)
   cross = jnp.zeros_like(anchor)
   if f_v.flat.shape[-1]:
-    cross += _flat_cross_terms(f_u.flat, batch.u_loc, f_v.flat, batch.v)
+    cross += _flat_cross_terms(f_u.flat, u_rows, f_v.flat, v_columns)
   for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas, f_v.ghost_patches,
                                         f_v.ghost_deltas):
-    cross += _ghost_layer_cross_terms(a_u, delta_u, batch.u_loc, a_v, delta_v, batch.v)
+    cross += _ghost_layer_cross_terms(a_u, delta_u, u_rows, a_v, delta_v, v_columns)
   return anchor, positive, cross
 
 
@@ -498,65 +548,234 @@ def _vectors_per_block(batch: _Batch, count: int) -> int:
   return max(1, min(count, _PAIR_BLOCK_FLOATS // max(num_params, 1)))
 
 
-def _with_diagonal(batch: _Batch, norms, f_u: layerwise.Factors, f_v_local: layerwise.Factors,
-                   allowance: float):
-  """norms with each diagonal pair (x_i, x'_i) replaced by its vector-form norm.
+def _diagonal_norms(batch: _Batch, f_u: layerwise.Factors, f_v: layerwise.Factors, u, v,
+                    allowance: float) -> jax.Array:
+  """‖g_ii‖ of the pairs (x_i, x'_i) whose two views' factors are f_u, f_v, from their vectors
+  (`layerwise.diagonal_sq_norms`), plus the vector allowance allowance·_VECTOR_FLOAT_ERROR·
+  (s_i + s'_i)."""
+  chunk = _vectors_per_block(batch, u.shape[0])
+  sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v, u, v, chunk)
+  scale = _jacobian_norms(f_u.gram) + _jacobian_norms(f_v.gram)
+  return jnp.sqrt(jnp.maximum(sq, 0.0)) + allowance * _VECTOR_FLOAT_ERROR * scale
 
+
+def _with_diagonal(batch: _Batch, norms, f_u: layerwise.Factors, f_v: layerwise.Factors, u_rows,
+                   v_columns, offset, at_home, allowance: float):
+  """A block's norms (r, c) with each diagonal pair (x_i, x'_i) replaced by its vector-form norm.
+
+  The block's columns are the examples offset..offset+c-1 of its rows when `at_home` (a bool
+  or a traced bool); otherwise it holds no diagonal pair and is returned as it is.
   Positive pairs of near-identical views have small pair gradients whose two halves
   J_iᵀv̂_i and J'_iᵀû_i nearly cancel: Gram forms lose them in float32 (ghost returned 0
   for true norms of ~3e-3; triangle over-estimates them up to 60×). They are only n
-  vectors, so they are formed (`layerwise.diagonal_sq_norms`) and normed directly, plus
-  the vector allowance allowance·_VECTOR_FLOAT_ERROR·(s_i + s'_i).
+  vectors, so they are formed and normed directly (`_diagonal_norms`).
   """
-  n_local = batch.u_loc.shape[0]
-  chunk = _vectors_per_block(batch, n_local)
-  sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v_local, batch.u_loc, batch.v_loc, chunk)
-  scale = _jacobian_norms(f_u.gram) + _jacobian_norms(f_v_local.gram)
-  diagonal = jnp.sqrt(jnp.maximum(sq, 0.0)) + allowance * _VECTOR_FLOAT_ERROR * scale
-  return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)
+  if at_home is False:
+    return norms
+  r, c = norms.shape
+
+  def diagonal():
+    rows = lambda a: jax.lax.dynamic_slice_in_dim(a, offset, c, axis=0)
+    return _diagonal_norms(batch, jax.tree_util.tree_map(rows, f_u), f_v, rows(u_rows), v_columns,
+                           allowance)
+
+  if at_home is True:
+    values = diagonal()
+  else:
+    values = jax.lax.cond(at_home, diagonal, lambda: batch.c.varying(jnp.zeros((c,), norms.dtype)))
+  on_diagonal = jnp.arange(r)[:, None] == offset + jnp.arange(c)[None, :]
+  return jnp.where(on_diagonal & at_home, values[None, :], norms)
+
+
+def _block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns,
+                 allowance: float):
+  """min(√(a + b + 2c + ε_G S_ij²), triangle bound) for the rows of f_u and columns of f_v."""
+  anchor, positive, cross = _ghost_terms(f_u, u_rows, f_v, v_columns)
+  s_rows, s_columns = _jacobian_norms(f_u.gram), _jacobian_norms(f_v.gram)
+  scale = s_rows[:, None] + s_columns[None, :]
+  gram_norms = jnp.sqrt(
+      jnp.maximum(anchor + positive + 2.0 * cross, 0.0)
+      + allowance * _GRAM_FLOAT_ERROR * scale ** 2)
+  return jnp.minimum(gram_norms, _triangle_bound(anchor, positive, s_rows, s_columns, allowance))
 
 
 def _triangle_norms(batch: _Batch, allowance: float = 1.0):
   """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ from per-example Grams (with float32
-  allowances), and the diagonal pairs from their vectors (`_with_diagonal`).
+  allowances), and the diagonal pairs from their vectors (`_diagonal_norms`).
 
   Memory stays at the Grams plus one microbatch of factors: the diagonal pairs are
   formed microbatch by microbatch from both views' factors of the same rows.
   """
   def chunk_terms(x_chunk, x_prime_chunk, u_chunk, v_chunk):
     f_u, f_v = batch.factors(x_chunk, chunked=False), batch.factors(x_prime_chunk, chunked=False)
-    rows = _vectors_per_block(batch, x_chunk.shape[0])
-    sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v, u_chunk, v_chunk, rows)
-    return f_u.gram, f_v.gram, sq
+    return f_u.gram, f_v.gram, _diagonal_norms(batch, f_u, f_v, u_chunk, v_chunk, allowance)
 
   xs = (batch.x, batch.x_prime, batch.u_loc, batch.v_loc)
   m, n_local = batch.microbatch_size, _num_rows(batch.x)
   if m is None or m >= n_local:
-    k_local, k_prime_local, diag_sq = chunk_terms(*xs)
+    k_local, k_prime_local, diagonal = chunk_terms(*xs)
   else:
-    k_local, k_prime_local, diag_sq = _unchunk_rows(_map_chunks(chunk_terms, xs, m), n_local)
+    k_local, k_prime_local, diagonal = _unchunk_rows(_map_chunks(chunk_terms, xs, m), n_local)
   k_prime = batch.c.gather(k_prime_local)
   s_local, s_prime_local = _jacobian_norms(k_local), _jacobian_norms(k_prime_local)
   anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
   norms = _triangle_bound(anchor, positive, s_local, batch.c.gather(s_prime_local), allowance)
-  diagonal = (jnp.sqrt(jnp.maximum(diag_sq, 0.0)) + allowance * _VECTOR_FLOAT_ERROR *
-              (s_local + s_prime_local))
   return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)
 
 
-def _ghost_norms(batch: _Batch, f_u: layerwise.Factors, f_v_local: layerwise.Factors,
-                 f_v: layerwise.Factors, allowance: float = 1.0):
-  """‖g_ij‖ for clipping: min(√(a + b + 2c + ε_G S_ij²), triangle bound), diagonal pairs
-  from their vectors; f_v_local: the local rows' factors of x_prime, f_v: all of them.
-  allowance = 0 gives the computed norms without the float32 allowances."""
-  anchor, positive, cross = _ghost_terms(batch, f_u, f_v)
-  s_local, s_all = _jacobian_norms(f_u.gram), _jacobian_norms(f_v.gram)
-  scale = s_local[:, None] + s_all[None, :]
-  gram_norms = jnp.sqrt(
-      jnp.maximum(anchor + positive + 2.0 * cross, 0.0)
-      + allowance * _GRAM_FLOAT_ERROR * scale ** 2)
-  norms = jnp.minimum(gram_norms, _triangle_bound(anchor, positive, s_local, s_all, allowance))
-  return _with_diagonal(batch, norms, f_u, f_v_local, allowance)
+def default_memory_budget() -> int:
+  """Bytes of Jacobian factors "ghost" holds at once when not told: DEFAULT_GHOST_MEMORY_BUDGET
+  on the CPU; a quarter of the device's memory on an accelerator that reports it."""
+  if _on_accelerator():
+    try:
+      stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # pylint: disable=broad-except  (a backend without memory stats)
+      stats = {}
+    if stats.get("bytes_limit"):
+      return max(DEFAULT_GHOST_MEMORY_BUDGET, int(stats["bytes_limit"]) // 4)
+  return DEFAULT_GHOST_MEMORY_BUDGET
+
+
+def factor_bytes_per_example(plan: layerwise.Plan, d: int, leaves) -> int:
+  """Bytes one example's Jacobian factors take in "ghost" (float32): d·q for the q flattened
+  parameters, T·(P + d·C) per ghost layer, the d×d Gram, and the largest ghost layer's T·d·C
+  once more (its deltas are re-laid out for the pair terms)."""
+  q = sum(int(np.prod(np.shape(leaves[i]))) for i in plan.generic)
+  held, relaid = d * d, 0
+  for layer, ghost in zip(plan.layers, plan.ghost):
+    if ghost:
+      held += layer.positions * (layer.fan_in + d * layer.features)
+      relaid = max(relaid, layer.positions * d * layer.features)
+    else:
+      q += layer.fan_in * layer.features
+  return 4 * (held + d * q + relaid)
+
+
+def ghost_block_sizes(n_local: int, num_devices: int, example_bytes: int, memory_budget: int,
+                      multiple: int = 1) -> tuple[int, int]:
+  """(r, c): rows and columns of the pair blocks of "ghost", c dividing r.
+
+  With b = 1 column buffer on one device and 2 on a ring (the block in use and the one
+  arriving), the factors held at once are (r + b·c)·example_bytes ≤ memory_budget. The
+  column factors are recomputed once per row block, so r is as large as fits (all n_local
+  rows when (n_local + b·⌈n_local/b⌉)·example_bytes fit: no recomputation, and on one device
+  the single block of the path before the blocks); c is then the largest that fits, at least
+  _MIN_COLUMN_BLOCK where the budget allows, and a multiple of `multiple` (the microbatch of
+  the factor computations) when larger than it, except for that single block. Below
+  (1 + b)·example_bytes: r = c = 1.
+  """
+  buffers = 1 if num_devices == 1 else 2
+  slots = memory_budget // max(example_bytes, 1)
+  for num_row_blocks in range(1, n_local + 1):
+    r0 = -(-n_local // num_row_blocks)
+    c = min(-(-r0 // buffers), (slots - r0) // buffers)
+    if c < min(_MIN_COLUMN_BLOCK, -(-r0 // buffers)):
+      continue
+    while True:
+      per_row_block = -(-r0 // c)
+      c_balanced = -(-r0 // per_row_block)
+      if buffers == 1 and c_balanced == n_local:
+        return n_local, n_local
+      if c_balanced > multiple:  # whole microbatches: no padded chunk to slice off
+        c_balanced = -(-c_balanced // multiple) * multiple
+      r = per_row_block * c_balanced
+      if r + buffers * c_balanced <= slots or c == 1:
+        return r, c_balanced
+      c -= 1
+  return 1, 1
+
+
+def _loop(num: int, body, carry):
+  """body(i, carry) for i < num: a fori_loop, or one direct call when num == 1."""
+  if num == 1:
+    return body(0, carry)
+  return jax.lax.fori_loop(0, num, body, carry)
+
+
+def _ghost(batch: _Batch, tau_local, clip_norm, allowance: float, memory_budget: int | None,
+           with_grads: bool = True):
+  """Exact pair norms and ḡ of "ghost" in blocks of r rows × c columns (`ghost_block_sizes`).
+
+  For each row block the rows' factors f_u are computed once; for each column block of this
+  device's x_prime its factors f_v are computed (again for every row block) and passed around
+  the ring of devices (`_Collective.ring_shift`, k steps: it comes home last), so that every
+  device pairs its rows with every column. Per block: the norms (`_block_norms`, the diagonal
+  pairs from their vectors when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
+  cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
+  column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
+  and from f_v when it comes home (per row block: ḡ is linear in the cotangents).
+
+  Returns (norms (n_local, n), ḡ psum-ed over devices, or None without with_grads).
+  """
+  col = batch.c
+  n_local, d = batch.u_loc.shape
+  k = col.size()
+  leaves = jax.tree_util.tree_leaves(batch.params)
+  budget = default_memory_budget() if memory_budget is None else memory_budget
+  r, c = ghost_block_sizes(n_local, k, factor_bytes_per_example(batch.plan, d, leaves), budget,
+                           batch.microbatch_size or 1)
+  per_row_block = r // c
+  num_row_blocks, num_column_blocks = -(-n_local // r), -(-n_local // c)
+  single = num_row_blocks == 1 and num_column_blocks == 1 and k == 1
+  # One block: the user's microbatches; blocks: at most a column block at a time.
+  chunk = batch.microbatch_size if single else min(batch.microbatch_size or c, c)
+
+  def pad(a, size):
+    extra = size - a.shape[0]
+    return jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)]) if extra else a
+
+  n_rows, n_columns = num_row_blocks * r, num_column_blocks * c
+  x, u = pad(batch.x, n_rows), pad(batch.u_loc, n_rows)
+  x_prime, v_local = pad(batch.x_prime, n_columns), pad(batch.v_loc, n_columns)
+  tau = tau_local.reshape(n_local, k, n_local)  # columns: (device, local example)
+  tau = jnp.pad(tau, ((0, n_rows - n_local), (0, 0), (0, n_columns - n_local)))
+  me = col.index()
+  zero_grads = col.varying(jax.tree_util.tree_map(jnp.zeros_like, batch.params))
+
+  def row_block(a, carry):
+    norms, grads = carry
+    f_u = batch.factors(jax.lax.dynamic_slice_in_dim(x, a * r, r), chunk=chunk)
+    u_rows = jax.lax.dynamic_slice_in_dim(u, a * r, r)
+    tau_rows = jax.lax.dynamic_slice_in_dim(tau, a * r, r)
+
+    def column_block(b, carry):
+      norms_rows, cot_u, grads = carry
+      start = b * c
+      f_v = batch.factors(jax.lax.dynamic_slice_in_dim(x_prime, start, c), chunk=chunk)
+      v_columns = jax.lax.dynamic_slice_in_dim(v_local, start, c)
+      home = b // per_row_block == a  # its examples are rows start - a·r ... of this row block
+
+      def ring_step(s, carry):
+        norms_rows, cot_u, (f_v, v_columns, cot_v) = carry
+        owner = (me - s) % k  # the device whose columns are passing
+        block = _block_norms(f_u, u_rows, f_v, v_columns, allowance)
+        block = _with_diagonal(batch, block, f_u, f_v, u_rows, v_columns, start - a * r,
+                               home & (s == 0), allowance)
+        norms_rows = jax.lax.dynamic_update_slice(norms_rows, block[:, None, :], (0, owner, start))
+        if with_grads:
+          tau_block = jax.lax.dynamic_slice(tau_rows, (0, owner, start), (r, 1, c))[:, 0, :]
+          lam = tau_block * _clip_factor(block, clip_norm)
+          cot_u = cot_u + jnp.matmul(lam, v_columns, precision=_HIGHEST)
+          cot_v = cot_v + jnp.matmul(lam.T, u_rows, precision=_HIGHEST)
+        return norms_rows, cot_u, col.ring_shift((f_v, v_columns, cot_v))
+
+      travelling = col.varying((f_v, v_columns, jnp.zeros((c, d), u.dtype)))
+      norms_rows, cot_u, (f_v, _, cot_v) = _loop(k, ring_step, (norms_rows, cot_u, travelling))
+      if with_grads:  # home again, with Σ_i λ_ij û_i over every device's rows of this row block
+        grads = jax.tree_util.tree_map(jnp.add, grads, batch._factor_backward(f_v, cot_v))
+      return norms_rows, cot_u, grads
+
+    norms_rows = col.varying(jnp.zeros((r, k, n_columns), u.dtype))
+    cot_u = col.varying(jnp.zeros((r, d), u.dtype))
+    norms_rows, cot_u, grads = _loop(num_column_blocks, column_block, (norms_rows, cot_u, grads))
+    if with_grads:
+      grads = jax.tree_util.tree_map(jnp.add, grads, batch._factor_backward(f_u, cot_u))
+    return jax.lax.dynamic_update_slice_in_dim(norms, norms_rows, a * r, axis=0), grads
+
+  norms = col.varying(jnp.zeros((n_rows, k, n_columns), u.dtype))
+  norms, grads = _loop(num_row_blocks, row_block, (norms, zero_grads))
+  norms = norms[:n_local, :, :n_local].reshape(n_local, k * n_local)
+  return norms, (col.psum(grads) if with_grads else None)
 
 
 def _materialize(batch: _Batch, tau_local_rows, clip_norm, pair_block_size, allowance: float = 1.0):
@@ -812,7 +1031,8 @@ def _make_grad_fn(core, embed_fn, loss, what, axis_name=None, positive_embed_fn=
 
 def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost", *,
                  microbatch_size: int | None = None, pair_block_size: int | None = None,
-                 axis_name: str | None = None, cosine_eps: float = DEFAULT_COSINE_EPS,
+                 memory_budget: int | None = None, axis_name: str | None = None,
+                 cosine_eps: float = DEFAULT_COSINE_EPS,
                  positive_embed_fn: EmbedFn | None = None) -> GradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
@@ -834,6 +1054,17 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
       whole batch, so every negative is kept and the noise, added once to ḡ,
       is unchanged: this is gradient accumulation without changing the mechanism.
     pair_block_size: pairs per block for "materialize" (default: ~4M floats).
+    memory_budget: "ghost" only: bytes of per-example Jacobian factors held at
+      once (default `default_memory_budget()`: 4 GiB on the CPU, a quarter of an
+      accelerator's memory). The pair norms are computed in blocks of r rows × c
+      columns holding (r + c)·F bytes of factors (F per example,
+      `factor_bytes_per_example`; r + 2c under axis_name, where column blocks pass
+      around a ring of devices), the column factors recomputed once per row
+      block; when both views' factors of the whole (local) batch fit, that is
+      one block and nothing is recomputed. Memory then grows with n only as the
+      n·d embeddings and the n² pair scalars (τ, norms, λ); one microbatch's
+      forward and backward passes (microbatch_size, or at most c examples when
+      blocked) and the pair-term chunks come on top (docs/METHOD.md).
     axis_name: call inside `jax.shard_map` over this mesh axis with the batch
       split across devices; the pair matrix spans the global batch and every
       device returns the same global (ℒ, ḡ).
@@ -865,6 +1096,7 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   _check_microbatch(microbatch_size)
+  _check_memory_budget(memory_budget)
   _check_positive_embed_fn(positive_embed_fn)
   collective = _Collective(axis_name)
 
@@ -878,13 +1110,13 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
       return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
     if batch.two_tower:
       norms, factors = two_tower.pair_norms(batch, method)
+      lam_local = tau_local * _clip_factor(norms, clip_norm)
+      grads = batch.weighted_backward(lam_local, collective.gather(lam_local), factors)
     elif method == "ghost":
-      factors = batch.factors(batch.x), batch.factors(batch.x_prime)
-      norms = _ghost_norms(batch, factors[0], factors[1], collective.gather(factors[1]))
+      _, grads = _ghost(batch, tau_local, clip_norm, 1.0, memory_budget)
     else:
-      factors, norms = None, _triangle_norms(batch)
-    lam_local = tau_local * _clip_factor(norms, clip_norm)
-    grads = batch.weighted_backward(lam_local, collective.gather(lam_local), factors)
+      lam_local = tau_local * _clip_factor(_triangle_norms(batch), clip_norm)
+      grads = batch.weighted_backward(lam_local, collective.gather(lam_local))
     return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
 
   return _make_grad_fn(core, embed_fn, loss, f"clipped_grad({method})", axis_name,
@@ -893,10 +1125,13 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
 
 def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost", *,
                     microbatch_size: int | None = None, cosine_eps: float = DEFAULT_COSINE_EPS,
-                    float_allowance: bool = True,
+                    float_allowance: bool = True, memory_budget: int | None = None,
                     positive_embed_fn: EmbedFn | None = None) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle": an upper bound off the diagonal, exact on it).
+
+  microbatch_size and memory_budget ("ghost": bytes of Jacobian factors held at once) as in
+  `clipped_grad`.
 
   With float_allowance (the default, what clipping uses) every norm includes the float32
   allowance that keeps it at or above the true norm (docs/PRIVACY.md): relative ~1e-4 on
@@ -909,14 +1144,15 @@ def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost"
   _check_microbatch(microbatch_size)
   _check_positive_embed_fn(positive_embed_fn)
   x, x_prime, _ = _check_pair_inputs(x, x_prime, None, 1)
-  return _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps,
-                          1.0 if float_allowance else 0.0, positive_embed_fn)
+  return _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size,
+                          cosine_eps, 1.0 if float_allowance else 0.0,
+                          _check_memory_budget(memory_budget), positive_embed_fn)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8, 9))
 @_full_float32
 def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps, allowance,
-                     positive_embed_fn):
+                     memory_budget, positive_embed_fn):
   n = _num_rows(x)
   mask = jnp.ones((n,), dtype=bool)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
@@ -925,8 +1161,8 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosi
   if batch.two_tower and method != "materialize":
     return two_tower.pair_norms(batch, method, allowance)[0]
   if method == "ghost":
-    f_v = batch.factors(batch.x_prime)
-    return _ghost_norms(batch, batch.factors(batch.x), f_v, f_v, allowance)
+    return _ghost(batch, jnp.zeros((n, n), batch.u_loc.dtype), math.inf, allowance, memory_budget,
+                  with_grads=False)[0]
   if method == "triangle":
     return _triangle_norms(batch, allowance)
   _, norms = _materialize(batch, jnp.zeros((n, n), batch.u_loc.dtype), math.inf, None, allowance)
@@ -957,6 +1193,14 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
     return (collective.replicated(loss_value), clipped, collective.replicated(batch.num_nonfinite))
 
   return _make_grad_fn(core, embed_fn, loss, "naive_clipped_grad", axis_name, positive_embed_fn)
+
+
+def _check_memory_budget(memory_budget):
+  if memory_budget is not None and (isinstance(memory_budget, bool)
+                                    or not isinstance(memory_budget, int) or memory_budget < 1):
+    raise ValueError(
+        f"memory_budget must be a positive integer (bytes) or None, got {memory_budget!r}.")
+  return memory_budget
 
 
 def _check_microbatch(microbatch_size):

@@ -6,8 +6,10 @@ k devices holds n/k pairs and a replicated copy of the parameters. Inside
 the normalised embeddings (as distributed CLIP/SimCLR training does), so the
 n×n similarity matrix, the loss and the weights τ_ij span the whole global
 batch; each device computes the pair norms and λ_ij for its own rows against
-all n columns, the λ rows are gathered, each device runs the backward pass for
-its own examples, and a psum leaves the same global ḡ on every device. The
+all n columns ("ghost": the positives' Jacobian factors pass around a ring of
+devices in blocks, `ppermute`, so each device holds 2n/k examples' factors),
+each device contracts or back-propagates the cotangents of its own examples,
+and a psum leaves the same global ḡ on every device. The
 mechanism is exactly the single-device one on the concatenated batch: same ḡ
 (to float rounding), same sensitivity, same noise (drawn once from the same key
 on every device), so the privacy accounting does not depend on k.
@@ -359,7 +361,7 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
     mesh: a mesh with axis `axis_name` (e.g. `data_mesh()`).
     naive: use `naive_clipped_grad` (Naive-DP) instead.
     axis_name: the mesh axis the batch is split along.
-    **kwargs: microbatch_size, pair_block_size, cosine_eps (per device), and
+    **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device), and
       positive_embed_fn for two towers (x, x_prime may then be pytrees, split
       along axis 0 of every leaf).
   """
