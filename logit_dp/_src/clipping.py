@@ -131,6 +131,17 @@ def _take_row(x, i):
   return jax.tree_util.tree_map(lambda a: a[i], x)
 
 
+def raise_if_dropped(what: str, tree, num_dropped, unit: str = "pair(s)") -> None:
+  """Eager calls only: a ValueError when rows with non-finite inputs or embeddings were dropped.
+
+  Under jit (``tree`` traced) such rows are masked out and counted instead (docs/PRIVACY.md).
+  """
+  if not _is_traced(tree) and int(num_dropped) > 0:
+    raise ValueError(f"{what}: {int(num_dropped)} {unit} have non-finite inputs or embeddings "
+                     "(NaN/inf). Nothing was released. Under jit such rows are masked out "
+                     "instead (see docs/PRIVACY.md).")
+
+
 def _finite_rows(x) -> jax.Array:
   """(n,): whether every floating entry of each example (in every leaf) is finite."""
   ok = jnp.ones((_num_rows(x),), bool)
@@ -1014,10 +1025,7 @@ def _make_grad_fn(core, embed_fn, loss, what, axis_name=None, positive_embed_fn=
 
   def grad_fn(params, x, x_prime, mask=None):
     loss_value, grads, num_nonfinite = with_num_dropped(params, x, x_prime, mask)
-    if not _is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
-      raise ValueError(f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
-                       "(NaN/inf). Nothing was released. Under jit such pairs are masked out "
-                       "instead (see docs/PRIVACY.md).")
+    raise_if_dropped(what, (params, x, x_prime, mask), num_nonfinite)
     return loss_value, grads
 
   typed = cast(GradFn, grad_fn)

@@ -388,10 +388,7 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
       params = jax.device_put(params, replicated)
       x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
     loss_value, grads, num_nonfinite = jitted(params, x, x_prime, mask)
-    if not clipping._is_traced((params, x, x_prime, mask)) and int(num_nonfinite) > 0:
-      raise ValueError(f"{what}: {int(num_nonfinite)} pair(s) have non-finite inputs or embeddings "
-                       "(NaN/inf). Nothing was released. Under jit such pairs are masked out "
-                       "instead (see docs/PRIVACY.md).")
+    clipping.raise_if_dropped(what, (params, x, x_prime, mask), num_nonfinite)
     return loss_value, grads
 
   typed = cast(ShardedGradFn, grad_fn)

@@ -283,11 +283,9 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     loss_value, grads, num_nonfinite = with_num_dropped(params, x, x_prime, mask,
                                                         record_ids=record_ids, group_key=group_key,
                                                         extra_views=extra_views)
-    traced = clipping._is_traced((params, x, x_prime, mask, record_ids, group_key, extra_views))
-    if not traced and int(num_nonfinite) > 0:
-      raise ValueError(f"grouped_clipped_grad: {int(num_nonfinite)} record(s) have non-finite "
-                       "inputs or embeddings (NaN/inf). Nothing was released. Under jit such "
-                       "records are dropped instead (see docs/PRIVACY.md).")
+    clipping.raise_if_dropped("grouped_clipped_grad",
+                              (params, x, x_prime, mask, record_ids, group_key, extra_views),
+                              num_nonfinite, unit="record(s)")
     return loss_value, grads
 
   typed = cast(GroupedGradFn, grad_fn)
