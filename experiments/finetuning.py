@@ -81,8 +81,22 @@ def _head_predict(head, params, e):
   return jnp.argmax(head.apply(params, e), -1)
 
 
+def standardize(e_tr, e_te):
+  """Per-feature (e - mean) / std with the fine-tuning train split's statistics (public data).
+
+  Private encoders can give embeddings with a large common offset and norms of 10 or more
+  (the cosine loss does not see the norm); Adam at lr 1e-2 on such inputs has driven the head
+  to predict one class. An affine map of the inputs changes nothing the head could not learn.
+  """
+  mean, std = e_tr.mean(0), e_tr.std(0)
+  std = np.where(std > 0, std, 1.0)
+  return (e_tr - mean) / std, (e_te - mean) / std
+
+
 def train_head(config, e_tr, y_tr, e_te, num_classes: int, csv_path: str, y_te=None):
   """Trains the head on frozen embeddings; returns (params, test predictions)."""
+  if config.get("standardize_embeddings", False):
+    e_tr, e_te = standardize(np.asarray(e_tr, np.float32), np.asarray(e_te, np.float32))
   head = models.FinetuneHead(hidden=tuple(config.head_hidden), num_classes=num_classes)
   key = jax.random.PRNGKey(config.seed)
   params = head.init(key, jnp.zeros((1, e_tr.shape[1])))

@@ -191,6 +191,29 @@ def test_finetune_on_frozen_encoders(pretrained, tmp_path):
   assert saved["logit_dp"]["epsilon"] == pytest.approx(results["logit_dp"]["epsilon"])
 
 
+def test_head_on_standardised_embeddings(tmp_path):
+  """Standardising uses the train split's statistics; it rescues embeddings with a large offset.
+
+  Four well-separated 8-d clusters, then a common offset of 30 and a scale of 20, the shape of
+  a private encoder's output. The head must learn them once standardised.
+  """
+  rng = np.random.default_rng(0)
+  centres = rng.normal(size=(4, 8))
+  y_tr, y_te = rng.integers(0, 4, 800), rng.integers(0, 4, 200)
+  offset = 30.0 * np.ones(8)
+  e_tr = 20.0 * (centres[y_tr] + 0.1 * rng.normal(size=(800, 8))) + offset
+  e_te = 20.0 * (centres[y_te] + 0.1 * rng.normal(size=(200, 8))) + offset
+  s_tr, s_te = finetuning.standardize(e_tr, e_te)
+  np.testing.assert_allclose(s_tr.mean(0), 0.0, atol=1e-9)
+  np.testing.assert_allclose(s_tr.std(0), 1.0, rtol=1e-9)
+  np.testing.assert_allclose(s_te, (e_te - e_tr.mean(0)) / e_tr.std(0), rtol=1e-12)
+  cfg = tiny_finetune.get_config()
+  assert cfg.standardize_embeddings
+  cfg.num_epochs = 5
+  _, pred = finetuning.train_head(cfg, e_tr, y_tr, e_te, 4, str(tmp_path / "m.csv"), y_te=y_te)
+  assert np.mean(pred == y_te) > 0.95
+
+
 def test_scripts_from_the_command_line(pretrained, tmp_path):
   """Both absl entry points, as a user runs them (cheap settings)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
