@@ -33,8 +33,11 @@ from absl import flags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = ("logit_dp", "naive_dp", "non_private")
-LABELS = {"logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "non_private": "Non-private"}
+METHODS = ("logit_dp", "naive_dp", "non_private", "untrained")
+LABELS = {
+    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "non_private": "Non-private",
+    "untrained": "Untrained (init)"
+}
 # Our metric keys, in the paper's metric_order, then the linear probe (ours only).
 METRICS = ("accuracy", "best_recall", "best_precision", "best_fbeta", "linear_probe")
 METRIC_LABELS = ("acc", "best recall", "best precision", "best F_β", "linear probe")
@@ -107,7 +110,9 @@ def paper_rows(paper, group: str):
       absolute, relative = _dig(paper, abs_key), _dig(paper, rel_key)
       out = {}
       for m in METHODS:
-        key = next(k for k in PAPER_METHOD_KEYS.get(m, (m,)) if k in absolute)
+        key = next((k for k in PAPER_METHOD_KEYS.get(m, (m,)) if k in absolute), None)
+        if key is None:  # a row the paper does not have (e.g. the untrained encoder)
+          continue
         a = absolute[key]
         a = [tuple(v) if isinstance(v, list) else (v, None) for v in a]
         out[m] = dict(abs=a, rel=list(relative[m]), key=key)
@@ -225,6 +230,8 @@ def privacy_cell(group_runs, method) -> str:
   """ε and δ of a method over the group's runs (max over seeds)."""
   if method == "non_private":
     return "∞", "–"
+  if method == "untrained":
+    return "0", "0"
   eps = [r["results"][method]["epsilon"] for r in group_runs if method in r["results"]]
   dl = [
       r["results"][method]["delta"] for r in group_runs if "delta" in r["results"].get(method, {})
@@ -266,7 +273,8 @@ def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:
 
 def verdict_table(groups, paper) -> str:
   """Paired differences of accuracy between methods, per group, beside the paper's."""
-  pairs = (("logit_dp", "naive_dp"), ("logit_dp", "non_private"), ("naive_dp", "non_private"))
+  pairs = (("logit_dp", "naive_dp"), ("logit_dp", "non_private"), ("naive_dp", "non_private"),
+           ("logit_dp", "untrained"), ("naive_dp", "untrained"))
   lines = [
       "| experiment | difference (accuracy) | ours: mean ± std of Δ over seeds | n | t | p "
       "| larger than the seed-to-seed noise? | paper: Δ of means ± √(sd₁² + sd₂²) |",
@@ -289,7 +297,7 @@ def verdict_table(groups, paper) -> str:
       else:
         answer = "no"
       ptxt = "–"
-      if prow:
+      if prow and a in prow and b in prow:
         (ma, sa), (mb, sb) = prow[a]["abs"][0], prow[b]["abs"][0]
         ptxt = (f"{ma - mb:+.3f}"
                 if sa is None or sb is None else f"{ma - mb:+.3f} ± {math.hypot(sa, sb):.3f}")

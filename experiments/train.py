@@ -64,8 +64,12 @@ from experiments import data as data_lib
 from experiments import evaluation
 from logit_dp import models
 
+# The encoder at its initial parameters, evaluated like the trained ones: the floor every
+# method must beat (a random conv net already gives a useful k-NN). No step, no data, ε = 0.
+UNTRAINED = "untrained"
 METHOD_LABELS = {
-    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL", "non_private": "Non-private"
+    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL", "non_private": "Non-private",
+    UNTRAINED: "Untrained (init)"
 }
 PRIVATE_METHODS = ("logit_dp", "naive_dp", "dp_gcl")
 # Folded into the seed's key to get DP-GCL's group keys (public: the assignment only has to be
@@ -775,6 +779,16 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
               history=history, params=_local(state.params), apply_fn=apply_fn)
 
 
+def untrained_record(config, ds) -> dict[str, Any]:
+  """The initial parameters of every method of this seed (train_method's init), untrained."""
+  _, apply_fn, _, init_fn = get_model(config.model)
+  params = init_fn(_keys(config.seed)["init"], data_lib.to_float(jnp.asarray(ds["x_train"][:1])))
+  return dict(method=UNTRAINED, steps=0, total_steps=0, finished=True, learning_rate=0.0,
+              noise_multiplier=0.0, sensitivity=0.0, clip_norm=None, sampling_rate=0.0,
+              epsilon=0.0, delta=0.0, train_seconds=0.0, history=[], params=params,
+              apply_fn=apply_fn)
+
+
 def evaluate_embeddings(config, params, ds) -> dict[str, Any]:
   """k-NN (test vs. train embeddings) summary + linear probe on frozen embeddings."""
   _, _, apply_jit, _ = get_model(config.model)
@@ -931,6 +945,22 @@ def check_resumable(config, workdir: str):
         "would mix two experiments. Use another --workdir (or delete this one).")
 
 
+_EVALUATION_FIELDS = ("knn_k", "knn_train_size", "f_beta", "linear_probe")
+
+
+def _finished_results(config, workdir: str) -> dict[str, dict[str, Any]]:
+  """The finished methods of an earlier call on this workdir, if it evaluated the same way."""
+  paths = [os.path.join(workdir, n) for n in ("results.json", "config.json")]
+  if not all(os.path.exists(p) for p in paths):
+    return {}
+  with open(paths[1]) as f:
+    old = json.load(f)
+  if any(old.get(k) != config.get(k) for k in _EVALUATION_FIELDS):
+    return {}
+  with open(paths[0]) as f:
+    return {m: r for m, r in json.load(f).items() if r.get("finished")}
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        quiet: bool = False) -> dict[str, dict[str, Any]]:
   """Trains and evaluates every method of ``config.methods``; returns per-method results.
@@ -941,6 +971,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """
   check_resumable(config, workdir)
   _sync("config checked")  # before process 0 overwrites it
+  # A method added to a finished run (e.g. "untrained") leaves the finished ones as they were:
+  # their evaluated results, train time included, are kept, not recomputed.
+  previous = {} if _multiprocess() else _finished_results(config, workdir)
   primary = is_primary()  # multi-process: process 0 evaluates and writes; all train
   quiet = quiet or not primary
   if primary:
@@ -959,7 +992,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     eval_data = eval_pairs(config, ds["x_test"], ds["y_test"], config.seed)
   results = {}
   for method in config.methods:
-    r = train_method(config, method, ds, pairs, workdir, quiet=quiet, eval_data=eval_data)
+    if method in previous:
+      results[method] = previous[method]
+      continue
+    if method == UNTRAINED:
+      r = untrained_record(config, ds)
+    else:
+      r = train_method(config, method, ds, pairs, workdir, quiet=quiet, eval_data=eval_data)
     if r["finished"] and primary:
       r.update(evaluate_embeddings(config, r["params"], ds))
     results[method] = r

@@ -206,6 +206,11 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   assert vrow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}"
   assert vrow[4] == f"{t:.2f}" and vrow[5] == f"{p:.2g}"
   assert _cells(out, "| cifar10_embnet_x_s2")[2] == "60"
+  # The untrained encoder: ε = 0, and each DP method's gain over it, paired by seed.
+  assert _cells(out, "| Untrained (init) | ours")[2:4] == ["0", "0"]
+  d = np.subtract(a, [r["untrained"]["accuracy"] for r in res])
+  urow = _cells(out, "| cifar10_embnet_x | Logit-DP − Untrained (init)")
+  assert urow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}" and urow[7] == "–"
 
 
 def test_render_check_mode(tmp_path):

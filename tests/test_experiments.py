@@ -94,6 +94,33 @@ def test_resume_matches_uninterrupted_run(pretrained, tmp_path, method):
   assert steps == ref_steps  # no duplicated or missing rows after the resume
 
 
+def test_untrained_baseline_added_to_a_finished_run(tmp_path):
+  """Adding "untrained" to a finished run evaluates the seed's initial parameters and keeps the
+  finished method's results (train time included) as they were."""
+  cfg = tiny.get_config()
+  cfg.methods = ("non_private",)
+  first = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["non_private"]
+  cfg.methods = ("non_private", "untrained")
+  again = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
+  kept = again["non_private"]
+  assert kept["train_seconds"] == first["train_seconds"] > 0
+  assert kept["accuracy"] == first["accuracy"]
+  untrained = again["untrained"]
+  assert untrained["steps"] == 0 and untrained["epsilon"] == 0.0 and untrained["finished"]
+  ds = train.data_lib.load_dataset(cfg.data, seed=cfg.seed)
+  init = train.get_model(cfg.model)[3](train._keys(cfg.seed)["init"],
+                                       train.data_lib.to_float(ds["x_train"][:1]))
+  assert _params_equal(untrained["params"], init)
+  want = train.evaluate_embeddings(cfg, init, ds)
+  assert untrained["accuracy"] == want["accuracy"]
+  assert untrained["linear_probe"] == want["linear_probe"]
+  with open(os.path.join(tmp_path, "results.json")) as f:
+    assert set(json.load(f)) == {"non_private", "untrained"}
+  cfg.knn_k = 5  # another evaluation: nothing is reused
+  fresh = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["non_private"]
+  assert "params" in fresh
+
+
 def test_resume_refuses_a_different_config(pretrained):
   workdir, _ = pretrained
   cfg = tiny.get_config()

@@ -21,6 +21,8 @@ def get_config():
   config.data.name = "cifar10"
   config.data.label = "fine"
   config.pair_mode = "same_class"
+  # "untrained": the initial parameters evaluated as the floor (no training, ε = 0).
+  config.methods = ("logit_dp", "naive_dp", "non_private", "untrained")
   config.augment = dict(crop_padding=4, flip=True, brightness=0.4, contrast=0.4, saturation=0.4)
   config.model.name = "embedding_net"
   config.model.embedding_dim = 8
