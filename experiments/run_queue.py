@@ -39,6 +39,7 @@ def _define_flags():
   flags.DEFINE_integer("max_attempts", 3, "Attempts per run (a crash is retried, then skipped).")
   flags.DEFINE_integer("wait_pid", None, "Wait for this process to exit before starting.")
 
+
 SHARED_FILES = ("config.json", "results.json", "wallclock.json")
 
 

@@ -137,8 +137,10 @@ def learning_rate_schedule(config, method: str, total_steps: int) -> float | opt
   if isinstance(warmup, bool) or not isinstance(warmup, int) or not 1 <= warmup < total_steps:
     raise ValueError(f"config.lr_warmup_steps must be an integer in [1, T = {total_steps}) for "
                      f"lr_schedule='warmup_cosine', got {warmup!r}.")
-  ramp = optax.linear_schedule(lr / warmup, lr, transition_steps=warmup - 1) if warmup > 1 else (
-      optax.constant_schedule(lr))
+  if warmup == 1:
+    ramp = optax.constant_schedule(lr)
+  else:
+    ramp = optax.linear_schedule(lr / warmup, lr, transition_steps=warmup - 1)
   decay = optax.cosine_decay_schedule(lr, int(total_steps) - warmup, alpha=float(final))
   return optax.join_schedules([ramp, decay], boundaries=[warmup])
 

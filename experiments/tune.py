@@ -195,8 +195,9 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
       break
     before = incumbent
     incumbent = min(([incumbent] if incumbent else []) + stage_records, key=rank_key)
-    stages.append(dict(name=stage["name"], incumbent_before=before["name"] if before else None,
-                       winner=incumbent["name"]))
+    stages.append(
+        dict(name=stage["name"], incumbent_before=before["name"] if before else None,
+             winner=incumbent["name"]))
   finished = [r for r in records if r["finished"]]
   chosen = None
   if complete:
@@ -251,9 +252,9 @@ def base_differences(search_base: dict, config) -> list[str]:
 
 def _define_flags():
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file(
-      "config", os.path.join(_REPO, "experiments", "configs", "tune_cifar100.py"),
-      "Search configuration (base + stages).", lock_config=False)
+  config_flags.DEFINE_config_file("config",
+                                  os.path.join(_REPO, "experiments", "configs", "tune_cifar100.py"),
+                                  "Search configuration (base + stages).", lock_config=False)
   flags.DEFINE_string("runs_dir", os.path.join(_REPO, "runs", "tune_cifar100"),
                       "Workdirs of the candidates.")
   flags.DEFINE_string("results_dir", os.path.join(_REPO, "docs", "results", "tune_cifar100"),

@@ -78,11 +78,12 @@ def test_adam_step_sizes_follow_the_schedule(method, kind):
     np.testing.assert_allclose(
         want, [float(optax.cosine_decay_schedule(lr, steps, alpha=0.1)(t)) for t in range(steps)],
         rtol=1e-6)
-  for t, (u, uc) in enumerate(zip(_updates(tx, grads_seq, params),
-                                  _updates(tx_const, grads_seq, params))):
+  for t, (u, uc) in enumerate(
+      zip(_updates(tx, grads_seq, params), _updates(tx_const, grads_seq, params))):
     for a, b in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(uc)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b) * want[t] / lr, rtol=2e-5,
-                                 atol=1e-12, err_msg=f"{method} step {t}")
+      np.testing.assert_allclose(np.asarray(a),
+                                 np.asarray(b) * want[t] / lr, rtol=2e-5, atol=1e-12,
+                                 err_msg=f"{method} step {t}")
 
 
 @pytest.mark.parametrize("method", ["logit_dp", "non_private"])
@@ -112,7 +113,8 @@ def test_constant_schedule_is_the_optimizer_without_a_schedule(method):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("method", [pytest.param("logit_dp", marks=pytest.mark.slow), "non_private"])
+@pytest.mark.parametrize("method",
+                         [pytest.param("logit_dp", marks=pytest.mark.slow), "non_private"])
 def test_resumed_run_continues_the_schedule(tmp_path, method):
   """Interrupted after 2 updates (inside the warm-up) and resumed = uninterrupted, params bit
   for bit: the schedule's count is restored with the optimizer state."""
@@ -135,8 +137,8 @@ def test_bad_schedule_settings_raise():
   _, apply_fn, _, _ = train.get_model(tiny.get_config().model)
   key = jax.random.PRNGKey(0)
   for bad in (dict(lr_schedule="linear"), dict(lr_schedule="cosine", lr_final_fraction=1.5),
-              dict(lr_schedule="cosine", lr_warmup_steps=3),
-              dict(lr_schedule="warmup_cosine", lr_warmup_steps=0),
+              dict(lr_schedule="cosine",
+                   lr_warmup_steps=3), dict(lr_schedule="warmup_cosine", lr_warmup_steps=0),
               dict(lr_schedule="warmup_cosine", lr_warmup_steps=10_000)):
     cfg = _config(**bad)
     with pytest.raises(ValueError, match="lr_"):

@@ -42,7 +42,6 @@ def _steps(cfg) -> int:
 class ScriptedTrainer:
   """Writes the results.json that train.train_and_evaluate would, from _scripted_accuracy;
   ``interrupt`` candidates stop unfinished on their first call; lr 3e-2 diverges."""
-
   def __init__(self, interrupt=()):
     self.calls, self.configs, self.interrupt = [], {}, set(interrupt)
 
@@ -56,9 +55,9 @@ class ScriptedTrainer:
     steps = _steps(cfg)
     acc = _scripted_accuracy(cfg)
     res = dict(logit_dp=dict(method="logit_dp", finished=finished, steps=steps if finished else 10,
-                             total_steps=steps, noise_multiplier=2.5,
-                             sampling_rate=cfg.batch_size / 25_000, epsilon=4.99, delta=1e-5,
-                             clip_norm=cfg.clip_norm, train_seconds=1.0))
+                             total_steps=steps, noise_multiplier=2.5, sampling_rate=cfg.batch_size
+                             / 25_000, epsilon=4.99, delta=1e-5, clip_norm=cfg.clip_norm,
+                             train_seconds=1.0))
     if finished:
       res["logit_dp"].update(accuracy=acc, linear_probe=acc + 0.05)
     with open(os.path.join(workdir, "results.json"), "w") as f:
@@ -86,8 +85,9 @@ def test_search_stops_at_an_unfinished_stage_and_resumes_it(scripted_search):
   trainer = scripted_search["trainer"]
   assert not first["complete"] and first["chosen"] is None
   # Stages base, temperature, clip norm and embedding dimension ran; dim16 stopped early.
-  assert scripted_search["first_calls"] == ["base", "tau0.5", "tau2", "clip0.3", "clip3", "dim16",
-                                            "dim32"]
+  assert scripted_search["first_calls"] == [
+      "base", "tau0.5", "tau2", "clip0.3", "clip3", "dim16", "dim32"
+  ]
   assert [r["name"] for r in first["candidates"]][-2:] == ["dim16", "dim32"]
   assert not first["candidates"][-2]["finished"]
   # Resumed: only dim16 again, then the stages not yet run; finished ones are not retrained.
@@ -115,9 +115,8 @@ def test_each_stage_builds_on_the_incumbent_and_the_rule_picks(scripted_search):
   # The diverged candidate is recorded, ranks last and is not retried.
   assert records["lr3e-2"]["diverged"].startswith("logit_dp: the training loss is not finite")
   assert trainer.calls.count("lr3e-2") == 1
-  assert [s["winner"] for s in second["stages"]] == [
-      "base", "tau2", "tau2", "dim16", "dim16", "dim16", "cosine", "epochs10"
-  ]
+  assert [s["winner"] for s in second["stages"]
+         ] == ["base", "tau2", "tau2", "dim16", "dim16", "dim16", "cosine", "epochs10"]
   # The rule, computed here over every candidate: best accuracy, then fewer steps, then earlier.
   scored = [(-_scripted_accuracy(trainer.configs[n]), _steps(trainer.configs[n]), i, n)
             for i, n in enumerate(records) if n != "lr3e-2"]
@@ -158,9 +157,8 @@ def test_tuned_config_applies_the_chosen_overrides_once(scripted_search):
   changed = {"temperature", "model", "lr_schedule", "lr_final_fraction", "num_epochs", "tuned_from"}
   got, want = cfg.to_dict(), ref.to_dict()
   assert {k for k in got if got[k] != want.get(k)} == changed
-  assert {k: v for k, v in got["model"].items() if k != "embedding_dim"} == {
-      k: v for k, v in want["model"].items() if k != "embedding_dim"
-  }
+  assert {k: v for k, v in got["model"].items() if k != "embedding_dim"
+         } == {k: v for k, v in want["model"].items() if k != "embedding_dim"}
 
 
 def test_tuned_config_refuses_a_missing_unfinished_or_mismatched_search(scripted_search, tmp_path):
@@ -171,8 +169,8 @@ def test_tuned_config_refuses_a_missing_unfinished_or_mismatched_search(scripted
   with pytest.raises(ValueError, match="has not finished"):
     cifar10_embedding_net_tuned.get_config(str(tmp_path / "unfinished.json"))
   done = json.loads(json.dumps(scripted_search["second"]))
-  for edit, match in ((lambda s: s["base"]["data"].update(name="cifar10"), "private"),
-                      (lambda s: s["base"].update(batch_size=1_000), "base differs"),
+  for edit, match in ((lambda s: s["base"]["data"].update(name="cifar10"),
+                       "private"), (lambda s: s["base"].update(batch_size=1_000), "base differs"),
                       (lambda s: s["chosen"]["overrides"].update(target_epsilon=8.0),
                        "target_epsilon")):
     bad = json.loads(json.dumps(done))
@@ -191,13 +189,13 @@ def test_search_config_is_checked(tmp_path):
   assert (b.data.name, b.data.label, tuple(b.methods), b.batch_size, b.target_epsilon,
           b.target_delta, b.clip_method) == ("cifar100", "fine", ("logit_dp",), 10_000, 5.0, 1e-5,
                                              "triangle")
-  for edit, match in ((lambda c: c.base.data.update(name="cifar10"), "public data"),
-                      (lambda c: setattr(c.base, "methods", ("logit_dp", "naive_dp")), "Logit-DP"),
-                      (lambda c: c.stages[1]["candidates"][0]["overrides"].update(
-                          target_epsilon=8.0), "may not change"),
-                      (lambda c: c.stages[1]["candidates"][0].update(name="base"), "unique"),
-                      (lambda c: c.stages[1]["candidates"][0]["overrides"].update(
-                          {"model.width": 3}), "no 'width'")):
+  for edit, match in (
+      (lambda c: c.base.data.update(name="cifar10"),
+       "public data"), (lambda c: setattr(c.base, "methods", ("logit_dp", "naive_dp")), "Logit-DP"),
+      (lambda c: c.stages[1]["candidates"][0]["overrides"].update(target_epsilon=8.0),
+       "may not change"), (lambda c: c.stages[1]["candidates"][0].update(name="base"), "unique"),
+      (lambda c: c.stages[1]["candidates"][0]["overrides"].update({"model.width": 3}),
+       "no 'width'")):
     bad = tune_cifar100.get_config()
     edit(bad)
     with pytest.raises(ValueError, match=match):
@@ -231,8 +229,7 @@ def _tiny_search():
   cfg.stages = [
       dict(name="base", candidates=[dict(name="base", overrides={})]),
       dict(name="temperature", candidates=[dict(name="tau2", overrides={"temperature": 2.0})]),
-      dict(name="schedule",
-           candidates=[dict(name="cosine", overrides={"lr_schedule": "cosine"})]),
+      dict(name="schedule", candidates=[dict(name="cosine", overrides={"lr_schedule": "cosine"})]),
   ]
   return cfg
 
@@ -262,3 +259,18 @@ def test_tiny_search_trains_resumes_and_picks(tmp_path):
   for r in done["candidates"]:
     assert 0.9 * cfg.base.target_epsilon < r["epsilon"] <= cfg.base.target_epsilon
   assert np.isfinite([r["noise_multiplier"] for r in done["candidates"]]).all()
+
+
+@pytest.mark.slow
+def test_tuned_config_trains_at_tiny_size(scripted_search, tmp_path):
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  cfg = cifar10_embedding_net_tuned.get_config(
+      os.path.join(scripted_search["results"], "search.json"))
+  small = tiny.get_config()
+  cfg.data, cfg.methods = small.data, ("logit_dp",)
+  cfg.model.name = "mlp"
+  cfg.model.hidden = (16,)
+  cfg.batch_size, cfg.microbatch_size, cfg.eval_batch_size, cfg.eval_num_batches = 32, None, None, 1
+  cfg.privacy_seed, cfg.progress, cfg.stop_after_steps, cfg.linear_probe = 0, False, 2, False
+  r = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["logit_dp"]
+  assert r["steps"] == 2 and r["sensitivity"] == pytest.approx(2 * (1 + np.exp(1.0)) / 2.0)

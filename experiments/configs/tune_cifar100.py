@@ -73,25 +73,26 @@ def get_config():
       dict(name="clip norm",
            candidates=[_candidate("clip0.3", clip_norm=0.3),
                        _candidate("clip3", clip_norm=3.0)]),
-      dict(name="embedding dimension",
-           candidates=[
-               _candidate("dim16", **{"model.embedding_dim": 16}),
-               _candidate("dim32", **{"model.embedding_dim": 32})
-           ]),
+      dict(
+          name="embedding dimension", candidates=[
+              _candidate("dim16", **{"model.embedding_dim": 16}),
+              _candidate("dim32", **{"model.embedding_dim": 32})
+          ]),
       dict(name="pair mode", candidates=[_candidate("augment", pair_mode="augment")]),
-      dict(name="learning rate",
-           candidates=[
-               _candidate("lr3e-3", **{"learning_rates.logit_dp": 3e-3}),
-               _candidate("lr3e-2", **{"learning_rates.logit_dp": 3e-2})
-           ]),
-      dict(name="schedule",
-           candidates=[
-               _candidate("cosine", lr_schedule="cosine", lr_final_fraction=0.1),
-               _candidate("warmup_cosine", lr_schedule="warmup_cosine", lr_final_fraction=0.1,
-                          lr_warmup_steps=5)
-           ]),
-      dict(name="epochs",
-           candidates=[_candidate("epochs10", num_epochs=10),
-                       _candidate("epochs40", num_epochs=40)]),
+      dict(
+          name="learning rate", candidates=[
+              _candidate("lr3e-3", **{"learning_rates.logit_dp": 3e-3}),
+              _candidate("lr3e-2", **{"learning_rates.logit_dp": 3e-2})
+          ]),
+      dict(
+          name="schedule", candidates=[
+              _candidate("cosine", lr_schedule="cosine", lr_final_fraction=0.1),
+              _candidate("warmup_cosine", lr_schedule="warmup_cosine", lr_final_fraction=0.1,
+                         lr_warmup_steps=5)
+          ]),
+      dict(
+          name="epochs",
+          candidates=[_candidate("epochs10", num_epochs=10),
+                      _candidate("epochs40", num_epochs=40)]),
   ]
   return config
