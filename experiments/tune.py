@@ -99,7 +99,9 @@ def check_search_config(config) -> None:
 
 def scaled_to_subset(config, subset: int):
   """config with base.data.train_subset = subset and the expected batch (and the microbatch,
-  test-loss batch) scaled by subset / full_train_size: same q, T and σ as the full search."""
+  test-loss batch) scaled by subset / full_train_size: about the q, T and σ of the full search
+  (a random subset pairs a little less than half its images: a class with an odd count leaves
+  one out)."""
   config = config.copy_and_resolve_references()
   base = config.base
   scale = subset / float(config.full_train_size)
@@ -260,8 +262,8 @@ def _define_flags():
   flags.DEFINE_string("results_dir", os.path.join(_REPO, "docs", "results", "tune_cifar100"),
                       "search.json, search.md and the candidates' small files.")
   flags.DEFINE_integer(
-      "subset", None, "Reduced size: this many train images, the expected batch scaled to keep "
-      "q, T and σ of the full-size search.")
+      "subset", None, "Reduced size: this many train images, the expected batch scaled by "
+      "subset / full_train_size (about the q, T and σ of the full-size search).")
 
 
 def main(argv):

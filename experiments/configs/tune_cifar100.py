@@ -38,7 +38,7 @@ candidate beats it, the last incumbent is this rule's choice over all 14 candida
 `experiments/configs/cifar10_embedding_net_tuned.py` applies the chosen overrides to the
 private CIFAR-10 run.
 
-A reduced-size search (same q, hence the same T and σ): ``--subset=5000`` (5,000 images,
+A reduced-size search (about the same q, T and σ): ``--subset=5000`` (5,000 images,
 expected batch 1,000).
 """
 
