@@ -16,7 +16,11 @@ replaced by the table NAME: ``runs`` (every run with its wall-clock), ``verdict`
 ``group:<group>`` (ours beside the paper's), ``compare:<group a>:<group b>`` (same method and
 seeds, two configurations), ``bound:<ghost group>:<triangle group>``
 (what the triangle bound costs, same seeds), ``pair_norms:<file in results_dir>`` (how much
-B clips, from experiments/pair_norms.py).
+B clips, from experiments/pair_norms.py), ``search:<folder in results_dir>`` (the public-data
+search of experiments/tune.py, from its search.json) and ``curve:<prefix>[:<E>=<group>…]``
+(3-NN accuracy and linear probe vs ε of the groups ``<prefix>_eps<E>``, an extra group per ε
+for the methods those lack; `parse_curve_spec`). ``--figures`` also draws each curve block's
+figure, ``results_dir/figures/<prefix>_eps_curve.png``.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from absl import flags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = ("logit_dp", "naive_dp", "non_private", "untrained")
+METHODS = ("logit_dp", "naive_dp", "dp_gcl", "non_private", "untrained")
 LABELS = {
-    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "non_private": "Non-private",
+    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL", "non_private": "Non-private",
     "untrained": "Untrained (init)"
 }
 # Our metric keys, in the paper's metric_order, then the linear probe (ours only).
@@ -111,7 +115,7 @@ def paper_rows(paper, group: str):
       out = {}
       for m in METHODS:
         key = next((k for k in PAPER_METHOD_KEYS.get(m, (m,)) if k in absolute), None)
-        if key is None:  # a row the paper does not have (e.g. the untrained encoder)
+        if key is None:  # a row the paper does not have (DP-GCL, the untrained encoder)
           continue
         a = absolute[key]
         a = [tuple(v) if isinstance(v, list) else (v, None) for v in a]
@@ -273,8 +277,9 @@ def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:
 
 def verdict_table(groups, paper) -> str:
   """Paired differences of accuracy between methods, per group, beside the paper's."""
-  pairs = (("logit_dp", "naive_dp"), ("logit_dp", "non_private"), ("naive_dp", "non_private"),
-           ("logit_dp", "untrained"), ("naive_dp", "untrained"))
+  pairs = (("logit_dp", "naive_dp"), ("logit_dp", "dp_gcl"), ("logit_dp", "non_private"),
+           ("naive_dp", "non_private"), ("dp_gcl", "non_private"), ("logit_dp", "untrained"),
+           ("naive_dp", "untrained"), ("dp_gcl", "untrained"))
   lines = [
       "| experiment | difference (accuracy) | ours: mean ± std of Δ over seeds | n | t | p "
       "| larger than the seed-to-seed noise? | paper: Δ of means ± √(sd₁² + sd₂²) |",
@@ -357,7 +362,8 @@ def runs_table(runs) -> str:
   """Every committed run: wall-clock (all attempts) and training seconds per method."""
   lines = [
       "| run | seed | wall-clock (s, all attempts) | attempts | Logit-DP train s | "
-      "Naive-DP train s | non-private train s |", "|---|---|---|---|---|---|---|"
+      "Naive-DP train s | DP-GCL train s | non-private train s |",
+      "|---|---|---|---|---|---|---|---|"
   ]
   for name, r in runs.items():
     wc = r["wallclock"]
@@ -398,6 +404,213 @@ def pair_norms_table(report: dict) -> str:
   return "\n".join(lines)
 
 
+def _fmt_overrides(overrides: dict) -> str:
+  return ", ".join(f"{k} = {v}" for k, v in overrides.items()) or "–"
+
+
+def search_table(summary: dict) -> str:
+  """The public-data search of experiments/tune.py: one row per candidate, then the choice."""
+  lines = [
+      "| # | candidate | stage | its change | overrides of the base | T | σ | ε | 3-NN acc | "
+      "linear probe | wall-clock s |", "|---|---|---|---|---|---|---|---|---|---|---|"
+  ]
+  chosen = (summary.get("chosen") or {}).get("name")
+  for r in summary["candidates"]:
+    name = f"**{r['name']}**" if r["name"] == chosen else r["name"]
+    if r.get("diverged"):
+      cells = ["–", "–", "–", "diverged", "–"]
+    elif not r["finished"]:
+      cells = ["–", "–", "–", "not finished", "–"]
+    else:
+      probe = r.get("linear_probe")
+      cells = [
+          str(r["steps"]), f"{r['noise_multiplier']:.3g}", f"{r['epsilon']:.3g}",
+          f"{r['accuracy']:.4f}", "–" if probe is None else f"{probe:.4f}"
+      ]
+    wc = r.get("wallclock_seconds")
+    lines.append(f"| {r['order']} | {name} | {r['stage']} | {_fmt_overrides(r['own_overrides'])} | "
+                 f"{_fmt_overrides(r['overrides'])} | " + " | ".join(cells)
+                 + f" | {'–' if wc is None else f'{wc:,.0f}'} |")
+  lines.append("")
+  if chosen:
+    lines.append(f"Chosen by the rule fixed in advance ({summary['rule']}): **{chosen}**, "
+                 f"overrides {_fmt_overrides(summary['chosen']['overrides'])}.")
+  else:
+    lines.append(f"Nothing chosen yet: the search has not finished (rule: {summary['rule']}).")
+  winners = ", ".join(f"{st['name']}: {st['winner']}" for st in summary.get("stages", ()))
+  if winners:
+    lines.append(f"Incumbent after each stage: {winners}.")
+  return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Accuracy vs ε.
+
+CURVE_EPSILONS = (1.0, 2.0, 5.0, 8.0)
+CURVE_METRICS = (("accuracy", "3-NN acc"), ("linear_probe", "linear probe"))
+
+
+def _eps_label(e: float) -> str:
+  return f"{e:g}"
+
+
+def parse_curve_spec(spec: str) -> tuple[str, dict[float, list[str]]]:
+  """``<prefix>[:<E>=<group>[,<group>…]]…`` -> (prefix, {E: [extra groups]}).
+
+  The curve's point at ε = E comes from the runs of group ``<prefix>_eps<E>`` and, for the
+  methods that group lacks, from the extra groups named for E (in order): one method's
+  numbers at one ε come from one group.
+  """
+  prefix, *extras = spec.split(":")
+  out: dict[float, list[str]] = {}
+  for item in extras:
+    e, eq, names = item.partition("=")
+    if not eq or not names:
+      raise ValueError(f"curve block {spec!r}: {item!r} is not <ε>=<group>[,<group>…]")
+    out.setdefault(float(e), []).extend(names.split(","))
+  return prefix, out
+
+
+def curve_data(spec: str, groups) -> dict:
+  """Per ε and method, the runs (one source group each) that give the curve's points.
+
+  Returns dict(prefix, epsilons, cells={(method, E): dict(group, runs)}, found): ``found`` is
+  whether any ``<prefix>_eps<E>`` group exists. Every run used at ε = E must have been
+  configured with target_epsilon = E (ValueError otherwise).
+  """
+  prefix, extras = parse_curve_spec(spec)
+  pattern = re.compile(re.escape(prefix) + r"_eps(\d+(?:\.\d+)?)$")
+  own = {float(m[1]): g for g in groups if (m := pattern.match(g))}
+  epsilons = sorted(set(CURVE_EPSILONS) | set(own) | set(extras))
+  cells = {}
+  for e in epsilons:
+    sources = ([own[e]] if e in own else []) + [g for g in extras.get(e, ()) if g in groups]
+    for m in METHODS:
+      for g in sources:
+        runs = [r for r in groups[g] if m in r["results"]]
+        if runs:
+          for r in runs:
+            target = r["config"].get("target_epsilon")
+            if target is not None and float(target) != e:
+              raise ValueError(f"curve {prefix!r}: run {r['name']} has target_epsilon = {target}, "
+                               f"not the ε = {e:g} of its point")
+          cells[(m, e)] = dict(group=g, runs=runs)
+          break
+  return dict(prefix=prefix, epsilons=epsilons, cells=cells, found=bool(own))
+
+
+def curve_figure_name(prefix: str) -> str:
+  return f"{prefix}_eps_curve.png"
+
+
+def curve_table(data: dict, paper=None, results_dir: str = "") -> str:
+  """3-NN accuracy and linear probe, mean ± std over seeds (n), per method and ε."""
+  eps = data["epsilons"]
+  prow = paper_rows(paper, data["prefix"]) if paper else None
+  lines = []
+  if not data["found"]:
+    lines += [f"(no finished run of `{data['prefix']}_eps<ε>` yet)", ""]
+  lines += [
+      "| method | metric | " + " | ".join(f"ε = {_eps_label(e)}" for e in eps)
+      + " | paper, ε = 5 (non-private: ∞) |", "|---|---|" + "---|" * (len(eps) + 1)
+  ]
+  for m in METHODS:
+    for key, label in CURVE_METRICS:
+      cells = []
+      for e in eps:
+        cell = data["cells"].get((m, e))
+        v = method_values(cell["runs"], m, key) if cell else []
+        cells.append(f"{fmt_ms(*mean_std(v))} ({len(v)})" if v else "–")
+      ptxt = "–"
+      if key == "accuracy" and prow and m in prow:
+        ptxt = fmt_ms(*prow[m]["abs"][0])
+      lines.append(f"| {LABELS[m]} | {label} | " + " | ".join(cells) + f" | {ptxt} |")
+  used = []
+  for e in eps:
+    by_group: dict[str, list[str]] = {}
+    for m in METHODS:
+      if (m, e) in data["cells"]:
+        by_group.setdefault(data["cells"][(m, e)]["group"], []).append(m)
+    for g, ms in by_group.items():
+      seeds = sorted({r["seed"] for m in ms for r in data["cells"][(m, e)]["runs"]})
+      used.append(f"ε = {_eps_label(e)}: `{g}` ({', '.join(LABELS[m] for m in ms)}; seeds "
+                  f"{', '.join(map(str, seeds))})")
+  lines += [
+      "", "Mean ± std over seeds (n seeds). Runs: " + ("; ".join(used) if used else "none") + "."
+  ]
+  fig = os.path.join(results_dir, "figures", curve_figure_name(data["prefix"]))
+  if results_dir and os.path.exists(fig):
+    lines += ["", f"![accuracy vs ε](results/figures/{curve_figure_name(data['prefix'])})"]
+  return "\n".join(lines)
+
+
+def non_private_band(data: dict, key: str, method: str = "non_private") -> list[float]:
+  """The metric of a method that does not depend on ε (non-private, untrained) once per seed,
+  from the smallest ε whose group has that seed."""
+  by_seed = {}
+  for e in data["epsilons"]:
+    cell = data["cells"].get((method, e))
+    for r in cell["runs"] if cell else ():
+      if r["seed"] not in by_seed and key in r["results"][method]:
+        by_seed[r["seed"]] = float(r["results"][method][key])
+  return [by_seed[s] for s in sorted(by_seed)]
+
+
+def plot_curve(data: dict, paper, out_dir: str) -> str | None:
+  """Accuracy vs ε, two panels (3-NN, linear probe): mean ± std over seeds per DP method, the
+  non-private mean ± std as a band, the paper's ε = 5 points as stars. None if no point."""
+  if not data["cells"]:
+    return None
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  prow = paper_rows(paper, data["prefix"]) if paper else None
+  colours = dict(logit_dp="C0", naive_dp="C1", dp_gcl="C2", non_private="0.4", untrained="C3")
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+  for ax, (key, label) in zip(axes, CURVE_METRICS):
+    for m in PRIVATE:
+      pts = []
+      for e in data["epsilons"]:
+        cell = data["cells"].get((m, e))
+        v = method_values(cell["runs"], m, key) if cell else []
+        if v:
+          mu, sd = mean_std(v)
+          pts.append((e, mu, 0.0 if sd != sd else sd))
+      if pts:
+        x, y, err = zip(*pts)
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colours[m], label=LABELS[m])
+    for m in ("non_private", "untrained"):
+      band = non_private_band(data, key, m)
+      if band:
+        mu, sd = mean_std(band)
+        sd = 0.0 if sd != sd else sd
+        ax.axhspan(mu - sd, mu + sd, color=colours[m], alpha=0.2, lw=0)
+        ax.axhline(mu, color=colours[m], lw=1, ls="-" if m == "non_private" else "--",
+                   label=f"{LABELS[m]} ({len(band)} seeds)")
+    if key == "accuracy" and prow:
+      for m in PRIVATE:
+        if m in prow:
+          mu, sd = prow[m]["abs"][0]
+          # Drawn a little right of ε = 5 so that ours stays visible under it.
+          ax.errorbar([5.15], [mu], yerr=[sd or 0.0], marker="*", ms=13, ls="none",
+                      color=colours[m], mec="k", label=f"paper, {LABELS[m]}")
+      if "non_private" in prow:
+        ax.axhline(prow["non_private"]["abs"][0][0], color="k", lw=1, ls=":",
+                   label="paper, non-private")
+    ax.set_xticks(data["epsilons"])
+    ax.set_xticklabels([_eps_label(e) for e in data["epsilons"]])
+    ax.set_xlabel("ε (δ = 1e-5)")
+    ax.set_ylabel(label)
+    ax.set_title(f"{data['prefix']}: {label} (mean ± std over seeds)", fontsize=9)
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, curve_figure_name(data["prefix"]))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 # ---------------------------------------------------------------------------
 # Blocks.
 
@@ -429,6 +642,14 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
       return f"(`{arg}` not computed yet)"
     with open(path) as f:
       return pair_norms_table(json.load(f))
+  if kind == "curve":
+    return curve_table(curve_data(arg, groups), paper, results_dir)
+  if kind == "search":
+    path = os.path.join(results_dir, arg, "search.json")
+    if not os.path.exists(path):
+      return f"(the search `{arg}` has not been run yet: no `{arg}/search.json`)"
+    with open(path) as f:
+      return search_table(json.load(f))
   if kind == "bound":
     ghost, tri = arg.split(":")
     if ghost not in groups or tri not in groups:
@@ -462,7 +683,7 @@ def plot_group(group: str, group_runs, out_dir: str) -> list[str]:
   with_curves = [r for r in group_runs if r["results"].get("non_private", {}).get("history")]
   if with_curves:
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for m in ("logit_dp", "naive_dp"):
+    for m in PRIVATE:
       curves = []
       for r in with_curves:
         h, ref = r["results"].get(m, {}).get("history"), r["results"]["non_private"]["history"]
@@ -507,15 +728,21 @@ def plot_group(group: str, group_runs, out_dir: str) -> list[str]:
 
 def main(argv):
   del argv
-  if flags.FLAGS.figures:
-    groups = groups_of(load_runs(flags.FLAGS.results_dir))
-    for g, group_runs in groups.items():
-      for path in plot_group(g, group_runs, os.path.join(flags.FLAGS.results_dir, "figures")):
-        print("wrote", path)
   runs = load_runs(flags.FLAGS.results_dir)
   paper = load_paper(flags.FLAGS.paper)
   with open(flags.FLAGS.out) as f:
     old = f.read()
+  if flags.FLAGS.figures:
+    figures = os.path.join(flags.FLAGS.results_dir, "figures")
+    groups = groups_of(runs)
+    for g, group_runs in groups.items():
+      for path in plot_group(g, group_runs, figures):
+        print("wrote", path)
+    for m in _BLOCK_RE.finditer(old):
+      if m["name"].startswith("curve:"):
+        path = plot_curve(curve_data(m["name"].partition(":")[2], groups), paper, figures)
+        if path:
+          print("wrote", path)
   new = render(old, runs, paper, flags.FLAGS.results_dir)
   if flags.FLAGS.check:
     if new != old:

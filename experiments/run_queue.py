@@ -26,14 +26,19 @@ from absl import app
 from absl import flags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-flags.DEFINE_string("queue", os.path.join(_REPO, "experiments", "queue.txt"), "Queue file.")
-flags.DEFINE_string("npz_dir", None, "Folder with cifar10.npz / cifar100.npz.")
-flags.DEFINE_string("runs_dir", os.path.join(_REPO, "runs"), "Where the workdirs go.")
-flags.DEFINE_string("results_dir", os.path.join(_REPO, "docs", "results"),
-                    "Where finished runs' small files are copied.")
-flags.DEFINE_integer("max_attempts", 3, "Attempts per run (a crash is retried, then skipped).")
-flags.DEFINE_integer("wait_pid", None, "Wait for this process to exit before starting.")
 FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  """The driver's flags (defined only when it runs, so that other scripts can import it)."""
+  flags.DEFINE_string("queue", os.path.join(_REPO, "experiments", "queue.txt"), "Queue file.")
+  flags.DEFINE_string("npz_dir", None, "Folder with cifar10.npz / cifar100.npz.")
+  flags.DEFINE_string("runs_dir", os.path.join(_REPO, "runs"), "Where the workdirs go.")
+  flags.DEFINE_string("results_dir", os.path.join(_REPO, "docs", "results"),
+                      "Where finished runs' small files are copied.")
+  flags.DEFINE_integer("max_attempts", 3, "Attempts per run (a crash is retried, then skipped).")
+  flags.DEFINE_integer("wait_pid", None, "Wait for this process to exit before starting.")
+
 
 SHARED_FILES = ("config.json", "results.json", "wallclock.json")
 
@@ -165,4 +170,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

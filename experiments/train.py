@@ -107,6 +107,48 @@ def learning_rate(config, method: str) -> float:
   return float(lrs[method] if method in lrs else config.learning_rate)
 
 
+LR_SCHEDULES = ("constant", "cosine", "warmup_cosine")
+
+
+def learning_rate_schedule(config, method: str, total_steps: int) -> float | optax.Schedule:
+  """Adam's learning rate η_t at update t = 0 … T−1 of a run of T = ``total_steps`` updates.
+
+  With η = `learning_rate(config, method)`, f = config.lr_final_fraction, W =
+  config.lr_warmup_steps:
+
+  * "constant": η (a float, so the optimizer is exactly the one without a schedule);
+  * "cosine": η_t = η·(f + (1 − f)·½(1 + cos(π·t/T))), `optax.cosine_decay_schedule`;
+  * "warmup_cosine": η_t = η·(t + 1)/W for t < W (linear, no update with η = 0), then the
+    cosine above over the remaining T − W updates (`optax.join_schedules`).
+
+  optax counts the updates in the optimizer state, which the checkpoints hold: a resumed run
+  continues the schedule at its global step.
+  """
+  lr = learning_rate(config, method)
+  kind = config.get("lr_schedule", "constant")
+  if kind not in LR_SCHEDULES:
+    raise ValueError(f"config.lr_schedule must be one of {LR_SCHEDULES}, got {kind!r}.")
+  if kind == "constant":
+    return lr
+  final = config.get("lr_final_fraction", 0.0)
+  if isinstance(final, bool) or not isinstance(final, (int, float)) or not 0.0 <= final <= 1.0:
+    raise ValueError(f"config.lr_final_fraction must be a number in [0, 1], got {final!r}.")
+  warmup = config.get("lr_warmup_steps", 0)
+  if kind == "cosine":
+    if warmup:
+      raise ValueError(f"config.lr_warmup_steps = {warmup!r} needs lr_schedule='warmup_cosine'.")
+    return optax.cosine_decay_schedule(lr, int(total_steps), alpha=float(final))
+  if isinstance(warmup, bool) or not isinstance(warmup, int) or not 1 <= warmup < total_steps:
+    raise ValueError(f"config.lr_warmup_steps must be an integer in [1, T = {total_steps}) for "
+                     f"lr_schedule='warmup_cosine', got {warmup!r}.")
+  if warmup == 1:
+    ramp = optax.constant_schedule(lr)
+  else:
+    ramp = optax.linear_schedule(lr / warmup, lr, transition_steps=warmup - 1)
+  decay = optax.cosine_decay_schedule(lr, int(total_steps) - warmup, alpha=float(final))
+  return optax.join_schedules([ramp, decay], boundaries=[warmup])
+
+
 def clip_norm(config, method: str) -> float:
   """B of ``method``: ``config.clip_norms[method]`` if set (e.g. the paper's), else
   config.clip_norm."""
@@ -248,7 +290,6 @@ def make_mesh(config):
 def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   """(grad_fn, optimizer, info) for one method; info has the privacy plan and step count."""
   loss = make_loss(config)
-  lr = learning_rate(config, method)
   batch = int(config.batch_size)
   if method == "non_private" and make_mesh(config) is not None:
     # The exact gradient, data parallel: Naive-DP's path without clipping.
@@ -266,9 +307,11 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
     if make_mesh(config) is None:
       grad_fn = local_grad_fn
     steps_per_epoch = -(-num_records // batch)
-    tx = optax.chain(optax.scale(1.0 / batch), optax.adam(lr))
-    info = dict(noise_multiplier=0.0, sensitivity=0.0, sampling_rate=None,
-                steps=int(steps_per_epoch * config.num_epochs), max_batch=batch)
+    steps = int(steps_per_epoch * config.num_epochs)
+    tx = optax.chain(optax.scale(1.0 / batch),
+                     optax.adam(learning_rate_schedule(config, method, steps)))
+    info = dict(noise_multiplier=0.0, sensitivity=0.0, sampling_rate=None, steps=steps,
+                max_batch=batch)
     return grad_fn, tx, info
   plan = privacy_plan(config, num_records)
   microbatch = dict(microbatch_size=config.get("microbatch_size"))
@@ -305,7 +348,7 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
       logit_dp.transform(noise_multiplier=plan["noise_multiplier"], sensitivity=sens,
                          key=noise_key),
       optax.scale(1.0 / batch),  # noisy sum -> mean over the expected batch (post-processing)
-      optax.adam(lr))
+      optax.adam(learning_rate_schedule(config, method, plan["steps"])))
   return grad_fn, tx, dict(plan, sensitivity=sens, clip_norm=bound)
 
 
@@ -924,6 +967,9 @@ def save_config(config, workdir: str):
 
 
 _ADDED_CONFIG_GROUPS = ("dp_gcl",)
+# Fields added after runs were started, with the value that reproduces those runs: a
+# config.json without them is compared as if it had these values.
+_ADDED_CONFIG_DEFAULTS = dict(lr_schedule="constant", lr_final_fraction=0.0, lr_warmup_steps=0)
 
 
 def check_resumable(config, workdir: str):
@@ -937,6 +983,9 @@ def check_resumable(config, workdir: str):
   # Config groups added after a run was started (absent from its config.json) are compared
   # as absent: they configure methods that run did not train.
   added = [k for k in _ADDED_CONFIG_GROUPS if k not in old]
+  for k, v in _ADDED_CONFIG_DEFAULTS.items():
+    if k not in old:
+      old[k] = v
   key = lambda c: _freeze(
       {k: v for k, v in c.items() if k not in _RUN_ONLY_FIELDS and k not in added})
   if key(old) != key(new):

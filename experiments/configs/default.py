@@ -48,6 +48,12 @@ def get_config():
   config.learning_rate = 1e-2  # fallback for methods missing from learning_rates
   config.learning_rates = ml_collections.ConfigDict(
       dict(logit_dp=1e-2, naive_dp=1e-2, non_private=1e-3))
+  # Adam's learning rate over the run's T updates (experiments.train.learning_rate_schedule):
+  # "constant", "cosine" (down to lr_final_fraction·lr) or "warmup_cosine" (linear warm-up over
+  # lr_warmup_steps updates, then cosine).
+  config.lr_schedule = "constant"
+  config.lr_final_fraction = 0.0
+  config.lr_warmup_steps = 0
 
   # Privacy.
   config.target_epsilon = 5.0

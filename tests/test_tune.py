@@ -1,0 +1,276 @@
+"""The public-data search (experiments/tune.py) and the tuned CIFAR-10 config."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from experiments import run_queue
+from experiments import tune
+from experiments.configs import cifar10_embedding_net_triangle
+from experiments.configs import cifar10_embedding_net_tuned
+from experiments.configs import tiny
+from experiments.configs import tune_cifar100
+
+# ---------------------------------------------------------------------------
+# The search logic on the real 14-candidate config, with a scripted trainer (no training).
+
+
+def _scripted_accuracy(cfg) -> float:
+  """A fixed 3-NN accuracy per setting: τ = 2 and d = 16 help, the schedules tie, and the
+  epoch counts tie with the incumbent (so the rule's tie-break decides)."""
+  acc = 0.20
+  acc += {0.5: -0.05, 1.0: 0.0, 2.0: 0.02}[cfg.temperature]
+  acc += {8: 0.0, 16: 0.01, 32: 0.005}[cfg.model.embedding_dim]
+  acc += 0.0 if cfg.pair_mode == "same_class" else -0.03
+  acc += {1e-2: 0.0, 3e-3: -0.01}[cfg.learning_rates.logit_dp]
+  acc += 0.004 if cfg.lr_schedule != "constant" else 0.0
+  return acc
+
+
+def _steps(cfg) -> int:
+  records = 25_000 if cfg.pair_mode == "same_class" else 50_000
+  return math.ceil(cfg.num_epochs * records / cfg.batch_size)
+
+
+class ScriptedTrainer:
+  """Writes the results.json that train.train_and_evaluate would, from _scripted_accuracy;
+  ``interrupt`` candidates stop unfinished on their first call; lr 3e-2 diverges."""
+  def __init__(self, interrupt=()):
+    self.calls, self.configs, self.interrupt = [], {}, set(interrupt)
+
+  def __call__(self, cfg, workdir, quiet=True):
+    name = os.path.basename(workdir)
+    self.calls.append(name)
+    self.configs[name] = cfg
+    if cfg.learning_rates.logit_dp == 3e-2:
+      raise FloatingPointError("logit_dp: the training loss is not finite at step 3")
+    finished = name not in self.interrupt or self.calls.count(name) > 1
+    steps = _steps(cfg)
+    acc = _scripted_accuracy(cfg)
+    res = dict(logit_dp=dict(method="logit_dp", finished=finished, steps=steps if finished else 10,
+                             total_steps=steps, noise_multiplier=2.5, sampling_rate=cfg.batch_size
+                             / 25_000, epsilon=4.99, delta=1e-5, clip_norm=cfg.clip_norm,
+                             train_seconds=1.0))
+    if finished:
+      res["logit_dp"].update(accuracy=acc, linear_probe=acc + 0.05)
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(res, f)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(cfg.to_json_best_effort())
+    return res
+
+
+@pytest.fixture(scope="module")
+def scripted_search(tmp_path_factory):
+  root = tmp_path_factory.mktemp("search")
+  runs, results = str(root / "runs"), str(root / "results")
+  trainer = ScriptedTrainer(interrupt={"dim16"})
+  config = tune_cifar100.get_config()
+  first = tune.run_search(config, runs, results, train_fn=trainer)
+  first_calls = list(trainer.calls)
+  second = tune.run_search(config, runs, results, train_fn=trainer)
+  return dict(root=root, runs=runs, results=results, trainer=trainer, first=first,
+              first_calls=first_calls, second=second, config=config)
+
+
+def test_search_stops_at_an_unfinished_stage_and_resumes_it(scripted_search):
+  first, second = scripted_search["first"], scripted_search["second"]
+  trainer = scripted_search["trainer"]
+  assert not first["complete"] and first["chosen"] is None
+  # Stages base, temperature, clip norm and embedding dimension ran; dim16 stopped early.
+  assert scripted_search["first_calls"] == [
+      "base", "tau0.5", "tau2", "clip0.3", "clip3", "dim16", "dim32"
+  ]
+  assert [r["name"] for r in first["candidates"]][-2:] == ["dim16", "dim32"]
+  assert not first["candidates"][-2]["finished"]
+  # Resumed: only dim16 again, then the stages not yet run; finished ones are not retrained.
+  names = [c["name"] for s in scripted_search["config"].stages for c in s["candidates"]]
+  assert trainer.calls.count("dim16") == 2
+  assert sorted(trainer.calls) == sorted(names + ["dim16"])
+  assert second["complete"]
+  again = tune.run_search(scripted_search["config"], scripted_search["runs"],
+                          scripted_search["results"], train_fn=trainer)
+  assert len(trainer.calls) == len(names) + 1  # a third call trains nothing
+  assert again == second
+
+
+def test_each_stage_builds_on_the_incumbent_and_the_rule_picks(scripted_search):
+  second, trainer = scripted_search["second"], scripted_search["trainer"]
+  records = {r["name"]: r for r in second["candidates"]}
+  # Stage k's candidates carry the winner of stages < k.
+  assert trainer.configs["clip3"].temperature == 2.0 and trainer.configs["clip3"].clip_norm == 3.0
+  assert trainer.configs["lr3e-3"].model.embedding_dim == 16
+  assert trainer.configs["epochs40"].lr_schedule == "cosine"
+  assert records["epochs40"]["overrides"] == {
+      "temperature": 2.0, "model.embedding_dim": 16, "lr_schedule": "cosine",
+      "lr_final_fraction": 0.1, "num_epochs": 40
+  }
+  # The diverged candidate is recorded, ranks last and is not retried.
+  assert records["lr3e-2"]["diverged"].startswith("logit_dp: the training loss is not finite")
+  assert trainer.calls.count("lr3e-2") == 1
+  assert [s["winner"] for s in second["stages"]
+         ] == ["base", "tau2", "tau2", "dim16", "dim16", "dim16", "cosine", "epochs10"]
+  # The rule, computed here over every candidate: best accuracy, then fewer steps, then earlier.
+  scored = [(-_scripted_accuracy(trainer.configs[n]), _steps(trainer.configs[n]), i, n)
+            for i, n in enumerate(records) if n != "lr3e-2"]
+  want = min(scored)[3]
+  assert want == "epochs10"  # ties base+τ+d+schedule (epochs40 too) with 25 steps, the fewest
+  assert second["chosen"] == dict(name=want, overrides=records[want]["overrides"])
+  for n, r in records.items():
+    if n != "lr3e-2":
+      assert r["accuracy"] == _scripted_accuracy(trainer.configs[n])
+      assert r["steps"] == _steps(trainer.configs[n])
+
+
+def test_search_writes_its_summary_and_publishes_the_candidates(scripted_search):
+  results = scripted_search["results"]
+  with open(os.path.join(results, "search.json")) as f:
+    assert json.load(f) == json.loads(json.dumps(scripted_search["second"]))
+  md = open(os.path.join(results, "search.md")).read()
+  assert "**epochs10**" in md and "Chosen by the rule" in md and "| diverged |" in md
+  rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
+  assert len(rows) == 14  # one row per candidate
+  base = json.loads(open(os.path.join(results, "base", "results.json")).read())
+  assert base["logit_dp"]["accuracy"] == pytest.approx(0.2)
+  for name in ("config.json", "results.json", "wallclock.json"):
+    assert os.path.exists(os.path.join(results, "dim16", name))
+  wc = json.loads(open(os.path.join(scripted_search["runs"], "dim16", "wallclock.json")).read())
+  assert len(wc["attempts"]) == 2 and all(a["returncode"] == 0 for a in wc["attempts"])
+  assert scripted_search["second"]["base"]["data"]["name"] == "cifar100"
+
+
+def test_tuned_config_applies_the_chosen_overrides_once(scripted_search):
+  path = os.path.join(scripted_search["results"], "search.json")
+  cfg = cifar10_embedding_net_tuned.get_config(path)
+  ref = cifar10_embedding_net_triangle.get_config()
+  assert cfg.data.name == "cifar10" and tuple(cfg.methods) == tuple(ref.methods)
+  assert (cfg.temperature, cfg.model.embedding_dim, cfg.lr_schedule, cfg.lr_final_fraction,
+          cfg.num_epochs) == (2.0, 16, "cosine", 0.1, 10)
+  assert cfg.tuned_from.candidate == "epochs10"
+  changed = {"temperature", "model", "lr_schedule", "lr_final_fraction", "num_epochs", "tuned_from"}
+  got, want = cfg.to_dict(), ref.to_dict()
+  assert {k for k in got if got[k] != want.get(k)} == changed
+  assert {k: v for k, v in got["model"].items() if k != "embedding_dim"
+         } == {k: v for k, v in want["model"].items() if k != "embedding_dim"}
+
+
+def test_tuned_config_refuses_a_missing_unfinished_or_mismatched_search(scripted_search, tmp_path):
+  with pytest.raises(FileNotFoundError, match="run the public-data search first"):
+    cifar10_embedding_net_tuned.get_config(str(tmp_path / "none.json"))
+  summary = json.loads(json.dumps(scripted_search["first"]))
+  (tmp_path / "unfinished.json").write_text(json.dumps(summary))
+  with pytest.raises(ValueError, match="has not finished"):
+    cifar10_embedding_net_tuned.get_config(str(tmp_path / "unfinished.json"))
+  done = json.loads(json.dumps(scripted_search["second"]))
+  for edit, match in ((lambda s: s["base"]["data"].update(name="cifar10"),
+                       "private"), (lambda s: s["base"].update(batch_size=1_000), "base differs"),
+                      (lambda s: s["chosen"]["overrides"].update(target_epsilon=8.0),
+                       "target_epsilon")):
+    bad = json.loads(json.dumps(done))
+    edit(bad)
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=match):
+      cifar10_embedding_net_tuned.get_config(str(tmp_path / "bad.json"))
+
+
+def test_search_config_is_checked(tmp_path):
+  cfg = tune_cifar100.get_config()
+  tune.check_search_config(cfg)
+  n = sum(len(s["candidates"]) for s in cfg.stages)
+  assert 12 <= n <= 16
+  b = cfg.base
+  assert (b.data.name, b.data.label, tuple(b.methods), b.batch_size, b.target_epsilon,
+          b.target_delta, b.clip_method) == ("cifar100", "fine", ("logit_dp",), 10_000, 5.0, 1e-5,
+                                             "triangle")
+  for edit, match in (
+      (lambda c: c.base.data.update(name="cifar10"),
+       "public data"), (lambda c: setattr(c.base, "methods", ("logit_dp", "naive_dp")), "Logit-DP"),
+      (lambda c: c.stages[1]["candidates"][0]["overrides"].update(target_epsilon=8.0),
+       "may not change"), (lambda c: c.stages[1]["candidates"][0].update(name="base"), "unique"),
+      (lambda c: c.stages[1]["candidates"][0]["overrides"].update({"model.width": 3}),
+       "no 'width'")):
+    bad = tune_cifar100.get_config()
+    edit(bad)
+    with pytest.raises(ValueError, match=match):
+      tune.check_search_config(bad)
+  trainer = ScriptedTrainer()
+  bad = tune_cifar100.get_config()
+  bad.base.data.name = "cifar10"
+  with pytest.raises(ValueError, match="public data"):
+    tune.run_search(bad, str(tmp_path / "r"), str(tmp_path / "s"), train_fn=trainer)
+  assert trainer.calls == []
+
+
+def test_subset_keeps_the_sampling_rate():
+  cfg = tune.scaled_to_subset(tune_cifar100.get_config(), 5_000)
+  assert cfg.base.data.train_subset == 5_000 and cfg.base.batch_size == 1_000
+  assert cfg.base.microbatch_size == 1_000 and cfg.base.eval_batch_size == 1_000
+  assert 1_000 / (5_000 // 2) == 10_000 / 25_000
+
+
+# ---------------------------------------------------------------------------
+# A real search at a tiny size (digits as the public data): runs, resumes, picks.
+
+
+def _tiny_search():
+  cfg = tune_cifar100.get_config()
+  base = tiny.get_config()
+  base.methods = ("logit_dp",)
+  base.linear_probe = False
+  base.log_every = 100
+  cfg.base = base
+  cfg.stages = [
+      dict(name="base", candidates=[dict(name="base", overrides={})]),
+      dict(name="temperature", candidates=[dict(name="tau2", overrides={"temperature": 2.0})]),
+      dict(name="schedule", candidates=[dict(name="cosine", overrides={"lr_schedule": "cosine"})]),
+  ]
+  return cfg
+
+
+@pytest.mark.slow
+def test_tiny_search_trains_resumes_and_picks(tmp_path):
+  cfg = _tiny_search()
+  ref = tune.run_search(cfg, str(tmp_path / "ref_runs"), str(tmp_path / "ref"))
+  assert ref["complete"]
+  cfg.base.stop_after_steps = 2
+  part = tune.run_search(cfg, str(tmp_path / "runs"), str(tmp_path / "res"))
+  assert not part["complete"] and len(part["candidates"]) == 1
+  assert not run_queue.is_finished(str(tmp_path / "runs" / "base"))
+  cfg.base.stop_after_steps = None
+  done = tune.run_search(cfg, str(tmp_path / "runs"), str(tmp_path / "res"))
+  assert done["complete"]
+  for a, b in zip(done["candidates"], ref["candidates"]):
+    assert a["name"] == b["name"] and a["accuracy"] == b["accuracy"] and a["steps"] == b["steps"]
+  acc = {r["name"]: r["accuracy"] for r in done["candidates"]}
+  assert all(0.0 <= v <= 1.0 for v in acc.values())
+  best = max(acc.values())
+  assert done["chosen"]["name"] == next(n for n in acc if acc[n] == best)  # equal steps: earlier
+  assert done["chosen"] == ref["chosen"]
+  with open(tmp_path / "res" / "search.json") as f:
+    assert json.load(f)["chosen"] == done["chosen"]
+  # The σ of each candidate is the accountant's for its own q and T at the base's ε.
+  for r in done["candidates"]:
+    assert 0.9 * cfg.base.target_epsilon < r["epsilon"] <= cfg.base.target_epsilon
+  assert np.isfinite([r["noise_multiplier"] for r in done["candidates"]]).all()
+
+
+@pytest.mark.slow
+def test_tuned_config_trains_at_tiny_size(scripted_search, tmp_path):
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  cfg = cifar10_embedding_net_tuned.get_config(
+      os.path.join(scripted_search["results"], "search.json"))
+  small = tiny.get_config()
+  cfg.data, cfg.methods = small.data, ("logit_dp",)
+  cfg.model.name = "mlp"
+  cfg.model.hidden = (16,)
+  cfg.batch_size, cfg.microbatch_size, cfg.eval_batch_size, cfg.eval_num_batches = 32, None, None, 1
+  cfg.privacy_seed, cfg.progress, cfg.stop_after_steps, cfg.linear_probe = 0, False, 2, False
+  r = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["logit_dp"]
+  assert r["steps"] == 2 and r["sensitivity"] == pytest.approx(2 * (1 + np.exp(1.0)) / 2.0)
