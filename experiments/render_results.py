@@ -42,6 +42,7 @@ LABELS = {
     "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL", "non_private": "Non-private",
     "untrained": "Untrained (init)"
 }
+PRIVATE = ("logit_dp", "naive_dp", "dp_gcl")
 # Our metric keys, in the paper's metric_order, then the linear probe (ours only).
 METRICS = ("accuracy", "best_recall", "best_precision", "best_fbeta", "linear_probe")
 METRIC_LABELS = ("acc", "best recall", "best precision", "best F_β", "linear probe")
