@@ -39,7 +39,6 @@ FLAGS = flags.FLAGS
 
 class _DiagonalOnly:
   """The contrastive loss with its weights τ_ij kept only on (diagonal) or off the diagonal."""
-
   def __init__(self, loss, diagonal: bool):
     self.loss, self.diagonal = loss, diagonal
 
@@ -57,7 +56,8 @@ def _tree_norm(t):
 
 
 def _tree_cos(a, b):
-  num = sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+  num = sum(
+      jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
   return float(num / (optax.global_norm(a) * optax.global_norm(b)))
 
 
@@ -99,8 +99,9 @@ def main(argv):
     grad_fn = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip, method, microbatch_size=500))
     parts = {}
     for name, diag in (("positive", True), ("negative", False)):
-      part_fn = jax.jit(logit_dp.clipped_grad(apply_fn, _DiagonalOnly(loss, diag), clip, method,
-                                              microbatch_size=500))
+      part_fn = jax.jit(
+          logit_dp.clipped_grad(apply_fn, _DiagonalOnly(loss, diag), clip, method,
+                                microbatch_size=500))
       parts[name] = part_fn(params0, xa0, xb0)[1]
     _, g0 = grad_fn(params0, xa0, xb0)
     init = dict(norm=_tree_norm(g0), cos_with_true_grad=_tree_cos(g0, true_grad),

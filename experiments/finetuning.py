@@ -36,12 +36,16 @@ from logit_dp import models
 def load_pretrained(pretrain_workdir: str, method: str, pre_config):
   """Restores the final encoder params of ``method`` from a pre-training folder."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  path = os.path.abspath(os.path.join(pretrain_workdir, method, "params"))
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f"{path} not found: has `pretrain.py` finished for {method}?")
   _, _, _, init_fn = train_lib.get_model(pre_config.model)
   with open(os.path.join(pretrain_workdir, "input_shape.json")) as f:
     shape = tuple(json.load(f))
+  if method == train_lib.UNTRAINED:  # the pre-training seed's initial parameters
+    return init_fn(
+        train_lib._keys(pre_config.seed)["init"],  # pylint: disable=protected-access
+        jnp.zeros((1,) + shape, jnp.float32))
+  path = os.path.abspath(os.path.join(pretrain_workdir, method, "params"))
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"{path} not found: has `pretrain.py` finished for {method}?")
   template = init_fn(jax.random.PRNGKey(0), jnp.zeros((1,) + shape, jnp.float32))
   with ocp.StandardCheckpointer() as ckptr:
     return ckptr.restore(path, template)
@@ -127,8 +131,8 @@ def finetune_and_evaluate(config, workdir: str, quiet: bool = False) -> dict[str
   pre_config, pre_results = _read_pretrain(config.pretrain_workdir)
   ds = data_lib.load_dataset(config.data, seed=config.seed)
   methods = [
-      m for m in (config.methods or pre_config.methods)
-      if os.path.isdir(os.path.join(config.pretrain_workdir, m, "params"))
+      m for m in (config.methods or pre_config.methods) if m == train_lib.UNTRAINED
+      or os.path.isdir(os.path.join(config.pretrain_workdir, m, "params"))
   ]
   if not methods:
     raise FileNotFoundError(f"No finished pre-training run in {config.pretrain_workdir}.")

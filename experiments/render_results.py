@@ -39,8 +39,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = ("logit_dp", "naive_dp", "dp_gcl", "non_private", "untrained")
 LABELS = {
-    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL", "non_private": "Non-private",
-    "untrained": "Untrained (init)"
+    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL",
+    "non_private": "Non-private", "untrained": "Untrained (init)"
 }
 PRIVATE = ("logit_dp", "naive_dp", "dp_gcl")
 # Our metric keys, in the paper's metric_order, then the linear probe (ours only).

@@ -68,8 +68,8 @@ from logit_dp import models
 # method must beat (a random conv net already gives a useful k-NN). No step, no data, ε = 0.
 UNTRAINED = "untrained"
 METHOD_LABELS = {
-    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL", "non_private": "Non-private",
-    UNTRAINED: "Untrained (init)"
+    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL",
+    "non_private": "Non-private", UNTRAINED: "Untrained (init)"
 }
 PRIVATE_METHODS = ("logit_dp", "naive_dp", "dp_gcl")
 # Folded into the seed's key to get DP-GCL's group keys (public: the assignment only has to be
@@ -827,9 +827,8 @@ def untrained_record(config, ds) -> dict[str, Any]:
   _, apply_fn, _, init_fn = get_model(config.model)
   params = init_fn(_keys(config.seed)["init"], data_lib.to_float(jnp.asarray(ds["x_train"][:1])))
   return dict(method=UNTRAINED, steps=0, total_steps=0, finished=True, learning_rate=0.0,
-              noise_multiplier=0.0, sensitivity=0.0, clip_norm=None, sampling_rate=0.0,
-              epsilon=0.0, delta=0.0, train_seconds=0.0, history=[], params=params,
-              apply_fn=apply_fn)
+              noise_multiplier=0.0, sensitivity=0.0, clip_norm=None, sampling_rate=0.0, epsilon=0.0,
+              delta=0.0, train_seconds=0.0, history=[], params=params, apply_fn=apply_fn)
 
 
 def evaluate_embeddings(config, params, ds) -> dict[str, Any]:

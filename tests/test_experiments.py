@@ -116,6 +116,7 @@ def test_untrained_baseline_added_to_a_finished_run(tmp_path):
   assert untrained["linear_probe"] == want["linear_probe"]
   with open(os.path.join(tmp_path, "results.json")) as f:
     assert set(json.load(f)) == {"non_private", "untrained"}
+  assert _params_equal(finetuning.load_pretrained(str(tmp_path), "untrained", cfg), init)
   cfg.knn_k = 5  # another evaluation: nothing is reused
   fresh = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["non_private"]
   assert "params" in fresh
