@@ -51,6 +51,20 @@ class _DiagonalOnly:
     return self.loss(z_kept, mask)
 
 
+def gradient_parts(apply_fn, loss, clip_norm, method, params, x, x_prime):
+  """ḡ and its positive-pair and negative-pair parts (ḡ = positive + negative: the clip factors
+  do not depend on the weights τ_ij, so ḡ is linear in them)."""
+  def grad_of(l):
+    return logit_dp.clipped_grad(apply_fn, l, clip_norm, method, microbatch_size=500)(params, x,
+                                                                                      x_prime)[1]
+
+  parts = {
+      name: grad_of(_DiagonalOnly(loss, diag))
+      for name, diag in (("positive", True), ("negative", False))
+  }
+  return grad_of(loss), parts
+
+
 def _tree_norm(t):
   return float(optax.global_norm(t))
 
@@ -97,13 +111,7 @@ def main(argv):
     t0 = time.time()
     method = FLAGS.clip_method if np.isfinite(clip) else "ghost"
     grad_fn = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip, method, microbatch_size=500))
-    parts = {}
-    for name, diag in (("positive", True), ("negative", False)):
-      part_fn = jax.jit(
-          logit_dp.clipped_grad(apply_fn, _DiagonalOnly(loss, diag), clip, method,
-                                microbatch_size=500))
-      parts[name] = part_fn(params0, xa0, xb0)[1]
-    _, g0 = grad_fn(params0, xa0, xb0)
+    g0, parts = gradient_parts(apply_fn, loss, clip, method, params0, xa0, xb0)
     init = dict(norm=_tree_norm(g0), cos_with_true_grad=_tree_cos(g0, true_grad),
                 positive_norm=_tree_norm(parts["positive"]),
                 negative_norm=_tree_norm(parts["negative"]),
@@ -119,7 +127,8 @@ def main(argv):
     report["runs"][b_str] = dict(at_init=init, test_loss=[c[0] for c in curve],
                                  mean_negative_cosine=[c[1] for c in curve],
                                  seconds=time.time() - t0)
-    print(b_str, json.dumps(init), "final loss %.4f mean neg cos %.4f" % curve[-1], flush=True)
+    print(b_str, json.dumps(init), f"final loss {curve[-1][0]:.4f} mean neg cos {curve[-1][1]:.4f}",
+          flush=True)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump(report, f, indent=1)
