@@ -54,9 +54,9 @@ class _DiagonalOnly:
 def gradient_parts(apply_fn, loss, clip_norm, method, params, x, x_prime):
   """ḡ and its positive-pair and negative-pair parts (ḡ = positive + negative: the clip factors
   do not depend on the weights τ_ij, so ḡ is linear in them)."""
-  def grad_of(l):
-    return logit_dp.clipped_grad(apply_fn, l, clip_norm, method, microbatch_size=500)(params, x,
-                                                                                      x_prime)[1]
+  def grad_of(part_loss):
+    return logit_dp.clipped_grad(apply_fn, part_loss, clip_norm, method,
+                                 microbatch_size=500)(params, x, x_prime)[1]
 
   parts = {
       name: grad_of(_DiagonalOnly(loss, diag))
