@@ -16,7 +16,8 @@ replaced by the table NAME: ``runs`` (every run with its wall-clock), ``verdict`
 ``group:<group>`` (ours beside the paper's), ``compare:<group a>:<group b>`` (same method and
 seeds, two configurations), ``bound:<ghost group>:<triangle group>``
 (what the triangle bound costs, same seeds), ``pair_norms:<file in results_dir>`` (how much
-B clips, from experiments/pair_norms.py), ``search:<folder in results_dir>`` (the public-data
+B clips, from experiments/pair_norms.py), ``clip_bias:<file in results_dir>`` (what clipping
+every pair does to ḡ, from experiments/clip_bias.py), ``search:<folder in results_dir>`` (the public-data
 search of experiments/tune.py, from its search.json) and ``curve:<prefix>[:<E>=<group>…]``
 (3-NN accuracy and linear probe vs ε of the groups ``<prefix>_eps<E>``, an extra group per ε
 for the methods those lack; `parse_curve_spec`). ``--figures`` also draws each curve block's
@@ -215,7 +216,7 @@ def settings_line(group_runs) -> str:
   if "batch_size" in cfg:
     parts.append(f"expected batch {cfg['batch_size']:,}")
   for m in METHODS:
-    if m not in res:
+    if m not in res or m == "untrained":  # nothing trained, nothing to set
       continue
     r = res[m]
     lr, b = _lr_b(r0, m)
@@ -402,6 +403,34 @@ def pair_norms_table(report: dict) -> str:
         "", "‖∇_θ ℒ‖ of the whole batch of these pairs (what Naive-DP clips to B): "
         + ", ".join(f"{names.get(w, w)} {v:.3g}" for w, v in norms.items()) + "."
     ]
+  return "\n".join(lines)
+
+
+def clip_bias_table(report: dict) -> str:
+  """What clipping every pair does to ḡ, noise-free (experiments/clip_bias.py)."""
+  steps = report["steps"]
+  marks = [0, min(10, steps), steps]
+  n_test = None
+  lines = [
+      f"Noise-free Adam (lr {report['lr']:g}), {report['clip_method']} pair norms, batch "
+      f"{report['batch']:,} pairs from a {report['subset']:,}-image CIFAR-10 subset, {steps} steps. "
+      "At initialisation: ‖ḡ‖, its cosine with the true gradient ∇ℒ, and the norms of its "
+      "positive-pair (Z_ii) and negative-pair parts. Then, on 1,000 test pairs, the loss per pair "
+      f"(collapse: ln n = {report['ln_n_test']:.4f}) and the mean cosine of non-matching "
+      "embeddings (collapse: 1) after " + " / ".join(map(str, marks)) + " steps.", "",
+      "| B | ‖ḡ‖ | cos(ḡ, ∇ℒ) | positive part | negative part | cos(pos., neg.) | "
+      "test loss per pair | mean cosine of non-matching pairs |",
+      "|---|---|---|---|---|---|---|---|"
+  ]
+  for b, r in report["runs"].items():
+    i = r["at_init"]
+    n_test = n_test or round(math.exp(report["ln_n_test"]))
+    loss = " / ".join(f"{r['test_loss'][k] / n_test:.4f}" for k in marks)
+    cos = " / ".join(f"{r['mean_negative_cosine'][k]:.3f}" for k in marks)
+    name = "∞ (∇ℒ)" if b == "inf" else b
+    lines.append(f"| {name} | {i['norm']:.3g} | {i['cos_with_true_grad']:+.2f} | "
+                 f"{i['positive_norm']:.3g} | {i['negative_norm']:.3g} | "
+                 f"{i['cos_positive_negative']:+.3f} | {loss} | {cos} |")
   return "\n".join(lines)
 
 
@@ -643,6 +672,12 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
       return f"(`{arg}` not computed yet)"
     with open(path) as f:
       return pair_norms_table(json.load(f))
+  if kind == "clip_bias":
+    path = os.path.join(results_dir, arg)
+    if not os.path.exists(path):
+      return f"(`{arg}` not computed yet)"
+    with open(path) as f:
+      return clip_bias_table(json.load(f))
   if kind == "curve":
     return curve_table(curve_data(arg, groups), paper, results_dir)
   if kind == "search":

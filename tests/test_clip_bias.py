@@ -47,3 +47,25 @@ def test_positive_and_negative_parts_add_up_and_match_jax_grad(clip_norm):
     tau = jax.grad(loss)(z)
     pos_bound = float(jnp.sum(jnp.abs(jnp.diag(tau)))) * clip_norm
     assert float(optax.global_norm(parts["positive"])) <= pos_bound * (1 + 1e-5)
+
+
+def test_clip_bias_table_renders_the_report():
+  from experiments import render_results
+  runs = {
+      b:
+          dict(
+              at_init=dict(norm=2.0, cos_with_true_grad=c, positive_norm=3.0, negative_norm=1.5,
+                           cos_positive_negative=-0.9),
+              test_loss=[1000 * (6.9 + 0.001 * k) for k in range(21)],
+              mean_negative_cosine=[0.5 + 0.01 * k for k in range(21)])
+      for b, c in (("inf", 1.0), ("1e-5", -0.7))
+  }
+  report = dict(steps=20, lr=1e-2, clip_method="ghost", batch=100, subset=400,
+                ln_n_test=float(np.log(1000)), runs=runs)
+  text = render_results.clip_bias_table(report)
+  rows = [line for line in text.splitlines() if line.startswith("| 1e-5")]
+  cells = [c.strip() for c in rows[0].strip("|").split("|")]
+  assert cells[2] == "-0.70" and cells[3] == "3" and cells[4] == "1.5"
+  assert cells[6] == "6.9000 / 6.9100 / 6.9200"  # steps 0 / 10 / 20, loss per pair (n = 1,000)
+  assert cells[7] == "0.500 / 0.600 / 0.700"
+  assert "| ∞ (∇ℒ) |" in text
