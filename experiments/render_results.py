@@ -17,8 +17,8 @@ replaced by the table NAME: ``runs`` (every run with its wall-clock), ``verdict`
 seeds, two configurations), ``bound:<ghost group>:<triangle group>``
 (what the triangle bound costs, same seeds), ``pair_norms:<file in results_dir>`` (how much
 B clips, from experiments/pair_norms.py), ``clip_bias:<file in results_dir>`` (what clipping
-every pair does to ḡ, from experiments/clip_bias.py), ``search:<folder in results_dir>`` (the public-data
-search of experiments/tune.py, from its search.json) and ``curve:<prefix>[:<E>=<group>…]``
+every pair does to ḡ, from experiments/clip_bias.py), ``search:<folder in results_dir>`` (the
+public-data search of experiments/tune.py, from its search.json) and ``curve:<prefix>[:<E>=<group>…]``
 (3-NN accuracy and linear probe vs ε of the groups ``<prefix>_eps<E>``, an extra group per ε
 for the methods those lack; `parse_curve_spec`). ``--figures`` also draws each curve block's
 figure, ``results_dir/figures/<prefix>_eps_curve.png``.
@@ -413,7 +413,8 @@ def clip_bias_table(report: dict) -> str:
   n_test = None
   lines = [
       f"Noise-free Adam (lr {report['lr']:g}), {report['clip_method']} pair norms, batch "
-      f"{report['batch']:,} pairs from a {report['subset']:,}-image CIFAR-10 subset, {steps} steps. "
+      f"{report['batch']:,} pairs from a {report['subset']:,}-image CIFAR-10 subset, {steps} "
+      "steps. "
       "At initialisation: ‖ḡ‖, its cosine with the true gradient ∇ℒ, and the norms of its "
       "positive-pair (Z_ii) and negative-pair parts. Then, on 1,000 test pairs, the loss per pair "
       f"(collapse: ln n = {report['ln_n_test']:.4f}) and the mean cosine of non-matching "
