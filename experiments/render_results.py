@@ -20,8 +20,8 @@ B clips, from experiments/pair_norms.py), ``clip_bias:<file in results_dir>`` (w
 every pair does to ḡ, from experiments/clip_bias.py), ``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
-``<prefix>_eps<E>``, an extra group per ε for the methods those lack; `parse_curve_spec`). ``--figures`` also draws each curve block's
-figure, ``results_dir/figures/<prefix>_eps_curve.png``.
+``<prefix>_eps<E>``, an extra group per ε for the methods those lack; `parse_curve_spec`).
+``--figures`` also draws each curve block's figure, ``results_dir/figures/<prefix>_eps_curve.png``.
 """
 
 from __future__ import annotations
