@@ -91,6 +91,7 @@ def test_batch_norm_in_training_mode_is_refused():
     distributed.make_sharded_grad_fn(full, LOSS, 1.0, _mesh())(variables, x, x + 0.1)
 
 
+@pytest.mark.slow  # a conv net; test_clipping jits clipped_grad of independent mlps by default
 def test_independent_embed_fn_is_accepted_under_jit():
   embed_fn, params, x, x_prime = make_model("conv", n=5)
   loss, grads = jax.jit(logit_dp.clipped_grad(embed_fn, LOSS, 1.0))(params, x, x_prime)
@@ -163,7 +164,7 @@ def test_training_loop_stops_with_a_clear_message_on_a_non_finite_loss(tmp_path)
     train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
 
 
-@pytest.mark.parametrize("method", ["ghost", "triangle"])
+@pytest.mark.parametrize("method", ["ghost", pytest.param("triangle", marks=pytest.mark.slow)])
 def test_microbatches_on_a_net_without_flattened_parameters(method):
   """Every layer a ghost layer: the flattened factors are zero-size (once a ZeroDivisionError)."""
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
