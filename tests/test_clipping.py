@@ -99,7 +99,10 @@ def test_mask_padding_contributes_nothing(method):
   assert rel_err(grads_masked, grads_small) < 1e-5
 
 
-@pytest.mark.parametrize("method", ["ghost", pytest.param("triangle", marks=_SLOW)])
+# Slow: microbatches are compared with whole batches by default in test_ghost_blocks (ghost, one
+# block) and test_hardening; test_float32_norms checks microbatched norms of every method.
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ghost", "triangle"])
 def test_microbatching_keeps_the_whole_pair_matrix(method):
   embed_fn, params, x, x_prime = make_model("conv", n=10, seed=5)
   loss = LOSSES["contrastive"]
@@ -220,6 +223,7 @@ def test_bad_batches():
     fn(params, x, x_prime, jnp.ones((3,), bool))
 
 
+@pytest.mark.slow  # the accelerator's chunking simulated on CPU (conv, n = 13)
 def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
   """The accelerator's larger, uncapped pair-term chunks (one chunk of 13 rows here, against
   the CPU's two padded chunks of 8) give the materialised norms too."""

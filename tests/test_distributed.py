@@ -163,16 +163,13 @@ def _direct(k, method, check_vma):
   _assert_matches(out, _single("contrastive", method)(params, x, x_prime, mask))
 
 
-@pytest.mark.slow  # check_vma=False; the default check_vma=True is tested below
+@pytest.mark.slow  # check_vma=False; make_sharded_grad_fn runs check_vma=True by default
 def test_direct_shard_map_api():
   _direct(4, "ghost", check_vma=False)
 
 
-@pytest.mark.parametrize(
-    "method",
-    ["ghost",
-     pytest.param("triangle", marks=_SLOW),
-     pytest.param("materialize", marks=_SLOW)])
+@pytest.mark.slow  # make_sharded_grad_fn is this shard_map (check_vma=True), tested by default
+@pytest.mark.parametrize("method", ["ghost", "triangle", "materialize"])
 def test_direct_shard_map_default_check_vma(method):
   """JAX's default check_vma=True: derivatives must stay per device (no implicit psum)."""
   _direct(2, method, check_vma=True)

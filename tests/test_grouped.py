@@ -210,6 +210,7 @@ def test_adding_a_record_changes_only_its_own_group():
   assert rel_err(run(permuted), with_r) < 1e-6
 
 
+@pytest.mark.slow  # a negative control; test_removal_audit_stays_within_2b audits the hash by default
 def test_groups_by_position_in_the_batch_are_not_private(no_norm_allowance):
   """Chunking the sampled batch into groups by position: deleting one record moves the later
   records into other groups, and ḡ moves by more than 2B. The hash assignment, on the same
@@ -318,6 +319,7 @@ def test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit():
   assert int(num) == 6 and np.isnan(float(loss)) and np.all(flat(grads) == 0)
 
 
+@pytest.mark.slow  # test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit jits by default
 def test_jit_matches_eager():
   fn, params, x, x_prime, views = make("linear", 7, seed=12, k=1)
   grad_fn = logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(), 0.3, 2)
