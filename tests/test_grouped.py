@@ -210,7 +210,7 @@ def test_adding_a_record_changes_only_its_own_group():
   assert rel_err(run(permuted), with_r) < 1e-6
 
 
-@pytest.mark.slow  # a negative control; test_removal_audit_stays_within_2b audits the hash by default
+@pytest.mark.slow  # a negative control; test_removal_audit_stays_within_2b audits the hash
 def test_groups_by_position_in_the_batch_are_not_private(no_norm_allowance):
   """Chunking the sampled batch into groups by position: deleting one record moves the later
   records into other groups, and ḡ moves by more than 2B. The hash assignment, on the same
