@@ -84,7 +84,8 @@ def test_triangle_bound_is_an_upper_bound_and_clips_every_pair_to_b(kind):
   assert np.any(np.asarray(bound) > np.asarray(exact) * 1.01)  # a real bound, not the exact norm
 
 
-@pytest.mark.parametrize("method", logit_dp.METHODS)
+@pytest.mark.parametrize(
+    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
 def test_mask_padding_contributes_nothing(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=9, seed=4)
   loss = LOSSES["contrastive"]
@@ -136,7 +137,8 @@ def _contraction_precisions(jaxpr):
   return found
 
 
-@pytest.mark.parametrize("method", logit_dp.METHODS)
+@pytest.mark.parametrize(
+    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
 def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precision(method):
   # The clip factors and ḡ come from different passes: on a GPU, where JAX's default for
   # float32 is TF32, they must still both be float32-accurate.

@@ -144,13 +144,10 @@ def test_run_past_the_privacy_budget_is_refused_unless_allowed(tmp_path):
   assert result["epsilon"] > cfg.target_epsilon
 
 
-# The default run keeps the flag's plumbing (non_private); the private methods' sharded steps
-# are compared with one device in test_distributed.
-@pytest.mark.parametrize("method", [
-    pytest.param("logit_dp", marks=pytest.mark.slow),
-    pytest.param("naive_dp", marks=pytest.mark.slow),
-    "non_private",
-])
+# Slow: three more tiny runs; the sharded private step is compared with one device in
+# test_distributed and the sharded batches of pretrain.py in test_multihost.
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["logit_dp", "naive_dp", "non_private"])
 def test_num_devices_flag_reproduces_the_single_device_run(pretrained, tmp_path, method):
   """config.num_devices=4 (simulated CPU devices): same training, same ε."""
   _, ref = pretrained
@@ -330,6 +327,7 @@ def test_augment_pair_mode_trains(tmp_path):
   assert r["finished"] and r["total_steps"] == 128 // 32  # one record per image
 
 
+@pytest.mark.slow  # two more tiny runs; DP-GCL's gradient and 2B are tested in test_grouped
 def test_dp_gcl_trains_privately_beside_the_other_methods(pretrained, tmp_path):
   """The grouped baseline: Poisson batches, σ of the same accountant (same ε), noise σ·2B,
   groups hashed from the record ids, extra augmented views; a resume reproduces it."""

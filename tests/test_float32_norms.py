@@ -93,6 +93,7 @@ def test_clip_norms_are_never_below_the_float64_truth(truths, method, family):
     assert np.all(got <= truth + 1.01 * allowance)
 
 
+@pytest.mark.slow  # shows the stress input is one; the bound itself is tested by default above
 def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
   """Without the vector form, ‖g_ii‖² = a + b + 2c of near-identical views is mostly rounding."""
   embed_fn, params, x, x_prime = _problem("near_identical")

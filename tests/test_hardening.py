@@ -98,7 +98,7 @@ def test_independent_embed_fn_is_accepted_under_jit():
   assert np.isfinite(float(loss))
 
 
-@pytest.mark.parametrize("method", ["ghost", "naive"])
+@pytest.mark.parametrize("method", ["ghost", pytest.param("naive", marks=pytest.mark.slow)])
 def test_nan_parameters_under_jit_give_a_nan_loss_and_count_the_dropped_rows(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=5)
   grad_fn = (logit_dp.naive_clipped_grad(embed_fn, LOSS, 1.0)
@@ -164,7 +164,8 @@ def test_training_loop_stops_with_a_clear_message_on_a_non_finite_loss(tmp_path)
     train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
 
 
-@pytest.mark.parametrize("method", ["ghost", pytest.param("triangle", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a regression check of an all-ghost net in microbatches
+@pytest.mark.parametrize("method", ["ghost", "triangle"])
 def test_microbatches_on_a_net_without_flattened_parameters(method):
   """Every layer a ghost layer: the flattened factors are zero-size (once a ZeroDivisionError)."""
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
