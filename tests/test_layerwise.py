@@ -57,7 +57,13 @@ CONV_VJP_CASES = dict(CONV_CONFIGS, stride3_valid=dict(kernel_size=(2, 3), strid
                                                        padding="VALID"))
 
 
-@pytest.mark.parametrize("name", sorted(CONV_VJP_CASES) + ["rank1", "rank3"])
+# The default run keeps explicit_pad and same_stride2 (each case compiles flax's and the
+# library's conv gradients); test_conv_patches_* keeps every configuration's patches by default.
+@pytest.mark.parametrize("name", [
+    name if name in ("explicit_pad",
+                     "same_stride2") else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(CONV_VJP_CASES) + ["rank1", "rank3"]
+])
 def test_channels_last_conv_has_the_values_and_gradients_of_jax(name):
   """Its hand-written backward pass = jax.vjp of flax's convolution, w.r.t. input and kernel."""
   if name.startswith("rank"):
@@ -161,9 +167,12 @@ def _problem(model, shape, n=6, seed=0):
   return model.apply, model.init(k3, x[:1]), x, x_prime
 
 
+# conv and mixed are slow: their rewritten layers are compared with materialize (which calls
+# embed_fn itself) by test_ghost_norms_exact_for_conv_configs and
+# test_unrecognised_uses_fall_back_to_generic_jacobians[mixed].
 @pytest.mark.parametrize("model,shape", [
-    (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
-    (MixedNet(), (6, 6, 2)),
+    pytest.param(ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3), marks=pytest.mark.slow),
+    pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
     (TiedNet(), (5,)),
     (KernelAlsoUsedElsewhere(), (5,)),
     (None, (3, 2)),
@@ -218,7 +227,7 @@ def _plan(embed_fn, params, x):
   return layerwise.make_plan(embed_fn, params, x, d)
 
 
-FAST_CONV_CONFIGS = ("explicit_pad", "same_stride2")
+FAST_CONV_CONFIGS = ("explicit_pad",)  # strides, asymmetric padding; the others are slow
 
 
 @pytest.mark.parametrize("name", [
@@ -240,6 +249,7 @@ def test_ghost_norms_exact_for_dense_on_sequences(monkeypatch):
   _check_norms(embed_fn, params, x, x_prime, monkeypatch)
 
 
+@pytest.mark.slow  # traces the paper's net at 32×32; a structural check, not a computation
 def test_embedding_net_plan():
   """The paper's net: conv1/conv2 flattened, conv3 and the head from factors."""
   model = EmbeddingNet()
@@ -280,6 +290,10 @@ def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic,
   _check_norms(embed_fn, params, x, x_prime, monkeypatch, {"auto": None})
 
 
+# Slow: MixedNet's norms (fallback and factored leaves) are compared with materialize by
+# test_unrecognised_uses_fall_back_to_generic_jacobians and its ḡ with jax.vjp by
+# test_factor_contraction_is_the_backward_pass (pure_jax: generic leaves) by default.
+@pytest.mark.slow
 def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix(no_float_allowance):
   embed_fn, params, x, x_prime = _problem(MixedNet(), (6, 6, 2))
   loss = logit_dp.losses.contrastive(temperature=0.5)
@@ -327,12 +341,14 @@ def _backward_pass(batch, params, x, cotangents):
   return jax.vjp(embed, params)[1](cotangents)[0]
 
 
+# The default run keeps conv (factored and flattened leaves) and pure_jax (generic leaves, an
+# unused leaf) in both modes; the others are slow.
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("model,shape", [
     (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
-    (ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2)),
-    (SequenceNet(), (5, 3)),
-    (MixedNet(), (6, 6, 2)),
+    pytest.param(ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2), marks=pytest.mark.slow),
+    pytest.param(SequenceNet(), (5, 3), marks=pytest.mark.slow),
+    pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
     (None, (3, 2)),
 ], ids=["conv", "conv_no_bias", "sequence", "mixed", "pure_jax"])
 def test_factor_contraction_is_the_backward_pass(model, shape, mode, monkeypatch):

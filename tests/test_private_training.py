@@ -115,8 +115,14 @@ def test_naive_method_uses_naive_gradient_and_sensitivity():
   jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
 
 
-@pytest.mark.parametrize("method,microbatch_size", [("ghost", None), ("ghost", 2), ("triangle", 2),
-                                                    ("materialize", 3)])
+# The default run keeps one case that passes both a non-default method and a microbatch size
+# (each case compiles a conv net's gradient twice); the others are slow.
+@pytest.mark.parametrize("method,microbatch_size", [
+    pytest.param("ghost", None, marks=pytest.mark.slow),
+    pytest.param("ghost", 2, marks=pytest.mark.slow),
+    pytest.param("triangle", 2, marks=pytest.mark.slow),
+    ("materialize", 3),
+])
 def test_grad_fn_is_clipped_grad_with_method_and_microbatch(method, microbatch_size):
   # A conv net: clipped_grad(microbatch_size=m) currently fails on nets of Dense layers only
   # (a zero-size leaf reshaped with -1 in clipping._unchunk_rows), not make_private's concern.
