@@ -153,6 +153,7 @@ def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precisi
   assert all(p == highest for p in precisions), set(map(str, precisions))
 
 
+@pytest.mark.slow  # a tracing count; jit = eager is checked by the non-finite test below
 def test_grad_fn_jits_and_does_not_retrace():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   traces = []

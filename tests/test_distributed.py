@@ -99,7 +99,10 @@ def test_sharded_equals_single_device(k, loss_name, method):
   _assert_same_on_every_device(masked)
 
 
-@pytest.mark.parametrize("k", [4, pytest.param(8, marks=_SLOW)])
+# Slow: padding masks are compared with one device by test_sharded_equals_single_device and
+# pad_to_multiple by test_data_mesh_and_padding_helpers by default.
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [4, 8])
 def test_uneven_global_batch_is_padded(k):
   embed_fn, params, x, x_prime, clip_norm = _batch()
   x, x_prime = x[:13], x_prime[:13]

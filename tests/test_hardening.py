@@ -33,6 +33,9 @@ def test_private_train_step_refuses_an_optimizer_without_the_noise():
     step(params, late.init(params), x, x_prime)
 
 
+# Slow: the sharded step's noisy update is compared with one device by test_distributed and
+# the noise's std with σC by test_noise by default.
+@pytest.mark.slow
 def test_private_train_step_accepts_the_noise_first_and_an_explicit_non_private_opt_in():
   embed_fn, params, x, x_prime = make_model("mlp", n=4)
   sigma, c = 1.0, logit_dp.sensitivity(LOSS, clip_norm=1.0)

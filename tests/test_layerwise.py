@@ -42,7 +42,7 @@ def test_conv_patches_times_kernel_is_the_convolution(name):
   np.testing.assert_allclose(via_patches, y.reshape(3, -1, 5), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("rank", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_conv_patches_other_ranks(rank):
   conv = nn.Conv(3, (2,) * rank, strides=2, padding="SAME")
   x = jax.random.normal(jax.random.PRNGKey(0), (2,) + (5,) * rank + (2,))
@@ -57,11 +57,11 @@ CONV_VJP_CASES = dict(CONV_CONFIGS, stride3_valid=dict(kernel_size=(2, 3), strid
                                                        padding="VALID"))
 
 
-# The default run keeps explicit_pad and same_stride2 (each case compiles flax's and the
-# library's conv gradients); test_conv_patches_* keeps every configuration's patches by default.
+# The default run keeps explicit_pad (strides, asymmetric padding; each case compiles flax's
+# and the library's conv gradients); test_conv_patches_* keeps the other configurations'
+# patches by default.
 @pytest.mark.parametrize("name", [
-    name if name in ("explicit_pad",
-                     "same_stride2") else pytest.param(name, marks=pytest.mark.slow)
+    name if name == "explicit_pad" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(CONV_VJP_CASES) + ["rank1", "rank3"]
 ])
 def test_channels_last_conv_has_the_values_and_gradients_of_jax(name):
@@ -167,13 +167,13 @@ def _problem(model, shape, n=6, seed=0):
   return model.apply, model.init(k3, x[:1]), x, x_prime
 
 
-# conv and mixed are slow: their rewritten layers are compared with materialize (which calls
-# embed_fn itself) by test_ghost_norms_exact_for_conv_configs and
-# test_unrecognised_uses_fall_back_to_generic_jacobians[mixed].
+# conv, mixed and tied are slow: their rewritten layers are compared with materialize (which
+# calls embed_fn itself) by test_ghost_norms_exact_for_conv_configs and
+# test_unrecognised_uses_fall_back_to_generic_jacobians by default.
 @pytest.mark.parametrize("model,shape", [
     pytest.param(ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3), marks=pytest.mark.slow),
     pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
-    (TiedNet(), (5,)),
+    pytest.param(TiedNet(), (5,), marks=pytest.mark.slow),
     (KernelAlsoUsedElsewhere(), (5,)),
     (None, (3, 2)),
 ], ids=["conv", "mixed", "tied", "kernel_used_elsewhere", "pure_jax"])
