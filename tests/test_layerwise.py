@@ -273,14 +273,17 @@ def _leaf_names(params, indices):
 
 
 @pytest.mark.parametrize(
-    "model,shape,generic", [
+    "model,shape,generic",
+    [
         (TiedNet(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         (KernelAlsoUsedElsewhere(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         (ExamplesNotLeading(), (3, 5), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         (MixedNet(), (6, 6, 2), {("Conv_0", "bias"), ("Conv_0", "kernel"), ("GroupNorm_0", "bias"),
                                  ("GroupNorm_0", "scale"), ("scale",)}),
-        (None, (3, 2), {("b1",), ("w1",), ("w2",)}),
-    ], ids=["tied", "kernel_used_elsewhere", "examples_not_leading", "mixed", "pure_jax"])
+        # Slow: every leaf generic; generic leaves are checked in the cases above by default.
+        pytest.param(None, (3, 2), {("b1",), ("w1",), ("w2",)}, marks=pytest.mark.slow),
+    ],
+    ids=["tied", "kernel_used_elsewhere", "examples_not_leading", "mixed", "pure_jax"])
 def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic, monkeypatch):
   """Leaves not owned by exactly one recognised call get ordinary per-example Jacobians."""
   embed_fn, params, x, x_prime = _problem(model, shape)

@@ -55,7 +55,9 @@ def _dp_accounting_epsilon(sigma, q, steps, delta):
   return acc.get_epsilon(delta)
 
 
-@pytest.mark.parametrize("kwargs,steps", [(dict(steps=50), 50), (dict(steps=None, epochs=3), 60)])
+@pytest.mark.parametrize("kwargs,steps",
+                         [(dict(steps=50), 50),
+                          pytest.param(dict(steps=None, epochs=3), 60, marks=pytest.mark.slow)])
 def test_sigma_q_steps_and_ledger_match_the_accountant(kwargs, steps):
   pt = _setup(**kwargs)
   q = BATCH / N
@@ -224,7 +226,6 @@ def test_large_delta_warns_once():
   assert sum("target_delta=" in str(w.message) for w in caught) == 1
 
 
-@pytest.mark.slow  # the README's make_private loop, which test_readme runs by default
 def test_end_to_end_training_run():
   """A few private steps on two clusters: the loop of the README's make_private section."""
   embed_fn, params = _embed()
