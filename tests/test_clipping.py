@@ -39,8 +39,10 @@ def test_infinite_clip_norm_is_jax_grad(kind, loss_name, method):
   assert rel_err(grads, ref_grads) < 1e-5
 
 
+# Slow: by default test_ghost_blocks compares one-block ghost and materialize ḡ (clipped, with a
+# mask) on this mlp through the blocked path, which matches both.
 @pytest.mark.parametrize("kind,loss_name", [
-    ("mlp", "contrastive"),
+    pytest.param("mlp", "contrastive", marks=_SLOW),
     pytest.param("mlp", "spreadout", marks=_SLOW),
     pytest.param("conv", "contrastive", marks=_SLOW),
     pytest.param("conv", "spreadout", marks=_SLOW),
@@ -59,7 +61,9 @@ def test_ghost_matches_materialize_with_clipping(kind, loss_name, no_float_allow
   assert rel_err(exact, unclipped) > 1e-2
 
 
-@pytest.mark.parametrize("kind", ["mlp", pytest.param("conv", marks=_SLOW)])
+# Slow: test_float32_norms bounds the ghost norms between the float64 jax.grad norms and the
+# float allowance above them by default.
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=_SLOW) for k in ("mlp", "conv")])
 def test_ghost_pair_norms_match_materialized_pair_gradients(kind):
   embed_fn, params, x, x_prime = make_model(kind, n=7, seed=2)
   ghost = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost",

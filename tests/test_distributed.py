@@ -130,6 +130,7 @@ def test_one_pair_per_device():
   _assert_matches(sharded(params, x, x_prime), reference)
 
 
+@pytest.mark.slow  # Algorithm 1 sharded; ghost and triangle are compared with one device by default
 def test_materialize_sharded():
   embed_fn, params, x, x_prime, clip_norm = _batch("mlp", 6, 2)
   loss = LOSSES["spreadout"]
@@ -215,6 +216,9 @@ def _step_outputs(k):
   return new_params, new_state
 
 
+# Slow: test_multihost's default test compares the noisy update of 2 processes × 2 devices with
+# one process (same key) and refuses per-process noise keys.
+@pytest.mark.slow
 def test_noise_is_identical_on_every_device_and_matches_single_device():
   _, params, x, x_prime, _ = _batch()
   opt, _ = _private_optimizer()
@@ -234,7 +238,7 @@ def _flat(tree):
       [np.ravel(np.asarray(leaf, np.float64)) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
-@pytest.mark.slow  # all four device counts; the noise test above keeps k = 2 and 8 by default
+@pytest.mark.slow  # all four device counts (the noise: see the test above)
 def test_accounting_does_not_depend_on_device_count():
   """Same sensitivity, same noise, same (σ, q, T): the same ε for any number of devices."""
   _, params, x, x_prime, _ = _batch()

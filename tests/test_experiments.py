@@ -133,6 +133,7 @@ def test_resume_refuses_a_different_config(pretrained):
     train.train_and_evaluate(cfg, workdir, quiet=True)
 
 
+@pytest.mark.slow  # two tiny runs; test_ledger refuses and resumes past the budget by default
 def test_run_past_the_privacy_budget_is_refused_unless_allowed(tmp_path):
   cfg = tiny.get_config()
   cfg.methods = ("logit_dp",)

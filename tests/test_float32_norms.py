@@ -106,6 +106,7 @@ def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
   assert np.min(np.diag(np.sqrt(np.maximum(a, 0)) + np.sqrt(np.maximum(b, 0))) / truth) > 3
 
 
+@pytest.mark.slow  # a utility bound; the lower bound is test_clip_norms_are_never_below_...
 def test_triangle_takes_the_diagonal_pairs_from_their_vectors(truths):
   """The positives are not over-clipped by the triangle bound (it over-estimated them 22-64×)."""
   embed_fn, params, x, x_prime = _problem("near_identical")

@@ -27,7 +27,13 @@ CONV_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONV_CONFIGS))
+# The default run keeps the configurations of the default conv gradient tests below; the
+# others are slow.
+@pytest.mark.parametrize("name", [
+    name if name in ("explicit_pad",
+                     "same_stride2") else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(CONV_CONFIGS)
+])
 def test_conv_patches_times_kernel_is_the_convolution(name):
   conv = nn.Conv(5, **CONV_CONFIGS[name])
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 6, 4))
@@ -167,15 +173,15 @@ def _problem(model, shape, n=6, seed=0):
   return model.apply, model.init(k3, x[:1]), x, x_prime
 
 
-# conv, mixed and tied are slow: their rewritten layers are compared with materialize (which
-# calls embed_fn itself) by test_ghost_norms_exact_for_conv_configs and
-# test_unrecognised_uses_fall_back_to_generic_jacobians by default.
+# Only kernel_used_elsewhere runs by default: the other nets' rewritten layers are compared with
+# materialize (which calls embed_fn itself) by test_ghost_norms_exact_for_conv_configs and
+# test_unrecognised_uses_fall_back_to_generic_jacobians by default (pure_jax has no layer).
 @pytest.mark.parametrize("model,shape", [
     pytest.param(ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3), marks=pytest.mark.slow),
     pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
     pytest.param(TiedNet(), (5,), marks=pytest.mark.slow),
     (KernelAlsoUsedElsewhere(), (5,)),
-    (None, (3, 2)),
+    pytest.param(None, (3, 2), marks=pytest.mark.slow),
 ], ids=["conv", "mixed", "tied", "kernel_used_elsewhere", "pure_jax"])
 def test_recognised_layers_keep_values_and_gradients_in_a_microbatch_loop(model, shape):
   """with_recognised_layers(embed_fn) = embed_fn, values and parameter vjps, under lax.map + jit."""

@@ -226,6 +226,7 @@ def test_large_delta_warns_once():
   assert sum("target_delta=" in str(w.message) for w in caught) == 1
 
 
+@pytest.mark.slow  # a second tiny training loop (test_experiments keeps one by default)
 def test_end_to_end_training_run():
   """A few private steps on two clusters: the loop of the README's make_private section."""
   embed_fn, params = _embed()
