@@ -98,8 +98,8 @@ def _grads(fn, params, x, x_prime, views, mask, ids, clip_norm, num_groups, temp
   return grad_fn(params, x, x_prime, mask, record_ids=ids, group_key=KEY, extra_views=views)
 
 
-# The default run keeps the linear model with an extra view and microbatches, clipped; the mlp
-# is compared with the float64 reference by test_float32_gradient_matches_the_float64_reference.
+# The default run keeps the linear model with an extra view and microbatches, clipped; the
+# others (and the float32 comparison below) are slow.
 @pytest.mark.parametrize("kind,k,microbatch,clip_norm", [
     pytest.param("linear", 0, None, 1e-3, marks=pytest.mark.slow),
     pytest.param("mlp", 2, None, 0.5, marks=pytest.mark.slow),
@@ -125,6 +125,7 @@ def test_gradient_matches_the_brute_force_reference_in_float64(no_norm_allowance
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-12)
 
 
+@pytest.mark.slow  # float32 accuracy; the float64 reference test and the ≤ B test run by default
 def test_float32_gradient_matches_the_float64_reference(no_norm_allowance):
   fn, params, x, x_prime, views = make("mlp", 8, seed=2, k=1)
   ids = jnp.arange(8) * 3 + 1
