@@ -1,7 +1,8 @@
 """Smoke test of the step benchmark harness (benchmarks/step_benchmark.py).
 
 Runs the harness end to end at n = 8 and checks what it writes: the JSON schema, that
-every ratio is positive and finite, and the markdown table. No timing assertions.
+every ratio is positive and finite, and the markdown table. No timing assertions. The harness
+runs are slow-marked (`-m slow`); the default run keeps the pure helpers.
 """
 
 import json
@@ -25,6 +26,7 @@ def quick_run(tmp_path_factory):
   return report, out, md
 
 
+@pytest.mark.slow  # the harness end to end (quick_run)
 def test_json_schema(quick_run):
   report, out, _ = quick_run
   on_disk = json.loads(out.read_text())
@@ -47,6 +49,7 @@ def test_json_schema(quick_run):
   assert report["results"] == on_disk["results"]
 
 
+@pytest.mark.slow  # the harness end to end (quick_run)
 def test_markdown(quick_run):
   report, _, md = quick_run
   text = md.read_text()
@@ -55,6 +58,7 @@ def test_markdown(quick_run):
   assert text.strip() == step_benchmark.markdown(report).strip()
 
 
+@pytest.mark.slow  # the harness end to end (quick_run)
 def test_render_merges(quick_run, capsys):
   _, out, _ = quick_run
   merged = step_benchmark.main(["--render", str(out), str(out)])
@@ -62,6 +66,7 @@ def test_render_merges(quick_run, capsys):
   assert "Logit-DP ghost" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the harness end to end (quick_run)
 def test_render_keeps_memory_only_sizes_and_labels_device_memory(quick_run, tmp_path, capsys):
   """A memory-only file with a size the timing run lacks, on an accelerator's report."""
   _, out, _ = quick_run
@@ -119,6 +124,7 @@ def test_pre_gate_skips_what_cannot_run():
   assert gate("nonprivate", 10 ** 6, t_np=1e3) is None
 
 
+@pytest.mark.slow  # the loop_conv harness
 def test_loop_conv_benchmark_runs_and_both_gradients_agree(tmp_path):
   from benchmarks import loop_conv  # pylint: disable=g-import-not-at-top
   out = tmp_path / "loop_conv.json"
@@ -135,6 +141,7 @@ def test_loop_conv_benchmark_runs_and_both_gradients_agree(tmp_path):
     assert r["max_rel_diff"] < 1e-5
 
 
+@pytest.mark.slow  # the precision_check harness
 def test_precision_check_runs_and_the_cpu_default_is_float32():
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -148,6 +155,7 @@ def test_precision_check_runs_and_the_cpu_default_is_float32():
     assert math.isfinite(row["norm_error_max"]) and math.isfinite(row["vector_error_max"]), row
 
 
+@pytest.mark.slow  # the profile_ghost harness
 def test_profile_ghost_runs_every_piece_and_adds_up_the_floor():
   """profile_ghost still reaches the private internals it times (it reports those it cannot
   as unavailable, which would hide a broken profile)."""
@@ -166,6 +174,7 @@ def test_profile_ghost_runs_every_piece_and_adds_up_the_floor():
   assert "| floor |" in profile_ghost.markdown([result])
 
 
+@pytest.mark.slow  # profile_ghost's count against XLA's
 def test_profile_floor_counts_the_multiply_adds_xla_counts():
   """profile_ghost's pair-term count = XLA's own flop count of the cross terms / 2.
 

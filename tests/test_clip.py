@@ -60,6 +60,8 @@ def test_zero_shot_accuracy_is_argmax_of_cosine():
   assert clip.zero_shot(embed_images, wrong, None, images, labels, tokens, 3)["zero_shot_top1"] == 0
 
 
+@pytest.mark.slow  # a second tiny training run (test_experiments keeps one by default); the
+# two-tower gradients are checked against jax.grad by test_two_tower
 def test_tiny_run_end_to_end(tmp_path):
   config = clip_tiny.get_config()
   config.data.label_names = _names_file(tmp_path)

@@ -19,7 +19,7 @@ def _embed(params, x):
   return jnp.tanh(x @ params["w1"]) @ params["w2"]
 
 
-@pytest.mark.parametrize("clip_norm", [jnp.inf, 1e-5])
+@pytest.mark.parametrize("clip_norm", [jnp.inf, pytest.param(1e-5, marks=pytest.mark.slow)])
 def test_positive_and_negative_parts_add_up_and_match_jax_grad(clip_norm):
   k = jax.random.split(jax.random.PRNGKey(0), 4)
   params = dict(w1=jax.random.normal(k[0], (5, 7)), w2=jax.random.normal(k[1], (7, 3)))

@@ -17,11 +17,21 @@ LOSSES = {
     "spreadout": logit_dp.losses.spreadout(),
 }
 
+_SLOW = pytest.mark.slow
+# The default run keeps the mlp with each method on the contrastive loss, and ghost on spreadout;
+# the conv net's layers are checked against jax.grad by test_layerwise, test_ghost_blocks and
+# test_float32_norms. The rest of the grid is slow.
+_DEFAULT_INFINITE_CLIP = {("mlp", m, "contrastive") for m in logit_dp.METHODS
+                         } | {("mlp", "ghost", "spreadout")}
 
-@pytest.mark.parametrize("loss_name", sorted(LOSSES))
-@pytest.mark.parametrize("method", logit_dp.METHODS)
-def test_infinite_clip_norm_is_jax_grad(model_kind, loss_name, method):
-  embed_fn, params, x, x_prime = make_model(model_kind, n=6)
+
+@pytest.mark.parametrize("kind,method,loss_name", [
+    pytest.param(kind, method, loss_name, marks=() if
+                 (kind, method, loss_name) in _DEFAULT_INFINITE_CLIP else _SLOW)
+    for kind in ("mlp", "conv") for method in logit_dp.METHODS for loss_name in sorted(LOSSES)
+])
+def test_infinite_clip_norm_is_jax_grad(kind, loss_name, method):
+  embed_fn, params, x, x_prime = make_model(kind, n=6)
   loss = LOSSES[loss_name]
   ref_loss, ref_grads = reference_grad(embed_fn, loss, params, x, x_prime)
   value, grads = logit_dp.clipped_grad(embed_fn, loss, jnp.inf, method=method)(params, x, x_prime)
@@ -29,9 +39,16 @@ def test_infinite_clip_norm_is_jax_grad(model_kind, loss_name, method):
   assert rel_err(grads, ref_grads) < 1e-5
 
 
-@pytest.mark.parametrize("loss_name", sorted(LOSSES))
-def test_ghost_matches_materialize_with_clipping(model_kind, loss_name, no_float_allowance):
-  embed_fn, params, x, x_prime = make_model(model_kind, n=8, seed=1)
+# Slow: by default test_ghost_blocks compares one-block ghost and materialize ḡ (clipped, with a
+# mask) on this mlp through the blocked path, which matches both.
+@pytest.mark.parametrize("kind,loss_name", [
+    pytest.param("mlp", "contrastive", marks=_SLOW),
+    pytest.param("mlp", "spreadout", marks=_SLOW),
+    pytest.param("conv", "contrastive", marks=_SLOW),
+    pytest.param("conv", "spreadout", marks=_SLOW),
+])
+def test_ghost_matches_materialize_with_clipping(kind, loss_name, no_float_allowance):
+  embed_fn, params, x, x_prime = make_model(kind, n=8, seed=1)
   loss = LOSSES[loss_name]
   norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
   clip_norm = float(jnp.median(norms))  # about half of the pairs are clipped
@@ -44,8 +61,11 @@ def test_ghost_matches_materialize_with_clipping(model_kind, loss_name, no_float
   assert rel_err(exact, unclipped) > 1e-2
 
 
-def test_ghost_pair_norms_match_materialized_pair_gradients(model_kind):
-  embed_fn, params, x, x_prime = make_model(model_kind, n=7, seed=2)
+# Slow: test_float32_norms bounds the ghost norms between the float64 jax.grad norms and the
+# float allowance above them by default.
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=_SLOW) for k in ("mlp", "conv")])
+def test_ghost_pair_norms_match_materialized_pair_gradients(kind):
+  embed_fn, params, x, x_prime = make_model(kind, n=7, seed=2)
   ghost = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost",
                                    float_allowance=False)
   exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize",
@@ -58,8 +78,9 @@ def test_ghost_pair_norms_match_materialized_pair_gradients(model_kind):
   np.testing.assert_allclose(ghost, exact, rtol=1e-4)
 
 
-def test_triangle_bound_is_an_upper_bound_and_clips_every_pair_to_b(model_kind):
-  embed_fn, params, x, x_prime = make_model(model_kind, n=7, seed=3)
+@pytest.mark.parametrize("kind", ["mlp", pytest.param("conv", marks=_SLOW)])
+def test_triangle_bound_is_an_upper_bound_and_clips_every_pair_to_b(kind):
+  embed_fn, params, x, x_prime = make_model(kind, n=7, seed=3)
   exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize",
                                    float_allowance=False)
   bound = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="triangle")
@@ -67,7 +88,8 @@ def test_triangle_bound_is_an_upper_bound_and_clips_every_pair_to_b(model_kind):
   assert np.any(np.asarray(bound) > np.asarray(exact) * 1.01)  # a real bound, not the exact norm
 
 
-@pytest.mark.parametrize("method", logit_dp.METHODS)
+@pytest.mark.parametrize(
+    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
 def test_mask_padding_contributes_nothing(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=9, seed=4)
   loss = LOSSES["contrastive"]
@@ -82,6 +104,9 @@ def test_mask_padding_contributes_nothing(method):
   assert rel_err(grads_masked, grads_small) < 1e-5
 
 
+# Slow: microbatches are compared with whole batches by default in test_ghost_blocks (ghost, one
+# block) and test_hardening; test_float32_norms checks microbatched norms of every method.
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ghost", "triangle"])
 def test_microbatching_keeps_the_whole_pair_matrix(method):
   embed_fn, params, x, x_prime = make_model("conv", n=10, seed=5)
@@ -92,8 +117,9 @@ def test_microbatching_keeps_the_whole_pair_matrix(method):
   assert rel_err(micro, whole) < 1e-5
 
 
-def test_naive_clipped_grad_is_jax_grad_clipped_to_b(model_kind):
-  embed_fn, params, x, x_prime = make_model(model_kind, n=6)
+@pytest.mark.parametrize("kind", ["mlp", pytest.param("conv", marks=_SLOW)])
+def test_naive_clipped_grad_is_jax_grad_clipped_to_b(kind):
+  embed_fn, params, x, x_prime = make_model(kind, n=6)
   loss = LOSSES["contrastive"]
   _, ref = reference_grad(embed_fn, loss, params, x, x_prime)
   _, unclipped = logit_dp.naive_clipped_grad(embed_fn, loss, jnp.inf)(params, x, x_prime)
@@ -115,7 +141,8 @@ def _contraction_precisions(jaxpr):
   return found
 
 
-@pytest.mark.parametrize("method", logit_dp.METHODS)
+@pytest.mark.parametrize(
+    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
 def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precision(method):
   # The clip factors and ḡ come from different passes: on a GPU, where JAX's default for
   # float32 is TF32, they must still both be float32-accurate.
@@ -130,6 +157,7 @@ def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precisi
   assert all(p == highest for p in precisions), set(map(str, precisions))
 
 
+@pytest.mark.slow  # a tracing count; jit = eager is checked by the non-finite test below
 def test_grad_fn_jits_and_does_not_retrace():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   traces = []
@@ -202,6 +230,7 @@ def test_bad_batches():
     fn(params, x, x_prime, jnp.ones((3,), bool))
 
 
+@pytest.mark.slow  # the accelerator's chunking simulated on CPU (conv, n = 13)
 def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
   """The accelerator's larger, uncapped pair-term chunks (one chunk of 13 rows here, against
   the CPU's two padded chunks of 8) give the materialised norms too."""
@@ -224,6 +253,7 @@ def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
   np.testing.assert_allclose(norms[True], exact, rtol=1e-4, atol=atol)
 
 
+@pytest.mark.slow  # two compilations of a wider conv net's ghost gradient, n = 64 and 256
 def test_ghost_never_allocates_n_squared_p_floats():
   """XLA's own buffer assignment for the ghost step grows as O(n·d·p + n²·d²), never n²·p.
 

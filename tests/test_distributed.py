@@ -75,9 +75,18 @@ def _assert_matches(sharded, reference, tol=1e-5):
   assert rel_err(grads, ref_grads) < tol
 
 
-@pytest.mark.parametrize("method", ["ghost", "triangle"])
-@pytest.mark.parametrize("loss_name", sorted(LOSSES))
-@pytest.mark.parametrize("k", DEVICE_COUNTS)
+# The default run keeps one device count per method, with the contrastive loss (spreadout is
+# compared with the single device in test_nonfinite_pairs_raise_eagerly_like_single_device);
+# the rest of the grid is slow.
+_DEFAULT_GRID = {(4, "contrastive", "ghost"), (2, "contrastive", "triangle")}
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("k,loss_name,method", [
+    pytest.param(k, loss_name, method, marks=() if
+                 (k, loss_name, method) in _DEFAULT_GRID else _SLOW) for k in DEVICE_COUNTS
+    for loss_name in sorted(LOSSES) for method in ("ghost", "triangle")
+])
 def test_sharded_equals_single_device(k, loss_name, method):
   _, params, x, x_prime, _ = _batch()
   single, sharded = _single(loss_name, method), _sharded(k, loss_name, method)
@@ -90,6 +99,9 @@ def test_sharded_equals_single_device(k, loss_name, method):
   _assert_same_on_every_device(masked)
 
 
+# Slow: padding masks are compared with one device by test_sharded_equals_single_device and
+# pad_to_multiple by test_data_mesh_and_padding_helpers by default.
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [4, 8])
 def test_uneven_global_batch_is_padded(k):
   embed_fn, params, x, x_prime, clip_norm = _batch()
@@ -108,6 +120,7 @@ def test_uneven_global_batch_is_padded(k):
   _assert_matches(sharded(distributed.replicate(params, mesh), gx, gxp, gmask), reference)
 
 
+@pytest.mark.slow  # k = 8 with n = 8; test_sharded_equals_single_device covers the path
 def test_one_pair_per_device():
   embed_fn, params, x, x_prime, clip_norm = _batch()
   x, x_prime = x[:8], x_prime[:8]
@@ -117,6 +130,7 @@ def test_one_pair_per_device():
   _assert_matches(sharded(params, x, x_prime), reference)
 
 
+@pytest.mark.slow  # Algorithm 1 sharded; ghost and triangle are compared with one device by default
 def test_materialize_sharded():
   embed_fn, params, x, x_prime, clip_norm = _batch("mlp", 6, 2)
   loss = LOSSES["spreadout"]
@@ -153,16 +167,19 @@ def _direct(k, method, check_vma):
   _assert_matches(out, _single("contrastive", method)(params, x, x_prime, mask))
 
 
+@pytest.mark.slow  # check_vma=False; make_sharded_grad_fn runs check_vma=True by default
 def test_direct_shard_map_api():
   _direct(4, "ghost", check_vma=False)
 
 
+@pytest.mark.slow  # make_sharded_grad_fn is this shard_map (check_vma=True), tested by default
 @pytest.mark.parametrize("method", ["ghost", "triangle", "materialize"])
 def test_direct_shard_map_default_check_vma(method):
   """JAX's default check_vma=True: derivatives must stay per device (no implicit psum)."""
   _direct(2, method, check_vma=True)
 
 
+@pytest.mark.slow  # make_sharded_grad_fn(naive=True) runs the same under check_vma=True
 def test_direct_shard_map_default_check_vma_naive():
   embed_fn, params, x, x_prime, clip_norm = _batch()
   grad_fn = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm,
@@ -199,6 +216,9 @@ def _step_outputs(k):
   return new_params, new_state
 
 
+# Slow: test_multihost's default test compares the noisy update of 2 processes × 2 devices with
+# one process (same key) and refuses per-process noise keys.
+@pytest.mark.slow
 def test_noise_is_identical_on_every_device_and_matches_single_device():
   _, params, x, x_prime, _ = _batch()
   opt, _ = _private_optimizer()
@@ -218,6 +238,7 @@ def _flat(tree):
       [np.ravel(np.asarray(leaf, np.float64)) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
+@pytest.mark.slow  # all four device counts (the noise: see the test above)
 def test_accounting_does_not_depend_on_device_count():
   """Same sensitivity, same noise, same (σ, q, T): the same ε for any number of devices."""
   _, params, x, x_prime, _ = _batch()

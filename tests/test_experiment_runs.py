@@ -46,6 +46,7 @@ def _tiny_like(config):
 # Configs.
 
 
+@pytest.mark.slow  # calibrates σ of three paper-size configs
 def test_paper_size_configs_have_the_papers_sampling_rate_and_steps():
   # CIFAR-10: 50,000 train images -> 25,000 disjoint same-class pair records.
   pairs = data_lib.same_class_pairs(np.repeat(np.arange(10), 5000), seed=0)
@@ -65,6 +66,7 @@ def test_paper_size_configs_have_the_papers_sampling_rate_and_steps():
   assert cfg.model.name == "resnet18" and cfg.model.norm == "none"
 
 
+@pytest.mark.slow  # five gradient compilations; test_experiments checks the default config's C
 def test_paper_hparams_config_clips_each_method_with_its_own_bound():
   import jax
   import jax.numpy as jnp

@@ -73,7 +73,10 @@ def test_privacy_of_dp_runs(pretrained):
   assert results["non_private"]["epsilon"] == 0.0
 
 
-@pytest.mark.parametrize("method", ["logit_dp", "non_private"])
+# logit_dp is slow: test_ledger.test_kill_and_resume_reports_the_same_epsilon_and_noise resumes
+# the noise and the ledger by default.
+@pytest.mark.parametrize("method",
+                         [pytest.param("logit_dp", marks=pytest.mark.slow), "non_private"])
 def test_resume_matches_uninterrupted_run(pretrained, tmp_path, method):
   ref_dir, ref = pretrained
   cfg = tiny.get_config()
@@ -130,6 +133,7 @@ def test_resume_refuses_a_different_config(pretrained):
     train.train_and_evaluate(cfg, workdir, quiet=True)
 
 
+@pytest.mark.slow  # two tiny runs; test_ledger refuses and resumes past the budget by default
 def test_run_past_the_privacy_budget_is_refused_unless_allowed(tmp_path):
   cfg = tiny.get_config()
   cfg.methods = ("logit_dp",)
@@ -141,6 +145,9 @@ def test_run_past_the_privacy_budget_is_refused_unless_allowed(tmp_path):
   assert result["epsilon"] > cfg.target_epsilon
 
 
+# Slow: three more tiny runs; the sharded private step is compared with one device in
+# test_distributed and the sharded batches of pretrain.py in test_multihost.
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["logit_dp", "naive_dp", "non_private"])
 def test_num_devices_flag_reproduces_the_single_device_run(pretrained, tmp_path, method):
   """config.num_devices=4 (simulated CPU devices): same training, same ε."""
@@ -242,6 +249,7 @@ def test_head_on_standardised_embeddings(tmp_path):
   assert np.mean(pred == y_te) > 0.95
 
 
+@pytest.mark.slow  # test_experiment_runs.test_run_queue_runs_skips_and_publishes runs pretrain.py
 def test_scripts_from_the_command_line(pretrained, tmp_path):
   """Both absl entry points, as a user runs them (cheap settings)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -307,6 +315,7 @@ def test_cifar_embedding_net_smoke(tmp_path):
   assert all(r["finished"] for r in results.values())
 
 
+@pytest.mark.slow  # another tiny training run; the augmentations are tested in test_data
 def test_augment_pair_mode_trains(tmp_path):
   """The unsupervised mode: two on-device augmentations of each image, one record per image."""
   cfg = tiny.get_config()
@@ -319,6 +328,7 @@ def test_augment_pair_mode_trains(tmp_path):
   assert r["finished"] and r["total_steps"] == 128 // 32  # one record per image
 
 
+@pytest.mark.slow  # two more tiny runs; DP-GCL's gradient and 2B are tested in test_grouped
 def test_dp_gcl_trains_privately_beside_the_other_methods(pretrained, tmp_path):
   """The grouped baseline: Poisson batches, σ of the same accountant (same ε), noise σ·2B,
   groups hashed from the record ids, extra augmented views; a resume reproduces it."""

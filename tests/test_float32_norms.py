@@ -57,14 +57,27 @@ def _batch_and_factors(embed_fn, params, x, x_prime):
 
 
 FAMILIES = ("near_identical", "near_identical_off_diagonal", "unrelated")
+_SLOW = pytest.mark.slow
+
+
+class _Truths(dict):
+  """The float64 truth of each family, computed when a test first asks for it."""
+  def __missing__(self, family):
+    self[family] = _float64_truth(*_problem(family))
+    return self[family]
 
 
 @pytest.fixture(scope="module")
 def truths():
-  return {family: _float64_truth(*_problem(family)) for family in FAMILIES}
+  return _Truths()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# The default run keeps the diagonal stress (near-identical views) for every method; the other
+# families are slow.
+@pytest.mark.parametrize("family", [
+    family if family == "near_identical" else pytest.param(family, marks=_SLOW)
+    for family in FAMILIES
+])
 @pytest.mark.parametrize("method", logit_dp.METHODS)
 def test_clip_norms_are_never_below_the_float64_truth(truths, method, family):
   embed_fn, params, x, x_prime = _problem(family)
@@ -80,6 +93,7 @@ def test_clip_norms_are_never_below_the_float64_truth(truths, method, family):
     assert np.all(got <= truth + 1.01 * allowance)
 
 
+@pytest.mark.slow  # shows the stress input is one; the bound itself is tested by default above
 def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
   """Without the vector form, ‖g_ii‖² = a + b + 2c of near-identical views is mostly rounding."""
   embed_fn, params, x, x_prime = _problem("near_identical")
@@ -92,6 +106,7 @@ def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
   assert np.min(np.diag(np.sqrt(np.maximum(a, 0)) + np.sqrt(np.maximum(b, 0))) / truth) > 3
 
 
+@pytest.mark.slow  # a utility bound; the lower bound is test_clip_norms_are_never_below_...
 def test_triangle_takes_the_diagonal_pairs_from_their_vectors(truths):
   """The positives are not over-clipped by the triangle bound (it over-estimated them 22-64×)."""
   embed_fn, params, x, x_prime = _problem("near_identical")
@@ -106,7 +121,8 @@ def test_triangle_takes_the_diagonal_pairs_from_their_vectors(truths):
   assert np.median(tri[off] / truth[off]) > 1.5  # off the diagonal it is still the bound
 
 
-@pytest.mark.parametrize("method", logit_dp.METHODS)
+@pytest.mark.parametrize(
+    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
 def test_tiny_clip_norm_on_near_identical_positives_respects_the_sensitivity(method):
   embed_fn, params, x, x_prime = _problem("near_identical")
   loss = logit_dp.losses.contrastive(temperature=1.0)
@@ -114,6 +130,7 @@ def test_tiny_clip_norm_on_near_identical_positives_respects_the_sensitivity(met
   assert result.ratio <= 1.0, result.ratio
 
 
+@pytest.mark.slow  # two worst-case searches; the allowances are checked against the truth above
 def test_the_audit_search_catches_gram_norms_without_the_allowances(monkeypatch):
   """search_worst_case's near-identical restarts find the breach of the uncorrected ghost norms
   (> 1× C·B at B = 1e-5), and none in the library as it is."""
@@ -132,6 +149,7 @@ def test_the_audit_search_catches_gram_norms_without_the_allowances(monkeypatch)
     assert search().ratio > 1.0
 
 
+@pytest.mark.slow  # a float64 compilation of the conv net's materialised pair gradients
 def test_materialize_runs_with_x64_enabled_and_float32_params():
   embed_fn, params, x, x_prime = _problem("unrelated")
   expected = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))

@@ -26,9 +26,11 @@ LOSS = logit_dp.losses.contrastive(temperature=0.5)
 N = 7
 MASK = np.array([1, 1, 0, 1, 1, 1, 0], bool)
 # (r, c): c divides r; r < n with and without dividing n = 7, single columns, and r > n. The
-# default run keeps two (each case compiles two gradients); the others are slow.
+# default run keeps (4, 2) on the mlp (each case compiles two gradients; the conv net's blocks
+# are checked by test_blocked_unclipped_ghost_is_float64_jax_grad and test_ring_matches_one_device);
+# the others are slow.
 _SLOW = pytest.mark.slow
-BLOCKS = [(4, 2), (3, 1)] + [pytest.param(b, marks=_SLOW) for b in ((6, 3), (2, 2), (8, 8))]
+BLOCKS = [(4, 2), (3, 1), (6, 3), (2, 2), (8, 8)]
 
 
 def _force_blocks(monkeypatch, r, c):
@@ -56,9 +58,12 @@ def _one_block(kind):
   return (embed_fn, params, x, x_prime), clip_norm, one, exact, grads
 
 
-@pytest.mark.parametrize("blocks", BLOCKS, ids=str)
-def test_blocked_ghost_matches_one_block_and_materialize(model_kind, blocks, monkeypatch):
-  (embed_fn, params, x, x_prime), clip_norm, one, exact, grads = _one_block(model_kind)
+@pytest.mark.parametrize("kind,blocks", [
+    pytest.param(kind, blocks, marks=() if (kind, blocks) == ("mlp", (4, 2)) else _SLOW)
+    for kind in ("mlp", "conv") for blocks in BLOCKS
+], ids=str)
+def test_blocked_ghost_matches_one_block_and_materialize(kind, blocks, monkeypatch):
+  (embed_fn, params, x, x_prime), clip_norm, one, exact, grads = _one_block(kind)
   _force_blocks(monkeypatch, *blocks)
   fresh = _fresh(embed_fn)
   norms = np.asarray(
@@ -73,7 +78,10 @@ def test_blocked_ghost_matches_one_block_and_materialize(model_kind, blocks, mon
   assert rel_err(blocked, grads["materialize"]) < 1e-4
 
 
-@pytest.mark.parametrize("blocks", [(4, 2), pytest.param((3, 1), marks=_SLOW)], ids=str)
+# Slow: a second reference (float64 jax.grad) for the path that
+# test_blocked_ghost_matches_one_block_and_materialize compares with materialize by default.
+@pytest.mark.slow
+@pytest.mark.parametrize("blocks", [(4, 2), (3, 1)], ids=str)
 def test_blocked_unclipped_ghost_is_float64_jax_grad(blocks, monkeypatch):
   embed_fn, params, x, x_prime = make_model("conv", N, seed=2)
   _force_blocks(monkeypatch, *blocks)
@@ -135,6 +143,7 @@ def _temp_bytes(fn, *args) -> int:
   return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
+@pytest.mark.slow  # four compilations of a wider conv net's ghost gradient (a memory property)
 def test_blocked_temporaries_do_not_grow_with_n_like_one_block():
   """XLA's buffer assignment: one block holds both views' factors of the whole batch (grows as
   2·n·F); under a fixed budget the held factors stay put and only O(n·d + n²) grows."""
@@ -164,7 +173,8 @@ N_SHARDED = 16
 MASK_SHARDED = np.array([1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1], bool)
 
 
-@pytest.mark.parametrize("k,blocks", [(2, (6, 3)), (8, (2, 1)),
+@pytest.mark.parametrize("k,blocks", [(2, (6, 3)),
+                                      pytest.param(8, (2, 1), marks=_SLOW),
                                       pytest.param(2, (2, 1), marks=_SLOW),
                                       pytest.param(8, (2, 2), marks=_SLOW)], ids=str)
 def test_ring_matches_one_device(k, blocks, monkeypatch):

@@ -98,11 +98,13 @@ def _grads(fn, params, x, x_prime, views, mask, ids, clip_norm, num_groups, temp
   return grad_fn(params, x, x_prime, mask, record_ids=ids, group_key=KEY, extra_views=views)
 
 
+# The default run keeps the linear model with an extra view and microbatches, clipped; the
+# others (and the float32 comparison below) are slow.
 @pytest.mark.parametrize("kind,k,microbatch,clip_norm", [
-    ("linear", 0, None, 1e-3),
+    pytest.param("linear", 0, None, 1e-3, marks=pytest.mark.slow),
     pytest.param("mlp", 2, None, 0.5, marks=pytest.mark.slow),
-    ("mlp", 2, 3, 1e3),
-    pytest.param("linear", 1, 4, 0.05, marks=pytest.mark.slow),
+    pytest.param("mlp", 2, 3, 1e3, marks=pytest.mark.slow),
+    ("linear", 1, 4, 0.05),
 ])
 def test_gradient_matches_the_brute_force_reference_in_float64(no_norm_allowance, kind, k,
                                                                microbatch, clip_norm):
@@ -123,6 +125,7 @@ def test_gradient_matches_the_brute_force_reference_in_float64(no_norm_allowance
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-12)
 
 
+@pytest.mark.slow  # float32 accuracy; the float64 reference test and the ≤ B test run by default
 def test_float32_gradient_matches_the_float64_reference(no_norm_allowance):
   fn, params, x, x_prime, views = make("mlp", 8, seed=2, k=1)
   ids = jnp.arange(8) * 3 + 1
@@ -135,6 +138,7 @@ def test_float32_gradient_matches_the_float64_reference(no_norm_allowance):
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
 
 
+@pytest.mark.slow  # a cross-check with Naive-DP; the float64 references are tested by default
 def test_one_group_without_extra_views_is_naive_dp(no_norm_allowance):
   fn, params, x, x_prime, _ = make("mlp", 9, seed=4)
   loss = logit_dp.losses.contrastive(0.5)
@@ -148,7 +152,8 @@ def test_one_group_without_extra_views_is_naive_dp(no_norm_allowance):
 
 
 @pytest.mark.parametrize("scale,spread,log_clip",
-                         [(1.0, 0.3, -6.0), (100.0, 1e-3, 0.0),
+                         [(1.0, 0.3, -6.0),
+                          pytest.param(100.0, 1e-3, 0.0, marks=pytest.mark.slow),
                           pytest.param(1e-3, 0.3, -2.0, marks=pytest.mark.slow)])
 def test_released_group_gradients_never_exceed_b_in_float64(scale, spread, log_clip):
   """Stress inputs (tiny B, huge and tiny inputs, near-identical views); B swept across the
@@ -207,6 +212,7 @@ def test_adding_a_record_changes_only_its_own_group():
   assert rel_err(run(permuted), with_r) < 1e-6
 
 
+@pytest.mark.slow  # a negative control; test_removal_audit_stays_within_2b audits the hash
 def test_groups_by_position_in_the_batch_are_not_private(no_norm_allowance):
   """Chunking the sampled batch into groups by position: deleting one record moves the later
   records into other groups, and ḡ moves by more than 2B. The hash assignment, on the same
@@ -241,7 +247,8 @@ def test_groups_by_position_in_the_batch_are_not_private(no_norm_allowance):
 
 
 @pytest.mark.parametrize("kind,k,num_groups,clip_norm",
-                         [("linear", 0, 2, 1e-3), ("mlp", 2, 3, 1.0),
+                         [("linear", 0, 2, 1e-3),
+                          pytest.param("mlp", 2, 3, 1.0, marks=pytest.mark.slow),
                           pytest.param("mlp", 1, 1, 0.1, marks=pytest.mark.slow)])
 def test_removal_audit_stays_within_2b(kind, k, num_groups, clip_norm):
   fn, params, x, x_prime, _ = make(kind, 8, seed=8)
@@ -314,6 +321,7 @@ def test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit():
   assert int(num) == 6 and np.isnan(float(loss)) and np.all(flat(grads) == 0)
 
 
+@pytest.mark.slow  # test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit jits by default
 def test_jit_matches_eager():
   fn, params, x, x_prime, views = make("linear", 7, seed=12, k=1)
   grad_fn = logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(), 0.3, 2)

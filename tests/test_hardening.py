@@ -33,6 +33,9 @@ def test_private_train_step_refuses_an_optimizer_without_the_noise():
     step(params, late.init(params), x, x_prime)
 
 
+# Slow: the sharded step's noisy update is compared with one device by test_distributed and
+# the noise's std with σC by test_noise by default.
+@pytest.mark.slow
 def test_private_train_step_accepts_the_noise_first_and_an_explicit_non_private_opt_in():
   embed_fn, params, x, x_prime = make_model("mlp", n=4)
   sigma, c = 1.0, logit_dp.sensitivity(LOSS, clip_norm=1.0)
@@ -91,13 +94,14 @@ def test_batch_norm_in_training_mode_is_refused():
     distributed.make_sharded_grad_fn(full, LOSS, 1.0, _mesh())(variables, x, x + 0.1)
 
 
+@pytest.mark.slow  # a conv net; test_clipping jits clipped_grad of independent mlps by default
 def test_independent_embed_fn_is_accepted_under_jit():
   embed_fn, params, x, x_prime = make_model("conv", n=5)
   loss, grads = jax.jit(logit_dp.clipped_grad(embed_fn, LOSS, 1.0))(params, x, x_prime)
   assert np.isfinite(float(loss))
 
 
-@pytest.mark.parametrize("method", ["ghost", "naive"])
+@pytest.mark.parametrize("method", ["ghost", pytest.param("naive", marks=pytest.mark.slow)])
 def test_nan_parameters_under_jit_give_a_nan_loss_and_count_the_dropped_rows(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=5)
   grad_fn = (logit_dp.naive_clipped_grad(embed_fn, LOSS, 1.0)
@@ -163,6 +167,7 @@ def test_training_loop_stops_with_a_clear_message_on_a_non_finite_loss(tmp_path)
     train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
 
 
+@pytest.mark.slow  # a regression check of an all-ghost net in microbatches
 @pytest.mark.parametrize("method", ["ghost", "triangle"])
 def test_microbatches_on_a_net_without_flattened_parameters(method):
   """Every layer a ghost layer: the flattened factors are zero-size (once a ZeroDivisionError)."""

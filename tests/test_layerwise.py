@@ -27,7 +27,13 @@ CONV_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONV_CONFIGS))
+# The default run keeps the configurations of the default conv gradient tests below; the
+# others are slow.
+@pytest.mark.parametrize("name", [
+    name if name in ("explicit_pad",
+                     "same_stride2") else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(CONV_CONFIGS)
+])
 def test_conv_patches_times_kernel_is_the_convolution(name):
   conv = nn.Conv(5, **CONV_CONFIGS[name])
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 6, 4))
@@ -42,7 +48,7 @@ def test_conv_patches_times_kernel_is_the_convolution(name):
   np.testing.assert_allclose(via_patches, y.reshape(3, -1, 5), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("rank", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_conv_patches_other_ranks(rank):
   conv = nn.Conv(3, (2,) * rank, strides=2, padding="SAME")
   x = jax.random.normal(jax.random.PRNGKey(0), (2,) + (5,) * rank + (2,))
@@ -57,7 +63,13 @@ CONV_VJP_CASES = dict(CONV_CONFIGS, stride3_valid=dict(kernel_size=(2, 3), strid
                                                        padding="VALID"))
 
 
-@pytest.mark.parametrize("name", sorted(CONV_VJP_CASES) + ["rank1", "rank3"])
+# The default run keeps explicit_pad (strides, asymmetric padding; each case compiles flax's
+# and the library's conv gradients); test_conv_patches_* keeps the other configurations'
+# patches by default.
+@pytest.mark.parametrize("name", [
+    name if name == "explicit_pad" else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(CONV_VJP_CASES) + ["rank1", "rank3"]
+])
 def test_channels_last_conv_has_the_values_and_gradients_of_jax(name):
   """Its hand-written backward pass = jax.vjp of flax's convolution, w.r.t. input and kernel."""
   if name.startswith("rank"):
@@ -161,12 +173,15 @@ def _problem(model, shape, n=6, seed=0):
   return model.apply, model.init(k3, x[:1]), x, x_prime
 
 
+# Only kernel_used_elsewhere runs by default: the other nets' rewritten layers are compared with
+# materialize (which calls embed_fn itself) by test_ghost_norms_exact_for_conv_configs and
+# test_unrecognised_uses_fall_back_to_generic_jacobians by default (pure_jax has no layer).
 @pytest.mark.parametrize("model,shape", [
-    (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
-    (MixedNet(), (6, 6, 2)),
-    (TiedNet(), (5,)),
+    pytest.param(ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3), marks=pytest.mark.slow),
+    pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
+    pytest.param(TiedNet(), (5,), marks=pytest.mark.slow),
     (KernelAlsoUsedElsewhere(), (5,)),
-    (None, (3, 2)),
+    pytest.param(None, (3, 2), marks=pytest.mark.slow),
 ], ids=["conv", "mixed", "tied", "kernel_used_elsewhere", "pure_jax"])
 def test_recognised_layers_keep_values_and_gradients_in_a_microbatch_loop(model, shape):
   """with_recognised_layers(embed_fn) = embed_fn, values and parameter vjps, under lax.map + jit."""
@@ -218,7 +233,7 @@ def _plan(embed_fn, params, x):
   return layerwise.make_plan(embed_fn, params, x, d)
 
 
-FAST_CONV_CONFIGS = ("explicit_pad", "same_stride2")
+FAST_CONV_CONFIGS = ("explicit_pad",)  # strides, asymmetric padding; the others are slow
 
 
 @pytest.mark.parametrize("name", [
@@ -240,6 +255,7 @@ def test_ghost_norms_exact_for_dense_on_sequences(monkeypatch):
   _check_norms(embed_fn, params, x, x_prime, monkeypatch)
 
 
+@pytest.mark.slow  # traces the paper's net at 32×32; a structural check, not a computation
 def test_embedding_net_plan():
   """The paper's net: conv1/conv2 flattened, conv3 and the head from factors."""
   model = EmbeddingNet()
@@ -263,14 +279,17 @@ def _leaf_names(params, indices):
 
 
 @pytest.mark.parametrize(
-    "model,shape,generic", [
+    "model,shape,generic",
+    [
         (TiedNet(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         (KernelAlsoUsedElsewhere(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         (ExamplesNotLeading(), (3, 5), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         (MixedNet(), (6, 6, 2), {("Conv_0", "bias"), ("Conv_0", "kernel"), ("GroupNorm_0", "bias"),
                                  ("GroupNorm_0", "scale"), ("scale",)}),
-        (None, (3, 2), {("b1",), ("w1",), ("w2",)}),
-    ], ids=["tied", "kernel_used_elsewhere", "examples_not_leading", "mixed", "pure_jax"])
+        # Slow: every leaf generic; generic leaves are checked in the cases above by default.
+        pytest.param(None, (3, 2), {("b1",), ("w1",), ("w2",)}, marks=pytest.mark.slow),
+    ],
+    ids=["tied", "kernel_used_elsewhere", "examples_not_leading", "mixed", "pure_jax"])
 def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic, monkeypatch):
   """Leaves not owned by exactly one recognised call get ordinary per-example Jacobians."""
   embed_fn, params, x, x_prime = _problem(model, shape)
@@ -280,6 +299,10 @@ def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic,
   _check_norms(embed_fn, params, x, x_prime, monkeypatch, {"auto": None})
 
 
+# Slow: MixedNet's norms (fallback and factored leaves) are compared with materialize by
+# test_unrecognised_uses_fall_back_to_generic_jacobians and its ḡ with jax.vjp by
+# test_factor_contraction_is_the_backward_pass (pure_jax: generic leaves) by default.
+@pytest.mark.slow
 def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix(no_float_allowance):
   embed_fn, params, x, x_prime = _problem(MixedNet(), (6, 6, 2))
   loss = logit_dp.losses.contrastive(temperature=0.5)
@@ -327,12 +350,14 @@ def _backward_pass(batch, params, x, cotangents):
   return jax.vjp(embed, params)[1](cotangents)[0]
 
 
+# The default run keeps conv (factored and flattened leaves) and pure_jax (generic leaves, an
+# unused leaf) in both modes; the others are slow.
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("model,shape", [
     (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
-    (ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2)),
-    (SequenceNet(), (5, 3)),
-    (MixedNet(), (6, 6, 2)),
+    pytest.param(ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2), marks=pytest.mark.slow),
+    pytest.param(SequenceNet(), (5, 3), marks=pytest.mark.slow),
+    pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
     (None, (3, 2)),
 ], ids=["conv", "conv_no_bias", "sequence", "mixed", "pure_jax"])
 def test_factor_contraction_is_the_backward_pass(model, shape, mode, monkeypatch):

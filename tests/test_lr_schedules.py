@@ -113,8 +113,8 @@ def test_constant_schedule_is_the_optimizer_without_a_schedule(method):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("method",
-                         [pytest.param("logit_dp", marks=pytest.mark.slow), "non_private"])
+@pytest.mark.slow  # three tiny runs; test_experiments resumes a run (optimizer state) by default
+@pytest.mark.parametrize("method", ["logit_dp", "non_private"])
 def test_resumed_run_continues_the_schedule(tmp_path, method):
   """Interrupted after 2 updates (inside the warm-up) and resumed = uninterrupted, params bit
   for bit: the schedule's count is restored with the optimizer state."""

@@ -37,6 +37,7 @@ def test_embedding_net_architecture():
   assert out8.shape == (3, 8)
 
 
+@pytest.mark.slow  # initialises the paper's net at 32×32 four times; flax's initialisers' stds
 def test_embedding_net_initialisers():
   """Kaiming-normal convolutions, Xavier-normal dense layer (std within sampling error)."""
   model = models.EmbeddingNet()

@@ -48,6 +48,7 @@ def test_committed_notebook_has_its_outputs():
   assert "noise_key=" not in sources and "sampler_seed=" not in sources
 
 
+@pytest.mark.slow  # a training run in a kernel; test_private_training runs make_private's loop
 def test_quickstart_notebook_runs():
   _ensure_kernel()
   nb = nbformat.read(NOTEBOOK, as_version=4)

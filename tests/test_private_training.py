@@ -55,7 +55,9 @@ def _dp_accounting_epsilon(sigma, q, steps, delta):
   return acc.get_epsilon(delta)
 
 
-@pytest.mark.parametrize("kwargs,steps", [(dict(steps=50), 50), (dict(steps=None, epochs=3), 60)])
+@pytest.mark.parametrize("kwargs,steps",
+                         [(dict(steps=50), 50),
+                          pytest.param(dict(steps=None, epochs=3), 60, marks=pytest.mark.slow)])
 def test_sigma_q_steps_and_ledger_match_the_accountant(kwargs, steps):
   pt = _setup(**kwargs)
   q = BATCH / N
@@ -115,8 +117,14 @@ def test_naive_method_uses_naive_gradient_and_sensitivity():
   jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
 
 
-@pytest.mark.parametrize("method,microbatch_size", [("ghost", None), ("ghost", 2), ("triangle", 2),
-                                                    ("materialize", 3)])
+# The default run keeps one case that passes both a non-default method and a microbatch size
+# (each case compiles a conv net's gradient twice); the others are slow.
+@pytest.mark.parametrize("method,microbatch_size", [
+    pytest.param("ghost", None, marks=pytest.mark.slow),
+    pytest.param("ghost", 2, marks=pytest.mark.slow),
+    pytest.param("triangle", 2, marks=pytest.mark.slow),
+    ("materialize", 3),
+])
 def test_grad_fn_is_clipped_grad_with_method_and_microbatch(method, microbatch_size):
   # A conv net: clipped_grad(microbatch_size=m) currently fails on nets of Dense layers only
   # (a zero-size leaf reshaped with -1 in clipping._unchunk_rows), not make_private's concern.
@@ -218,6 +226,7 @@ def test_large_delta_warns_once():
   assert sum("target_delta=" in str(w.message) for w in caught) == 1
 
 
+@pytest.mark.slow  # a second tiny training loop (test_experiments keeps one by default)
 def test_end_to_end_training_run():
   """A few private steps on two clusters: the loop of the README's make_private section."""
   embed_fn, params = _embed()

@@ -35,6 +35,12 @@ def _sci(x, digits):
   return f"{mantissa}e{int(exponent)}"
 
 
+# The tests that execute the README are slow (the module fixture runs every block: a training
+# loop and a multi-device step, each library piece also tested by default in its own module;
+# test_accounting.test_readme_worked_example checks the worked example's σ by default).
+_SLOW = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def executed():
   namespace, runs = {}, []
@@ -52,6 +58,7 @@ def test_readme_has_the_blocks_this_test_knows():
   assert sum("# -> " in b for b in blocks) == 3
 
 
+@_SLOW
 def test_every_block_runs_and_prints_what_it_quotes(executed):
   _, runs = executed
   for block, printed in runs:
@@ -59,6 +66,7 @@ def test_every_block_runs_and_prints_what_it_quotes(executed):
     assert printed == quoted, block[:200]
 
 
+@_SLOW
 def test_worked_example_numbers(executed):
   namespace, _ = executed
   text = " ".join(_text().split())  # one space everywhere, so line breaks do not matter
@@ -112,6 +120,7 @@ def test_worked_example_numbers(executed):
           f"the run is ({ledger.epsilon():.2f}, {_sci(ledger.delta(), 3)})-DP") in text
 
 
+@_SLOW
 def test_make_private_section_matches_its_parts(executed):
   namespace, _ = executed
   private = namespace["private"]

@@ -162,6 +162,7 @@ def test_shuffled_batcher_visits_every_record_once_per_epoch():
   assert len(set(seen.tolist())) == 20
 
 
+@pytest.mark.slow  # padding masks through clipped_grad: test_clipping's mask test by default
 def test_padded_poisson_batch_through_clipped_grad():
   """Padded rows (index 0, mask False) contribute nothing: (ℒ, ḡ) of the padded
   batch equal those of the valid rows alone."""
