@@ -212,6 +212,7 @@ def test_private_train_loss_only_as_labelled_diagnostic(tmp_path):
   assert "train_loss_NONPRIVATE_diagnostic" in header
 
 
+@pytest.mark.slow  # a second pipeline run; train_head and standardize are tested by default below
 def test_finetune_on_frozen_encoders(pretrained, tmp_path):
   workdir, _ = pretrained
   cfg = tiny_finetune.get_config()

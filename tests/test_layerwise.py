@@ -379,7 +379,9 @@ def test_factor_contraction_is_the_backward_pass(model, shape, mode, monkeypatch
     np.testing.assert_array_equal(jax.tree_util.tree_unflatten(treedef, grads)["unused"], 0.0)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize(
+    "mode",
+    [m if m == "all_ghost" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(MODES)])
 def test_nonfinite_factors_with_zero_cotangent_contribute_exactly_zero(mode, monkeypatch):
   """A finite embedding with a non-finite Jacobian (dropped pairs, λ = 0) must not leak NaN."""
   monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d, g=MODES[mode]: g)
