@@ -1056,7 +1056,9 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
     method: "ghost" (exact pair norms from per-example Jacobians, default),
       "materialize" (Algorithm 1, n² backward passes: the reference) or
       "triangle" (clips by an upper bound of the pair norm: cheaper, private,
-      clips more than needed).
+      clips more than needed; the negative pairs more than the exact diagonal, which
+      for the contrastive loss biases ḡ towards collapsed embeddings when most pairs
+      are clipped: docs/METHOD.md).
     microbatch_size: process examples in chunks of this size (forward,
       Jacobians, backward) to bound memory. The pair matrix still spans the
       whole batch, so every negative is kept and the noise, added once to ḡ,
