@@ -435,6 +435,9 @@ def clip_bias_table(report: dict) -> str:
   return "\n".join(lines)
 
 
+_REPORT_TABLES = {"pair_norms": pair_norms_table, "clip_bias": clip_bias_table}
+
+
 def _fmt_overrides(overrides: dict) -> str:
   return ", ".join(f"{k} = {v}" for k, v in overrides.items()) or "–"
 
@@ -667,18 +670,12 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     if a not in groups or b not in groups:
       return f"(no seed of `{a}` with a `{b}` run of the same seed yet)"
     return compare_table(groups[a], groups[b], a, b)
-  if kind == "pair_norms":
+  if kind in _REPORT_TABLES:  # one JSON report in results_dir -> its table
     path = os.path.join(results_dir, arg)
     if not os.path.exists(path):
       return f"(`{arg}` not computed yet)"
     with open(path) as f:
-      return pair_norms_table(json.load(f))
-  if kind == "clip_bias":
-    path = os.path.join(results_dir, arg)
-    if not os.path.exists(path):
-      return f"(`{arg}` not computed yet)"
-    with open(path) as f:
-      return clip_bias_table(json.load(f))
+      return _REPORT_TABLES[kind](json.load(f))
   if kind == "curve":
     return curve_table(curve_data(arg, groups), paper, results_dir)
   if kind == "search":
