@@ -40,9 +40,7 @@ def load_pretrained(pretrain_workdir: str, method: str, pre_config):
   with open(os.path.join(pretrain_workdir, "input_shape.json")) as f:
     shape = tuple(json.load(f))
   if method == train_lib.UNTRAINED:  # the pre-training seed's initial parameters
-    return init_fn(
-        train_lib._keys(pre_config.seed)["init"],  # pylint: disable=protected-access
-        jnp.zeros((1,) + shape, jnp.float32))
+    return train_lib.initial_params(pre_config, jnp.zeros((1,) + shape, jnp.float32))
   path = os.path.abspath(os.path.join(pretrain_workdir, method, "params"))
   if not os.path.isdir(path):
     raise FileNotFoundError(f"{path} not found: has `pretrain.py` finished for {method}?")

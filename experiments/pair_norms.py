@@ -76,8 +76,7 @@ def main(argv):
   pairs = data_lib.make_pairs(ds["y_test"], "same_class", config.seed)[:f.n]
   x = data_lib.to_float(jnp.asarray(ds["x_test"][pairs[:, 0]]))
   xp = data_lib.to_float(jnp.asarray(ds["x_test"][pairs[:, 1]]))
-  _, _, _, init_fn = train.get_model(config.model)
-  params = {"init": init_fn(train._keys(config.seed)["init"], x[:1])}  # pylint: disable=protected-access
+  params = {"init": train.initial_params(config, x[:1])}
   for m in config.methods:
     if os.path.isdir(os.path.join(f.workdir, m, "params")):
       params[m] = finetuning.load_pretrained(f.workdir, m, config)

@@ -677,14 +677,13 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   quiet = quiet or not primary
   if primary:
     os.makedirs(mdir, exist_ok=True)
-  keys = _keys(config.seed)
-  _, apply_fn, _, init_fn = get_model(config.model)
+  apply_fn = get_model(config.model)[1]
   num_records = int(pairs.shape[0])
   step_fn, tx, info = get_step_fn(config, method, num_records)
   total_steps = info["steps"]
   private = method in PRIVATE_METHODS
 
-  params = init_fn(keys["init"], data_lib.to_float(jnp.asarray(ds["x_train"][:1])))
+  params = initial_params(config, ds["x_train"][:1])
   opt_state = tx.init(params)
   sampling_seed = config.seed + 1
   if private:
@@ -822,10 +821,17 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
               history=history, params=_local(state.params), apply_fn=apply_fn)
 
 
+def initial_params(config, example):
+  """The parameters every method of ``config.seed`` starts from; ``example`` is one input (its
+  shape matters, not its values)."""
+  init_fn = get_model(config.model)[3]
+  return init_fn(_keys(config.seed)["init"], data_lib.to_float(jnp.asarray(example)))
+
+
 def untrained_record(config, ds) -> dict[str, Any]:
-  """The initial parameters of every method of this seed (train_method's init), untrained."""
-  _, apply_fn, _, init_fn = get_model(config.model)
-  params = init_fn(_keys(config.seed)["init"], data_lib.to_float(jnp.asarray(ds["x_train"][:1])))
+  """The initial parameters of every method of this seed, untrained."""
+  params = initial_params(config, ds["x_train"][:1])
+  apply_fn = get_model(config.model)[1]
   return dict(method=UNTRAINED, steps=0, total_steps=0, finished=True, learning_rate=0.0,
               noise_multiplier=0.0, sensitivity=0.0, clip_norm=None, sampling_rate=0.0, epsilon=0.0,
               delta=0.0, train_seconds=0.0, history=[], params=params, apply_fn=apply_fn)
