@@ -578,7 +578,7 @@ def curve_table(data: dict, paper=None, results_dir: str = "") -> str:
   return "\n".join(lines)
 
 
-def non_private_band(data: dict, key: str, method: str = "non_private") -> list[float]:
+def epsilon_free_band(data: dict, key: str, method: str = "non_private") -> list[float]:
   """The metric of a method that does not depend on ε (non-private, untrained) once per seed,
   from the smallest ε whose group has that seed."""
   by_seed = {}
@@ -614,7 +614,7 @@ def plot_curve(data: dict, paper, out_dir: str) -> str | None:
         x, y, err = zip(*pts)
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colours[m], label=LABELS[m])
     for m in ("non_private", "untrained"):
-      band = non_private_band(data, key, m)
+      band = epsilon_free_band(data, key, m)
       if band:
         mu, sd = mean_std(band)
         sd = 0.0 if sd != sd else sd

@@ -122,7 +122,7 @@ def test_curve_figure_and_its_link(curve_runs):
   paper = render_results.load_paper(os.path.join(REPO, "experiments", "paper_results.json"))
   data = render_results.curve_data(SPEC, render_results.groups_of(runs))
   # The band: one non-private value per seed, from the smallest ε that has the seed.
-  band = render_results.non_private_band(data, "accuracy")
+  band = render_results.epsilon_free_band(data, "accuracy")
   want = _values(runs, "cifar10_embnet_eps1", "non_private", "accuracy") + _values(
       runs, "cifar10_embnet_triangle", "non_private", "accuracy")[3:]
   assert band == want
