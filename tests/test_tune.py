@@ -19,7 +19,7 @@ from experiments.configs import tiny
 from experiments.configs import tune_cifar100
 
 # ---------------------------------------------------------------------------
-# The search logic on the real 14-candidate config, with a scripted trainer (no training).
+# The search logic on the real 15-candidate config, with a scripted trainer (no training).
 
 
 def _scripted_accuracy(cfg) -> float:
@@ -86,7 +86,7 @@ def test_search_stops_at_an_unfinished_stage_and_resumes_it(scripted_search):
   assert not first["complete"] and first["chosen"] is None
   # Stages base, temperature, clip norm and embedding dimension ran; dim16 stopped early.
   assert scripted_search["first_calls"] == [
-      "base", "tau0.5", "tau2", "clip0.3", "clip3", "dim16", "dim32"
+      "base", "tau0.5", "tau2", "clip0.3", "clip3", "clip10", "dim16", "dim32"
   ]
   assert [r["name"] for r in first["candidates"]][-2:] == ["dim16", "dim32"]
   assert not first["candidates"][-2]["finished"]
@@ -136,7 +136,7 @@ def test_search_writes_its_summary_and_publishes_the_candidates(scripted_search)
   md = open(os.path.join(results, "search.md")).read()
   assert "**epochs10**" in md and "Chosen by the rule" in md and "| diverged |" in md
   rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
-  assert len(rows) == 14  # one row per candidate
+  assert len(rows) == 15  # one row per candidate
   base = json.loads(open(os.path.join(results, "base", "results.json")).read())
   assert base["logit_dp"]["accuracy"] == pytest.approx(0.2)
   for name in ("config.json", "results.json", "wallclock.json"):

@@ -14,15 +14,17 @@ split. No CIFAR-10 image or label is used (`experiments.tune` refuses cifar10 da
 
 Search: sequential coordinate search, fixed before any run. Each stage's candidates change one
 setting of the best configuration so far (the incumbent); the stage's best by the rule below
-becomes the incumbent of the next stage. 14 candidates:
+becomes the incumbent of the next stage. 15 candidates:
 
 1. ``base``.
 2. Temperature τ ∈ {0.5, 2}. Logit-DP's noise is σ·C(τ)·B with C(τ) = 2(1 + e^{2/τ})/τ while
    the pair weights ∂ℒ/∂Z_ij scale as 1/τ, so noise/signal ∝ τ·C(τ) = 2(1 + e^{2/τ}): 111
    (τ = 0.5), 16.8 (τ = 1), 7.4 (τ = 2). A larger τ is less noisy but contrasts less: the
    largest lever, searched first, on both sides of the base.
-3. Clip norm B ∈ {0.3, 3}. With Adam only the fraction of clipped pairs changes with B (the
-   noise scales with B): the triangle bound clips 91 % of the pairs at B = 1 (docs/RESULTS.md).
+3. Clip norm B ∈ {0.3, 3, 10}. With Adam only the fraction of clipped pairs changes with B (the
+   noise scales with B): the triangle bound clips 91 % of the pairs at B = 1 (docs/RESULTS.md),
+   and clipping most pairs with it biases the gradient towards collapse (experiments/clip_bias.py,
+   RESULTS.md §2): a larger B clips fewer pairs, so less bias for more noise.
 4. Embedding dimension d ∈ {16, 32}: 8 dimensions for 100 classes may limit the 3-NN accuracy;
    the extra parameters are in the last layer only.
 5. Pair mode "augment" (two augmentations of one image, one record per image: 50,000 records,
@@ -34,7 +36,7 @@ becomes the incumbent of the next stage. 14 candidates:
 
 Rule (fixed in advance): the candidate with the best CIFAR-100 3-NN accuracy; ties go to fewer
 steps T, then to the earlier candidate. Since every stage keeps its incumbent when no
-candidate beats it, the last incumbent is this rule's choice over all 14 candidates.
+candidate beats it, the last incumbent is this rule's choice over all 15 candidates.
 `experiments/configs/cifar10_embedding_net_tuned.py` applies the chosen overrides to the
 private CIFAR-10 run.
 
@@ -72,7 +74,8 @@ def get_config():
                        _candidate("tau2", temperature=2.0)]),
       dict(name="clip norm",
            candidates=[_candidate("clip0.3", clip_norm=0.3),
-                       _candidate("clip3", clip_norm=3.0)]),
+                       _candidate("clip3", clip_norm=3.0),
+                       _candidate("clip10", clip_norm=10.0)]),
       dict(
           name="embedding dimension", candidates=[
               _candidate("dim16", **{"model.embedding_dim": 16}),
