@@ -33,7 +33,11 @@ flags.DEFINE_integer("subset", 4000, "Train images (random subset).")
 flags.DEFINE_integer("batch", 1000, "Pairs per step.")
 flags.DEFINE_integer("steps", 40, "Adam steps.")
 flags.DEFINE_list("clip_norms", ["inf", "1", "1e-2", "1e-5"], "B values (inf: the true gradient).")
-flags.DEFINE_string("clip_method", "triangle", "triangle | ghost.")
+flags.DEFINE_string("clip_method", "triangle", "triangle | ghost | projected.")
+flags.DEFINE_integer(
+    "num_reference", 64,
+    "projected: CIFAR-100 train images (public, fixed seed) spanning the subspace.")
+flags.DEFINE_integer("projection_rank", 32, "projected: rank of the subspace.")
 FLAGS = flags.FLAGS
 
 
@@ -51,12 +55,12 @@ class _DiagonalOnly:
     return self.loss(z_kept, mask)
 
 
-def gradient_parts(apply_fn, loss, clip_norm, method, params, x, x_prime):
+def gradient_parts(apply_fn, loss, clip_norm, method, params, x, x_prime, **method_kwargs):
   """ḡ and its positive-pair and negative-pair parts (ḡ = positive + negative: the clip factors
   do not depend on the weights τ_ij, so ḡ is linear in them)."""
   def grad_of(part_loss):
-    return logit_dp.clipped_grad(apply_fn, part_loss, clip_norm, method,
-                                 microbatch_size=500)(params, x, x_prime)[1]
+    return logit_dp.clipped_grad(apply_fn, part_loss, clip_norm, method, microbatch_size=500,
+                                 **method_kwargs)(params, x, x_prime)[1]
 
   parts = {
       name: grad_of(_DiagonalOnly(loss, diag))
@@ -102,6 +106,13 @@ def main(argv):
   batches = [pairs[rng.choice(len(pairs), FLAGS.batch, replace=False)] for _ in range(FLAGS.steps)]
   report = dict(subset=FLAGS.subset, batch=FLAGS.batch, steps=FLAGS.steps, lr=1e-2,
                 clip_method=FLAGS.clip_method, ln_n_test=float(np.log(len(te_pairs))), runs={})
+  method_kwargs = {}
+  if FLAGS.clip_method == "projected":
+    c100 = data_lib.load_npz(FLAGS.npz_dir, "cifar100")["x_train"]
+    chosen = np.sort(np.random.default_rng(0).permutation(len(c100))[:FLAGS.num_reference])
+    method_kwargs = dict(reference_inputs=jnp.asarray(data_lib.to_float(c100[chosen])),
+                         projection_rank=FLAGS.projection_rank)
+    report.update(num_reference=FLAGS.num_reference, projection_rank=FLAGS.projection_rank)
   b0 = batches[0]
   xa0, xb0 = jnp.asarray(x_tr[b0[:, 0]]), jnp.asarray(x_tr[b0[:, 1]])
   true_grad = jax.grad(
@@ -110,8 +121,10 @@ def main(argv):
     clip = float(b_str)
     t0 = time.time()
     method = FLAGS.clip_method if np.isfinite(clip) else "ghost"
-    grad_fn = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip, method, microbatch_size=500))
-    g0, parts = gradient_parts(apply_fn, loss, clip, method, params0, xa0, xb0)
+    kwargs = method_kwargs if method == "projected" else {}
+    grad_fn = jax.jit(
+        logit_dp.clipped_grad(apply_fn, loss, clip, method, microbatch_size=500, **kwargs))
+    g0, parts = gradient_parts(apply_fn, loss, clip, method, params0, xa0, xb0, **kwargs)
     init = dict(norm=_tree_norm(g0), cos_with_true_grad=_tree_cos(g0, true_grad),
                 positive_norm=_tree_norm(parts["positive"]),
                 negative_norm=_tree_norm(parts["negative"]),

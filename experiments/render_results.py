@@ -382,19 +382,25 @@ def runs_table(runs) -> str:
 def pair_norms_table(report: dict) -> str:
   """Quantiles of ‖∇_θ Z_ij‖ and the fraction of pairs each B clips (experiments/pair_norms.py)."""
   names = {"init": "initial", **LABELS}
+  ref = report.get("reference")
+  ref = (f" Projected bound: the rank-{ref['rank']} subspace of {ref['num_reference']} "
+         f"{ref['data']} {ref['split']} images' Jacobians." if ref else "")
   lines = [
       f"Run `{report['run']}`, n = {report['n']:,} {report['split']} pairs "
-      f"({report['n'] ** 2:,} pair norms per row).", "",
+      f"({report['n'] ** 2:,} pair norms per row).{ref}", "",
       "| parameters | norms | 1% quantile | median | 99% quantile | clipped by B = 1 | "
-      "clipped by B = 1e-5 |", "|---|---|---|---|---|---|---|"
+      "clipped by B = 1e-5 | bound / exact, negatives: median (90%) |",
+      "|---|---|---|---|---|---|---|---|"
   ]
   for who, by_method in report["params"].items():
     for m, q in by_method.items():
       if m == "batch_grad_norm":
         continue
+      over = q.get("over_exact")
+      over = f"{over['median']:.2f} ({over['q90']:.2f})" if over else "–"
       lines.append(f"| {names.get(who, who)} | {m} | {q['q01']:.3g} | {q['q50']:.3g} | "
                    f"{q['q99']:.3g} | {100 * q['clipped_at_1']:.2f}% | "
-                   f"{100 * q['clipped_at_1e-05']:.2f}% |")
+                   f"{100 * q['clipped_at_1e-05']:.2f}% | {over} |")
   norms = {
       who: q["batch_grad_norm"] for who, q in report["params"].items() if "batch_grad_norm" in q
   }

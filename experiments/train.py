@@ -287,6 +287,36 @@ def make_mesh(config):
   return logit_dp.distributed.data_mesh(None if num_devices == -1 else num_devices)
 
 
+def reference_inputs(config):
+  """The public inputs of clip_method="projected" (``config.projection``: reference data set,
+  split, num_reference, seed), preprocessed as the training inputs.
+
+  ValueError when they could be private: the training data's own train split (or, for the
+  "digits" source, which has one data set, its train split)."""
+  spec, data = config.projection, config.data
+  if spec.split not in ("train", "test"):
+    raise ValueError(f"config.projection.split must be 'train' or 'test', got {spec.split!r}.")
+  same_data = data.source == "digits" or spec.reference == data.get("name")
+  if same_data and spec.split == "train":
+    raise ValueError(
+        f"config.projection takes its reference inputs from {spec.reference!r} train, the "
+        "private training data: they must be public (another data set, or a held-out split).")
+  reference_data = ml_collections.ConfigDict(
+      dict(source=data.source, name=spec.reference, npz_dir=data.get("npz_dir"),
+           label=data.get("label", "fine")))
+  images = np.asarray(data_lib.load_dataset(reference_data, seed=0)["x_" + spec.split])
+  rng = np.random.default_rng(int(spec.seed))
+  chosen = np.sort(rng.permutation(len(images))[:int(spec.num_reference)])
+  return jnp.asarray(data_lib.to_float(images[chosen]))
+
+
+def _clip_method_kwargs(config) -> dict[str, Any]:
+  if config.clip_method != "projected":
+    return {}
+  return dict(reference_inputs=reference_inputs(config),
+              projection_rank=int(config.projection.rank))
+
+
 def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   """(grad_fn, optimizer, info) for one method; info has the privacy plan and step count."""
   loss = make_loss(config)
@@ -318,12 +348,14 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   mesh = make_mesh(config)
   bound = clip_norm(config, method)
   if method == "logit_dp":
+    extra = _clip_method_kwargs(config)
     if mesh is None:
       grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound, method=config.clip_method,
-                                      **microbatch)
+                                      **microbatch, **extra)
     else:
       grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh,
-                                                          method=config.clip_method, **microbatch)
+                                                          method=config.clip_method, **microbatch,
+                                                          **extra)
     # Poisson batches have a random size: calibrate to the supremum over batch sizes.
     # The sensitivity is of the global ḡ: it does not depend on the number of devices.
     sens = logit_dp.sensitivity(loss, bound, batch_size=None)

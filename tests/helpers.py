@@ -26,3 +26,14 @@ def reference_grad(embed_fn, loss, params, x, x_prime, mask=None):
     return loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)), mask)
 
   return jax.value_and_grad(total)(params)
+
+
+def method_kwargs(method: str, x, num_reference: int = 4, seed: int = 7) -> dict:
+  """The extra `clipped_grad` arguments a method needs: "projected" gets reference inputs
+  (uniform, of x's example shape, drawn independently of x) and projection rank 16."""
+  if method != "projected":
+    return {}
+  import jax.numpy as jnp
+  shape = (num_reference,) + tuple(jnp.shape(x)[1:])
+  reference = jax.random.uniform(jax.random.PRNGKey(seed), shape, jnp.float32)
+  return dict(reference_inputs=reference, projection_rank=16)

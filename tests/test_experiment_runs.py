@@ -18,6 +18,7 @@ from experiments import data as data_lib
 from experiments import render_results
 from experiments import train
 from experiments.configs import cifar10_embedding_net_paper_hparams
+from experiments.configs import cifar10_embedding_net_projected
 from experiments.configs import cifar10_embedding_net_triangle
 from experiments.configs import cifar10_resnet18
 from experiments.configs import cifar10_resnet18_cpu
@@ -109,6 +110,24 @@ def test_resnet18_cpu_config_trains_at_tiny_size(tmp_path):
   for m in cfg.methods:
     assert res[m]["steps"] == 1
   assert res["logit_dp"]["learning_rate"] == 1e-4
+
+
+def test_projected_config_trains_at_tiny_size_with_public_reference_inputs(tmp_path):
+  cfg = _tiny_like(cifar10_embedding_net_projected.get_config())
+  cfg.methods = ("logit_dp",)
+  cfg.model = tiny.get_config().model
+  cfg.projection.split = "test"  # digits has one data set: its held-out split is the public one
+  cfg.projection.num_reference = 4
+  cfg.projection.rank = 8
+  res = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
+  assert res["logit_dp"]["steps"] == 2 and cfg.clip_method == "projected"
+  reference = train.reference_inputs(cfg)
+  assert reference.shape[0] == 4 and float(reference.max()) <= 1.0
+  cfg.projection.split = "train"
+  with pytest.raises(ValueError, match="must be public"):
+    train.reference_inputs(cfg)
+  full = cifar10_embedding_net_projected.get_config()
+  assert full.projection.reference == "cifar100" and full.data.name == "cifar10"
 
 
 # ---------------------------------------------------------------------------

@@ -72,10 +72,12 @@ def get_config():
       dict(name="temperature",
            candidates=[_candidate("tau0.5", temperature=0.5),
                        _candidate("tau2", temperature=2.0)]),
-      dict(name="clip norm",
-           candidates=[_candidate("clip0.3", clip_norm=0.3),
-                       _candidate("clip3", clip_norm=3.0),
-                       _candidate("clip10", clip_norm=10.0)]),
+      dict(
+          name="clip norm", candidates=[
+              _candidate("clip0.3", clip_norm=0.3),
+              _candidate("clip3", clip_norm=3.0),
+              _candidate("clip10", clip_norm=10.0)
+          ]),
       dict(
           name="embedding dimension", candidates=[
               _candidate("dim16", **{"model.embedding_dim": 16}),

@@ -117,9 +117,24 @@ def _grouping(method, num_groups, group_seed, extra_views_fn) -> _Grouping | Non
   return _Grouping(grouped._check_num_groups(num_groups), int(group_seed), extra_views_fn)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Reference:
+  """The public reference inputs of method="projected" (hashed by identity: a cache key)."""
+  inputs: Any
+  rank: int
+
+
+def _reference(method, reference_inputs, projection_rank) -> _Reference | None:
+  if reference_inputs is None:
+    return None
+  if method != "projected":
+    raise ValueError(f"reference_inputs are used by method='projected' only, not {method!r}.")
+  return _Reference(reference_inputs, projection_rank)
+
+
 @functools.lru_cache(maxsize=64)
-def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None,
-               positive_embed_fn=None):
+def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, positive_embed_fn=None,
+               reference: _Reference | None = None):
   """The jitted core of the audited grad_fn (cached: one compilation per configuration)."""
   if method == "dp_gcl":
     if grouping is None:
@@ -141,8 +156,10 @@ def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None,
     fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps,
                                      positive_embed_fn=positive_embed_fn)
   else:
+    projected = {} if reference is None else dict(reference_inputs=reference.inputs,
+                                                  projection_rank=reference.rank)
     fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps,
-                               positive_embed_fn=positive_embed_fn)
+                               positive_embed_fn=positive_embed_fn, **projected)
   return fn.core
 
 
@@ -195,7 +212,8 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
                  method: str = "ghost", chunk: int | None = None,
                  cosine_eps: float = clipping.DEFAULT_COSINE_EPS, num_groups: int | None = None,
                  group_seed: int = 0, extra_views_fn: Callable | None = None,
-                 positive_embed_fn: EmbedFn | None = None) -> np.ndarray:
+                 positive_embed_fn: EmbedFn | None = None, reference_inputs: Any = None,
+                 projection_rank: int = clipping.DEFAULT_PROJECTION_RANK) -> np.ndarray:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, as an (n,) array.
 
   Args:
@@ -207,11 +225,14 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
     chunk: removals computed at once (None: all n, vmapped).
     cosine_eps, positive_embed_fn: as for `logit_dp.clipped_grad` (two towers: x, x_prime
       may be pytrees).
+    reference_inputs, projection_rank: the public reference of method="projected", as for
+      `logit_dp.clipped_grad`.
   """
   method = _check_method(method)
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, mask)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, positive_embed_fn)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, positive_embed_fn,
+                    _reference(method, reference_inputs, projection_rank))
   return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk), np.float64)
 
 
@@ -220,7 +241,8 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None,
-                      positive_embed_fn: EmbedFn | None = None) -> RemovalAudit:
+                      positive_embed_fn: EmbedFn | None = None, reference_inputs: Any = None,
+                      projection_rank: int = clipping.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
   """max_k ‖ḡ(X) − ḡ(X∖k)‖₂ and its ratio to the sensitivity.
 
   Args: as for `removal_gaps`; method="naive" audits Naive-DP and "dp_gcl" DP-GCL against 2B.
@@ -235,7 +257,8 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   gaps = removal_gaps(embed_fn, params, loss, clip_norm, x, x_prime, mask=mask, method=method,
                       chunk=chunk, cosine_eps=cosine_eps, num_groups=num_groups,
                       group_seed=group_seed, extra_views_fn=extra_views_fn,
-                      positive_embed_fn=positive_embed_fn)
+                      positive_embed_fn=positive_embed_fn, reference_inputs=reference_inputs,
+                      projection_rank=projection_rank)
   x, x_prime, mask_arr = _prepare(loss, x, x_prime, mask)
   return _result(gaps, loss, clip_norm, mask_arr, method, params, x, x_prime)
 
@@ -326,7 +349,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       init_scale: float = 1.0, optimize_params: bool = False, method: str = "ghost",
                       chunk: int | None = None, cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
-                      extra_views_fn: Callable | None = None) -> RemovalAudit:
+                      extra_views_fn: Callable | None = None, reference_inputs: Any = None,
+                      projection_rank: int = clipping.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
 
   Restart 0 starts from (x, x′, params); restart r ≥ 1 from inputs drawn
@@ -355,6 +379,7 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     chunk: removals computed at once (None: all n).
     cosine_eps: as for `logit_dp.clipped_grad`.
     num_groups, group_seed, extra_views_fn: the DP-GCL configuration (method="dp_gcl").
+    reference_inputs, projection_rank: method="projected"'s public reference (kept fixed).
 
   Returns:
     The `RemovalAudit` of the worst (x, x′, params) found.
@@ -367,7 +392,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     raise ValueError(f"num_steps must be an integer ≥ 0, got {num_steps!r}.")
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, None)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping)
+  reference = _reference(method, reference_inputs, projection_rank)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, None, reference)
   points = _restart_points(params, x, x_prime, key, int(num_restarts), float(init_scale),
                            bool(optimize_params))
   if num_steps == 0 and not optimize_params:
@@ -393,4 +419,5 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   p, bx, bxp = best_args
   return max_removal_ratio(embed_fn, p, loss, clip_norm, bx, bxp, method=method, chunk=chunk,
                            cosine_eps=cosine_eps, num_groups=num_groups, group_seed=group_seed,
-                           extra_views_fn=extra_views_fn)
+                           extra_views_fn=extra_views_fn, reference_inputs=reference_inputs,
+                           projection_rank=projection_rank)

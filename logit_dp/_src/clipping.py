@@ -51,11 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from logit_dp._src import layerwise
+from logit_dp._src import projection
 from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src import two_tower
 
 DEFAULT_COSINE_EPS = 1e-6
-METHODS = ("ghost", "materialize", "triangle")
+METHODS = ("ghost", "materialize", "triangle", "projected")
+DEFAULT_PROJECTION_RANK = 32
 # Floats held by one chunk of the ghost cross-Gram (rows × n × d²).
 _CROSS_GRAM_CHUNK_FLOATS = 1 << 23
 # Floats held by one chunk of a ghost layer's pair terms (rows × n × (T² + 2TC + d)).
@@ -610,27 +612,64 @@ def _block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_colum
   return jnp.minimum(gram_norms, _triangle_bound(anchor, positive, s_rows, s_columns, allowance))
 
 
-def _triangle_norms(batch: _Batch, allowance: float = 1.0):
+def _projection_tangents(batch: _Batch, reference_inputs, rank: int):
+  """(tangents, η): the columns of the reference basis Q̃ (`projection.basis`) as parameter
+  pytrees with a leading axis of k, from the reference inputs' Jacobians at batch.params."""
+  leaves = jax.tree_util.tree_leaves(batch.params)
+  rows = batch._generic_jacobian(tuple(range(len(leaves))), reference_inputs)  # (m, d, p)
+  q, eta = projection.basis(rows.reshape(-1, rows.shape[-1]), rank)
+  return projection.as_tangents(q, batch.params), eta
+
+
+def _triangle_norms(batch: _Batch, allowance: float = 1.0, projection_spec=None):
   """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ from per-example Grams (with float32
   allowances), and the diagonal pairs from their vectors (`_diagonal_norms`).
+
+  projection_spec = (reference_inputs, rank): "projected", the tighter bound exact on the
+  reference inputs' Jacobian subspace (`projection.bound`); it needs the per-example
+  projections J_iQ̃ (n·d·k floats) on top, and the pair terms go in row chunks.
 
   Memory stays at the Grams plus one microbatch of factors: the diagonal pairs are
   formed microbatch by microbatch from both views' factors of the same rows.
   """
-  def chunk_terms(x_chunk, x_prime_chunk, u_chunk, v_chunk):
+  tangents = eta = None
+  if projection_spec is not None:
+    tangents, eta = _projection_tangents(batch, *projection_spec)
+  embed = lambda p, xs: normalize(batch.embed_fn(p, xs), batch.eps)
+
+  def chunk_terms(x_chunk, x_prime_chunk, u_chunk, v_chunk) -> tuple[jax.Array, ...]:
     f_u, f_v = batch.factors(x_chunk, chunked=False), batch.factors(x_prime_chunk, chunked=False)
-    return f_u.gram, f_v.gram, _diagonal_norms(batch, f_u, f_v, u_chunk, v_chunk, allowance)
+    terms = (f_u.gram, f_v.gram, _diagonal_norms(batch, f_u, f_v, u_chunk, v_chunk, allowance))
+    if tangents is None:
+      return terms
+    return terms + (projection.projected_jacobians(embed, batch.params, x_chunk, tangents),
+                    projection.projected_jacobians(embed, batch.params, x_prime_chunk, tangents))
 
   xs = (batch.x, batch.x_prime, batch.u_loc, batch.v_loc)
   m, n_local = batch.microbatch_size, _num_rows(batch.x)
+  terms: tuple[jax.Array, ...]
   if m is None or m >= n_local:
-    k_local, k_prime_local, diagonal = chunk_terms(*xs)
+    terms = chunk_terms(*xs)
   else:
-    k_local, k_prime_local, diagonal = _unchunk_rows(_map_chunks(chunk_terms, xs, m), n_local)
+    terms = _unchunk_rows(_map_chunks(chunk_terms, xs, m), n_local)
+  k_local, k_prime_local, diagonal = terms[:3]
   k_prime = batch.c.gather(k_prime_local)
   s_local, s_prime_local = _jacobian_norms(k_local), _jacobian_norms(k_prime_local)
+  s_all = batch.c.gather(s_prime_local)
   anchor, positive = _quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
-  norms = _triangle_bound(anchor, positive, s_local, batch.c.gather(s_prime_local), allowance)
+  norms = _triangle_bound(anchor, positive, s_local, s_all, allowance)
+  if tangents is not None:
+    proj_local, proj_prime = terms[3], batch.c.gather(terms[4])
+    n, _, k = proj_prime.shape
+    vector_error = allowance * _VECTOR_FLOAT_ERROR * math.sqrt(k)
+    gram_error = allowance * _GRAM_FLOAT_ERROR
+
+    def rows_bound(proj_rows, u_rows, anchor_rows, positive_rows, s_rows, triangle_rows):
+      return projection.bound(proj_rows, u_rows, proj_prime, batch.v, anchor_rows, positive_rows,
+                              s_rows, s_all, eta, vector_error, gram_error, triangle_rows)
+
+    norms = _row_chunks(rows_bound, (proj_local, batch.u_loc, anchor, positive, s_local, norms),
+                        3 * n * k, _CROSS_GRAM_CHUNK_FLOATS)
   return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)
 
 
@@ -1040,8 +1079,9 @@ def _make_grad_fn(core, embed_fn, loss, what, axis_name=None, positive_embed_fn=
 def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost", *,
                  microbatch_size: int | None = None, pair_block_size: int | None = None,
                  memory_budget: int | None = None, axis_name: str | None = None,
-                 cosine_eps: float = DEFAULT_COSINE_EPS,
-                 positive_embed_fn: EmbedFn | None = None) -> GradFn:
+                 cosine_eps: float = DEFAULT_COSINE_EPS, positive_embed_fn: EmbedFn | None = None,
+                 reference_inputs: Any = None,
+                 projection_rank: int = DEFAULT_PROJECTION_RANK) -> GradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
   ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
@@ -1058,7 +1098,10 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
       "triangle" (clips by an upper bound of the pair norm: cheaper, private,
       clips more than needed; the negative pairs more than the exact diagonal, which
       for the contrastive loss biases ḡ towards collapsed embeddings when most pairs
-      are clipped: docs/METHOD.md).
+      are clipped: docs/METHOD.md) or
+      "projected" (a tighter upper bound at about triangle's cost: exact on the
+      subspace spanned by the Jacobians of public `reference_inputs`, triangle on
+      the rest; bound/norm ≈ 1.1 where triangle's is ≈ 5.7: docs/METHOD.md).
     microbatch_size: process examples in chunks of this size (forward,
       Jacobians, backward) to bound memory. The pair matrix still spans the
       whole batch, so every negative is kept and the noise, added once to ḡ,
@@ -1085,6 +1128,13 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
       (found by tracing which leaves each output depends on) get exact pair
       norms at the cost of "triangle" (the cross term is 0); shared parameters
       use the general computation. Same sensitivity as one tower.
+    reference_inputs: "projected" only (and required there): PUBLIC inputs
+      (examples along axis 0, like x), e.g. 64 images of a public data set. Their
+      Jacobians at the current params span the subspace Q̃; it never depends on the
+      private batch, so each pair's clip factor depends on that pair only. Costs
+      m·d·p floats for their Jacobians (m examples, p parameters).
+    projection_rank: "projected": k, the dimension of the subspace (at most m·d);
+      the per-example projections hold n·d·k floats.
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and
   contribute exactly nothing. x and x_prime are arrays or pytrees of arrays
@@ -1108,6 +1158,8 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
   _check_microbatch(microbatch_size)
   _check_memory_budget(memory_budget)
   _check_positive_embed_fn(positive_embed_fn)
+  projection_spec = _check_projection(method, reference_inputs, projection_rank, positive_embed_fn,
+                                      embed_fn)
   collective = _Collective(axis_name)
 
   @_full_float32
@@ -1125,7 +1177,8 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
     elif method == "ghost":
       _, grads = _ghost(batch, tau_local, clip_norm, 1.0, memory_budget)
     else:
-      lam_local = tau_local * _clip_factor(_triangle_norms(batch), clip_norm)
+      norms = _triangle_norms(batch, projection_spec=projection_spec)
+      lam_local = tau_local * _clip_factor(norms, clip_norm)
       grads = batch.weighted_backward(lam_local, collective.gather(lam_local))
     return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
 
@@ -1136,9 +1189,10 @@ def clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, method: str = "ghost
 def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost", *,
                     microbatch_size: int | None = None, cosine_eps: float = DEFAULT_COSINE_EPS,
                     float_allowance: bool = True, memory_budget: int | None = None,
-                    positive_embed_fn: EmbedFn | None = None) -> jax.Array:
+                    positive_embed_fn: EmbedFn | None = None, reference_inputs: Any = None,
+                    projection_rank: int = DEFAULT_PROJECTION_RANK) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
-  "materialize"; "triangle": an upper bound off the diagonal, exact on it).
+  "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 
   microbatch_size and memory_budget ("ghost": bytes of Jacobian factors held at once) as in
   `clipped_grad`.
@@ -1147,22 +1201,25 @@ def pair_grad_norms(embed_fn: EmbedFn, params, x, x_prime, method: str = "ghost"
   allowance that keeps it at or above the true norm (docs/PRIVACY.md): relative ~1e-4 on
   ordinary pairs, more on pairs whose gradient nearly cancels. float_allowance=False
   returns the computed values without it (for comparing methods; never clip by them).
-  positive_embed_fn: the tower of x_prime, as in `clipped_grad`.
+  positive_embed_fn: the tower of x_prime, and reference_inputs, projection_rank
+  ("projected"), as in `clipped_grad`.
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   _check_microbatch(microbatch_size)
   _check_positive_embed_fn(positive_embed_fn)
+  spec = _check_projection(method, reference_inputs, projection_rank, positive_embed_fn, embed_fn)
   x, x_prime, _ = _check_pair_inputs(x, x_prime, None, 1)
+  reference, rank = spec if spec is not None else (None, None)
   return _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size,
                           cosine_eps, 1.0 if float_allowance else 0.0,
-                          _check_memory_budget(memory_budget), positive_embed_fn)
+                          _check_memory_budget(memory_budget), positive_embed_fn, reference, rank)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8, 9, 11))
 @_full_float32
 def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosine_eps, allowance,
-                     memory_budget, positive_embed_fn):
+                     memory_budget, positive_embed_fn, reference_inputs, projection_rank):
   n = _num_rows(x)
   mask = jnp.ones((n,), dtype=bool)
   batch = _Batch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
@@ -1173,8 +1230,9 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size, cosi
   if method == "ghost":
     return _ghost(batch, jnp.zeros((n, n), batch.u_loc.dtype), math.inf, allowance, memory_budget,
                   with_grads=False)[0]
-  if method == "triangle":
-    return _triangle_norms(batch, allowance)
+  if method in ("triangle", "projected"):
+    spec = None if method == "triangle" else (reference_inputs, projection_rank)
+    return _triangle_norms(batch, allowance, spec)
   _, norms = _materialize(batch, jnp.zeros((n, n), batch.u_loc.dtype), math.inf, None, allowance)
   return norms
 
@@ -1203,6 +1261,30 @@ def naive_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, *,
     return (collective.replicated(loss_value), clipped, collective.replicated(batch.num_nonfinite))
 
   return _make_grad_fn(core, embed_fn, loss, "naive_clipped_grad", axis_name, positive_embed_fn)
+
+
+def _check_projection(method: str, reference_inputs, projection_rank, positive_embed_fn, embed_fn):
+  """(reference_inputs as float arrays, k) for "projected", None otherwise; ValueError when
+  "projected" has no (finite, non-empty) reference inputs, another method is given them, or
+  there are two towers (disjoint towers are exact at triangle's cost already)."""
+  if method != "projected":
+    if reference_inputs is not None:
+      raise ValueError(f"reference_inputs are used by method='projected' only, not {method!r}.")
+    return None
+  if reference_inputs is None:
+    raise ValueError("method='projected' needs reference_inputs: a few PUBLIC inputs (examples "
+                     "along axis 0) whose Jacobians span the subspace of its bound.")
+  if positive_embed_fn is not None and positive_embed_fn is not embed_fn:
+    raise ValueError("method='projected' supports one tower; with two towers use 'triangle' "
+                     "(exact for towers sharing no parameter) or 'ghost'.")
+  rank = projection.check_rank(projection_rank)
+  reference = _as_inputs(reference_inputs, "reference_inputs", np)
+  if _num_rows(reference) < 1:
+    raise ValueError("reference_inputs must hold at least one example.")
+  for leaf in jax.tree_util.tree_leaves(reference):
+    if not np.all(np.isfinite(leaf)):
+      raise ValueError("reference_inputs must be finite (they are public inputs, not masked).")
+  return jax.tree_util.tree_map(jnp.asarray, reference), rank
 
 
 def _check_memory_budget(memory_budget):

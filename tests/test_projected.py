@@ -1,0 +1,260 @@
+"""The "projected" pair-norm bound against independent float64 computations.
+
+Truth: per-example Jacobians of the normalised embedding by jax.jacrev in float64, the pair
+gradients g_ij = J_iᵀv̂_j + J'_jᵀû_i formed as vectors, and the subspace of the bound as the
+row space of the reference inputs' Jacobians (numpy SVD).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import logit_dp
+from conftest import SmallConv
+from conftest import make_model
+from helpers import rel_err
+from logit_dp import audit
+from logit_dp._src import clipping
+from logit_dp._src import projection
+
+N = 8
+
+
+def _conv_problem(seed=0, spread=0.3, num_reference=3):
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
+  model = SmallConv()
+  x = jax.random.uniform(k1, (N, 8, 8, 3))
+  x_prime = x + spread * jax.random.normal(k2, x.shape)
+  reference = jax.random.uniform(k4, (num_reference, 8, 8, 3))
+  return model.apply, model.init(k3, x[:1]), x, x_prime, reference
+
+
+def _float64_jacobians(embed_fn, params, xs, eps=logit_dp.DEFAULT_COSINE_EPS):
+  """(unit embeddings (m, d), Jacobians (m, d, p)) in float64, by jax.jacrev per example."""
+  with jax.enable_x64(True):
+    p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
+    flat, unravel = jax.flatten_util.ravel_pytree(p64)
+
+    def unit(w, xe):
+      e = embed_fn(unravel(w), jnp.asarray(xe, jnp.float64)[None])[0]
+      return e / jnp.sqrt(jnp.sum(e * e) + eps * eps)
+
+    xs64 = jnp.asarray(xs, jnp.float64)
+    return (np.asarray(jax.vmap(lambda xe: unit(flat, xe))(xs64)),
+            np.asarray(jax.vmap(lambda xe: jax.jacrev(unit)(flat, xe))(xs64)))
+
+
+def _float64_truth(embed_fn, params, x, x_prime, reference, rank):
+  """(true norms, triangle bound, projected bound), each (n, n), in float64."""
+  u, j_u = _float64_jacobians(embed_fn, params, x)
+  v, j_v = _float64_jacobians(embed_fn, params, x_prime)
+  _, j_ref = _float64_jacobians(embed_fn, params, reference)
+  rows = j_ref.reshape(-1, j_ref.shape[-1])
+  _, _, vt = np.linalg.svd(rows, full_matrices=False)
+  q = vt[:rank].T  # (p, k), orthonormal
+  first = np.einsum("idp,jd->ijp", j_u, v)  # J_iᵀv̂_j
+  second = np.einsum("jdp,id->ijp", j_v, u)  # J'_jᵀû_i
+  g = first + second
+  true = np.linalg.norm(g, axis=-1)
+  triangle = np.linalg.norm(first, axis=-1) + np.linalg.norm(second, axis=-1)
+  perp = lambda a: a - (a @ q) @ q.T
+  projected = np.sqrt(
+      np.linalg.norm(g @ q, axis=-1) ** 2
+      + (np.linalg.norm(perp(first), axis=-1) + np.linalg.norm(perp(second), axis=-1)) ** 2)
+  return true, triangle, projected
+
+
+@pytest.fixture(scope="module")
+def conv_case():
+  embed_fn, params, x, x_prime, reference = _conv_problem()
+  # Each normalised Jacobian has rank d − 1 (ûᵀJ = 0): 3 references × 4 = 12 rows of rank, the
+  # rest of their 15 singular directions are rounding, different in float32 and float64.
+  truth = _float64_truth(embed_fn, params, x, x_prime, reference, rank=12)
+  return embed_fn, params, x, x_prime, reference, truth
+
+
+def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
+  """k = m·(d − 1), the reference rows' rank: their span, well defined in float32 too."""
+  embed_fn, params, x, x_prime, reference, (true, triangle, projected) = conv_case
+  got = np.asarray(
+      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
+                               reference_inputs=reference, projection_rank=12,
+                               float_allowance=False), np.float64)
+  off = ~np.eye(N, dtype=bool)
+  # float32 without allowances: a − ‖Q̃ᵀJ_iᵀv̂_j‖² cancels (the subspace holds most of a), ~1e-4.
+  np.testing.assert_allclose(got[off], np.minimum(projected, triangle)[off], rtol=1e-3)
+  np.testing.assert_allclose(np.diag(got), np.diag(true), rtol=2e-4)  # diagonal: exact vectors
+  # It is a real improvement: tighter than triangle, and an upper bound of the truth.
+  assert np.all(projected >= true * (1 - 1e-12))
+  assert np.median(projected[off] / true[off]) < np.median(triangle[off] / true[off]) - 0.1
+
+
+def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_case):
+  embed_fn, params, x, x_prime, reference, (true, _, _) = conv_case
+  got = np.asarray(
+      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
+                               reference_inputs=reference, projection_rank=7, microbatch_size=3),
+      np.float64)
+  tri = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"), np.float64)
+  assert np.all(got >= true * (1 - 2.0 ** -23)), np.min(got / true)
+  assert np.all(got <= tri)
+
+
+@pytest.mark.slow  # shows the bound reaches the exact norm; the formula is checked by default
+def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
+  """With the batch's own inputs as the (here not public) reference, the subspace holds every
+  pair gradient: the bound is the exact norm, up to its float32 allowances."""
+  embed_fn, params, x, x_prime, _ = _conv_problem(seed=2, num_reference=1)
+  both = jnp.concatenate([x, x_prime])
+  true, triangle, _ = _float64_truth(embed_fn, params, x, x_prime, both, rank=2 * N * 5)
+  got = np.asarray(
+      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", reference_inputs=both,
+                               projection_rank=2 * N * 5), np.float64)
+  assert np.all(got >= true * (1 - 2.0 ** -23))
+  off = ~np.eye(N, dtype=bool)
+  # Above the truth by at most the float32 allowances, √ε_G·s per Gram half and the vector
+  # allowance √k·ε_V·S in the subspace (as ghost's exact norms: test_float32_norms).
+  _, j_u = _float64_jacobians(embed_fn, params, x)
+  _, j_v = _float64_jacobians(embed_fn, params, x_prime)
+  scale = (np.linalg.norm(j_u, axis=(1, 2))[:, None] + np.linalg.norm(j_v, axis=(1, 2))[None, :])
+  allowance = (clipping._GRAM_FLOAT_ERROR ** 0.5
+               + np.sqrt(2 * N * 5) * clipping._VECTOR_FLOAT_ERROR)
+  assert np.all(got[off] <= true[off] + 1.01 * allowance * scale[off])
+  assert np.median(got[off] / true[off]) < 1.01
+  assert np.median(triangle[off] / true[off]) > 1.3  # where triangle is loose
+
+
+def test_each_pair_norm_depends_on_its_own_pair_only():
+  """Privacy: removing a pair record leaves every other pair's clip norm unchanged (the
+  subspace comes from the public reference, never from the batch)."""
+  embed_fn, params, x, x_prime, reference = _conv_problem(seed=3)
+  kw = dict(reference_inputs=reference, projection_rank=10)
+  full = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", **kw))
+  for k in (0, 5):
+    keep = np.flatnonzero(np.arange(N) != k)
+    part = np.asarray(
+        logit_dp.pair_grad_norms(embed_fn, params, x[keep], x_prime[keep], "projected", **kw))
+    np.testing.assert_allclose(part, full[np.ix_(keep, keep)], rtol=1e-6)
+
+
+def test_clipped_grad_is_the_clipped_sum_of_materialised_pair_gradients():
+  """ḡ = Σ_ij τ_ij·min(1, B/N_ij)·∇Z_ij with N_ij the projected norms and ∇Z_ij by jax.grad."""
+  embed_fn, params, x, x_prime = make_model("mlp", n=N, seed=4)
+  reference = jax.random.normal(jax.random.PRNGKey(11), (3,) + x.shape[1:])
+  loss = logit_dp.losses.contrastive(temperature=0.5)
+  kw = dict(reference_inputs=reference, projection_rank=8)
+  norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", **kw))
+  clip_norm = float(np.median(norms))
+  _, got = logit_dp.clipped_grad(embed_fn, loss, clip_norm, "projected", **kw)(params, x, x_prime)
+
+  unit = lambda p, a: logit_dp.normalize(embed_fn(p, a[None]))[0]
+  z = logit_dp.cosine_similarity(embed_fn(params, x), embed_fn(params, x_prime))
+  weights = jax.grad(loss)(z) * jnp.minimum(1.0, clip_norm / norms)
+
+  def weighted_pair_grad(i, j):
+    g = jax.grad(lambda p: jnp.dot(unit(p, x[i]), unit(p, x_prime[j])))(params)
+    return jax.tree_util.tree_map(lambda leaf: weights[i, j] * leaf, g)
+
+  rows, cols = (a.ravel() for a in jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij"))
+  want = jax.tree_util.tree_map(lambda a: jnp.sum(a, axis=0),
+                                jax.vmap(weighted_pair_grad)(rows, cols))
+  assert rel_err(got, want) < 1e-4
+  assert np.mean(norms > clip_norm) > 0.3  # clipping happened
+
+
+@pytest.mark.slow  # microbatched norms are checked by default in test_float32_norms
+def test_microbatches_and_jit_give_the_same_gradient():
+  embed_fn, params, x, x_prime, reference = _conv_problem(seed=5)
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  kw = dict(reference_inputs=reference, projection_rank=8)
+  _, whole = logit_dp.clipped_grad(embed_fn, loss, 0.05, "projected", **kw)(params, x, x_prime)
+  fn = logit_dp.clipped_grad(embed_fn, loss, 0.05, "projected", microbatch_size=3, **kw)
+  _, micro = jax.jit(fn)(params, x, x_prime)
+  assert rel_err(micro, whole) < 1e-5
+
+
+def test_sharded_over_two_devices_equals_one_device():
+  from logit_dp import distributed
+  embed_fn, params, x, x_prime = make_model("mlp", n=N, seed=8)
+  reference = jax.random.normal(jax.random.PRNGKey(12), (3,) + x.shape[1:])
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  kw = dict(reference_inputs=reference, projection_rank=8)
+  _, single = logit_dp.clipped_grad(embed_fn, loss, 0.05, "projected", **kw)(params, x, x_prime)
+  sharded = distributed.make_sharded_grad_fn(embed_fn, loss, 0.05, distributed.data_mesh(2),
+                                             method="projected", **kw)
+  _, got = sharded(params, x, x_prime)
+  assert rel_err(got, single) < 1e-5
+
+
+def test_removal_audit_at_a_tiny_clip_norm_respects_the_sensitivity():
+  embed_fn, params, x, _, reference = _conv_problem(seed=6)
+  x_prime = x + 1e-2 * jax.random.normal(jax.random.PRNGKey(9), x.shape)  # near-identical
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  result = audit.max_removal_ratio(embed_fn, params, loss, 1e-5, x, x_prime, method="projected",
+                                   reference_inputs=reference, projection_rank=8)
+  assert 0.0 < result.ratio <= 1.0, result.ratio
+
+
+@pytest.mark.slow  # a 4-restart random search of the removal audit
+def test_worst_case_search_finds_no_breach():
+  embed_fn, params, x, x_prime, reference = _conv_problem(seed=7)
+  result = audit.search_worst_case(embed_fn, params, logit_dp.losses.contrastive(temperature=1.0),
+                                   1e-3, x, x_prime, key=jax.random.PRNGKey(0), num_restarts=4,
+                                   num_steps=0, method="projected", reference_inputs=reference,
+                                   projection_rank=8)
+  assert result.ratio <= 1.0
+
+
+def test_basis_is_orthonormal_and_its_error_is_measured():
+  rows = jax.random.normal(jax.random.PRNGKey(0), (12, 50))
+  q, eta = projection.basis(rows, 5)
+  assert q.shape == (50, 5)
+  deviation = np.abs(np.asarray(q.T @ q, np.float64) - np.eye(5)).max()
+  assert deviation <= float(eta) < 1e-4
+  # The top-5 right singular subspace (float64 SVD): projectors agree.
+  _, _, vt = np.linalg.svd(np.asarray(rows, np.float64))
+  want = vt[:5].T @ vt[:5]
+  got = np.asarray(q, np.float64) @ np.asarray(q, np.float64).T
+  assert np.abs(got - want).max() < 1e-4
+  # A rank above the number of rows is cut to it; rank-deficient rows still give a basis.
+  q, eta = projection.basis(jnp.concatenate([rows[:2], rows[:2]]), 10)
+  assert q.shape == (50, 4) and float(eta) < 1e-4
+
+
+def test_bad_arguments_raise_value_errors():
+  embed_fn, params, x, x_prime = make_model("mlp", n=4)
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  with pytest.raises(ValueError, match="needs reference_inputs"):
+    logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected")
+  with pytest.raises(ValueError, match="projected' only"):
+    logit_dp.clipped_grad(embed_fn, loss, 1.0, "triangle", reference_inputs=x)
+  with pytest.raises(ValueError, match="projection_rank"):
+    logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=x, projection_rank=0)
+  with pytest.raises(ValueError, match="finite"):
+    logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=x.at[0, 0].set(np.nan))
+  with pytest.raises(ValueError, match="one tower"):
+    logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=x,
+                          positive_embed_fn=lambda p, a: embed_fn(p, a) * 2.0)
+  with pytest.raises(ValueError, match="projected' only"):
+    audit.max_removal_ratio(embed_fn, params, loss, 1.0, x, x_prime, method="ghost",
+                            reference_inputs=x)
+
+
+@pytest.mark.slow  # wiring: make_private passes reference_inputs through **grad_kwargs
+def test_make_private_trains_with_projected():
+  embed_fn, params, x, x_prime = make_model("mlp", n=6)
+  import optax
+  private = logit_dp.make_private(embed_fn, logit_dp.losses.contrastive(temperature=1.0), 1.0,
+                                  target_epsilon=5.0, target_delta=1e-5, num_records=600,
+                                  expected_batch_size=6, optimizer=optax.adam(1e-2), steps=10,
+                                  method="projected", noise_key=jax.random.PRNGKey(0),
+                                  sampler_seed=0, reference_inputs=x_prime[:2], projection_rank=4)
+  state = private.optimizer.init(params)
+  _, grads = private.grad_fn(params, x, x_prime)
+  updates, _ = private.optimizer.update(grads, state, params)
+  assert np.all(
+      np.isfinite(np.concatenate([np.ravel(u) for u in jax.tree_util.tree_leaves(updates)])))
+  assert private.sensitivity == logit_dp.sensitivity(logit_dp.losses.contrastive(temperature=1.0),
+                                                     1.0, batch_size=None)
+  assert clipping.METHODS[-1] == "projected"
