@@ -69,16 +69,17 @@ def main(argv):
     assert np.all(ratio >= 1 - 1e-9), float(ratio.min())  # every bound is an upper bound
     return dict(median=float(np.median(ratio[off])), q90=float(np.quantile(ratio[off], 0.9)))
 
-  report = dict(n=FLAGS.n, num_reference=FLAGS.num_reference, num_params=int(flat.size),
-                triangle=summary(jnp.linalg.norm(first, axis=-1)
-                                 + jnp.linalg.norm(second, axis=-1)), projected={})
+  report = dict(
+      n=FLAGS.n, num_reference=FLAGS.num_reference, num_params=int(flat.size),
+      triangle=summary(jnp.linalg.norm(first, axis=-1) + jnp.linalg.norm(second, axis=-1)),
+      projected={})
   _, _, vt = jnp.linalg.svd(j_ref.reshape(-1, flat.size), full_matrices=False)
   for k in map(int, FLAGS.ranks):
     q = vt[:k].T
     in_subspace = jnp.linalg.norm((first + second) @ q, axis=-1)
     rest = lambda a, q=q: jnp.linalg.norm(a - (a @ q) @ q.T, axis=-1)
     report["projected"][str(k)] = summary(
-        jnp.sqrt(in_subspace**2 + (rest(first) + rest(second))**2))
+        jnp.sqrt(in_subspace ** 2 + (rest(first) + rest(second)) ** 2))
   print(json.dumps(report, indent=1))
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:

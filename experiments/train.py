@@ -1003,7 +1003,7 @@ def save_config(config, workdir: str):
     f.write(config.to_json_best_effort(indent=2))
 
 
-_ADDED_CONFIG_GROUPS = ("dp_gcl",)
+_ADDED_CONFIG_GROUPS = ("dp_gcl", "projection")
 # Fields added after runs were started, with the value that reproduces those runs: a
 # config.json without them is compared as if it had these values.
 _ADDED_CONFIG_DEFAULTS = dict(lr_schedule="constant", lr_final_fraction=0.0, lr_warmup_steps=0)

@@ -44,8 +44,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULE = ("best 3-NN accuracy on the public test split; ties to fewer steps T, then to the "
         "earlier candidate")
 # A candidate may not change what is private, the privacy target, or how σ is calibrated.
-FORBIDDEN_OVERRIDES = ("data", "methods", "target_epsilon", "target_delta", "noise_multiplier",
-                       "accountant", "privacy_seed", "allow_exceeding_budget")
+FORBIDDEN_OVERRIDES = ("data", "projection", "methods", "target_epsilon", "target_delta",
+                       "noise_multiplier", "accountant", "privacy_seed", "allow_exceeding_budget")
 PRIVATE_DATA = ("cifar10",)
 # Written into a candidate's workdir when its training diverged (train's FloatingPointError):
 # the candidate is done, ranks last, and is not retried.
@@ -77,6 +77,10 @@ def check_search_config(config) -> None:
   if base.data.get("name") in PRIVATE_DATA:
     raise ValueError(f"the search runs on public data only; base.data.name = "
                      f"{base.data.name!r} is the private data set.")
+  projection = base.get("projection")
+  if projection is not None and projection.get("reference") in PRIVATE_DATA:
+    raise ValueError(f"the projected bound's reference inputs come from "
+                     f"{projection.reference!r}, the private data set: the search uses none.")
   if tuple(base.methods) != ("logit_dp",):
     raise ValueError(f"the search pre-trains Logit-DP only; base.methods = {tuple(base.methods)}.")
   if base.get("noise_multiplier") is not None:
@@ -164,6 +168,12 @@ def _train_timed(train_fn, cfg, workdir, quiet):
       json.dump(wc, f, indent=1)
 
 
+def check_resumable(cfg, workdir: str) -> None:
+  """ValueError when ``workdir`` holds a run made with another training config than ``cfg``."""
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  train.check_resumable(cfg, workdir)
+
+
 def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | None = None,
                quiet: bool = True) -> dict:
   """Runs (or resumes) the search; writes and returns the summary (see module docstring)."""
@@ -181,6 +191,9 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
     for cand in stage["candidates"]:
       overrides = {**inc_overrides, **cand["overrides"]}
       workdir = os.path.join(runs_dir, cand["name"])
+      # A workdir of this name made with other settings (e.g. an earlier order of the stages)
+      # is neither resumed nor counted as this candidate's result.
+      check_resumable(apply_overrides(config.base, overrides), workdir)
       if not run_queue.is_finished(workdir) and not os.path.exists(
           os.path.join(workdir, DIVERGED_FILE)):
         if not quiet:
@@ -246,7 +259,9 @@ def base_differences(search_base: dict, config) -> list[str]:
   """Training settings (data, methods and run-only fields aside) in which the search's base
   differs from ``config``: the chosen overrides mean the same only where there are none."""
   from experiments import train  # pylint: disable=g-import-not-at-top
-  ignore = set(train._RUN_ONLY_FIELDS) | {"data", "methods"}  # pylint: disable=protected-access
+  # The projected bound's public references differ by design (CIFAR-100 test in the search,
+  # CIFAR-100 train for CIFAR-10): the data around the search, not a setting it chose.
+  ignore = set(train._RUN_ONLY_FIELDS) | {"data", "methods", "projection"}  # pylint: disable=protected-access
   target = json.loads(config.to_json_best_effort())
   keys = (set(search_base) | set(target)) - ignore
   return sorted(k for k in keys if search_base.get(k) != target.get(k))

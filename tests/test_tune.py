@@ -19,7 +19,7 @@ from experiments.configs import tiny
 from experiments.configs import tune_cifar100
 
 # ---------------------------------------------------------------------------
-# The search logic on the real 15-candidate config, with a scripted trainer (no training).
+# The search logic on the real 16-candidate config, with a scripted trainer (no training).
 
 
 def _scripted_accuracy(cfg) -> float:
@@ -86,7 +86,7 @@ def test_search_stops_at_an_unfinished_stage_and_resumes_it(scripted_search):
   assert not first["complete"] and first["chosen"] is None
   # Stages base, temperature, clip norm and embedding dimension ran; dim16 stopped early.
   assert scripted_search["first_calls"] == [
-      "base", "tau0.5", "tau2", "clip0.3", "clip3", "clip10", "dim16", "dim32"
+      "base", "projected", "tau0.5", "tau2", "clip0.3", "clip3", "clip10", "dim16", "dim32"
   ]
   assert [r["name"] for r in first["candidates"]][-2:] == ["dim16", "dim32"]
   assert not first["candidates"][-2]["finished"]
@@ -116,7 +116,7 @@ def test_each_stage_builds_on_the_incumbent_and_the_rule_picks(scripted_search):
   assert records["lr3e-2"]["diverged"].startswith("logit_dp: the training loss is not finite")
   assert trainer.calls.count("lr3e-2") == 1
   assert [s["winner"] for s in second["stages"]
-         ] == ["base", "tau2", "tau2", "dim16", "dim16", "dim16", "cosine", "epochs10"]
+         ] == ["base", "base", "tau2", "tau2", "dim16", "dim16", "dim16", "cosine", "epochs10"]
   # The rule, computed here over every candidate: best accuracy, then fewer steps, then earlier.
   scored = [(-_scripted_accuracy(trainer.configs[n]), _steps(trainer.configs[n]), i, n)
             for i, n in enumerate(records) if n != "lr3e-2"]
@@ -136,7 +136,7 @@ def test_search_writes_its_summary_and_publishes_the_candidates(scripted_search)
   md = open(os.path.join(results, "search.md")).read()
   assert "**epochs10**" in md and "Chosen by the rule" in md and "| diverged |" in md
   rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
-  assert len(rows) == 15  # one row per candidate
+  assert len(rows) == 16  # one row per candidate
   base = json.loads(open(os.path.join(results, "base", "results.json")).read())
   assert base["logit_dp"]["accuracy"] == pytest.approx(0.2)
   for name in ("config.json", "results.json", "wallclock.json"):
@@ -154,7 +154,11 @@ def test_tuned_config_applies_the_chosen_overrides_once(scripted_search):
   assert (cfg.temperature, cfg.model.embedding_dim, cfg.lr_schedule, cfg.lr_final_fraction,
           cfg.num_epochs) == (2.0, 16, "cosine", 0.1, 10)
   assert cfg.tuned_from.candidate == "epochs10"
-  changed = {"temperature", "model", "lr_schedule", "lr_final_fraction", "num_epochs", "tuned_from"}
+  changed = {
+      "temperature", "model", "lr_schedule", "lr_final_fraction", "num_epochs", "tuned_from",
+      "projection"
+  }
+  assert cfg.projection.reference == "cifar100" and cfg.projection.split == "train"
   got, want = cfg.to_dict(), ref.to_dict()
   assert {k for k in got if got[k] != want.get(k)} == changed
   assert {k: v for k, v in got["model"].items() if k != "embedding_dim"
@@ -206,6 +210,38 @@ def test_search_config_is_checked(tmp_path):
   with pytest.raises(ValueError, match="public data"):
     tune.run_search(bad, str(tmp_path / "r"), str(tmp_path / "s"), train_fn=trainer)
   assert trainer.calls == []
+  bad = tune_cifar100.get_config()
+  bad.base.projection.reference = "cifar10"
+  with pytest.raises(ValueError, match="private data set"):
+    tune.check_search_config(bad)
+
+
+def test_a_workdir_made_with_other_settings_is_not_taken_for_the_candidate(tmp_path):
+  """E.g. after a stage is inserted: the old "tau2" (triangle) is not the new "tau2"."""
+  config = tune_cifar100.get_config()
+  config.stages = [config.stages[0], config.stages[1], config.stages[2]]  # base, clip, τ
+  runs, results = str(tmp_path / "runs"), str(tmp_path / "results")
+  trainer = _PreferProjected(ScriptedTrainer())
+  stale = tune.apply_overrides(config.base, {"temperature": 2.0})  # made before the clip stage
+  os.makedirs(os.path.join(runs, "tau2"))
+  trainer(stale, os.path.join(runs, "tau2"))
+  trainer.trainer.calls.clear()
+  with pytest.raises(ValueError, match="different training config"):
+    tune.run_search(config, runs, results, train_fn=trainer)
+  assert trainer.trainer.calls == ["base", "projected", "tau0.5"]
+
+
+class _PreferProjected:
+  """ScriptedTrainer with the projected bound scoring higher, so that it wins its stage."""
+  def __init__(self, trainer):
+    self.trainer = trainer
+
+  def __call__(self, cfg, workdir, quiet=True):
+    res = self.trainer(cfg, workdir, quiet)
+    res["logit_dp"]["accuracy"] += 0.1 if cfg.clip_method == "projected" else 0.0
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(res, f)
+    return res
 
 
 def test_subset_keeps_the_sampling_rate():

@@ -1,7 +1,8 @@
 """The private CIFAR-10 run with the Logit-DP setting chosen on public CIFAR-100 (issue #18).
 
 `cifar10_embedding_net_triangle` (25,000 records, expected batch 10,000, ε = 5, δ = 1e-5,
-triangle clipping) with the overrides that the finished search of `tune_cifar100` chose,
+triangle clipping; the projected bound's references, if it is chosen, are 64 CIFAR-100 train
+images) with the overrides that the finished search of `tune_cifar100` chose,
 read from its committed ``docs/results/tune_cifar100/search.json`` and applied once,
 unchanged: nothing here is chosen by looking at CIFAR-10. Settings shared by every method
 (τ, pair mode, embedding dimension, epochs, learning-rate schedule, clip norm B) apply to
@@ -22,6 +23,7 @@ import os
 import ml_collections
 
 from experiments import tune
+from experiments.configs import cifar10_embedding_net_projected
 from experiments.configs import cifar10_embedding_net_triangle
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +34,8 @@ def get_config(search_json=None):
   path = search_json or SEARCH_JSON
   choice = tune.load_choice(path)
   config = cifar10_embedding_net_triangle.get_config()
+  # Used if the search chose clip_method="projected": 64 public CIFAR-100 train images.
+  config.projection = cifar10_embedding_net_projected.projection_config()
   differ = tune.base_differences(choice["base"], config)
   if differ:
     raise ValueError(f"{path}: the search's base differs from the CIFAR-10 run in {differ}; its "
