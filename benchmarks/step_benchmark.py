@@ -156,8 +156,15 @@ def default_methods(model_name: str) -> list[str]:
   return [BASELINE, NAIVE] + dp
 
 
-def make_step(spec: str, embed_fn, n: int, args):
-  """Returns (step, tx): step(params, opt_state, x, x') -> (loss, params, opt_state)."""
+def reference_inputs(example_shape, args):
+  """"projected"'s reference inputs: ``--num-reference`` uniform [0, 1) inputs of the model's
+  example shape from a fixed key of their own (timing only: any public inputs cost the same)."""
+  return jax.random.uniform(jax.random.key(2), (args.num_reference,) + tuple(example_shape))
+
+
+def make_step(spec: str, embed_fn, n: int, args, example_shape=None):
+  """Returns (step, tx): step(params, opt_state, x, x') -> (loss, params, opt_state).
+  example_shape: the shape of one input, for "projected"'s reference inputs."""
   method, mb = parse_method(spec)
   loss = logit_dp.losses.contrastive(temperature=args.temperature)
   adam = optax.adam(args.learning_rate)
@@ -177,7 +184,12 @@ def make_step(spec: str, embed_fn, n: int, args):
         logit_dp.transform(args.noise_multiplier, logit_dp.naive_sensitivity(args.clip_norm), key),
         adam)
   else:
-    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=method, microbatch_size=mb)
+    extra = {}
+    if method == "projected":
+      extra = dict(reference_inputs=reference_inputs(example_shape, args),
+                   projection_rank=args.projection_rank)
+    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=method, microbatch_size=mb,
+                                  **extra)
     c = logit_dp.sensitivity(loss, args.clip_norm, batch_size=n)
     tx = optax.chain(logit_dp.transform(args.noise_multiplier, c, key), adam)
 
@@ -191,7 +203,7 @@ def make_step(spec: str, embed_fn, n: int, args):
 
 def compile_step(spec, embed_fn, params, x, x_prime, args):
   """AOT-compiles the step. Returns (compiled, opt_state, info dict)."""
-  step, tx = make_step(spec, embed_fn, x.shape[0], args)
+  step, tx = make_step(spec, embed_fn, x.shape[0], args, x.shape[1:])
   opt_state = tx.init(params)
   t0 = time.perf_counter()
   compiled = jax.jit(step).lower(params, opt_state, x, x_prime).compile()
@@ -929,6 +941,9 @@ def parse_args(argv):
   p.add_argument("--image-size", type=int, default=32)
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--clip-norm", type=float, default=1.0)
+  p.add_argument("--num-reference", type=int, default=64,
+                 help='"projected": reference inputs spanning its subspace.')
+  p.add_argument("--projection-rank", type=int, default=32, help='"projected": subspace rank.')
   p.add_argument("--noise-multiplier", type=float, default=1.0)
   p.add_argument("--learning-rate", type=float, default=1e-3)
   p.add_argument("--quick", action="store_true",

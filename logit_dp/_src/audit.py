@@ -73,7 +73,8 @@ class RemovalAudit:
     gaps: np.ndarray (n,), gap_k for every k (0 for pairs already masked out).
       A NaN gap means the clipped gradient itself was NaN on X or X∖k (a
       failure of the audited code; ratio is then NaN and never passes ≤ 1).
-    method: the clipping method ("ghost", "materialize", "triangle", "naive" or "dp_gcl").
+    method: the clipping method ("ghost", "materialize", "triangle", "projected", "naive" or
+      "dp_gcl").
     x, x_prime, params: the batch and parameters the audit ran on (for
       `search_worst_case`, the worst ones found).
   """

@@ -44,7 +44,7 @@ class PrivateTraining(NamedTuple):
     clip_norm: B.
     sampling_rate: q = expected_batch_size / num_records.
     steps: T, the number of steps σ is calibrated for.
-    method: the gradient method ("ghost", "triangle", "materialize", "naive").
+    method: the gradient method ("ghost", "triangle", "projected", "materialize", "naive").
   """
   grad_fn: Callable
   optimizer: optax.GradientTransformation
@@ -111,7 +111,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     expected_batch_size: E[n] = q·N of the Poisson batches.
     optimizer: any optax optimizer; it receives the noisy ḡ (or ḡ / E[n]).
     epochs, steps: exactly one; epochs gives T = ⌈epochs / q⌉.
-    method: "ghost" (default), "triangle", "materialize" or "naive" (Naive-DP).
+    method: "ghost" (default), "triangle", "projected" (needs reference_inputs= in
+      grad_kwargs), "materialize" or "naive" (Naive-DP).
     mean: scale the noisy sum by 1 / expected_batch_size before the optimizer.
     microbatch_size: passed to `clipped_grad` / `naive_clipped_grad`.
     accountant: "pld" (default) or "rdp", used for σ and by the ledger.
@@ -123,7 +124,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
       `secrets`, as noise_key (read it from ``sampler.seed`` to resume; keep
       it secret).
     max_batch_size, overflow: passed to `PoissonSampler`.
-    **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps;
+    **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps,
+      reference_inputs and projection_rank for "projected";
       positive_embed_fn for a two-tower model, with the same C).
 
   Returns:
