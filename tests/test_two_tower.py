@@ -136,6 +136,7 @@ def _batch(f, g, params, x, x_prime):
                          collective=clipping._Collective(None), positive_embed_fn=g)
 
 
+@pytest.mark.slow  # the shared-parameter path is checked against jax.grad by default above
 def test_shared_parameters_are_found_by_tracing():
   f, g, params, x, tokens = _towers("disjoint")
   assert logit_dp.shared_parameters(f, g, params, x, tokens) == []

@@ -613,12 +613,44 @@ def _block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_colum
 
 
 def _projection_tangents(batch: _Batch, reference_inputs, rank: int):
-  """(tangents, η): the columns of the reference basis Q̃ (`projection.basis`) as parameter
-  pytrees with a leading axis of k, from the reference inputs' Jacobians at batch.params."""
+  """(tangents, η): the columns of the reference basis Q̃ (`projection.basis`) as a list of
+  parameter leaves with a leading axis of k, from the reference inputs' Jacobians at
+  batch.params."""
   leaves = jax.tree_util.tree_leaves(batch.params)
-  rows = batch._generic_jacobian(tuple(range(len(leaves))), reference_inputs)  # (m, d, p)
+  factors = batch.factors(reference_inputs)
+  d = factors.flat.shape[1]
+
+  def jacobian_rows(one_example):  # (d, p): J_e, row a = J_eᵀe_a contracted from the factors
+    def row(a):
+      grads = layerwise.factors_transpose(batch.plan, one_example,
+                                          jax.nn.one_hot(a, d)[None], leaves)
+      return jnp.concatenate([jnp.ravel(g) for g in grads])
+
+    return jax.vmap(row)(jnp.arange(d))
+
+  rows = jax.vmap(lambda f: jacobian_rows(jax.tree_util.tree_map(lambda a: a[None], f)))(factors)
   q, eta = projection.basis(rows.reshape(-1, rows.shape[-1]), rank)
-  return projection.as_tangents(q, batch.params), eta
+  return jax.tree_util.tree_leaves(projection.as_tangents(q, batch.params)), eta
+
+
+def _projected_jacobians(batch: _Batch, factors: layerwise.Factors, tangent_leaves,
+                         positive: bool = False) -> jax.Array:
+  """(m, d, k): J_e q̃_l for the examples of `factors`, contracted from the factors: the
+  transpose of the linear map c ↦ Σ_e J_eᵀc_e (`layerwise.factors_transpose`) applied to each
+  tangent (no forward or backward pass through the model)."""
+  leaves = jax.tree_util.tree_leaves(batch.params)
+  plan = batch._plan_of(positive)
+  m, d, _ = factors.flat.shape
+
+  def contract(cotangents):
+    return layerwise.factors_transpose(plan, factors, cotangents, leaves)
+
+  # Under shard_map (check_vma) both the primal and the tangents must be device-varying, like
+  # the factors: an invariant one would be cast by pvary, whose transpose is a psum that would
+  # add up the projections of every device's examples.
+  transposed = jax.linear_transpose(contract, batch.c.varying(jnp.zeros((m, d),
+                                                                        factors.flat.dtype)))
+  return jax.vmap(lambda q: transposed(q)[0], out_axes=-1)(batch.c.varying(tangent_leaves))
 
 
 def _triangle_norms(batch: _Batch, allowance: float = 1.0, projection_spec=None):
@@ -635,15 +667,14 @@ def _triangle_norms(batch: _Batch, allowance: float = 1.0, projection_spec=None)
   tangents = eta = None
   if projection_spec is not None:
     tangents, eta = _projection_tangents(batch, *projection_spec)
-  embed = lambda p, xs: normalize(batch.embed_fn(p, xs), batch.eps)
 
   def chunk_terms(x_chunk, x_prime_chunk, u_chunk, v_chunk) -> tuple[jax.Array, ...]:
     f_u, f_v = batch.factors(x_chunk, chunked=False), batch.factors(x_prime_chunk, chunked=False)
     terms = (f_u.gram, f_v.gram, _diagonal_norms(batch, f_u, f_v, u_chunk, v_chunk, allowance))
     if tangents is None:
       return terms
-    return terms + (projection.projected_jacobians(embed, batch.params, x_chunk, tangents),
-                    projection.projected_jacobians(embed, batch.params, x_prime_chunk, tangents))
+    return terms + (_projected_jacobians(batch, f_u,
+                                         tangents), _projected_jacobians(batch, f_v, tangents))
 
   xs = (batch.x, batch.x_prime, batch.u_loc, batch.v_loc)
   m, n_local = batch.microbatch_size, _num_rows(batch.x)
