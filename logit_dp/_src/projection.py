@@ -23,8 +23,8 @@ data only, never on the private batch, so the clip factor of pair (i, j) is a fu
 Float32: the basis Q̃ is only nearly orthonormal; with η ≥ ‖Q̃ᵀQ̃ − I‖₂ its singular values lie
 in [√(1−η), √(1+η)], so ‖Πg‖² ≤ ‖Q̃ᵀg‖²/(1−η) and ‖Πx‖² ≥ ‖Q̃ᵀx‖²/(1+η) for the projector Π
 onto span(Q̃): the bound holds for Q̃ itself, not for an ideal Q. The projections Q̃ᵀJ_iᵀv̂_j
-come from forward-mode products J_iq̃_l and carry the vector allowance; the quadratic forms
-carry the Gram allowance (clipping.py).
+come from the products J_iq̃_l (contracted from the layer factors, clipping.py) and carry the
+vector allowance; the quadratic forms carry the Gram allowance.
 """
 
 from __future__ import annotations
@@ -84,13 +84,6 @@ def as_tangents(q: jax.Array, params: Any) -> Any:
         leaf.dtype))
     offset += leaf.size
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def projected_jacobians(embed_normalized, params, xs, tangents) -> jax.Array:
-  """(m, d, k): J_e q̃_l for the examples xs, by forward-mode products through
-  embed_normalized(params, xs) -> (m, d) (one linearisation, k tangents)."""
-  _, linear = jax.linearize(lambda p: embed_normalized(p, xs), params)
-  return jax.vmap(linear, out_axes=-1)(tangents)
 
 
 def bound(proj_rows, u_rows, proj_columns, v_columns, anchor, positive, s_rows, s_columns, eta,
