@@ -14,7 +14,8 @@ paired t statistic t = mean(Δ) / (std(Δ) / √n) and its two-sided p-value.
 In docs/RESULTS.md a block ``<!-- generated:NAME -->`` … ``<!-- /generated:NAME -->`` is
 replaced by the table NAME: ``runs`` (every run with its wall-clock), ``verdict``,
 ``group:<group>`` (ours beside the paper's), ``compare:<group a>:<group b>`` (same method and
-seeds, two configurations), ``bound:<ghost group>:<triangle group>``
+seeds, two configurations), ``versus:<group a>:<group b>`` (every method of a against every
+method of b, same seeds), ``bound:<ghost group>:<triangle group>``
 (what the triangle bound costs, same seeds), ``pair_norms:<file in results_dir>`` (how much
 B clips, from experiments/pair_norms.py), ``clip_bias:<file in results_dir>`` (what clipping
 every pair does to ḡ, from experiments/clip_bias.py), ``search:<folder in results_dir>`` (the
@@ -337,6 +338,36 @@ def compare_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
       p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
       lines.append(f"| {LABELS[m]} | {lab} | {fmt_ms(*mean_std(va))} | {fmt_ms(*mean_std(vb))} | "
                    f"{fmt_ms(d['mean'], d['std'], 4)} | {d['n']} | {t} | {p} |")
+  return "\n".join(lines)
+
+
+def versus_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
+  """Every method of configuration a against every method of configuration b, paired by seed:
+  Δ = m_a − m'_b of 3-NN accuracy and the linear probe (e.g. Logit-DP with one clip method
+  against the Naive-DP, non-private and untrained encoders of the same seeds)."""
+  b_by_seed = {r["seed"]: r for r in b_runs}
+  lines = [
+      f"| {a_name} | {b_name} | metric | a | b | Δ = a − b paired by seed | n | t | p |",
+      "|---|---|---|---|---|---|---|---|---|"
+  ]
+  for ma in METHODS:
+    for mb in METHODS:
+      both = [(r, b_by_seed[r["seed"]]) for r in a_runs if r["seed"] in b_by_seed
+              and ma in r["results"] and mb in b_by_seed[r["seed"]]["results"]]
+      if not both:
+        continue
+      for k, lab in (("accuracy", "3-NN acc"), ("linear_probe", "linear probe")):
+        pairs = [(ra["results"][ma].get(k), rb["results"][mb].get(k)) for ra, rb in both]
+        pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+        if not pairs:
+          continue
+        va, vb = [x for x, _ in pairs], [y for _, y in pairs]
+        d = paired_difference(va, vb)
+        t = "–" if d["t"] != d["t"] else f"{d['t']:.2f}"
+        p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
+        lines.append(f"| {LABELS[ma]} | {LABELS[mb]} | {lab} | {fmt_ms(*mean_std(va))} | "
+                     f"{fmt_ms(*mean_std(vb))} | {fmt_ms(d['mean'], d['std'], 4)} | {d['n']} | "
+                     f"{t} | {p} |")
   return "\n".join(lines)
 
 
@@ -690,6 +721,11 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
       return f"(the search `{arg}` has not been run yet: no `{arg}/search.json`)"
     with open(path) as f:
       return search_table(json.load(f))
+  if kind == "versus":
+    a, b = arg.split(":")
+    if a not in groups or b not in groups:
+      return f"(no seed of `{a}` with a `{b}` run of the same seed yet)"
+    return versus_table(groups[a], groups[b], a, b)
   if kind == "bound":
     ghost, tri = arg.split(":")
     if ghost not in groups or tri not in groups:

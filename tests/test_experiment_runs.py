@@ -287,6 +287,23 @@ def test_renderer_compare_block_pairs_seeds_of_two_configurations(tmp_path):
   assert row[6] == f"{t:.2f}" and row[7] == f"{p:.2g}"
 
 
+def test_renderer_versus_block_pairs_every_method_of_a_with_every_method_of_b(tmp_path):
+  rng = np.random.default_rng(2)
+  _fake_runs(tmp_path, "cifar10_embnet_a", (0, 1, 2), rng)
+  _fake_runs(tmp_path, "cifar10_embnet_b", (1, 2, 3), rng)
+  runs = render_results.load_runs(str(tmp_path))
+  doc = ("<!-- generated:versus:cifar10_embnet_a:cifar10_embnet_b -->\n"
+         "<!-- /generated:versus:cifar10_embnet_a:cifar10_embnet_b -->\n")
+  out = render_results.render(doc, runs, None)
+  a = [runs[f"cifar10_embnet_a_s{s}"]["results"]["logit_dp"]["accuracy"] for s in (1, 2)]
+  b = [runs[f"cifar10_embnet_b_s{s}"]["results"]["naive_dp"]["accuracy"] for s in (1, 2)]
+  row = _cells(out, "| Logit-DP | Naive-DP | 3-NN acc")
+  d = np.subtract(a, b)
+  t, p = stats.ttest_rel(a, b)
+  assert row[5] == f"{d.mean():.4f} ± {d.std(ddof=1):.4f}" and row[6] == "2"
+  assert row[7] == f"{t:.2f}" and row[8] == f"{p:.2g}"
+
+
 def test_pair_norm_summary():
   from experiments import pair_norms
   v = np.random.default_rng(0).lognormal(size=(50, 50))
