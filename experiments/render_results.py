@@ -352,8 +352,10 @@ def versus_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
   ]
   for ma in METHODS:
     for mb in METHODS:
-      both = [(r, b_by_seed[r["seed"]]) for r in a_runs if r["seed"] in b_by_seed
-              and ma in r["results"] and mb in b_by_seed[r["seed"]]["results"]]
+      both = [
+          (r, b_by_seed[r["seed"]]) for r in a_runs
+          if r["seed"] in b_by_seed and ma in r["results"] and mb in b_by_seed[r["seed"]]["results"]
+      ]
       if not both:
         continue
       for k, lab in (("accuracy", "3-NN acc"), ("linear_probe", "linear probe")):
