@@ -341,10 +341,11 @@ def compare_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
   return "\n".join(lines)
 
 
-def versus_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
+def versus_table(a_runs, b_runs, a_name: str, b_name: str, acc: str = "3-NN acc") -> str:
   """Every method of configuration a against every method of configuration b, paired by seed:
   Δ = m_a − m'_b of 3-NN accuracy and the linear probe (e.g. Logit-DP with one clip method
-  against the Naive-DP, non-private and untrained encoders of the same seeds)."""
+  against the Naive-DP, non-private and untrained encoders of the same seeds). acc labels
+  the "accuracy" metric (3-NN accuracy; the head's accuracy for fine-tuning groups)."""
   b_by_seed = {r["seed"]: r for r in b_runs}
   lines = [
       f"| {a_name} | {b_name} | metric | a | b | Δ = a − b paired by seed | n | t | p |",
@@ -358,7 +359,7 @@ def versus_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
       ]
       if not both:
         continue
-      for k, lab in (("accuracy", "3-NN acc"), ("linear_probe", "linear probe")):
+      for k, lab in (("accuracy", acc), ("linear_probe", "linear probe")):
         pairs = [(ra["results"][ma].get(k), rb["results"][mb].get(k)) for ra, rb in both]
         pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
         if not pairs:
@@ -727,7 +728,8 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     a, b = arg.split(":")
     if a not in groups or b not in groups:
       return f"(no seed of `{a}` with a `{b}` run of the same seed yet)"
-    return versus_table(groups[a], groups[b], a, b)
+    acc = "head acc" if a.startswith("cifar100_ft") else "3-NN acc"
+    return versus_table(groups[a], groups[b], a, b, acc)
   if kind == "bound":
     ghost, tri = arg.split(":")
     if ghost not in groups or tri not in groups:
