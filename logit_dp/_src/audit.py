@@ -125,12 +125,13 @@ class _Reference:
   rank: int
 
 
-def _reference(method, reference_inputs, projection_rank) -> _Reference | None:
-  if reference_inputs is None:
-    return None
-  if method != "projected":
-    raise ValueError(f"reference_inputs are used by method='projected' only, not {method!r}.")
-  return _Reference(reference_inputs, projection_rank)
+def _reference(method, reference_inputs, projection_rank, embed_fn,
+               positive_embed_fn=None) -> _Reference | None:
+  """`clipping._check_projection`'s checks (also for "naive" and "dp_gcl", which never reach
+  clipped_grad), its result as a cache key."""
+  spec = clipping._check_projection(method, reference_inputs, projection_rank, positive_embed_fn,
+                                    embed_fn)
+  return None if spec is None else _Reference(*spec)
 
 
 @functools.lru_cache(maxsize=64)
@@ -232,8 +233,9 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
   method = _check_method(method)
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, mask)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, positive_embed_fn,
-                    _reference(method, reference_inputs, projection_rank))
+  core = _make_core(
+      embed_fn, loss, clip_norm, method, cosine_eps, grouping, positive_embed_fn,
+      _reference(method, reference_inputs, projection_rank, embed_fn, positive_embed_fn))
   return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk), np.float64)
 
 
@@ -393,7 +395,7 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     raise ValueError(f"num_steps must be an integer ≥ 0, got {num_steps!r}.")
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, None)
-  reference = _reference(method, reference_inputs, projection_rank)
+  reference = _reference(method, reference_inputs, projection_rank, embed_fn)
   core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, None, reference)
   points = _restart_points(params, x, x_prime, key, int(num_restarts), float(init_scale),
                            bool(optimize_params))

@@ -630,20 +630,18 @@ def _projection_tangents(batch: _Batch, reference_inputs, rank: int):
 
   rows = jax.vmap(lambda f: jacobian_rows(jax.tree_util.tree_map(lambda a: a[None], f)))(factors)
   q, eta = projection.basis(rows.reshape(-1, rows.shape[-1]), rank)
-  return jax.tree_util.tree_leaves(projection.as_tangents(q, batch.params)), eta
+  return projection.as_tangent_leaves(q, leaves), eta
 
 
-def _projected_jacobians(batch: _Batch, factors: layerwise.Factors, tangent_leaves,
-                         positive: bool = False) -> jax.Array:
+def _projected_jacobians(batch: _Batch, factors: layerwise.Factors, tangent_leaves) -> jax.Array:
   """(m, d, k): J_e q̃_l for the examples of `factors`, contracted from the factors: the
   transpose of the linear map c ↦ Σ_e J_eᵀc_e (`layerwise.factors_transpose`) applied to each
   tangent (no forward or backward pass through the model)."""
   leaves = jax.tree_util.tree_leaves(batch.params)
-  plan = batch._plan_of(positive)
   m, d, _ = factors.flat.shape
 
-  def contract(cotangents):
-    return layerwise.factors_transpose(plan, factors, cotangents, leaves)
+  def contract(cotangents):  # one tower ("projected" refuses two): both views share batch.plan
+    return layerwise.factors_transpose(batch.plan, factors, cotangents, leaves)
 
   # Under shard_map (check_vma) both the primal and the tangents must be device-varying, like
   # the factors: an invariant one would be cast by pvary, whose transpose is a psum that would

@@ -29,8 +29,6 @@ vector allowance; the quadratic forms carry the Gram allowance.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,16 +72,15 @@ def basis(reference_rows: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
   return q, eta
 
 
-def as_tangents(q: jax.Array, params: Any) -> Any:
-  """The k columns of Q̃ (p, k) as a pytree like params with a leading axis of k (the leaves in
-  `jax.tree_util.tree_leaves` order, each raveled: the layout of the reference rows)."""
-  leaves, treedef = jax.tree_util.tree_flatten(params)
+def as_tangent_leaves(q: jax.Array, leaves) -> list:
+  """The k columns of Q̃ (p, k) as parameter leaves with a leading axis of k, for ``leaves`` in
+  `jax.tree_util.tree_leaves` order, each raveled (the layout of the reference rows)."""
   out, offset = [], 0
   for leaf in leaves:
     out.append(q[offset:offset + leaf.size].T.reshape((q.shape[1],) + leaf.shape).astype(
         leaf.dtype))
     offset += leaf.size
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return out
 
 
 def bound(proj_rows, u_rows, proj_columns, v_columns, anchor, positive, s_rows, s_columns, eta,
