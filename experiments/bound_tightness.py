@@ -44,9 +44,9 @@ def main(argv):
   x = np.asarray(data_lib.to_float(ds["x_train"]), np.float64)
   pairs = data_lib.make_pairs(ds["y_train"], "same_class", seed=0)[:FLAGS.n]
   xa, xb = jnp.asarray(x[pairs[:, 0]]), jnp.asarray(x[pairs[:, 1]])
-  c100 = data_lib.load_npz(FLAGS.npz_dir, "cifar100")["x_train"]
-  chosen = np.sort(np.random.default_rng(0).permutation(len(c100))[:FLAGS.num_reference])
-  reference = jnp.asarray(np.asarray(c100[chosen], np.float64) / 255.0)
+  images = data_lib.reference_images("cifar100", "train", FLAGS.num_reference,
+                                     npz_dir=FLAGS.npz_dir)
+  reference = jnp.asarray(np.asarray(images, np.float64) / 255.0)
   _, apply_fn, _, init_jit = train_lib.get_model(config.model)
   params = init_jit(jax.random.PRNGKey(0), xa[:1].astype(jnp.float32))
   flat, unravel = jax.flatten_util.ravel_pytree(

@@ -108,9 +108,9 @@ def main(argv):
                 clip_method=FLAGS.clip_method, ln_n_test=float(np.log(len(te_pairs))), runs={})
   method_kwargs = {}
   if FLAGS.clip_method == "projected":
-    c100 = data_lib.load_npz(FLAGS.npz_dir, "cifar100")["x_train"]
-    chosen = np.sort(np.random.default_rng(0).permutation(len(c100))[:FLAGS.num_reference])
-    method_kwargs = dict(reference_inputs=jnp.asarray(data_lib.to_float(c100[chosen])),
+    images = data_lib.reference_images("cifar100", "train", FLAGS.num_reference,
+                                       npz_dir=FLAGS.npz_dir)
+    method_kwargs = dict(reference_inputs=jnp.asarray(data_lib.to_float(images)),
                          projection_rank=FLAGS.projection_rank)
     report.update(num_reference=FLAGS.num_reference, projection_rank=FLAGS.projection_rank)
   b0 = batches[0]

@@ -32,6 +32,7 @@ import os
 from collections.abc import Callable
 
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 __all__ = [
@@ -158,6 +159,17 @@ def load_dataset(data_config, seed: int = 0) -> dict[str, np.ndarray]:
   ds["x_test"], ds["y_test"] = _subset(ds["x_test"], ds["y_test"], data_config.get("test_subset"),
                                        rng)
   return ds
+
+
+def reference_images(name: str, split: str, num: int, seed: int = 0, source: str = "npz",
+                     npz_dir: str | None = None, label: str = "fine") -> np.ndarray:
+  """``num`` images of data set ``name``'s ``split`` ("train" or "test"), drawn without
+  replacement with ``seed`` and kept in their stored order, as stored (uint8 for npz): the
+  public reference inputs of clip_method="projected"."""
+  data_config = ml_collections.ConfigDict(
+      dict(source=source, name=name, npz_dir=npz_dir, label=label))
+  images = np.asarray(load_dataset(data_config, seed=0)["x_" + split])
+  return images[np.sort(np.random.default_rng(seed).permutation(len(images))[:num])]
 
 
 # ---------------------------------------------------------------------------

@@ -99,11 +99,9 @@ def main(argv):
   for m in config.methods:
     if os.path.isdir(os.path.join(f.workdir, m, "params")):
       params[m] = finetuning.load_pretrained(f.workdir, m, config)
-  reference_data = ml_collections.ConfigDict(
-      dict(source="npz", name=f.reference, npz_dir=config.data.npz_dir))
-  images = data_lib.load_dataset(reference_data, seed=0)["x_train"]
-  chosen = np.sort(np.random.default_rng(0).permutation(len(images))[:f.num_reference])
-  projection = dict(reference_inputs=data_lib.to_float(jnp.asarray(images[chosen])),
+  images = data_lib.reference_images(f.reference, "train", f.num_reference,
+                                     npz_dir=config.data.npz_dir)
+  projection = dict(reference_inputs=data_lib.to_float(jnp.asarray(images)),
                     projection_rank=f.projection_rank)
   report = dict(
       run=os.path.basename(os.path.normpath(f.workdir)), n=int(len(pairs)), split="test",

@@ -301,13 +301,10 @@ def reference_inputs(config):
     raise ValueError(
         f"config.projection takes its reference inputs from {spec.reference!r} train, the "
         "private training data: they must be public (another data set, or a held-out split).")
-  reference_data = ml_collections.ConfigDict(
-      dict(source=data.source, name=spec.reference, npz_dir=data.get("npz_dir"),
-           label=data.get("label", "fine")))
-  images = np.asarray(data_lib.load_dataset(reference_data, seed=0)["x_" + spec.split])
-  rng = np.random.default_rng(int(spec.seed))
-  chosen = np.sort(rng.permutation(len(images))[:int(spec.num_reference)])
-  return jnp.asarray(data_lib.to_float(images[chosen]))
+  images = data_lib.reference_images(spec.reference, spec.split, int(spec.num_reference),
+                                     int(spec.seed), data.source, data.get("npz_dir"),
+                                     data.get("label", "fine"))
+  return jnp.asarray(data_lib.to_float(images))
 
 
 def _clip_method_kwargs(config) -> dict[str, Any]:

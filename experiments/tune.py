@@ -193,12 +193,13 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
       workdir = os.path.join(runs_dir, cand["name"])
       # A workdir of this name made with other settings (e.g. an earlier order of the stages)
       # is neither resumed nor counted as this candidate's result.
-      check_resumable(apply_overrides(config.base, overrides), workdir)
+      cfg = apply_overrides(config.base, overrides)
+      check_resumable(cfg, workdir)
       if not run_queue.is_finished(workdir) and not os.path.exists(
           os.path.join(workdir, DIVERGED_FILE)):
         if not quiet:
           print(f"[tune] {cand['name']}: training with {overrides}", flush=True)
-        _train_timed(train_fn, apply_overrides(config.base, overrides), workdir, quiet)
+        _train_timed(train_fn, cfg, workdir, quiet)
       rec = _record(stage, cand, order, overrides, workdir)
       order += 1
       if rec["finished"]:
