@@ -270,38 +270,39 @@ def test_run_queue_runs_skips_and_publishes(tmp_path):
   assert "start" not in r.stdout and "queue done" in r.stdout
 
 
-def test_renderer_compare_block_pairs_seeds_of_two_configurations(tmp_path):
-  rng = np.random.default_rng(1)
-  _fake_runs(tmp_path, "cifar10_embnet_a", (0, 1, 2), rng)
-  _fake_runs(tmp_path, "cifar10_embnet_b", (1, 2, 3), rng)  # seeds 1, 2 in common
-  runs = render_results.load_runs(str(tmp_path))
-  doc = ("<!-- generated:compare:cifar10_embnet_a:cifar10_embnet_b -->\n"
-         "<!-- /generated:compare:cifar10_embnet_a:cifar10_embnet_b -->\n")
-  out = render_results.render(doc, runs, None)
-  a = [runs[f"cifar10_embnet_a_s{s}"]["results"]["naive_dp"]["best_fbeta"] for s in (1, 2)]
-  b = [runs[f"cifar10_embnet_b_s{s}"]["results"]["naive_dp"]["best_fbeta"] for s in (1, 2)]
-  row = _cells(out, "| Naive-DP | best F_β")
-  d = np.subtract(a, b)
-  t, p = stats.ttest_rel(a, b)
-  assert row[4] == f"{d.mean():.4f} ± {d.std(ddof=1):.4f}" and row[5] == "2"
-  assert row[6] == f"{t:.2f}" and row[7] == f"{p:.2g}"
-
-
-def test_renderer_versus_block_pairs_every_method_of_a_with_every_method_of_b(tmp_path):
-  rng = np.random.default_rng(2)
+def _render_two_groups(tmp_path, block: str, seed: int):
+  """Fake seeds 0-2 of group a and 1-3 of group b (seeds 1, 2 in common), the block
+  ``<block>:a:b`` rendered, and the runs."""
+  rng = np.random.default_rng(seed)
   _fake_runs(tmp_path, "cifar10_embnet_a", (0, 1, 2), rng)
   _fake_runs(tmp_path, "cifar10_embnet_b", (1, 2, 3), rng)
   runs = render_results.load_runs(str(tmp_path))
-  doc = ("<!-- generated:versus:cifar10_embnet_a:cifar10_embnet_b -->\n"
-         "<!-- /generated:versus:cifar10_embnet_a:cifar10_embnet_b -->\n")
-  out = render_results.render(doc, runs, None)
-  a = [runs[f"cifar10_embnet_a_s{s}"]["results"]["logit_dp"]["accuracy"] for s in (1, 2)]
-  b = [runs[f"cifar10_embnet_b_s{s}"]["results"]["naive_dp"]["accuracy"] for s in (1, 2)]
-  row = _cells(out, "| Logit-DP | Naive-DP | 3-NN acc")
+  name = f"{block}:cifar10_embnet_a:cifar10_embnet_b"
+  return render_results.render(f"<!-- generated:{name} -->\n<!-- /generated:{name} -->\n", runs,
+                               None), runs
+
+
+def _assert_paired_cells(cells, runs, method_a, method_b, metric):
+  """cells = [Δ, n, t, p] of a table row: the paired difference of ``metric`` between
+  method_a of group a and method_b of group b over the common seeds 1, 2."""
+  a = [runs[f"cifar10_embnet_a_s{s}"]["results"][method_a][metric] for s in (1, 2)]
+  b = [runs[f"cifar10_embnet_b_s{s}"]["results"][method_b][metric] for s in (1, 2)]
   d = np.subtract(a, b)
   t, p = stats.ttest_rel(a, b)
-  assert row[5] == f"{d.mean():.4f} ± {d.std(ddof=1):.4f}" and row[6] == "2"
-  assert row[7] == f"{t:.2f}" and row[8] == f"{p:.2g}"
+  assert cells[0] == f"{d.mean():.4f} ± {d.std(ddof=1):.4f}" and cells[1] == "2"
+  assert cells[2] == f"{t:.2f}" and cells[3] == f"{p:.2g}"
+
+
+def test_renderer_compare_block_pairs_seeds_of_two_configurations(tmp_path):
+  out, runs = _render_two_groups(tmp_path, "compare", seed=1)
+  row = _cells(out, "| Naive-DP | best F_β")
+  _assert_paired_cells(row[4:8], runs, "naive_dp", "naive_dp", "best_fbeta")
+
+
+def test_renderer_versus_block_pairs_every_method_of_a_with_every_method_of_b(tmp_path):
+  out, runs = _render_two_groups(tmp_path, "versus", seed=2)
+  row = _cells(out, "| Logit-DP | Naive-DP | 3-NN acc")
+  _assert_paired_cells(row[5:9], runs, "logit_dp", "naive_dp", "accuracy")
 
 
 def test_pair_norm_summary():
