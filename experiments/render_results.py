@@ -39,7 +39,8 @@ from absl import flags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = ("logit_dp", "naive_dp", "dp_gcl", "non_private", "untrained")
+TRAINED = ("logit_dp", "naive_dp", "dp_gcl", "non_private")
+METHODS = (*TRAINED, "untrained")
 LABELS = {
     "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL",
     "non_private": "Non-private", "untrained": "Untrained (init)"
@@ -406,7 +407,7 @@ def runs_table(runs) -> str:
     total = "–" if not wc else f"{wc['total_seconds']:,.0f}"
     attempts = "–" if not wc else str(len(wc["attempts"]))
     secs = []
-    for m in METHODS:
+    for m in TRAINED:
       s = r["results"].get(m, {}).get("train_seconds")
       secs.append("–" if s is None else f"{s:,.0f}")
     lines.append(f"| {name} | {r['seed']} | {total} | {attempts} | " + " | ".join(secs) + " |")

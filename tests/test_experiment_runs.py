@@ -192,6 +192,19 @@ def _cells(text, first):
   raise AssertionError(f"no row {first!r} in\n{text}")
 
 
+def _assert_tables_well_formed(text):
+  """Every row of every markdown table in ``text`` has as many cells as its header."""
+  width = None
+  for line in text.splitlines():
+    if not line.startswith("|"):
+      width = None
+      continue
+    cells = len(line.strip().strip("|").split("|"))
+    if width is None:
+      width = cells
+    assert cells == width, f"{cells} cells, header {width}: {line}"
+
+
 def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   rng = np.random.default_rng(0)
   _fake_runs(tmp_path / "results", "cifar10_embnet_x", (0, 1, 2), rng)
@@ -204,6 +217,7 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   out = render_results.render(doc, runs, paper)
   assert "stale" not in out and out.startswith("# t\n")
   assert render_results.render(out, runs, paper) == out  # idempotent
+  _assert_tables_well_formed(out)
   res = [runs[f"cifar10_embnet_x_s{s}"]["results"] for s in (0, 1, 2)]
 
   def ms(v):
@@ -226,7 +240,8 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   d = np.subtract(a, b)
   assert vrow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}"
   assert vrow[4] == f"{t:.2f}" and vrow[5] == f"{p:.2g}"
-  assert _cells(out, "| cifar10_embnet_x_s2")[2] == "60"
+  run_row = _cells(out, "| cifar10_embnet_x_s2")
+  assert run_row[2] == "60" and run_row[7] == f"{res[2]['non_private']['train_seconds']:,.0f}"
   # The untrained encoder: ε = 0, and each DP method's gain over it, paired by seed.
   assert _cells(out, "| Untrained (init) | ours")[2:4] == ["0", "0"]
   d = np.subtract(a, [r["untrained"]["accuracy"] for r in res])
