@@ -7,6 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
 import math
+import re
 import subprocess
 
 import numpy as np
@@ -193,16 +194,24 @@ def _cells(text, first):
 
 
 def _assert_tables_well_formed(text):
-  """Every row of every markdown table in ``text`` has as many cells as its header."""
+  """Every row of every markdown table in ``text`` has as many cells as its header (an escaped
+  ``\\|`` is not a cell border)."""
   width = None
   for line in text.splitlines():
     if not line.startswith("|"):
       width = None
       continue
-    cells = len(line.strip().strip("|").split("|"))
+    cells = len(re.split(r"(?<!\\)\|", line.strip()[1:-1]))
     if width is None:
       width = cells
     assert cells == width, f"{cells} cells, header {width}: {line}"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "BUILD.md", *(f"docs/{f}" for f in sorted(
+    os.listdir(os.path.join(REPO, "docs"))) if f.endswith(".md"))])
+def test_committed_docs_tables_are_well_formed(doc):
+  with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+    _assert_tables_well_formed(f.read())
 
 
 def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
