@@ -207,8 +207,10 @@ def _assert_tables_well_formed(text):
     assert cells == width, f"{cells} cells, header {width}: {line}"
 
 
-@pytest.mark.parametrize("doc", ["README.md", "BUILD.md", *(f"docs/{f}" for f in sorted(
-    os.listdir(os.path.join(REPO, "docs"))) if f.endswith(".md"))])
+@pytest.mark.parametrize("doc", [
+    "README.md", "BUILD.md",
+    *(f"docs/{f}" for f in sorted(os.listdir(os.path.join(REPO, "docs"))) if f.endswith(".md"))
+])
 def test_committed_docs_tables_are_well_formed(doc):
   with open(os.path.join(REPO, doc), encoding="utf-8") as f:
     _assert_tables_well_formed(f.read())
