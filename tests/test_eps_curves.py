@@ -14,7 +14,7 @@ import pytest
 from experiments import render_results
 from experiments import run_queue
 from experiments import train
-from experiments.configs import cifar10_embedding_net_eps_curve
+from experiments.configs import cifar10_embedding_net_dpgcl
 from experiments.configs import cifar10_embedding_net_triangle
 from experiments.configs import tiny
 
@@ -144,9 +144,8 @@ def test_curve_figure_and_its_link(curve_runs):
 # The curve runs' config and the proposed queue.
 
 
-def test_eps_curve_config_is_the_triangle_run_with_dp_gcl():
-  cfg, ref = cifar10_embedding_net_eps_curve.get_config(
-  ), cifar10_embedding_net_triangle.get_config()
+def test_dpgcl_config_is_the_triangle_run_with_dp_gcl():
+  cfg, ref = cifar10_embedding_net_dpgcl.get_config(), cifar10_embedding_net_triangle.get_config()
   assert tuple(cfg.methods) == ALL
   assert (cfg.dp_gcl.group_size, cfg.dp_gcl.extra_views, cfg.learning_rates.dp_gcl) == (8.0, 2,
                                                                                         1e-2)
@@ -158,8 +157,8 @@ def test_eps_curve_config_is_the_triangle_run_with_dp_gcl():
 
 
 @pytest.mark.slow
-def test_eps_curve_config_trains_every_method_at_tiny_size(tmp_path):
-  cfg = cifar10_embedding_net_eps_curve.get_config()
+def test_dpgcl_config_trains_every_method_at_tiny_size(tmp_path):
+  cfg = cifar10_embedding_net_dpgcl.get_config()
   small = tiny.get_config()
   cfg.data, cfg.model = small.data, small.model
   cfg.batch_size, cfg.num_epochs, cfg.microbatch_size = 32, 1, None
@@ -172,18 +171,37 @@ def test_eps_curve_config_trains_every_method_at_tiny_size(tmp_path):
   assert res["dp_gcl"]["sensitivity"] == 2.0 and res["dp_gcl"]["learning_rate"] == 1e-2
 
 
-def test_proposed_queue_lines():
-  q = run_queue.read_queue(os.path.join(REPO, "experiments", "queue_eps.txt"))
+def test_queue_lines_after_the_search():
+  q = run_queue.read_queue(os.path.join(REPO, "experiments", "queue_after_search.txt"))
   names = [n for n, _, _ in q]
-  want = {f"cifar10_embnet_eps{e}_s{s}" for e in (1, 2, 5, 8) for s in (0, 1, 2)}
-  assert len(names) == len(set(names)) == 12 and set(names) == want
+  curve = {f"cifar10_embnet_tuned_eps{e}_s{s}" for e in (1, 2, 8) for s in (0, 1, 2)}
+  tuned = {f"cifar10_embnet_tuned_s{s}" for s in (0, 1, 2)}
+  finetune = {f"cifar100_ft_tuned_s{s}" for s in (0, 1, 2)}
+  assert len(names) == len(set(names)) and set(names) == curve | tuned | finetune
   for name, config, overrides in q:
-    assert config == "experiments/configs/cifar10_embedding_net_eps_curve.py"
-    e = name.split("_eps")[1].split("_s")[0]
-    s = name.rsplit("_s", 1)[1]
-    assert f"--config.target_epsilon={e}.0" in overrides and f"--config.seed={s}" in overrides
-    assert ("--config.methods=('dp_gcl',)" in overrides) == (e == "5")
-  # The ε = 5 points of the other methods: an existing group of the same setting.
-  with open(os.path.join(REPO, "experiments", "queue.txt")) as f:
-    triangle_s0 = "cifar10_embnet_triangle_s0 experiments/configs/cifar10_embedding_net_triangle.py"
-    assert triangle_s0 in f.read()
+    if name in finetune:
+      assert config == "finetune" and overrides == [name.replace("cifar100_ft", "cifar10_embnet")]
+      continue
+    assert config == "experiments/configs/cifar10_embedding_net_tuned.py"
+    assert f"--config.seed={name.rsplit('_s', 1)[1]}" in overrides
+    if name in curve:  # every private method, σ recalibrated for ε; non-private is the ε = 5 run's
+      e = name.split("_eps")[1].split("_s")[0]
+      assert f"--config.target_epsilon={e}.0" in overrides
+      assert "--config.methods=('logit_dp','naive_dp','dp_gcl')" in overrides
+    else:
+      assert not any(
+          o.startswith(("--config.target_epsilon", "--config.methods")) for o in overrides)
+  # Each seed's ε = 5 run comes before its curve runs.
+  for s in (0, 1, 2):
+    assert names.index(f"cifar10_embnet_tuned_s{s}") < names.index(
+        f"cifar10_embnet_tuned_eps1_s{s}")
+
+
+def test_dpgcl_queue_lines_pair_with_the_triangle_seeds():
+  q = {n: (c, o) for n, c, o in run_queue.read_queue(os.path.join(REPO, "experiments", "queue.txt"))}
+  for s in (0, 1, 2):
+    config, overrides = q[f"cifar10_embnet_dpgcl_s{s}"]
+    assert config == "experiments/configs/cifar10_embedding_net_dpgcl.py"
+    assert "--config.methods=('dp_gcl',)" in overrides and f"--config.seed={s}" in overrides
+    assert q[f"cifar10_embnet_triangle_s{s}"][0] == (
+        "experiments/configs/cifar10_embedding_net_triangle.py")

@@ -150,19 +150,23 @@ def test_tuned_config_applies_the_chosen_overrides_once(scripted_search):
   path = os.path.join(scripted_search["results"], "search.json")
   cfg = cifar10_embedding_net_tuned.get_config(path)
   ref = cifar10_embedding_net_triangle.get_config()
-  assert cfg.data.name == "cifar10" and tuple(cfg.methods) == tuple(ref.methods)
+  assert cfg.data.name == "cifar10"
+  assert tuple(cfg.methods) == ("logit_dp", "naive_dp", "dp_gcl", "non_private")
+  assert (cfg.dp_gcl.group_size, cfg.dp_gcl.extra_views, cfg.learning_rates.dp_gcl) == (8.0, 2,
+                                                                                        1e-2)
   assert (cfg.temperature, cfg.model.embedding_dim, cfg.lr_schedule, cfg.lr_final_fraction,
           cfg.num_epochs) == (2.0, 16, "cosine", 0.1, 10)
   assert cfg.tuned_from.candidate == "epochs10"
   changed = {
       "temperature", "model", "lr_schedule", "lr_final_fraction", "num_epochs", "tuned_from",
-      "projection"
+      "projection", "methods", "dp_gcl", "learning_rates"
   }
   assert cfg.projection.reference == "cifar100" and cfg.projection.split == "train"
   got, want = cfg.to_dict(), ref.to_dict()
   assert {k for k in got if got[k] != want.get(k)} == changed
   assert {k: v for k, v in got["model"].items() if k != "embedding_dim"
          } == {k: v for k, v in want["model"].items() if k != "embedding_dim"}
+  assert {k: v for k, v in got["learning_rates"].items() if k != "dp_gcl"} == want["learning_rates"]
 
 
 def test_tuned_config_refuses_a_missing_unfinished_or_mismatched_search(scripted_search, tmp_path):

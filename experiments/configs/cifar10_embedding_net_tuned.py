@@ -6,7 +6,10 @@ images) with the overrides that the finished search of `tune_cifar100` chose,
 read from its committed ``docs/results/tune_cifar100/search.json`` and applied once,
 unchanged: nothing here is chosen by looking at CIFAR-10. Settings shared by every method
 (τ, pair mode, embedding dimension, epochs, learning-rate schedule, clip norm B) apply to
-every method of the run; ``learning_rates.logit_dp`` only to Logit-DP. Raises
+every method of the run; ``learning_rates.logit_dp`` only to Logit-DP. DP-GCL runs beside
+Logit-DP, Naive-DP and non-private at its a-priori setting
+(`cifar10_embedding_net_dpgcl.add_dp_gcl`), so one run gives every method's point of the
+accuracy-vs-ε curve (``--config.target_epsilon=E``; σ is recalibrated). Raises
 FileNotFoundError while the search has not been run, ValueError if it has not finished or if
 its base is not this config on CIFAR-100 (e.g. a ``--subset`` search).
 
@@ -23,6 +26,7 @@ import os
 import ml_collections
 
 from experiments import tune
+from experiments.configs import cifar10_embedding_net_dpgcl
 from experiments.configs import cifar10_embedding_net_projected
 from experiments.configs import cifar10_embedding_net_triangle
 
@@ -40,7 +44,7 @@ def get_config(search_json=None):
   if differ:
     raise ValueError(f"{path}: the search's base differs from the CIFAR-10 run in {differ}; its "
                      "choice does not transfer unchanged.")
-  config = tune.apply_overrides(config, choice["overrides"])
+  config = cifar10_embedding_net_dpgcl.add_dp_gcl(tune.apply_overrides(config, choice["overrides"]))
   config.tuned_from = ml_collections.ConfigDict(
       dict(search=os.path.relpath(os.path.abspath(path), _REPO), candidate=choice["name"]))
   return config
