@@ -198,7 +198,8 @@ def test_queue_lines_after_the_search():
 
 
 def test_dpgcl_queue_lines_pair_with_the_triangle_seeds():
-  q = {n: (c, o) for n, c, o in run_queue.read_queue(os.path.join(REPO, "experiments", "queue.txt"))}
+  queue = run_queue.read_queue(os.path.join(REPO, "experiments", "queue.txt"))
+  q = {n: (c, o) for n, c, o in queue}
   for s in (0, 1, 2):
     config, overrides = q[f"cifar10_embnet_dpgcl_s{s}"]
     assert config == "experiments/configs/cifar10_embedding_net_dpgcl.py"
