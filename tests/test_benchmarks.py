@@ -226,3 +226,18 @@ def test_diagonal_cost_times_both_variants_and_restores_the_library():
   assert [r["method"] for r in rows] == ["ghost", "triangle"]
   assert all(r["safe_s"] > 0 and r["previous_s"] > 0 and math.isfinite(r["ratio"]) for r in rows)
   assert [getattr(clipping, name) for name in diagonal_cost._SWITCHES] == before
+
+
+@pytest.mark.slow  # four compilations; the forms themselves are tested in test_projected.py
+def test_projected_forms_benchmark_times_both_forms_and_they_agree():
+  from benchmarks import projected_forms  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import projection  # pylint: disable=g-import-not-at-top
+  saved = projection.GRAM_FORM_MAX_DIM
+  rows = projected_forms.main(
+      ["--sizes", "12", "--dims", "4", "--rank", "6", "--repeats", "1", "--image-size", "8"])
+  assert projection.GRAM_FORM_MAX_DIM == saved  # the library is restored
+  (row,) = rows
+  assert set(row["median_s"]) == {"non_private", "triangle", "projected_gram", "projected_vector"}
+  # Not bit-equal: the Gram form's squared norms carry ε_G·S² more allowance (≤ √ε_G·S = 2⁻¹⁰·S
+  # on a norm), which moves the clip factors of clipped pairs by as much.
+  assert row["grad_relative_difference"] < 1e-3

@@ -20,10 +20,16 @@ from logit_dp._src import projection
 
 N = 8
 
+# Embedding dimensions that take each form of the pair terms (projection.uses_gram_form).
+GRAM_FORM_DIM, VECTOR_FORM_DIM = 5, 20
+FORMS = pytest.mark.parametrize("dim", [GRAM_FORM_DIM, VECTOR_FORM_DIM],
+                                ids=["gram_form", "vector_form"])
+_SLOW = pytest.mark.slow
 
-def _conv_problem(seed=0, spread=0.3, num_reference=3):
+
+def _conv_problem(seed=0, spread=0.3, num_reference=3, dim=GRAM_FORM_DIM):
   k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
-  model = SmallConv()
+  model = SmallConv(dim=dim)
   x = jax.random.uniform(k1, (N, 8, 8, 3))
   x_prime = x + spread * jax.random.normal(k2, x.shape)
   reference = jax.random.uniform(k4, (num_reference, 8, 8, 3))
@@ -65,21 +71,27 @@ def _float64_truth(embed_fn, params, x, x_prime, reference, rank):
   return true, triangle, projected
 
 
-@pytest.fixture(scope="module")
-def conv_case():
-  embed_fn, params, x, x_prime, reference = _conv_problem()
-  # Each normalised Jacobian has rank d − 1 (ûᵀJ = 0): 3 references × 4 = 12 rows of rank, the
-  # rest of their 15 singular directions are rounding, different in float32 and float64.
-  truth = _float64_truth(embed_fn, params, x, x_prime, reference, rank=12)
-  return embed_fn, params, x, x_prime, reference, truth
+def test_the_test_dimensions_take_both_forms():
+  assert projection.uses_gram_form(GRAM_FORM_DIM) and not projection.uses_gram_form(VECTOR_FORM_DIM)
+
+
+@pytest.fixture(scope="module", params=[GRAM_FORM_DIM, VECTOR_FORM_DIM],
+                ids=["gram_form", "vector_form"])
+def conv_case(request):
+  embed_fn, params, x, x_prime, reference = _conv_problem(dim=request.param)
+  # Each normalised Jacobian has rank d − 1 (ûᵀJ = 0): 3 references × (d − 1) rows of rank, the
+  # rest of their 3d singular directions are rounding, different in float32 and float64.
+  rank = 3 * (request.param - 1)
+  truth = _float64_truth(embed_fn, params, x, x_prime, reference, rank=rank)
+  return embed_fn, params, x, x_prime, reference, rank, truth
 
 
 def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
   """k = m·(d − 1), the reference rows' rank: their span, well defined in float32 too."""
-  embed_fn, params, x, x_prime, reference, (true, triangle, projected) = conv_case
+  embed_fn, params, x, x_prime, reference, rank, (true, triangle, projected) = conv_case
   got = np.asarray(
       logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
-                               reference_inputs=reference, projection_rank=12,
+                               reference_inputs=reference, projection_rank=rank,
                                float_allowance=False), np.float64)
   off = ~np.eye(N, dtype=bool)
   # float32 without allowances: a − ‖Q̃ᵀJ_iᵀv̂_j‖² cancels (the subspace holds most of a), ~1e-4.
@@ -91,7 +103,7 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
 
 
 def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_case):
-  embed_fn, params, x, x_prime, reference, (true, _, _) = conv_case
+  embed_fn, params, x, x_prime, reference, _, (true, _, _) = conv_case
   got = np.asarray(
       logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
                                reference_inputs=reference, projection_rank=7, microbatch_size=3),
@@ -102,6 +114,55 @@ def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_cas
 
 
 @pytest.mark.slow  # shows the bound reaches the exact norm; the formula is checked by default
+def _float32_projections(embed_fn, params, x, x_prime, reference, rank):
+  """(J_iQ̃, û, J'_jQ̃, v̂, s, s') as the library computes them in float32."""
+  batch = clipping._Batch(embed_fn, params, x, x_prime, jnp.ones(
+      (x.shape[0],), bool), eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
+                          collective=clipping._Collective(None))
+  tangents, _ = clipping._projection_tangents(batch, reference, rank)
+  f_u, f_v = batch.factors(batch.x), batch.factors(batch.x_prime)
+  return (clipping._projected_jacobians(batch, f_u, tangents), batch.u_loc,
+          clipping._projected_jacobians(batch, f_v, tangents), batch.v,
+          clipping._jacobian_norms(f_u.gram), clipping._jacobian_norms(f_v.gram))
+
+
+# By default the near-identical views (the stress) at the shortest and longest contractions.
+@pytest.mark.parametrize("family", [
+    "near_identical",
+    pytest.param("shifted", marks=_SLOW),
+    pytest.param("unrelated", marks=_SLOW)
+])
+@pytest.mark.parametrize("dim,num_reference,rank",
+                         [(5, 3, 12), pytest.param(5, 8, 32, marks=_SLOW), (8, 16, 128)])
+def test_gram_form_float32_error_is_a_sixteenth_of_its_allowance(family, dim, num_reference, rank):
+  """‖X + Y‖², ‖X‖², ‖Y‖² from the Gram forms against float64 from the same float32
+  projections, relative to (s_i + s'_j)², s_i², s'_j²: the Gram allowance ε_G covers 16× the
+  largest error (near-identical views, where X and Y nearly cancel; rank 128 at d = 8, the
+  largest d that takes the Gram form: a contraction of d²k = 8,192)."""
+  embed_fn, params, x, x_prime, reference = _conv_problem(seed=1, num_reference=num_reference,
+                                                          dim=dim)
+  if family != "unrelated":
+    noise = 1e-2 * jax.random.normal(jax.random.PRNGKey(5), x.shape)
+    x_prime = (x if family == "near_identical" else jnp.roll(x, 1, axis=0)) + noise
+  p_u, u, p_v, v, s_u, s_v = _float32_projections(embed_fn, params, x, x_prime, reference, rank)
+  assert projection.uses_gram_form(dim) and p_u.shape[-1] == rank
+  got = projection.gram_norms(p_u, u, projection.gram_columns(p_v, v), s_u, s_v, 0.0)
+  a, b, c, d = (np.asarray(t, np.float64) for t in (p_u, u, p_v, v))
+  x_vec, y_vec = np.einsum("idk,jd->ijk", a, d), np.einsum("jdk,id->ijk", c, b)
+  s_i, s_j = np.asarray(s_u, np.float64)[:, None], np.asarray(s_v, np.float64)[None, :]
+  errors = [
+      np.abs(np.asarray(g, np.float64) ** 2 - np.sum(w * w, axis=-1)) / scale ** 2
+      for g, w, scale in zip(got, (x_vec + y_vec, x_vec, y_vec), (s_i + s_j, s_i, s_j))
+  ]
+  assert max(e.max() for e in errors) * 16 <= clipping._GRAM_FLOAT_ERROR
+  # ... and with the allowance each bounds the vector form's norm on the right side.
+  upper, x_low, y_low = (np.asarray(t, np.float64) for t in projection.gram_norms(
+      p_u, u, projection.gram_columns(p_v, v), s_u, s_v, clipping._GRAM_FLOAT_ERROR))
+  assert np.all(upper >= np.linalg.norm(x_vec + y_vec, axis=-1))
+  assert np.all(x_low <= np.linalg.norm(x_vec, axis=-1))
+  assert np.all(y_low <= np.linalg.norm(y_vec, axis=-1))
+
+
 def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   """With the batch's own inputs as the (here not public) reference, the subspace holds every
   pair gradient: the bound is the exact norm, up to its float32 allowances."""
@@ -174,10 +235,13 @@ def test_microbatches_and_jit_give_the_same_gradient():
   assert rel_err(micro, whole) < 1e-5
 
 
-def test_sharded_over_two_devices_equals_one_device():
+# The vector form's sharded run is slow: both forms take the same gathered columns.
+@pytest.mark.parametrize("dim",
+                         [GRAM_FORM_DIM, pytest.param(VECTOR_FORM_DIM, marks=_SLOW)],
+                         ids=["gram_form", "vector_form"])
+def test_sharded_over_two_devices_equals_one_device(dim):
   from logit_dp import distributed
-  embed_fn, params, x, x_prime = make_model("mlp", n=N, seed=8)
-  reference = jax.random.normal(jax.random.PRNGKey(12), (3,) + x.shape[1:])
+  embed_fn, params, x, x_prime, reference = _conv_problem(seed=8, dim=dim)
   loss = logit_dp.losses.contrastive(temperature=1.0)
   kw = dict(reference_inputs=reference, projection_rank=8)
   _, single = logit_dp.clipped_grad(embed_fn, loss, 0.05, "projected", **kw)(params, x, x_prime)
@@ -187,8 +251,9 @@ def test_sharded_over_two_devices_equals_one_device():
   assert rel_err(got, single) < 1e-5
 
 
-def test_removal_audit_at_a_tiny_clip_norm_respects_the_sensitivity():
-  embed_fn, params, x, _, reference = _conv_problem(seed=6)
+@FORMS
+def test_removal_audit_at_a_tiny_clip_norm_respects_the_sensitivity(dim):
+  embed_fn, params, x, _, reference = _conv_problem(seed=6, dim=dim)
   x_prime = x + 1e-2 * jax.random.normal(jax.random.PRNGKey(9), x.shape)  # near-identical
   loss = logit_dp.losses.contrastive(temperature=1.0)
   result = audit.max_removal_ratio(embed_fn, params, loss, 1e-5, x, x_prime, method="projected",

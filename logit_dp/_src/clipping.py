@@ -689,16 +689,25 @@ def _triangle_norms(batch: _Batch, allowance: float = 1.0, projection_spec=None)
   norms = _triangle_bound(anchor, positive, s_local, s_all, allowance)
   if tangents is not None:
     proj_local, proj_prime = terms[3], batch.c.gather(terms[4])
-    n, _, k = proj_prime.shape
+    n, d, k = proj_prime.shape
     vector_error = allowance * _VECTOR_FLOAT_ERROR * math.sqrt(k)
     gram_error = allowance * _GRAM_FLOAT_ERROR
+    if projection.uses_gram_form(d):
+      columns = projection.gram_columns(proj_prime, batch.v)
+      subspace_norms = lambda proj_rows, u_rows, s_rows: projection.gram_norms(
+          proj_rows, u_rows, columns, s_rows, s_all, gram_error)
+      row_floats = 8 * n + d * d * k
+    else:
+      subspace_norms = lambda proj_rows, u_rows, s_rows: projection.vector_norms(
+          proj_rows, u_rows, proj_prime, batch.v)
+      row_floats = 3 * n * k
 
     def rows_bound(proj_rows, u_rows, anchor_rows, positive_rows, s_rows, triangle_rows):
-      return projection.bound(proj_rows, u_rows, proj_prime, batch.v, anchor_rows, positive_rows,
+      return projection.bound(subspace_norms(proj_rows, u_rows, s_rows), anchor_rows, positive_rows,
                               s_rows, s_all, eta, vector_error, gram_error, triangle_rows)
 
     norms = _row_chunks(rows_bound, (proj_local, batch.u_loc, anchor, positive, s_local, norms),
-                        3 * n * k, _CROSS_GRAM_CHUNK_FLOATS)
+                        row_floats, _CROSS_GRAM_CHUNK_FLOATS)
   return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)
 
 

@@ -24,7 +24,9 @@ Float32: the basis Q̃ is only nearly orthonormal; with η ≥ ‖Q̃ᵀQ̃ − 
 in [√(1−η), √(1+η)], so ‖Πg‖² ≤ ‖Q̃ᵀg‖²/(1−η) and ‖Πx‖² ≥ ‖Q̃ᵀx‖²/(1+η) for the projector Π
 onto span(Q̃): the bound holds for Q̃ itself, not for an ideal Q. The projections Q̃ᵀJ_iᵀv̂_j
 come from the products J_iq̃_l (contracted from the layer factors, clipping.py) and carry the
-vector allowance; the quadratic forms carry the Gram allowance.
+vector allowance; the quadratic forms carry the Gram allowance. The pair terms take one of two
+forms with the same bound (`vector_norms`, or `gram_norms` for d ≤ GRAM_FORM_MAX_DIM, whose
+squared norms carry the Gram allowance on top).
 """
 
 from __future__ import annotations
@@ -83,25 +85,82 @@ def as_tangent_leaves(q: jax.Array, leaves) -> list:
   return out
 
 
-def bound(proj_rows, u_rows, proj_columns, v_columns, anchor, positive, s_rows, s_columns, eta,
-          vector_error: float, gram_error: float, triangle) -> jax.Array:
+# Embedding dimensions up to this use the Gram form of the pair terms (`gram_norms`), larger
+# ones the vector form (`vector_norms`): per pair d²k multiply-adds in matrix products against
+# 2dk in memory-bound ones. On the loaded 2-core CPU at n = 4,000 (full Logit-DP step,
+# benchmarks/projected_forms.py, docs/BENCHMARKS.md) the Gram form was 0.86× the vector form's
+# time at d = 8 and 1.08× at d = 16.
+GRAM_FORM_MAX_DIM = 8
+
+
+def uses_gram_form(embedding_dim: int) -> bool:
+  """Whether the pair terms of embedding dimension d take the Gram form (d ≤ GRAM_FORM_MAX_DIM)."""
+  return embedding_dim <= GRAM_FORM_MAX_DIM
+
+
+def vector_norms(proj_rows, u_rows, proj_columns,
+                 v_columns) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(‖X + Y‖, ‖X‖, ‖Y‖), each (rows, columns), for X = Q̃ᵀJ_iᵀv̂_j and Y = Q̃ᵀJ'_jᵀû_i formed
+  as vectors from proj_rows (r, d, k) = J_iQ̃ and proj_columns (c, d, k) = J'_jQ̃."""
+  x = jnp.einsum("idk,jd->ijk", proj_rows, v_columns, precision=_HIGHEST)
+  y = jnp.einsum("jdk,id->ijk", proj_columns, u_rows, precision=_HIGHEST)
+  norm = lambda a: jnp.sqrt(jnp.sum(a * a, axis=-1))
+  return norm(x + y), norm(x), norm(y)
+
+
+def gram_columns(proj_columns, v_columns) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The column side of `gram_norms`, formed once for all row chunks: v̂_j ⊗ v̂_j (c, d²),
+  J'_jQ̃Q̃ᵀJ'_jᵀ (c, d²) and H_j[a, b, l] = v̂_ja (J'_jQ̃)_bl (c, d²k)."""
+  c, d, _ = proj_columns.shape
+  vv = (v_columns[:, :, None] * v_columns[:, None, :]).reshape(c, d * d)
+  gram = jnp.einsum("jak,jbk->jab", proj_columns, proj_columns, precision=_HIGHEST).reshape(c, -1)
+  h = (v_columns[:, :, None, None] * proj_columns[:, None, :, :]).reshape(c, -1)
+  return vv, gram, h
+
+
+def gram_norms(proj_rows, u_rows, columns, s_rows, s_columns,
+               gram_error: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`vector_norms` from Gram forms, each a matrix product: ‖X‖² = v̂_jᵀ(J_iQ̃Q̃ᵀJ_iᵀ)v̂_j,
+  ‖Y‖² = û_iᵀ(J'_jQ̃Q̃ᵀJ'_jᵀ)û_i and X·Y = Σ_abl (J_iQ̃)_al û_ib · v̂_ja (J'_jQ̃)_bl (columns:
+  `gram_columns`). The computed squares are within ε_G·s² of those of the computed vectors
+  (ε_G = gram_error, the Gram allowance; s_i² for ‖X‖², s'_j² for ‖Y‖², (s_i + s'_j)² for
+  ‖X + Y‖²; measured against float64 from the same projections: below 2⁻²⁴·s², a margin of
+  16 asserted in tests/test_projected.py): the first norm is raised by it and the other two
+  lowered, so each bounds the vector form's value."""
+  vv, gram_columns_, h = columns
+  r, d, _ = proj_rows.shape
+  gram_rows = jnp.einsum("iak,ibk->iab", proj_rows, proj_rows, precision=_HIGHEST).reshape(r, -1)
+  uu = (u_rows[:, :, None] * u_rows[:, None, :]).reshape(r, d * d)
+  f = (proj_rows[:, :, None, :] * u_rows[:, None, :, None]).reshape(r, -1)
+  xx = jnp.matmul(gram_rows, vv.T, precision=_HIGHEST)
+  yy = jnp.matmul(uu, gram_columns_.T, precision=_HIGHEST)
+  xy = jnp.matmul(f, h.T, precision=_HIGHEST)
+  s_i, s_j = s_rows[:, None], s_columns[None, :]
+  upper = jnp.sqrt(jnp.maximum(xx + yy + 2.0 * xy, 0.0) + gram_error * (s_i + s_j) ** 2)
+  lower = lambda sq, s: jnp.sqrt(jnp.maximum(sq - gram_error * s ** 2, 0.0))
+  return upper, lower(xx, s_i), lower(yy, s_j)
+
+
+def bound(subspace_norms, anchor, positive, s_rows, s_columns, eta, vector_error: float,
+          gram_error: float, triangle) -> jax.Array:
   """min(projected bound, triangle) for rows i and columns j, shape (rows, columns).
 
-  proj_rows (r, d, k) = J_iQ̃ and proj_columns (c, d, k) = J'_jQ̃; anchor = v̂_jᵀK_i v̂_j and
-  positive = û_iᵀK'_j û_i (r, c); s = ‖J‖_F per example. With X = Q̃ᵀJ_iᵀv̂_j, Y = Q̃ᵀJ'_jᵀû_i
-  (computed, each within vector_error·s of the truth) and ε_G = gram_error:
+  subspace_norms = (‖X + Y‖, ‖X‖, ‖Y‖) of the computed X = Q̃ᵀJ_iᵀv̂_j and Y = Q̃ᵀJ'_jᵀû_i
+  (`vector_norms` or `gram_norms`: an upper bound of the first, lower bounds of the others),
+  each vector within vector_error·s of the truth; anchor = v̂_jᵀK_i v̂_j and
+  positive = û_iᵀK'_j û_i (r, c); s = ‖J‖_F per example. With e_v = vector_error and
+  ε_G = gram_error:
 
       bound² = (‖X + Y‖ + e_v(s_i + s'_j))²/(1 − η) + (r_i + r'_j)²,
       r_i = √(max(a − X_low²/(1+η), 0) + ε_G s_i²),  r'_j = √(max(b − Y_low²/(1+η), 0) + ε_G s'_j²),
 
-  X_low = max(‖X‖ − e_v s_i, 0), Y_low likewise (e_v = vector_error).
+  X_low = max(‖X‖ − e_v s_i, 0), Y_low likewise.
   """
-  x = jnp.einsum("idk,jd->ijk", proj_rows, v_columns, precision=_HIGHEST)
-  y = jnp.einsum("jdk,id->ijk", proj_columns, u_rows, precision=_HIGHEST)
+  sum_norm, x_norm, y_norm = subspace_norms
   s_i, s_j = s_rows[:, None], s_columns[None, :]
-  in_subspace = jnp.sqrt(jnp.sum((x + y) ** 2, axis=-1)) + vector_error * (s_i + s_j)
-  x_low = jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=-1)) - vector_error * s_i, 0.0)
-  y_low = jnp.maximum(jnp.sqrt(jnp.sum(y * y, axis=-1)) - vector_error * s_j, 0.0)
+  in_subspace = sum_norm + vector_error * (s_i + s_j)
+  x_low = jnp.maximum(x_norm - vector_error * s_i, 0.0)
+  y_low = jnp.maximum(y_norm - vector_error * s_j, 0.0)
   trusted = eta < MAX_ORTHONORMALITY_ERROR
   eta = jnp.where(trusted, eta, 0.0)
   rest_u = jnp.sqrt(jnp.maximum(anchor - x_low ** 2 / (1.0 + eta), 0.0) + gram_error * s_i ** 2)

@@ -1,0 +1,104 @@
+r"""The "projected" bound's pair terms in their two forms, side by side in one process.
+
+    python -m benchmarks.projected_forms --sizes 1000,4000 --dims 8,16,32 [--repeats 5]
+
+For each (n, d): the paper's embedding net with embedding dimension d, a batch of n CIFAR-shaped
+pairs, 64 reference inputs, rank 32. Times one jitted `clipped_grad` of each of: the non-private
+gradient, "triangle", and "projected" with the pair terms in the Gram form and in the vector
+form (`projection.GRAM_FORM_MAX_DIM` set to force each; the two compile separately), called in
+turn ``repeats`` times after a warm-up, and reports medians and ratios. Also checks that both
+forms give the same ḡ. JSON on stdout (docs/BENCHMARKS.md quotes it).
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import logit_dp
+from logit_dp import models
+from logit_dp._src import projection
+
+
+def _problem(n: int, d: int, image_size: int, seed: int = 0):
+  model = models.EmbeddingNet(embedding_dim=d)
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.uniform(k1, (n, image_size, image_size, 3))
+  x_prime = x + 0.1 * jax.random.normal(k2, x.shape)
+  reference = jax.random.uniform(k4, (64,) + x.shape[1:])
+  return model.apply, jax.jit(model.init)(k3, x[:1]), x, x_prime, reference
+
+
+def _functions(embed_fn, reference, rank: int, args: tuple) -> dict:
+  """The four gradients, each compiled for ``args`` = (params, x, x')."""
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+
+  def non_private(params, x, x_prime):
+    return jax.value_and_grad(
+        lambda p: loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime))))(params)
+
+  fns = {
+      "non_private":
+          jax.jit(non_private).lower(*args).compile(), "triangle":
+              jax.jit(logit_dp.clipped_grad(embed_fn, loss, 1.0,
+                                            "triangle")).lower(*args).compile()
+  }
+  for form, max_dim in (("projected_gram", 1 << 30), ("projected_vector", 0)):
+    saved = projection.GRAM_FORM_MAX_DIM
+    projection.GRAM_FORM_MAX_DIM = max_dim
+    try:
+      fn = jax.jit(
+          logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=reference,
+                                projection_rank=rank))
+      fns[form] = fn.lower(*args).compile()  # traced now, under this form
+    finally:
+      projection.GRAM_FORM_MAX_DIM = saved
+  return fns
+
+
+def _time(fn, args) -> float:
+  t = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - t
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--sizes", default="1000")
+  parser.add_argument("--dims", default="8,16,32")
+  parser.add_argument("--rank", type=int, default=32)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--image-size", type=int, default=32)
+  args = parser.parse_args(argv)
+  rows = []
+  for n in (int(s) for s in args.sizes.split(",")):
+    for d in (int(s) for s in args.dims.split(",")):
+      embed_fn, params, x, x_prime, reference = _problem(n, d, args.image_size)
+      call_args = (params, x, x_prime)
+      fns = _functions(embed_fn, reference, args.rank, call_args)
+      outs = {name: fn(*call_args) for name, fn in fns.items()}  # warm-up
+      g_gram, g_vector = outs["projected_gram"][1], outs["projected_vector"][1]
+      num = sum(
+          float(jnp.sum((a - b) ** 2))
+          for a, b in zip(jax.tree_util.tree_leaves(g_gram), jax.tree_util.tree_leaves(g_vector)))
+      den = sum(float(jnp.sum(b ** 2)) for b in jax.tree_util.tree_leaves(g_vector))
+      times = {name: [] for name in fns}
+      for _ in range(args.repeats):
+        for name, fn in fns.items():
+          times[name].append(_time(fn, call_args))
+      median = {name: float(np.median(t)) for name, t in times.items()}
+      row = dict(n=n, d=d, rank=args.rank, median_s=median,
+                 gram_over_vector=median["projected_gram"] / median["projected_vector"],
+                 over_non_private={k: v / median["non_private"] for k, v in median.items()},
+                 grad_relative_difference=(num / den) ** 0.5)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  print(json.dumps(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), indent=1))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
