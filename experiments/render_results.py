@@ -18,7 +18,9 @@ seeds, two configurations), ``versus:<group a>:<group b>`` (every method of a ag
 method of b, same seeds), ``bound:<ghost group>:<triangle group>``
 (what the triangle bound costs, same seeds), ``pair_norms:<file in results_dir>`` (how much
 B clips, from experiments/pair_norms.py), ``clip_bias:<file in results_dir>`` (what clipping
-every pair does to ḡ, from experiments/clip_bias.py), ``search:<folder in results_dir>`` (the
+every pair does to ḡ, from experiments/clip_bias.py), ``signal_to_noise:<file in results_dir>``
+(one step's clipped sum against its noise, from experiments/signal_to_noise.py),
+``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
 ``<prefix>_eps<E>``, an extra group per ε for the methods those lack; `parse_curve_spec`).
@@ -476,7 +478,30 @@ def clip_bias_table(report: dict) -> str:
   return "\n".join(lines)
 
 
-_REPORT_TABLES = {"pair_norms": pair_norms_table, "clip_bias": clip_bias_table}
+def signal_to_noise_table(report: dict) -> str:
+  """One private step's clipped sum against its noise, per method (signal_to_noise.py)."""
+  lines = [
+      f"One batch of {report['n']:,} CIFAR-10 same-class pairs, {report['parameters']} "
+      f"parameters, B = {report['clip_norm']:g}, τ = {report['temperature']:g}, "
+      f"σ = {report['noise_multiplier']:.3g}: ‖ḡ‖, the sensitivity Δ, the noise's norm σΔ√p, "
+      "SNR = ‖ḡ‖ / (σΔ√p), and the cosine of ḡ with the unclipped full-batch gradient ∇ℒ.", "",
+      "| method | ‖ḡ‖ | Δ | σΔ√p | SNR | cos(ḡ, ∇ℒ) |", "|---|---|---|---|---|---|"
+  ]
+  names = {"naive_dp": "Naive-DP", "dp_gcl": "DP-GCL"}
+  for name, m in report["methods"].items():
+    label = names.get(name) or f"Logit-DP, {name.removeprefix('logit_dp_')}"
+    if name == "dp_gcl":
+      label += (f" ({m['num_groups']:,} groups; cos with its unclipped group sum "
+                f"{m['cos_with_unclipped_group_sum']:+.3f})")
+    lines.append(f"| {label} | {m['grad_norm']:.3g} | {m['sensitivity']:.3g} | "
+                 f"{m['noise_norm']:.3g} | {m['snr']:.3g} | {m['cos_with_true_grad']:+.3f} |")
+  return "\n".join(lines)
+
+
+_REPORT_TABLES = {
+    "pair_norms": pair_norms_table, "clip_bias": clip_bias_table,
+    "signal_to_noise": signal_to_noise_table
+}
 
 
 def _fmt_overrides(overrides: dict) -> str:

@@ -69,3 +69,42 @@ def test_clip_bias_table_renders_the_report():
   assert cells[6] == "6.9000 / 6.9100 / 6.9200"  # steps 0 / 10 / 20, loss per pair (n = 1,000)
   assert cells[7] == "0.500 / 0.600 / 0.700"
   assert "| ∞ (∇ℒ) |" in text
+
+
+def test_signal_to_noise_measures_against_the_library_and_jax_grad():
+  from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
+  k = jax.random.split(jax.random.PRNGKey(1), 4)
+  params = dict(w1=jax.random.normal(k[0], (5, 7)), w2=jax.random.normal(k[1], (7, 3)))
+  x, x_prime = jax.random.normal(k[2], (16, 5)), jax.random.normal(k[3], (16, 5))
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  p = 5 * 7 + 7 * 3
+  # Nothing clipped: every Logit-DP ḡ and DP-GCL's sum are the unclipped gradients.
+  big = signal_to_noise.measure(_embed, params, x, x_prime, loss, 1e6, 2.0, ["ghost", "triangle"],
+                                group_size=4.0)
+  for name in ("logit_dp_ghost", "logit_dp_triangle"):
+    assert big[name]["cos_with_true_grad"] == pytest.approx(1.0, abs=1e-5)
+  assert big["dp_gcl"]["cos_with_unclipped_group_sum"] == pytest.approx(1.0, abs=1e-5)
+  assert big["dp_gcl"]["num_groups"] == 4
+  # Every pair / group clipped: the library's sensitivities, and ‖ḡ‖ ≤ (number of terms)·B.
+  small = signal_to_noise.measure(_embed, params, x, x_prime, loss, 1e-3, 2.0, ["ghost"],
+                                  group_size=4.0)
+  assert small["logit_dp_ghost"]["sensitivity"] == logit_dp.sensitivity(loss, 1e-3)
+  assert small["naive_dp"]["sensitivity"] == logit_dp.naive_sensitivity(1e-3)
+  assert small["dp_gcl"]["sensitivity"] == logit_dp.grouped_sensitivity(1e-3) == 2e-3
+  assert small["dp_gcl"]["grad_norm"] <= 4 * 1e-3 * (1 + 1e-6)
+  for m in small.values():
+    assert m["snr"] == pytest.approx(m["grad_norm"] / (2.0 * m["sensitivity"] * p ** 0.5))
+    assert abs(m["cos_with_true_grad"]) <= 1.0 + 1e-6
+
+
+def test_signal_to_noise_table_renders_the_report():
+  from experiments import render_results  # pylint: disable=g-import-not-at-top
+  method = dict(grad_norm=50.0, sensitivity=2.0, noise_norm=400.0, snr=0.125,
+                cos_with_true_grad=0.99)
+  report = dict(
+      n=2000, parameters="initial", clip_norm=1.0, temperature=1.0, noise_multiplier=2.7,
+      methods=dict(logit_dp_projected=dict(method, sensitivity=16.8),
+                   dp_gcl=dict(method, num_groups=250, cos_with_unclipped_group_sum=0.999)))
+  text = render_results.signal_to_noise_table(report)
+  assert "| Logit-DP, projected | 50 | 16.8 | 400 | 0.125 | +0.990 |" in text
+  assert "| DP-GCL (250 groups; cos with its unclipped group sum +0.999) | 50 | 2 |" in text

@@ -1,0 +1,128 @@
+r"""Signal against noise of one private step, per method (a noise-free diagnostic, not private).
+
+For one batch of n CIFAR-10 same-class pairs at the initial parameters of the full-size runs'
+embedding net (`cifar10_embedding_net_dpgcl`: B = 1, τ = 1, ε = 5 at q = 0.4, T = 50), every
+private method's clipped sum ḡ is set against the Gaussian noise the method adds to it:
+N(0, (σΔ)²I) on p parameters, Δ the method's sensitivity (`logit_dp.sensitivity`,
+`naive_sensitivity`, `grouped_sensitivity`) and σ the runs' noise multiplier. It reports
+
+    ‖ḡ‖,  Δ,  SNR = ‖ḡ‖ / (σΔ√p)   (the noise's norm is ≈ σΔ√p),
+    cos(ḡ, ∇ℒ)                      (∇ℒ: the unclipped full-batch InfoNCE gradient),
+
+and for DP-GCL also cos(ḡ, Σ_g ∇L_g) with its own unclipped group sum (clip norm 10³⁰): whether
+clipping the groups turns their sum. Groups: expected size 8 (G = n/8), no extra views.
+
+    python -m experiments.signal_to_noise --npz_dir=DIR --n=10000 \
+        --out=docs/results/signal_to_noise.json
+"""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app
+from absl import flags
+
+import logit_dp
+from experiments import data as data_lib
+from experiments import train as train_lib
+from experiments.configs import cifar10_embedding_net_dpgcl
+from experiments.configs import cifar10_embedding_net_projected
+
+FLAGS = flags.FLAGS
+_UNCLIPPED = 1e30
+
+
+def _define_flags():
+  flags.DEFINE_string("npz_dir", None, "Folder with cifar10.npz and cifar100.npz.")
+  flags.DEFINE_string("out", None, "Write the measurements here (JSON).")
+  flags.DEFINE_integer("n", 2000, "Pairs in the batch.")
+  flags.DEFINE_list("logit_dp_methods", ["triangle", "projected"], "Logit-DP clip methods.")
+
+
+def _cos(a, b) -> float:
+  num = sum(
+      jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+  return float(num / (optax.global_norm(a) * optax.global_norm(b)))
+
+
+def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, logit_dp_methods,
+            reference_inputs=None, projection_rank: int = 32, group_size: float = 8.0) -> dict:
+  """The report's ``methods`` entries for one batch (see the module docstring)."""
+  num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
+  n = x.shape[0]
+  true_grad = jax.grad(
+      lambda p: loss(logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, x_prime))))(params)
+  record_ids = jnp.arange(n)
+  num_groups = max(1, round(n / group_size))
+  group_key = jax.random.PRNGKey(0)
+
+  def grouped(bound):
+    fn = logit_dp.grouped_clipped_grad(apply_fn, loss, bound, num_groups, microbatch_size=500)
+    return fn(params, x, x_prime, record_ids=record_ids, group_key=group_key)[1]
+
+  grads, sensitivities = {}, {}
+  for method in logit_dp_methods:
+    kwargs = (dict(reference_inputs=reference_inputs, projection_rank=projection_rank)
+              if method == "projected" else {})
+    grads[f"logit_dp_{method}"] = logit_dp.clipped_grad(apply_fn, loss, clip_norm, method,
+                                                        microbatch_size=500, **kwargs)(params, x,
+                                                                                       x_prime)[1]
+    sensitivities[f"logit_dp_{method}"] = logit_dp.sensitivity(loss, clip_norm, batch_size=None)
+  grads["naive_dp"] = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm,
+                                                  microbatch_size=500)(params, x, x_prime)[1]
+  sensitivities["naive_dp"] = logit_dp.naive_sensitivity(clip_norm)
+  grads["dp_gcl"] = grouped(clip_norm)
+  sensitivities["dp_gcl"] = logit_dp.grouped_sensitivity(clip_norm)
+  out = {}
+  for name, g in grads.items():
+    norm = float(optax.global_norm(g))
+    delta = float(sensitivities[name])
+    out[name] = dict(grad_norm=norm, sensitivity=delta,
+                     noise_norm=sigma * delta * num_params ** 0.5, snr=norm /
+                     (sigma * delta * num_params ** 0.5), cos_with_true_grad=_cos(g, true_grad))
+  out["dp_gcl"]["cos_with_unclipped_group_sum"] = _cos(grads["dp_gcl"], grouped(_UNCLIPPED))
+  out["dp_gcl"]["num_groups"] = num_groups
+  return out
+
+
+def main(argv):
+  del argv
+  config = cifar10_embedding_net_dpgcl.get_config()
+  config.data.npz_dir = FLAGS.npz_dir
+  ds = data_lib.load_dataset(config.data, seed=0)
+  pairs = data_lib.make_pairs(ds["y_train"], "same_class", seed=0)
+  sigma = train_lib.privacy_plan(config, len(pairs))["noise_multiplier"]
+  x_train = np.asarray(data_lib.to_float(ds["x_train"]))
+  batch = pairs[np.random.default_rng(0).choice(len(pairs), FLAGS.n, replace=False)]
+  x, x_prime = jnp.asarray(x_train[batch[:, 0]]), jnp.asarray(x_train[batch[:, 1]])
+  _, apply_fn, _, init_jit = train_lib.get_model(config.model)
+  params = init_jit(jax.random.PRNGKey(0), x[:1])
+  projection = cifar10_embedding_net_projected.projection_config()
+  reference = None
+  if "projected" in FLAGS.logit_dp_methods:
+    reference = jnp.asarray(
+        data_lib.to_float(
+            data_lib.reference_images(projection.reference, projection.split,
+                                      projection.num_reference, seed=projection.seed,
+                                      npz_dir=FLAGS.npz_dir)))
+  t0 = time.time()
+  methods = measure(apply_fn, params, x, x_prime, logit_dp.losses.contrastive(config.temperature),
+                    float(config.clip_norm), sigma, FLAGS.logit_dp_methods, reference,
+                    projection.rank, float(config.dp_gcl.group_size))
+  report = dict(n=FLAGS.n, clip_norm=float(config.clip_norm), temperature=config.temperature,
+                noise_multiplier=sigma, parameters="initial (seed 0)", methods=methods,
+                seconds=time.time() - t0)
+  for name, m in methods.items():
+    print(name, json.dumps(m), flush=True)
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
