@@ -27,18 +27,22 @@ from experiments import data as data_lib
 from experiments import train as train_lib
 from experiments.configs import cifar10_embedding_net_paper_hparams
 
-flags.DEFINE_string("npz_dir", None, "Folder with cifar10.npz.")
-flags.DEFINE_string("out", None, "Write the measurements here (JSON).")
-flags.DEFINE_integer("subset", 4000, "Train images (random subset).")
-flags.DEFINE_integer("batch", 1000, "Pairs per step.")
-flags.DEFINE_integer("steps", 40, "Adam steps.")
-flags.DEFINE_list("clip_norms", ["inf", "1", "1e-2", "1e-5"], "B values (inf: the true gradient).")
-flags.DEFINE_string("clip_method", "triangle", "triangle | ghost | projected.")
-flags.DEFINE_integer(
-    "num_reference", 64,
-    "projected: CIFAR-100 train images (public, fixed seed) spanning the subspace.")
-flags.DEFINE_integer("projection_rank", 32, "projected: rank of the subspace.")
 FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  flags.DEFINE_string("npz_dir", None, "Folder with cifar10.npz.")
+  flags.DEFINE_string("out", None, "Write the measurements here (JSON).")
+  flags.DEFINE_integer("subset", 4000, "Train images (random subset).")
+  flags.DEFINE_integer("batch", 1000, "Pairs per step.")
+  flags.DEFINE_integer("steps", 40, "Adam steps.")
+  flags.DEFINE_list("clip_norms", ["inf", "1", "1e-2", "1e-5"],
+                    "B values (inf: the true gradient).")
+  flags.DEFINE_string("clip_method", "triangle", "triangle | ghost | projected.")
+  flags.DEFINE_integer(
+      "num_reference", 64,
+      "projected: CIFAR-100 train images (public, fixed seed) spanning the subspace.")
+  flags.DEFINE_integer("projection_rank", 32, "projected: rank of the subspace.")
 
 
 class _DiagonalOnly:
@@ -73,7 +77,8 @@ def _tree_norm(t):
   return float(optax.global_norm(t))
 
 
-def _tree_cos(a, b):
+def tree_cosine(a, b) -> float:
+  """⟨a, b⟩ / (‖a‖‖b‖) over all leaves of two pytrees."""
   num = sum(
       jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
   return float(num / (optax.global_norm(a) * optax.global_norm(b)))
@@ -125,10 +130,10 @@ def main(argv):
     grad_fn = jax.jit(
         logit_dp.clipped_grad(apply_fn, loss, clip, method, microbatch_size=500, **kwargs))
     g0, parts = gradient_parts(apply_fn, loss, clip, method, params0, xa0, xb0, **kwargs)
-    init = dict(norm=_tree_norm(g0), cos_with_true_grad=_tree_cos(g0, true_grad),
+    init = dict(norm=_tree_norm(g0), cos_with_true_grad=tree_cosine(g0, true_grad),
                 positive_norm=_tree_norm(parts["positive"]),
                 negative_norm=_tree_norm(parts["negative"]),
-                cos_positive_negative=_tree_cos(parts["positive"], parts["negative"]))
+                cos_positive_negative=tree_cosine(parts["positive"], parts["negative"]))
     tx = optax.adam(1e-2)
     params, opt_state = params0, tx.init(params0)
     curve = [test_stats(params)]
@@ -148,4 +153,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -187,6 +187,13 @@ def fmt_ms(mean, std, digits=3) -> str:
   return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def _fmt_t_p(d: dict) -> tuple[str, str]:
+  """The t statistic and p-value of `paired_difference`, "–" where undefined (n < 2, std 0)."""
+  t = "–" if d["t"] != d["t"] else f"{d['t']:.2f}"
+  p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
+  return t, p
+
+
 def _fmt_num(x) -> str:
   return "–" if x is None else f"{x:.3g}"
 
@@ -312,8 +319,7 @@ def verdict_table(groups, paper) -> str:
         (ma, sa), (mb, sb) = prow[a]["abs"][0], prow[b]["abs"][0]
         ptxt = (f"{ma - mb:+.3f}"
                 if sa is None or sb is None else f"{ma - mb:+.3f} ± {math.hypot(sa, sb):.3f}")
-      t = "–" if d["t"] != d["t"] else f"{d['t']:.2f}"
-      p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
+      t, p = _fmt_t_p(d)
       mean = f"{d['mean']:+.4f}" + ("" if d["std"] != d["std"] else f" ± {d['std']:.4f}")
       lines.append(f"| {g} | {LABELS[a]} − {LABELS[b]} | {mean} | {d['n']} | {t} | {p} | "
                    f"{answer} | {ptxt} |")
@@ -337,8 +343,7 @@ def compare_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
       va = [ra["results"][m][k] for ra, _ in both]
       vb = [rb["results"][m][k] for _, rb in both]
       d = paired_difference(va, vb)
-      t = "–" if d["t"] != d["t"] else f"{d['t']:.2f}"
-      p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
+      t, p = _fmt_t_p(d)
       lines.append(f"| {LABELS[m]} | {lab} | {fmt_ms(*mean_std(va))} | {fmt_ms(*mean_std(vb))} | "
                    f"{fmt_ms(d['mean'], d['std'], 4)} | {d['n']} | {t} | {p} |")
   return "\n".join(lines)
@@ -369,8 +374,7 @@ def versus_table(a_runs, b_runs, a_name: str, b_name: str, acc: str = "3-NN acc"
           continue
         va, vb = [x for x, _ in pairs], [y for _, y in pairs]
         d = paired_difference(va, vb)
-        t = "–" if d["t"] != d["t"] else f"{d['t']:.2f}"
-        p = "–" if d["p"] != d["p"] else f"{d['p']:.2g}"
+        t, p = _fmt_t_p(d)
         lines.append(f"| {LABELS[ma]} | {LABELS[mb]} | {lab} | {fmt_ms(*mean_std(va))} | "
                      f"{fmt_ms(*mean_std(vb))} | {fmt_ms(d['mean'], d['std'], 4)} | {d['n']} | "
                      f"{t} | {p} |")
@@ -487,9 +491,9 @@ def signal_to_noise_table(report: dict) -> str:
       "SNR = ‖ḡ‖ / (σΔ√p), and the cosine of ḡ with the unclipped full-batch gradient ∇ℒ.", "",
       "| method | ‖ḡ‖ | Δ | σΔ√p | SNR | cos(ḡ, ∇ℒ) |", "|---|---|---|---|---|---|"
   ]
-  names = {"naive_dp": "Naive-DP", "dp_gcl": "DP-GCL"}
   for name, m in report["methods"].items():
-    label = names.get(name) or f"Logit-DP, {name.removeprefix('logit_dp_')}"
+    clip_method = name.removeprefix("logit_dp_")
+    label = LABELS[name] if name in LABELS else f"{LABELS['logit_dp']}, {clip_method}"
     if name == "dp_gcl":
       label += (f" ({m['num_groups']:,} groups; cos with its unclipped group sum "
                 f"{m['cos_with_unclipped_group_sum']:+.3f})")

@@ -27,6 +27,7 @@ from absl import app
 from absl import flags
 
 import logit_dp
+from experiments import clip_bias
 from experiments import data as data_lib
 from experiments import train as train_lib
 from experiments.configs import cifar10_embedding_net_dpgcl
@@ -41,12 +42,6 @@ def _define_flags():
   flags.DEFINE_string("out", None, "Write the measurements here (JSON).")
   flags.DEFINE_integer("n", 2000, "Pairs in the batch.")
   flags.DEFINE_list("logit_dp_methods", ["triangle", "projected"], "Logit-DP clip methods.")
-
-
-def _cos(a, b) -> float:
-  num = sum(
-      jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
-  return float(num / (optax.global_norm(a) * optax.global_norm(b)))
 
 
 def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, logit_dp_methods,
@@ -81,10 +76,11 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
   for name, g in grads.items():
     norm = float(optax.global_norm(g))
     delta = float(sensitivities[name])
-    out[name] = dict(grad_norm=norm, sensitivity=delta,
-                     noise_norm=sigma * delta * num_params ** 0.5, snr=norm /
-                     (sigma * delta * num_params ** 0.5), cos_with_true_grad=_cos(g, true_grad))
-  out["dp_gcl"]["cos_with_unclipped_group_sum"] = _cos(grads["dp_gcl"], grouped(_UNCLIPPED))
+    noise_norm = sigma * delta * num_params ** 0.5
+    out[name] = dict(grad_norm=norm, sensitivity=delta, noise_norm=noise_norm,
+                     snr=norm / noise_norm, cos_with_true_grad=clip_bias.tree_cosine(g, true_grad))
+  out["dp_gcl"]["cos_with_unclipped_group_sum"] = clip_bias.tree_cosine(
+      grads["dp_gcl"], grouped(_UNCLIPPED))
   out["dp_gcl"]["num_groups"] = num_groups
   return out
 
