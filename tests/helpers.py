@@ -37,3 +37,15 @@ def method_kwargs(method: str, x, num_reference: int = 4, seed: int = 7) -> dict
   shape = (num_reference,) + tuple(jnp.shape(x)[1:])
   reference = jax.random.uniform(jax.random.PRNGKey(seed), shape, jnp.float32)
   return dict(reference_inputs=reference, projection_rank=16)
+
+
+def make_batch(embed_fn, params, x, x_prime, positive_embed_fn=None):
+  """The library's internal `clipping._Batch` for all-valid rows on one device, without
+  microbatches (tests that check its factors, norms and projections directly)."""
+  import jax.numpy as jnp
+
+  from logit_dp._src import clipping
+
+  return clipping._Batch(embed_fn, params, x, x_prime, jnp.ones(
+      (x.shape[0],), bool), eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
+                         collective=clipping._Collective(None), positive_embed_fn=positive_embed_fn)

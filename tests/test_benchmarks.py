@@ -11,6 +11,7 @@ import math
 import pytest
 
 from benchmarks import step_benchmark
+from helpers import make_batch
 
 
 @pytest.fixture(scope="module")
@@ -183,22 +184,13 @@ def test_profile_floor_counts_the_multiply_adds_xla_counts():
   must agree.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from benchmarks import profile_ghost  # pylint: disable=g-import-not-at-top
   from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
 
   n = 6  # 8×8 images: conv1 flattened; conv2, conv3 and the dense head ghost layers
   embed_fn, params, x, xp, _ = step_benchmark.build_problem("embedding", n, 8)
-  batch = clipping._Batch(
-      embed_fn,
-      params,
-      x,
-      xp,
-      jnp.ones((n,), bool),  # pylint: disable=protected-access
-      eps=clipping.DEFAULT_COSINE_EPS,
-      microbatch_size=None,
-      collective=clipping._Collective(None))  # pylint: disable=protected-access
+  batch = make_batch(embed_fn, params, x, xp)
   f_u, f_v = batch.factors(batch.x), batch.factors(batch.x_prime)
   assert any(batch.plan.ghost) and not all(batch.plan.ghost)
 

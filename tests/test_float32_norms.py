@@ -12,6 +12,7 @@ import pytest
 
 import logit_dp
 from conftest import SmallConv
+from helpers import make_batch
 from helpers import method_kwargs
 from logit_dp import audit
 from logit_dp._src import clipping
@@ -51,9 +52,7 @@ def _float64_truth(embed_fn, params, x, x_prime, eps=logit_dp.DEFAULT_COSINE_EPS
 
 
 def _batch_and_factors(embed_fn, params, x, x_prime):
-  batch = clipping._Batch(embed_fn, params, x, x_prime, jnp.ones(
-      (N,), bool), eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
-                          collective=clipping._Collective(None))
+  batch = make_batch(embed_fn, params, x, x_prime)
   return batch, (batch.factors(batch.x), batch.factors(batch.x_prime))
 
 

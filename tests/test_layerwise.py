@@ -14,6 +14,7 @@ import pytest
 
 import logit_dp
 from helpers import flat
+from helpers import make_batch
 from logit_dp._src import layerwise
 from logit_dp.models import EmbeddingNet
 
@@ -338,10 +339,7 @@ class SqrtNet(nn.Module):
 
 
 def _batch(embed_fn, params, x):
-  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  return clipping._Batch(embed_fn, params, x, x, jnp.ones(
-      (x.shape[0],), bool), eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
-                         collective=clipping._Collective(None))
+  return make_batch(embed_fn, params, x, x)
 
 
 def _backward_pass(batch, params, x, cotangents):

@@ -13,6 +13,7 @@ import pytest
 import logit_dp
 from conftest import SmallConv
 from conftest import make_model
+from helpers import make_batch
 from helpers import rel_err
 from logit_dp import audit
 from logit_dp._src import clipping
@@ -116,9 +117,7 @@ def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_cas
 @pytest.mark.slow  # shows the bound reaches the exact norm; the formula is checked by default
 def _float32_projections(embed_fn, params, x, x_prime, reference, rank):
   """(J_iQ̃, û, J'_jQ̃, v̂, s, s') as the library computes them in float32."""
-  batch = clipping._Batch(embed_fn, params, x, x_prime, jnp.ones(
-      (x.shape[0],), bool), eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
-                          collective=clipping._Collective(None))
+  batch = make_batch(embed_fn, params, x, x_prime)
   tangents, _ = clipping._projection_tangents(batch, reference, rank)
   f_u, f_v = batch.factors(batch.x), batch.factors(batch.x_prime)
   return (clipping._projected_jacobians(batch, f_u, tangents), batch.u_loc,

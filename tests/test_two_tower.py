@@ -17,6 +17,7 @@ import pytest
 
 import logit_dp
 from helpers import flat
+from helpers import make_batch
 from helpers import rel_err
 from logit_dp import audit
 from logit_dp import distributed
@@ -131,9 +132,7 @@ def _reference(f, g, params, x, x_prime, keep):
 
 
 def _batch(f, g, params, x, x_prime):
-  return clipping._Batch(f, params, x, x_prime, jnp.ones(
-      (N,), bool), eps=logit_dp.DEFAULT_COSINE_EPS, microbatch_size=None,
-                         collective=clipping._Collective(None), positive_embed_fn=g)
+  return make_batch(f, params, x, x_prime, positive_embed_fn=g)
 
 
 @pytest.mark.slow  # the shared-parameter path is checked against jax.grad by default above
