@@ -14,13 +14,19 @@ clipping the groups turns their sum. Groups: expected size 8 (G = n/8), no extra
 
     python -m experiments.signal_to_noise --npz_dir=DIR --n=10000 \
         --out=docs/results/signal_to_noise.json
+
+``--params_from=WORKDIR:METHOD`` measures at the final parameters a finished pretrain.py run
+trained with METHOD instead of at initialisation (is the gap only a feature of the first step?);
+``--seed`` picks the initial parameters and the batch.
 """
 
 import json
+import os
 import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from absl import app
@@ -29,6 +35,7 @@ from absl import flags
 import logit_dp
 from experiments import clip_bias
 from experiments import data as data_lib
+from experiments import finetuning
 from experiments import train as train_lib
 from experiments.configs import cifar10_embedding_net_dpgcl
 from experiments.configs import cifar10_embedding_net_projected
@@ -42,6 +49,31 @@ def _define_flags():
   flags.DEFINE_string("out", None, "Write the measurements here (JSON).")
   flags.DEFINE_integer("n", 2000, "Pairs in the batch.")
   flags.DEFINE_list("logit_dp_methods", ["triangle", "projected"], "Logit-DP clip methods.")
+  flags.DEFINE_string(
+      "params_from", None, "WORKDIR:METHOD of a finished pretrain.py run: measure at its trained "
+      "parameters instead of the initial ones.")
+  flags.DEFINE_integer("seed", 0, "Seed of the initial parameters and of the batch.")
+
+
+def load_params(params_from: str | None, seed: int, init_fn, x, model_config):
+  """(params, description): a run's trained parameters or the seed's initial ones.
+
+  A run's parameters are refused (ValueError) unless it trained the model ``model_config``
+  describes, the one the measurement applies them to.
+  """
+  if not params_from:
+    return init_fn(jax.random.PRNGKey(seed), x[:1]), f"initial (seed {seed})"
+  workdir, sep, method = params_from.rpartition(":")
+  if not sep or not workdir or not method:
+    raise ValueError(f"--params_from must be WORKDIR:METHOD, got {params_from!r}.")
+  with open(os.path.join(workdir, "config.json")) as f:
+    pre_config = ml_collections.ConfigDict(json.load(f))
+  measured = json.loads(json.dumps(model_config.to_dict()))  # as config.json stores it
+  if pre_config.model.to_dict() != measured:
+    raise ValueError(f"{workdir} trained model {pre_config.model.to_dict()}, not the measured "
+                     f"{measured}.")
+  params = finetuning.load_pretrained(workdir, method, pre_config)
+  return params, f"{method} trained ({os.path.basename(os.path.normpath(workdir))})"
 
 
 def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, logit_dp_methods,
@@ -93,10 +125,10 @@ def main(argv):
   pairs = data_lib.make_pairs(ds["y_train"], "same_class", seed=0)
   sigma = train_lib.privacy_plan(config, len(pairs))["noise_multiplier"]
   x_train = np.asarray(data_lib.to_float(ds["x_train"]))
-  batch = pairs[np.random.default_rng(0).choice(len(pairs), FLAGS.n, replace=False)]
+  batch = pairs[np.random.default_rng(FLAGS.seed).choice(len(pairs), FLAGS.n, replace=False)]
   x, x_prime = jnp.asarray(x_train[batch[:, 0]]), jnp.asarray(x_train[batch[:, 1]])
   _, apply_fn, _, init_jit = train_lib.get_model(config.model)
-  params = init_jit(jax.random.PRNGKey(0), x[:1])
+  params, described = load_params(FLAGS.params_from, FLAGS.seed, init_jit, x, config.model)
   projection = cifar10_embedding_net_projected.projection_config()
   reference = None
   if "projected" in FLAGS.logit_dp_methods:
@@ -110,7 +142,7 @@ def main(argv):
                     float(config.clip_norm), sigma, FLAGS.logit_dp_methods, reference,
                     projection.rank, float(config.dp_gcl.group_size))
   report = dict(n=FLAGS.n, clip_norm=float(config.clip_norm), temperature=config.temperature,
-                noise_multiplier=sigma, parameters="initial (seed 0)", methods=methods,
+                noise_multiplier=sigma, parameters=described, methods=methods,
                 seconds=time.time() - t0)
   for name, m in methods.items():
     print(name, json.dumps(m), flush=True)

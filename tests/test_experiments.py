@@ -97,6 +97,26 @@ def test_resume_matches_uninterrupted_run(pretrained, tmp_path, method):
   assert steps == ref_steps  # no duplicated or missing rows after the resume
 
 
+def test_signal_to_noise_measures_at_a_runs_trained_parameters(pretrained):
+  from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
+  workdir, results = pretrained
+  cfg = tiny.get_config()
+  x = np.zeros((1, 8, 8, 1), np.float32)
+  params, described = signal_to_noise.load_params(f"{workdir}:non_private", 0, None, x, cfg.model)
+  assert _params_equal(params, results["non_private"]["params"])
+  assert described == f"non_private trained ({os.path.basename(workdir)})"
+  init_fn = train.get_model(cfg.model)[3]
+  params, described = signal_to_noise.load_params(None, 3, init_fn, x, cfg.model)
+  assert _params_equal(params, init_fn(jax.random.PRNGKey(3),
+                                       x)) and described == "initial (seed 3)"
+  with pytest.raises(ValueError, match="WORKDIR:METHOD"):
+    signal_to_noise.load_params(workdir, 0, None, x, cfg.model)
+  other = cfg.model.copy_and_resolve_references()
+  other.embedding_dim = cfg.model.embedding_dim + 1
+  with pytest.raises(ValueError, match="not the measured"):
+    signal_to_noise.load_params(f"{workdir}:non_private", 0, None, x, other)
+
+
 def test_untrained_baseline_added_to_a_finished_run(tmp_path):
   """Adding "untrained" to a finished run evaluates the seed's initial parameters and keeps the
   finished method's results (train time included) as they were."""
