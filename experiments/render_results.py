@@ -408,15 +408,22 @@ def runs_table(runs) -> str:
       "Naive-DP train s | DP-GCL train s | non-private train s |",
       "|---|---|---|---|---|---|---|---|"
   ]
+  incomplete = False
   for name, r in runs.items():
     wc = r["wallclock"]
+    trained = [r["results"].get(m, {}).get("train_seconds") for m in TRAINED]
     total = "–" if not wc else f"{wc['total_seconds']:,.0f}"
+    if wc and wc["total_seconds"] < sum(s for s in trained if s is not None):
+      total, incomplete = total + " †", True
     attempts = "–" if not wc else str(len(wc["attempts"]))
-    secs = []
-    for m in TRAINED:
-      s = r["results"].get(m, {}).get("train_seconds")
-      secs.append("–" if s is None else f"{s:,.0f}")
+    secs = ["–" if s is None else f"{s:,.0f}" for s in trained]
     lines.append(f"| {name} | {r['seed']} | {total} | {attempts} | " + " | ".join(secs) + " |")
+  if incomplete:
+    lines += [
+        "", "† Less than the training alone: the attempts killed with the queue driver at the "
+        "end of a session were not recorded before 2026-11-24 (run_queue now writes each "
+        "attempt while it runs). The training seconds count every attempt's steps."
+    ]
   return "\n".join(lines)
 
 

@@ -12,14 +12,19 @@ in ``runs/<run-name>`` (re-running a workdir resumes from its checkpoints) with
 ``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished
 when its results.json has every method finished; then its config.json, results.json and
 wallclock.json (wall-clock seconds, commit and dirty flag of every attempt) are copied to
-``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds).
+``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds). An attempt
+is written to wallclock.json when it starts and its seconds every minute while it runs, so
+one killed with the driver (e.g. at the end of a session) keeps its time, with returncode
+null.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 from absl import app
@@ -27,6 +32,7 @@ from absl import flags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
+HEARTBEAT_SECONDS = 60.0
 
 
 def _define_flags():
@@ -70,7 +76,7 @@ def failed_attempts(workdir):
   if not os.path.exists(path):
     return 0
   with open(path) as f:
-    return sum(a["returncode"] != 0 for a in json.load(f)["attempts"])
+    return sum(a["returncode"] not in (0, None) for a in json.load(f)["attempts"])
 
 
 def command(config, overrides, workdir):
@@ -115,27 +121,58 @@ def code_version():
               dirty=bool(git("status", "--porcelain", "--", "logit_dp", "experiments")))
 
 
-def run_one(name, config, overrides, workdir):
-  """One attempt: pretrain.py in ``workdir``; appends its wall-clock to wallclock.json."""
+@contextlib.contextmanager
+def timed_attempt(workdir: str, command_line: str, heartbeat_seconds: float = HEARTBEAT_SECONDS):
+  """Records one attempt in ``workdir/wallclock.json``; yields it to set its ``returncode``.
+
+  The attempt is written when it starts (returncode None) and its seconds are rewritten every
+  ``heartbeat_seconds`` while it runs, so an attempt killed with its process keeps its time
+  up to the last heartbeat; ``total_seconds`` sums every attempt.
+  """
   os.makedirs(workdir, exist_ok=True)
-  cmd = command(config, overrides, workdir)
-  wc_path = os.path.join(workdir, "wallclock.json")
-  wc = json.load(open(wc_path)) if os.path.exists(wc_path) else dict(attempts=[])
-  wc["command"] = " ".join(cmd[1:])
-  code = code_version()
+  path = os.path.join(workdir, "wallclock.json")
+  wc = json.load(open(path)) if os.path.exists(path) else dict(attempts=[])
+  wc["command"] = command_line
   t0 = time.time()
-  with open(os.path.join(workdir, "log.txt"), "a") as log:
-    log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC: "
-              f"{' '.join(cmd)}\n")
-    log.flush()
-    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO)
-  wc["attempts"].append(
-      dict(start_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-           seconds=round(time.time() - t0, 1), returncode=rc, **code))
-  wc["total_seconds"] = round(sum(a["seconds"] for a in wc["attempts"]), 1)
-  with open(wc_path, "w") as f:
-    json.dump(wc, f, indent=1)
-  return rc
+  attempt = dict(start_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), seconds=0.0,
+                 returncode=None, **code_version())
+  wc["attempts"].append(attempt)
+  lock, done = threading.Lock(), threading.Event()
+
+  def write():
+    with lock:
+      attempt["seconds"] = round(time.time() - t0, 1)
+      wc["total_seconds"] = round(sum(a["seconds"] for a in wc["attempts"]), 1)
+      with open(path + ".tmp", "w") as f:
+        json.dump(wc, f, indent=1)
+      os.replace(path + ".tmp", path)
+
+  def beat():
+    while not done.wait(heartbeat_seconds):
+      write()
+
+  write()
+  heart = threading.Thread(target=beat, daemon=True)
+  heart.start()
+  try:
+    yield attempt
+  finally:
+    done.set()
+    heart.join()
+    write()
+
+
+def run_one(name, config, overrides, workdir):
+  """One attempt: pretrain.py in ``workdir``, timed in wallclock.json (`timed_attempt`)."""
+  del name
+  cmd = command(config, overrides, workdir)
+  with timed_attempt(workdir, " ".join(cmd[1:])) as attempt:
+    with open(os.path.join(workdir, "log.txt"), "a") as log:
+      log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC: "
+                f"{' '.join(cmd)}\n")
+      log.flush()
+      attempt["returncode"] = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO)
+  return attempt["returncode"]
 
 
 def main(argv):

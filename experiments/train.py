@@ -695,6 +695,23 @@ def _read_history(csv_path: str, upto: int):
   return out
 
 
+def logged_train_seconds(history) -> float:
+  """Σ Δstep / steps_per_sec over the logged rows of metrics.csv: the training wall-clock of
+  every attempt up to the last row (checkpoint saves included, evaluations excluded).
+
+  A resumed run keeps the rows up to its checkpoint, and a row is logged at every checkpoint,
+  so this counts the steps of earlier, interrupted attempts too (the work an interruption
+  lost after the last checkpoint is not counted: those steps are trained again).
+  """
+  seconds, previous = 0.0, 0
+  for row in history:
+    step, rate = int(row["step"]), float(row["steps_per_sec"])
+    if step > previous and rate == rate and rate > 0:
+      seconds += (step - previous) / rate
+    previous = step
+  return seconds
+
+
 def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarray, workdir: str,
                  quiet: bool = False, eval_data=None) -> dict[str, Any]:
   """Trains one method (resuming from its checkpoints if any) and returns its record."""
@@ -821,7 +838,8 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     step += 1
     t_train += time.time() - t0
     bar.update(1)
-    if primary and (step % log_every == 0 or step == stop):
+    checkpoint_now = step % ckpt_every == 0 or step == stop
+    if primary and (step % log_every == 0 or checkpoint_now):
       sps = (step - s_last) / max(time.time() - t_last, 1e-9)
       if ledger is not None:
         eps_now = ledger.epsilon()
@@ -834,7 +852,7 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
       bar.set_postfix(
           {"steps/s": f"{sps:.2f}", "ε": f"{eps_now:.3g}", "test_loss": f"{row['test_loss']:.4f}"})
       t_last, s_last = time.time(), step
-    if step % ckpt_every == 0 or step == stop:
+    if checkpoint_now:
       save_checkpoint(ckpt_dir, state, ledger, max_to_keep=keep)
   bar.close()
   if writer is not None:
@@ -846,8 +864,9 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
               finished=int(state.step) >= total_steps, learning_rate=learning_rate(config, method),
               noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
               clip_norm=info.get("clip_norm"), sampling_rate=info["sampling_rate"],
-              epsilon=eps_final, delta=ledger.delta() if ledger else 0.0, train_seconds=t_train,
-              history=history, params=_local(state.params), apply_fn=apply_fn)
+              epsilon=eps_final, delta=ledger.delta() if ledger else 0.0,
+              train_seconds=logged_train_seconds(history) if primary else t_train, history=history,
+              params=_local(state.params), apply_fn=apply_fn)
 
 
 def initial_params(config, example):

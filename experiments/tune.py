@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -146,26 +145,15 @@ def _record(stage, cand, order, overrides, workdir) -> dict:
 
 
 def _train_timed(train_fn, cfg, workdir, quiet):
-  """train_fn(cfg, workdir) with its wall-clock appended to workdir/wallclock.json
-  (run_queue's format)."""
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, "wallclock.json")
-  wc = _read_json(path) if os.path.exists(path) else dict(attempts=[])
-  wc["command"] = "experiments.tune"
-  t0, rc = time.time(), 1
-  try:
-    train_fn(cfg, workdir, quiet=quiet)
-    rc = 0
-  except FloatingPointError as e:  # diverged: a result of the search, not a crash to retry
-    with open(os.path.join(workdir, DIVERGED_FILE), "w") as f:
-      json.dump(dict(error=str(e)), f)
-  finally:
-    wc["attempts"].append(
-        dict(start_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-             seconds=round(time.time() - t0, 1), returncode=rc, **run_queue.code_version()))
-    wc["total_seconds"] = round(sum(a["seconds"] for a in wc["attempts"]), 1)
-    with open(path, "w") as f:
-      json.dump(wc, f, indent=1)
+  """train_fn(cfg, workdir), timed in workdir/wallclock.json (`run_queue.timed_attempt`)."""
+  with run_queue.timed_attempt(workdir, "experiments.tune") as attempt:
+    attempt["returncode"] = 1
+    try:
+      train_fn(cfg, workdir, quiet=quiet)
+      attempt["returncode"] = 0
+    except FloatingPointError as e:  # diverged: a result of the search, not a crash to retry
+      with open(os.path.join(workdir, DIVERGED_FILE), "w") as f:
+        json.dump(dict(error=str(e)), f)
 
 
 def check_resumable(cfg, workdir: str) -> None:

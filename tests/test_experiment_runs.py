@@ -9,6 +9,7 @@ import json
 import math
 import re
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from scipy import stats
 import logit_dp
 from experiments import data as data_lib
 from experiments import render_results
+from experiments import run_queue
 from experiments import train
 from experiments.configs import cifar10_embedding_net_paper_hparams
 from experiments.configs import cifar10_embedding_net_projected
@@ -182,7 +184,7 @@ def _fake_runs(root, group, seeds, rng):
     (d / "results.json").write_text(json.dumps(res))
     (d / "config.json").write_text(json.dumps(dict(seed=s, batch_size=10_000, clip_norm=1.0)))
     (d / "wallclock.json").write_text(
-        json.dumps(dict(attempts=[dict(seconds=60.0, returncode=0)], total_seconds=60.0)))
+        json.dumps(dict(attempts=[dict(seconds=600.0, returncode=0)], total_seconds=600.0)))
 
 
 def _cells(text, first):
@@ -252,12 +254,25 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   assert vrow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}"
   assert vrow[4] == f"{t:.2f}" and vrow[5] == f"{p:.2g}"
   run_row = _cells(out, "| cifar10_embnet_x_s2")
-  assert run_row[2] == "60" and run_row[7] == f"{res[2]['non_private']['train_seconds']:,.0f}"
+  assert run_row[2] == "600" and run_row[7] == f"{res[2]['non_private']['train_seconds']:,.0f}"
   # The untrained encoder: ε = 0, and each DP method's gain over it, paired by seed.
   assert _cells(out, "| Untrained (init) | ours")[2:4] == ["0", "0"]
   d = np.subtract(a, [r["untrained"]["accuracy"] for r in res])
   urow = _cells(out, "| cifar10_embnet_x | Logit-DP − Untrained (init)")
   assert urow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}" and urow[7] == "–"
+
+
+def test_runs_table_marks_a_wallclock_below_the_training_time():
+  def run(wall, trained):
+    results = {m: dict(train_seconds=s) for m, s in zip(render_results.TRAINED, trained)}
+    return dict(seed=0, results=results, wallclock=dict(attempts=[dict(seconds=wall)],
+                                                        total_seconds=wall))
+
+  out = render_results.runs_table(
+      {"whole": run(500.0, [100.0, 200.0, 150.0, 40.0]), "killed": run(537.0, [1847.0])})
+  assert _cells(out, "| whole")[2] == "500" and _cells(out, "| killed")[2] == "537 †"
+  assert "† Less than the training alone" in out
+  assert "†" not in render_results.runs_table({"whole": run(500.0, [100.0])})
 
 
 def test_render_check_mode(tmp_path):
@@ -294,6 +309,31 @@ def test_run_queue_runs_skips_and_publishes(tmp_path):
   assert math.isclose(wc["total_seconds"], wc["attempts"][0]["seconds"])
   r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)  # finished: skipped
   assert "start" not in r.stdout and "queue done" in r.stdout
+
+
+def test_timed_attempt_keeps_the_time_of_a_killed_attempt(tmp_path):
+  """A driver killed mid-run (SIGKILL, as at the end of a session) leaves its attempt in
+  wallclock.json with its seconds up to the last heartbeat and returncode null, which the
+  queue does not count as a failure."""
+  script = ("import sys, time; from experiments import run_queue\n"
+            "with run_queue.timed_attempt(sys.argv[1], 'cmd', heartbeat_seconds=0.1):\n"
+            "  print('started', flush=True); time.sleep(600)\n")
+  proc = subprocess.Popen(
+      [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+  assert proc.stdout.readline().strip() == "started"
+  time.sleep(1.5)
+  proc.kill()
+  proc.wait()
+  wc = json.loads((tmp_path / "wallclock.json").read_text())
+  (killed,) = wc["attempts"]
+  assert killed["returncode"] is None and 1.0 <= killed["seconds"] <= 10.0
+  assert run_queue.failed_attempts(str(tmp_path)) == 0
+  with run_queue.timed_attempt(str(tmp_path), "cmd") as attempt:
+    attempt["returncode"] = 3
+  wc = json.loads((tmp_path / "wallclock.json").read_text())
+  assert [a["returncode"] for a in wc["attempts"]] == [None, 3]
+  assert math.isclose(wc["total_seconds"], sum(a["seconds"] for a in wc["attempts"]), abs_tol=0.11)
+  assert run_queue.failed_attempts(str(tmp_path)) == 1
 
 
 def _render_two_groups(tmp_path, block: str, seed: int):

@@ -95,6 +95,34 @@ def test_resume_matches_uninterrupted_run(pretrained, tmp_path, method):
   with open(os.path.join(ref_dir, method, "metrics.csv")) as f:
     ref_steps = [int(r["step"]) for r in csv.DictReader(f)]
   assert steps == ref_steps  # no duplicated or missing rows after the resume
+  # The resumed record's training time counts the interrupted attempt's steps too.
+  assert 0 < first["train_seconds"] < second["train_seconds"]
+  with open(os.path.join(tmp_path, method, "metrics.csv")) as f:
+    rows = list(csv.DictReader(f))
+  assert second["train_seconds"] == pytest.approx(train.logged_train_seconds(rows))
+  assert first["train_seconds"] == pytest.approx(
+      train.logged_train_seconds([r for r in rows if int(r["step"]) <= 2]))
+
+
+def test_logged_train_seconds_sums_steps_over_rate():
+  rows = [
+      dict(step=0, steps_per_sec="nan"),
+      dict(step=10, steps_per_sec="2.0"),
+      dict(step=15, steps_per_sec="5.0"),
+      dict(step=15, steps_per_sec="5.0")
+  ]
+  assert train.logged_train_seconds(rows) == 10 / 2.0 + 5 / 5.0
+
+
+def test_a_row_is_logged_at_every_checkpoint(tmp_path):
+  """Rows at checkpoints keep a resumed run's training time whole when the logging and the
+  checkpoint intervals differ."""
+  cfg = tiny.get_config()
+  cfg.methods = ("non_private",)
+  cfg.log_every, cfg.checkpoint_every, cfg.stop_after_steps = 3, 2, 4
+  train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
+  with open(os.path.join(tmp_path, "non_private", "metrics.csv")) as f:
+    assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 2, 3, 4]
 
 
 def test_signal_to_noise_measures_at_a_runs_trained_parameters(pretrained):
