@@ -20,6 +20,7 @@ method of b, same seeds), ``bound:<ghost group>:<triangle group>``
 B clips, from experiments/pair_norms.py), ``clip_bias:<file in results_dir>`` (what clipping
 every pair does to ḡ, from experiments/clip_bias.py), ``signal_to_noise:<file in results_dir>``
 (one step's clipped sum against its noise, from experiments/signal_to_noise.py),
+``signal_to_noise_summary:<file>,<file>…`` (its SNR per method over several reports),
 ``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
@@ -509,6 +510,33 @@ def signal_to_noise_table(report: dict) -> str:
   return "\n".join(lines)
 
 
+def signal_to_noise_summary_table(reports) -> str:
+  """SNR and cos(ḡ, ∇ℒ) of every method at several parameter points (signal_to_noise.py)."""
+  names = list(reports[0]["methods"])
+  for r in reports[1:]:
+    if list(
+        r["methods"]) != names or (r["clip_norm"], r["temperature"]) != (reports[0]["clip_norm"],
+                                                                         reports[0]["temperature"]):
+      raise ValueError("signal_to_noise_summary: reports of different methods or settings")
+
+  def label(name):
+    return LABELS.get(name, f"{LABELS['logit_dp']}, {name.removeprefix('logit_dp_')}")
+
+  lines = [
+      f"B = {reports[0]['clip_norm']:g}, τ = {reports[0]['temperature']:g}: SNR = ‖ḡ‖ / (σΔ√p) "
+      "of one batch, and in brackets cos(ḡ, ∇ℒ).", "", "| parameters | n | "
+      + " | ".join(label(n) for n in names) + " | DP-GCL SNR ÷ projected SNR |",
+      "|---|---|" + "---|" * (len(names) + 1)
+  ]
+  for r in reports:
+    m = r["methods"]
+    cells = [f"{m[n]['snr']:.3g} ({m[n]['cos_with_true_grad']:+.2f})" for n in names]
+    ratio = (f"{m['dp_gcl']['snr'] / m['logit_dp_projected']['snr']:.1f}"
+             if "dp_gcl" in m and "logit_dp_projected" in m else "–")
+    lines.append(f"| {r['parameters']} | {r['n']:,} | " + " | ".join(cells) + f" | {ratio} |")
+  return "\n".join(lines)
+
+
 _REPORT_TABLES = {
     "pair_norms": pair_norms_table, "clip_bias": clip_bias_table,
     "signal_to_noise": signal_to_noise_table
@@ -753,6 +781,16 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
       return f"(`{arg}` not computed yet)"
     with open(path) as f:
       return _REPORT_TABLES[kind](json.load(f))
+  if kind == "signal_to_noise_summary":  # several reports, comma-separated
+    files = arg.split(",")
+    missing = [a for a in files if not os.path.exists(os.path.join(results_dir, a))]
+    if missing:
+      return f"(`{'`, `'.join(missing)}` not computed yet)"
+    reports = []
+    for a in files:
+      with open(os.path.join(results_dir, a)) as f:
+        reports.append(json.load(f))
+    return signal_to_noise_summary_table(reports)
   if kind == "curve":
     return curve_table(curve_data(arg, groups), paper, results_dir)
   if kind == "search":

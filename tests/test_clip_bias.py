@@ -108,3 +108,24 @@ def test_signal_to_noise_table_renders_the_report():
   text = render_results.signal_to_noise_table(report)
   assert "| Logit-DP, projected | 50 | 16.8 | 400 | 0.125 | +0.990 |" in text
   assert "| DP-GCL (250 groups; cos with its unclipped group sum +0.999) | 50 | 2 |" in text
+
+
+def test_signal_to_noise_summary_lists_every_report():
+  from experiments import render_results  # pylint: disable=g-import-not-at-top
+
+  def report(parameters, projected_snr, gcl_snr):
+    m = dict(grad_norm=1.0, sensitivity=2.0, noise_norm=4.0, cos_with_true_grad=0.5)
+    return dict(
+        n=10000, parameters=parameters, clip_norm=1.0, temperature=1.0,
+        methods=dict(logit_dp_projected=dict(m, snr=projected_snr),
+                     dp_gcl=dict(m, snr=gcl_snr, cos_with_true_grad=-0.25)))
+
+  text = render_results.signal_to_noise_summary_table(
+      [report("initial (seed 0)", 0.12, 0.6),
+       report("trained", 0.05, 0.4)])
+  assert "| initial (seed 0) | 10,000 | 0.12 (+0.50) | 0.6 (-0.25) | 5.0 |" in text
+  assert "| trained | 10,000 | 0.05 (+0.50) | 0.4 (-0.25) | 8.0 |" in text
+  other = report("x", 0.1, 0.1)
+  other["temperature"] = 2.0
+  with pytest.raises(ValueError, match="different"):
+    render_results.signal_to_noise_summary_table([report("a", 0.1, 0.1), other])
