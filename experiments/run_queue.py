@@ -6,7 +6,9 @@ The queue (default experiments/queue.txt) has one run per line,
 ``<run-name> <config file> [--config.key=value ...]`` (pretrain.py), or
 ``<run-name> finetune <pretrain run-name> [--config.key=value ...]`` (finetune.py with
 configs/cifar100_finetune.py on the encoders of ``runs/<pretrain run-name>``, run once that
-run has finished); '#' starts a comment. The driver re-executes itself after every run,
+run has finished); '#' starts a comment. A pre-training entry whose config file defines
+``ready(arg=None)`` (e.g. configs/cifar10_embedding_net_tuned.py, which needs the finished
+public-data search) waits, and the queue goes on with later entries, until it returns True. The driver re-executes itself after every run,
 so edits of the queue (and of this file) take effect while it works. Each run trains
 in ``runs/<run-name>`` (re-running a workdir resumes from its checkpoints) with
 ``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished
@@ -19,6 +21,7 @@ null.
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -98,8 +101,16 @@ def command(config, overrides, workdir):
 
 
 def ready(config, overrides):
-  """A fine-tuning entry waits for its pre-training run."""
-  return config != "finetune" or is_finished(os.path.join(FLAGS.runs_dir, overrides[0]))
+  """A fine-tuning entry waits for its pre-training run; a pre-training entry for its config
+  file's ``ready(arg)``, if the file defines one (``file.py:arg`` passes arg)."""
+  if config == "finetune":
+    return is_finished(os.path.join(FLAGS.runs_dir, overrides[0]))
+  path, _, arg = config.partition(":")
+  spec = importlib.util.spec_from_file_location("_queued_config", os.path.join(_REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  check = getattr(module, "ready", None)
+  return check is None or bool(check(arg or None))
 
 
 def publish(workdir, dest):
@@ -184,9 +195,14 @@ def main(argv):
     workdir, dest = os.path.join(FLAGS.runs_dir, n), os.path.join(FLAGS.results_dir, n)
     if is_finished(workdir) and not os.path.exists(os.path.join(dest, "results.json")):
       publish(workdir, dest)
-  todo = [(n, c, o) for n, c, o in read_queue(FLAGS.queue)
-          if not is_finished(os.path.join(FLAGS.runs_dir, n)) and ready(c, o)
-          and failed_attempts(os.path.join(FLAGS.runs_dir, n)) < FLAGS.max_attempts]
+  todo, waiting = [], []
+  for n, c, o in read_queue(FLAGS.queue):
+    workdir = os.path.join(FLAGS.runs_dir, n)
+    if is_finished(workdir) or failed_attempts(workdir) >= FLAGS.max_attempts:
+      continue
+    (todo if ready(c, o) else waiting).append((n, c, o))
+  if waiting:
+    print(f"waiting: {', '.join(n for n, _, _ in waiting)} (not ready)", flush=True)
   if not todo:
     print("queue done", flush=True)
     return

@@ -219,6 +219,11 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
   return summary
 
 
+def search_finished(path: str) -> bool:
+  """Whether ``path`` holds the search.json of a finished search (chosen or not)."""
+  return os.path.exists(path) and bool(_read_json(path).get("complete"))
+
+
 def load_choice(path: str) -> dict:
   """The finished search's choice, dict(name, overrides, base), from its search.json.
 

@@ -311,6 +311,41 @@ def test_run_queue_runs_skips_and_publishes(tmp_path):
   assert "start" not in r.stdout and "queue done" in r.stdout
 
 
+def test_run_queue_waits_for_a_config_that_is_not_ready(tmp_path):
+  """A config file's ready(arg) holds its entry back; later entries run meanwhile."""
+  flag = tmp_path / "go"
+  config = tmp_path / "gated.py"
+  config.write_text("import os\nfrom experiments.configs.tiny import get_config\n"
+                    "def ready(arg=None):\n  return os.path.exists(arg)\n")
+  queue = tmp_path / "queue.txt"
+  queue.write_text(f"gated_s0 {config}:{flag} --config.methods=('non_private',)\n"
+                   "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n")
+  args = [
+      sys.executable, "-m", "experiments.run_queue", f"--queue={queue}",
+      f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}"
+  ]
+  r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "start tiny_s0" in r.stdout and "start gated_s0" not in r.stdout
+  assert "waiting: gated_s0 (not ready)" in r.stdout and r.stdout.rstrip().endswith("queue done")
+  flag.write_text("")
+  r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+  assert "start gated_s0" in r.stdout and "start tiny_s0" not in r.stdout, r.stdout + r.stderr
+
+
+def test_tuned_config_is_ready_only_when_the_search_has_finished(tmp_path):
+  from experiments import tune  # pylint: disable=g-import-not-at-top
+  from experiments.configs import cifar10_embedding_net_tuned  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "search.json"
+  assert not cifar10_embedding_net_tuned.ready(str(path))
+  path.write_text(json.dumps(dict(complete=False)))
+  assert not cifar10_embedding_net_tuned.ready(str(path))
+  path.write_text(json.dumps(dict(complete=True, chosen=None)))
+  assert cifar10_embedding_net_tuned.ready(str(path)) and tune.search_finished(str(path))
+  with pytest.raises(ValueError, match="has not finished"):  # ready, but nothing to run: loud
+    cifar10_embedding_net_tuned.get_config(str(path))
+
+
 def test_timed_attempt_keeps_the_time_of_a_killed_attempt(tmp_path):
   """A driver killed mid-run (SIGKILL, as at the end of a session) leaves its attempt in
   wallclock.json with its seconds up to the last heartbeat and returncode null, which the

@@ -18,7 +18,8 @@ its base is not this config on CIFAR-100 (e.g. a ``--subset`` search).
         --config.data.npz_dir=DIR --config.seed=S --workdir=runs/cifar10_embnet_tuned_sS
 
 ``--config=experiments/configs/cifar10_embedding_net_tuned.py:PATH`` reads another
-search.json.
+search.json. `ready` tells experiments/run_queue.py to wait for the search rather than run (and
+fail) before it has finished.
 """
 
 import os
@@ -32,6 +33,11 @@ from experiments.configs import cifar10_embedding_net_triangle
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEARCH_JSON = os.path.join(_REPO, "docs", "results", "tune_cifar100", "search.json")
+
+
+def ready(search_json=None) -> bool:
+  """Whether the search has finished, so that `get_config` can read its choice."""
+  return tune.search_finished(search_json or SEARCH_JSON)
 
 
 def get_config(search_json=None):
