@@ -10,8 +10,8 @@ run has finished); '#' starts a comment. A pre-training entry whose config file 
 ``ready(arg=None)`` (e.g. configs/cifar10_embedding_net_tuned.py, which needs the finished
 public-data search) waits, and the queue goes on with later entries, until it returns True.
 The driver re-executes itself after every run, so edits of the queue (and of this file) take
-effect while it works. Each run trains in ``runs/<run-name>`` (re-running a workdir resumes from its checkpoints) with
-``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished
+effect while it works. Each run trains in ``runs/<run-name>`` (re-running a workdir resumes
+from its checkpoints) with ``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished
 when its results.json has every method finished; then its config.json, results.json and
 wallclock.json (wall-clock seconds, commit and dirty flag of every attempt) are copied to
 ``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds). An attempt
