@@ -2,22 +2,21 @@ r"""Runs a queue of pre-training runs one after another; skips finished runs, re
 
     nohup python -m experiments.run_queue --npz_dir=DIR > runs/queue.log 2>&1 &
 
-The queue (default experiments/queue.txt) has one run per line,
-``<run-name> <config file> [--config.key=value ...]`` (pretrain.py), or
-``<run-name> finetune <pretrain run-name> [--config.key=value ...]`` (finetune.py with
-configs/cifar100_finetune.py on the encoders of ``runs/<pretrain run-name>``, run once that
-run has finished); '#' starts a comment. A pre-training entry whose config file defines
-``ready(arg=None)`` (e.g. configs/cifar10_embedding_net_tuned.py, which needs the finished
-public-data search) waits, and the queue goes on with later entries, until it returns True.
-The driver re-executes itself after every run, so edits of the queue (and of this file) take
-effect while it works. Each run trains in ``runs/<run-name>`` (re-running a workdir resumes
-from its checkpoints) with ``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished
-when its results.json has every method finished; then its config.json, results.json and
+The queue (default experiments/queue.txt) has one run per line, ``<run-name> <config file>
+[--config.key=value ...]`` (pretrain.py), or ``<run-name> finetune <pretrain run-name>
+[--config.key=value ...]`` (finetune.py with configs/cifar100_finetune.py on the encoders of
+``runs/<pretrain run-name>``, run once that run has finished); '#' starts a comment. A
+pre-training entry whose config file defines ``ready(arg=None)`` (e.g.
+configs/cifar10_embedding_net_tuned.py, which needs the finished public-data search) waits, and
+the queue goes on with later entries, until it returns True. The driver re-executes itself after
+every run, so edits of the queue (and of this file) take effect while it works. Each run trains
+in ``runs/<run-name>`` (re-running a workdir resumes from its checkpoints) with
+``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished when
+its results.json has every method finished; then its config.json, results.json and
 wallclock.json (wall-clock seconds, commit and dirty flag of every attempt) are copied to
-``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds). An attempt
-is written to wallclock.json when it starts and its seconds every minute while it runs, so
-one killed with the driver (e.g. at the end of a session) keeps its time, with returncode
-null.
+``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds). An attempt is
+written to wallclock.json when it starts and its seconds every minute while it runs, so one
+killed with the driver (e.g. at the end of a session) keeps its time, with returncode null.
 """
 
 import contextlib
