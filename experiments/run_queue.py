@@ -200,8 +200,9 @@ def main(argv):
     if is_finished(workdir) or failed_attempts(workdir) >= FLAGS.max_attempts:
       continue
     (todo if ready(c, o) else waiting).append((n, c, o))
+  waiting = [n for n, c, _ in waiting if c != "finetune"]  # those wait for their pre-training
   if waiting:
-    print(f"waiting: {', '.join(n for n, _, _ in waiting)} (not ready)", flush=True)
+    print(f"waiting: {', '.join(waiting)} (not ready)", flush=True)
   if not todo:
     print("queue done", flush=True)
     return
