@@ -18,7 +18,8 @@ unfinished candidate (re-running continues it). A candidate whose training diver
 by a candidate: the accountant recalibrates it for the candidate's q and T at the base's (ε, δ).
 
 Writes ``results_dir/search.json`` (every candidate's overrides, T, σ, ε, 3-NN accuracy,
-linear probe, wall-clock; the stages' winners; the choice) and ``results_dir/search.md``,
+linear probe, wall-clock; the stages' winners; the choice) and ``results_dir/search.md``
+after every candidate (``complete`` false and nothing chosen until the last),
 copies every finished candidate's config.json, results.json and wallclock.json to
 ``results_dir/<name>/``, and prints the chosen candidate.
 """
@@ -173,6 +174,20 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
   incumbent = None
   complete = True
   order = 0
+
+  def write_summary(complete, chosen, candidates):
+    """search.json and search.md: after every candidate (complete False) and at the end."""
+    summary = dict(rule=RULE, complete=complete, chosen=chosen, stages=list(stages),
+                   candidates=list(candidates), base=json.loads(config.base.to_json_best_effort()))
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, "search.json.tmp"), "w") as f:
+      json.dump(summary, f, indent=1)
+    os.replace(os.path.join(results_dir, "search.json.tmp"),
+               os.path.join(results_dir, "search.json"))
+    with open(os.path.join(results_dir, "search.md"), "w") as f:
+      f.write(render_results.search_table(summary) + "\n")
+    return summary
+
   for stage in config.stages:
     inc_overrides = incumbent["overrides"] if incumbent else {}
     stage_records = []
@@ -193,6 +208,7 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
       if rec["finished"]:
         run_queue.publish(workdir, os.path.join(results_dir, cand["name"]))
       stage_records.append(rec)
+      write_summary(False, None, records + stage_records)  # progress: nothing chosen yet
     records += stage_records
     if not all(r["finished"] for r in stage_records):
       complete = False
@@ -202,6 +218,7 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
     stages.append(
         dict(name=stage["name"], incumbent_before=before["name"] if before else None,
              winner=incumbent["name"]))
+    write_summary(False, None, records)
   finished = [r for r in records if r["finished"]]
   chosen = None
   if complete:
@@ -209,14 +226,7 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
     assert best is incumbent, (best["name"], incumbent and incumbent["name"])
     if best.get("accuracy") is not None:  # else every candidate diverged: nothing to choose
       chosen = dict(name=best["name"], overrides=best["overrides"])
-  summary = dict(rule=RULE, complete=complete, chosen=chosen, stages=stages, candidates=records,
-                 base=json.loads(config.base.to_json_best_effort()))
-  os.makedirs(results_dir, exist_ok=True)
-  with open(os.path.join(results_dir, "search.json"), "w") as f:
-    json.dump(summary, f, indent=1)
-  with open(os.path.join(results_dir, "search.md"), "w") as f:
-    f.write(render_results.search_table(summary) + "\n")
-  return summary
+  return write_summary(complete, chosen, records)
 
 
 def search_finished(path: str) -> bool:

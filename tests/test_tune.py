@@ -42,12 +42,17 @@ def _steps(cfg) -> int:
 class ScriptedTrainer:
   """Writes the results.json that train.train_and_evaluate would, from _scripted_accuracy;
   ``interrupt`` candidates stop unfinished on their first call; lr 3e-2 diverges."""
-  def __init__(self, interrupt=()):
+  def __init__(self, interrupt=(), results_dir=None):
     self.calls, self.configs, self.interrupt = [], {}, set(interrupt)
+    self.results_dir, self.progress = results_dir, {}
 
   def __call__(self, cfg, workdir, quiet=True):
     name = os.path.basename(workdir)
     self.calls.append(name)
+    path = os.path.join(self.results_dir or "", "search.json")
+    if self.results_dir and os.path.exists(path) and name not in self.progress:
+      with open(path) as f:
+        self.progress[name] = json.load(f)  # what the search had published before this one
     self.configs[name] = cfg
     if cfg.learning_rates.logit_dp == 3e-2:
       raise FloatingPointError("logit_dp: the training loss is not finite at step 3")
@@ -71,7 +76,7 @@ class ScriptedTrainer:
 def scripted_search(tmp_path_factory):
   root = tmp_path_factory.mktemp("search")
   runs, results = str(root / "runs"), str(root / "results")
-  trainer = ScriptedTrainer(interrupt={"dim16"})
+  trainer = ScriptedTrainer(interrupt={"dim16"}, results_dir=results)
   config = tune_cifar100.get_config()
   first = tune.run_search(config, runs, results, train_fn=trainer)
   first_calls = list(trainer.calls)
@@ -127,6 +132,25 @@ def test_each_stage_builds_on_the_incumbent_and_the_rule_picks(scripted_search):
     if n != "lr3e-2":
       assert r["accuracy"] == _scripted_accuracy(trainer.configs[n])
       assert r["steps"] == _steps(trainer.configs[n])
+
+
+def test_search_publishes_its_progress_after_every_candidate(scripted_search):
+  progress = scripted_search["trainer"].progress
+  assert "base" not in progress  # nothing was written before the first candidate
+  before_tau = progress["tau0.5"]
+  assert [r["name"] for r in before_tau["candidates"]] == ["base", "projected"]
+  assert not before_tau["complete"] and before_tau["chosen"] is None
+  assert [st["winner"] for st in before_tau["stages"]] == ["base", "base"]
+  assert not tune.search_finished(os.path.join(scripted_search["root"], "missing.json"))
+  with pytest.raises(ValueError, match="has not finished"):
+    cifar10_embedding_net_tuned.get_config(_write(scripted_search["root"], before_tau))
+
+
+def _write(root, summary) -> str:
+  path = os.path.join(root, "partial_search.json")
+  with open(path, "w") as f:
+    json.dump(summary, f)
+  return path
 
 
 def test_search_writes_its_summary_and_publishes_the_candidates(scripted_search):
