@@ -551,8 +551,9 @@ def search_table(summary: dict) -> str:
   """The public-data search of experiments/tune.py: one row per candidate, then the choice."""
   lines = [
       "| # | candidate | stage | its change | overrides of the base | T | σ | ε | 3-NN acc | "
-      "linear probe | wall-clock s |", "|---|---|---|---|---|---|---|---|---|---|---|"
+      "linear probe | train s | wall-clock s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
   ]
+  incomplete = False
   chosen = (summary.get("chosen") or {}).get("name")
   for r in summary["candidates"]:
     name = f"**{r['name']}**" if r["name"] == chosen else r["name"]
@@ -566,11 +567,19 @@ def search_table(summary: dict) -> str:
           str(r["steps"]), f"{r['noise_multiplier']:.3g}", f"{r['epsilon']:.3g}",
           f"{r['accuracy']:.4f}", "–" if probe is None else f"{probe:.4f}"
       ]
-    wc = r.get("wallclock_seconds")
+    wc, trained = r.get("wallclock_seconds"), r.get("train_seconds")
+    wall = "–" if wc is None else f"{wc:,.0f}"
+    if wc is not None and trained is not None and wc < trained:
+      wall, incomplete = wall + " †", True
     lines.append(f"| {r['order']} | {name} | {r['stage']} | {_fmt_overrides(r['own_overrides'])} | "
                  f"{_fmt_overrides(r['overrides'])} | " + " | ".join(cells)
-                 + f" | {'–' if wc is None else f'{wc:,.0f}'} |")
+                 + f" | {'–' if trained is None else f'{trained:,.0f}'} | {wall} |")
   lines.append("")
+  if incomplete:
+    lines += [
+        "† Less than the training alone: attempts killed at the end of a session were not "
+        "recorded before 2026-11-24. The training seconds count every attempt's steps.", ""
+    ]
   if chosen:
     lines.append(f"Chosen by the rule fixed in advance ({summary['rule']}): **{chosen}**, "
                  f"overrides {_fmt_overrides(summary['chosen']['overrides'])}.")

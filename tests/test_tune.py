@@ -62,7 +62,7 @@ class ScriptedTrainer:
     res = dict(logit_dp=dict(method="logit_dp", finished=finished, steps=steps if finished else 10,
                              total_steps=steps, noise_multiplier=2.5, sampling_rate=cfg.batch_size
                              / 25_000, epsilon=4.99, delta=1e-5, clip_norm=cfg.clip_norm,
-                             train_seconds=1.0))
+                             train_seconds=0.0))
     if finished:
       res["logit_dp"].update(accuracy=acc, linear_probe=acc + 0.05)
     with open(os.path.join(workdir, "results.json"), "w") as f:
@@ -146,6 +146,18 @@ def test_search_publishes_its_progress_after_every_candidate(scripted_search):
     cifar10_embedding_net_tuned.get_config(_write(scripted_search["root"], before_tau))
 
 
+def test_search_table_marks_a_wallclock_below_the_training_time():
+  from experiments import render_results  # pylint: disable=g-import-not-at-top
+  row = dict(order=0, name="tau2", stage="temperature", own_overrides={}, overrides={},
+             finished=True, steps=50, noise_multiplier=2.71, epsilon=5.0, accuracy=0.05,
+             linear_probe=0.09, train_seconds=2066.0, wallclock_seconds=990.0)
+  text = render_results.search_table(dict(rule="r", candidates=[row]))
+  assert "| 0.0541 |" not in text and "| 0.0500 | 0.0900 | 2,066 | 990 † |" in text
+  assert "† Less than the training alone" in text
+  row.update(wallclock_seconds=2100.0)
+  assert "†" not in render_results.search_table(dict(rule="r", candidates=[row]))
+
+
 def _write(root, summary) -> str:
   path = os.path.join(root, "partial_search.json")
   with open(path, "w") as f:
@@ -158,6 +170,7 @@ def test_search_writes_its_summary_and_publishes_the_candidates(scripted_search)
   with open(os.path.join(results, "search.json")) as f:
     assert json.load(f) == json.loads(json.dumps(scripted_search["second"]))
   md = open(os.path.join(results, "search.md")).read()
+  assert "| train s | wall-clock s |" in md and "†" not in md
   assert "**epochs10**" in md and "Chosen by the rule" in md and "| diverged |" in md
   rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
   assert len(rows) == 16  # one row per candidate
