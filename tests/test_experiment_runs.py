@@ -291,15 +291,22 @@ def test_render_check_mode(tmp_path):
 # Run queue.
 
 
-def test_run_queue_runs_skips_and_publishes(tmp_path):
+def _queue_driver(tmp_path, queue_text: str):
+  """Writes the queue file; returns a function that runs the driver on it once."""
   queue = tmp_path / "queue.txt"
-  queue.write_text("# a comment\n"
-                   "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)  # np\n")
+  queue.write_text(queue_text)
   args = [
       sys.executable, "-m", "experiments.run_queue", f"--queue={queue}",
       f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}"
   ]
-  r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+  return lambda: subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+
+
+def test_run_queue_runs_skips_and_publishes(tmp_path):
+  drive = _queue_driver(
+      tmp_path, "# a comment\n"
+      "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)  # np\n")
+  r = drive()
   assert r.returncode == 0, r.stdout + r.stderr
   assert "start tiny_s0" in r.stdout and r.stdout.rstrip().endswith("queue done")
   published = sorted(os.listdir(tmp_path / "results" / "tiny_s0"))
@@ -307,7 +314,7 @@ def test_run_queue_runs_skips_and_publishes(tmp_path):
   wc = json.loads((tmp_path / "results" / "tiny_s0" / "wallclock.json").read_text())
   assert len(wc["attempts"]) == 1 and wc["attempts"][0]["returncode"] == 0
   assert math.isclose(wc["total_seconds"], wc["attempts"][0]["seconds"])
-  r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)  # finished: skipped
+  r = drive()  # finished: skipped
   assert "start" not in r.stdout and "queue done" in r.stdout
 
 
@@ -317,19 +324,15 @@ def test_run_queue_waits_for_a_config_that_is_not_ready(tmp_path):
   config = tmp_path / "gated.py"
   config.write_text("import os\nfrom experiments.configs.tiny import get_config\n"
                     "def ready(arg=None):\n  return os.path.exists(arg)\n")
-  queue = tmp_path / "queue.txt"
-  queue.write_text(f"gated_s0 {config}:{flag} --config.methods=('non_private',)\n"
-                   "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n")
-  args = [
-      sys.executable, "-m", "experiments.run_queue", f"--queue={queue}",
-      f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}"
-  ]
-  r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+  drive = _queue_driver(
+      tmp_path, f"gated_s0 {config}:{flag} --config.methods=('non_private',)\n"
+      "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n")
+  r = drive()
   assert r.returncode == 0, r.stdout + r.stderr
   assert "start tiny_s0" in r.stdout and "start gated_s0" not in r.stdout
   assert "waiting: gated_s0 (not ready)" in r.stdout and r.stdout.rstrip().endswith("queue done")
   flag.write_text("")
-  r = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+  r = drive()
   assert "start gated_s0" in r.stdout and "start tiny_s0" not in r.stdout, r.stdout + r.stderr
 
 
