@@ -496,8 +496,9 @@ def signal_to_noise_table(report: dict) -> str:
       f"One batch of {report['n']:,} CIFAR-10 same-class pairs, {report['parameters']} "
       f"parameters, B = {report['clip_norm']:g}, τ = {report['temperature']:g}, "
       f"σ = {report['noise_multiplier']:.3g}: ‖ḡ‖, the sensitivity Δ, the noise's norm σΔ√p, "
-      "SNR = ‖ḡ‖ / (σΔ√p), and the cosine of ḡ with the unclipped full-batch gradient ∇ℒ.", "",
-      "| method | ‖ḡ‖ | Δ | σΔ√p | SNR | cos(ḡ, ∇ℒ) |", "|---|---|---|---|---|---|"
+      "SNR = ‖ḡ‖ / (σΔ√p), and the cosine of ḡ with the unclipped full-batch gradient ∇ℒ." +
+      (f" Config changes: {_fmt_overrides(report['overrides'])}." if report.get("overrides") else
+       ""), "", "| method | ‖ḡ‖ | Δ | σΔ√p | SNR | cos(ḡ, ∇ℒ) |", "|---|---|---|---|---|---|"
   ]
   for name, m in report["methods"].items():
     clip_method = name.removeprefix("logit_dp_")

@@ -17,9 +17,11 @@ clipping the groups turns their sum. Groups: expected size 8 (G = n/8), no extra
 
 ``--params_from=WORKDIR:METHOD`` measures at the final parameters a finished pretrain.py run
 trained with METHOD instead of at initialisation (is the gap only a feature of the first step?);
-``--seed`` picks the initial parameters and the batch.
+``--seed`` picks the initial parameters and the batch; ``--set key=value`` (repeatable) changes
+the config, e.g. ``--set temperature=2.0 --set clip_norm=3.0 --set model.embedding_dim=16``.
 """
 
+import ast
 import json
 import os
 import time
@@ -37,6 +39,7 @@ from experiments import clip_bias
 from experiments import data as data_lib
 from experiments import finetuning
 from experiments import train as train_lib
+from experiments import tune
 from experiments.configs import cifar10_embedding_net_dpgcl
 from experiments.configs import cifar10_embedding_net_projected
 
@@ -53,6 +56,23 @@ def _define_flags():
       "params_from", None, "WORKDIR:METHOD of a finished pretrain.py run: measure at its trained "
       "parameters instead of the initial ones.")
   flags.DEFINE_integer("seed", 0, "Seed of the initial parameters and of the batch.")
+  flags.DEFINE_multi_string(
+      "set", [], "key=value: a change of the config (dotted key, Python "
+      "literal value), e.g. temperature=2.0.")
+
+
+def parse_overrides(items) -> dict:
+  """{'a.b': value} from ['a.b=value', ...]; values are Python literals or else strings."""
+  out = {}
+  for item in items:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+      raise ValueError(f"--set wants key=value, got {item!r}.")
+    try:
+      out[key] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      out[key] = text
+  return out
 
 
 def load_params(params_from: str | None, seed: int, init_fn, x, model_config):
@@ -119,7 +139,8 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
 
 def main(argv):
   del argv
-  config = cifar10_embedding_net_dpgcl.get_config()
+  overrides = parse_overrides(FLAGS.set)
+  config = tune.apply_overrides(cifar10_embedding_net_dpgcl.get_config(), overrides)
   config.data.npz_dir = FLAGS.npz_dir
   ds = data_lib.load_dataset(config.data, seed=0)
   pairs = data_lib.make_pairs(ds["y_train"], "same_class", seed=0)
@@ -142,7 +163,7 @@ def main(argv):
                     float(config.clip_norm), sigma, FLAGS.logit_dp_methods, reference,
                     projection.rank, float(config.dp_gcl.group_size))
   report = dict(n=FLAGS.n, clip_norm=float(config.clip_norm), temperature=config.temperature,
-                noise_multiplier=sigma, parameters=described, methods=methods,
+                noise_multiplier=sigma, parameters=described, overrides=overrides, methods=methods,
                 seconds=time.time() - t0)
   for name, m in methods.items():
     print(name, json.dumps(m), flush=True)

@@ -107,6 +107,10 @@ def test_signal_to_noise_table_renders_the_report():
                    dp_gcl=dict(method, num_groups=250, cos_with_unclipped_group_sum=0.999)))
   text = render_results.signal_to_noise_table(report)
   assert "| Logit-DP, projected | 50 | 16.8 | 400 | 0.125 | +0.990 |" in text
+  assert "Config changes" not in text
+  report["overrides"] = {"temperature": 2.0, "model.embedding_dim": 16}
+  assert "Config changes: temperature = 2.0, model.embedding_dim = 16." in (
+      render_results.signal_to_noise_table(report))
   assert "| DP-GCL (250 groups; cos with its unclipped group sum +0.999) | 50 | 2 |" in text
 
 
@@ -129,3 +133,12 @@ def test_signal_to_noise_summary_lists_every_report():
   other["temperature"] = 2.0
   with pytest.raises(ValueError, match="different"):
     render_results.signal_to_noise_summary_table([report("a", 0.1, 0.1), other])
+
+
+def test_signal_to_noise_parses_config_changes():
+  from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
+  assert signal_to_noise.parse_overrides([
+      "temperature=2.0", "model.embedding_dim=16", "clip_method=projected"
+  ]) == {"temperature": 2.0, "model.embedding_dim": 16, "clip_method": "projected"}
+  with pytest.raises(ValueError, match="key=value"):
+    signal_to_noise.parse_overrides(["temperature"])
