@@ -514,20 +514,25 @@ def signal_to_noise_table(report: dict) -> str:
 def signal_to_noise_summary_table(reports) -> str:
   """SNR and cos(ḡ, ∇ℒ) of every method at several parameter points (signal_to_noise.py)."""
   names = list(reports[0]["methods"])
+
+  def setting(r):
+    return r["clip_norm"], r["temperature"], r.get("overrides") or {}
+
   for r in reports[1:]:
-    if list(
-        r["methods"]) != names or (r["clip_norm"], r["temperature"]) != (reports[0]["clip_norm"],
-                                                                         reports[0]["temperature"]):
+    if list(r["methods"]) != names or setting(r) != setting(reports[0]):
       raise ValueError("signal_to_noise_summary: reports of different methods or settings")
+  changes = setting(reports[0])[2]
 
   def label(name):
     return LABELS.get(name, f"{LABELS['logit_dp']}, {name.removeprefix('logit_dp_')}")
 
+  header = (f"B = {reports[0]['clip_norm']:g}, τ = {reports[0]['temperature']:g}: SNR = "
+            "‖ḡ‖ / (σΔ√p) of one batch, and in brackets cos(ḡ, ∇ℒ).")
+  if changes:
+    header += f" Config changes: {_fmt_overrides(changes)}."
   lines = [
-      f"B = {reports[0]['clip_norm']:g}, τ = {reports[0]['temperature']:g}: SNR = ‖ḡ‖ / (σΔ√p) "
-      "of one batch, and in brackets cos(ḡ, ∇ℒ).", "", "| parameters | n | "
-      + " | ".join(label(n) for n in names) + " | DP-GCL SNR ÷ projected SNR |",
-      "|---|---|" + "---|" * (len(names) + 1)
+      header, "", "| parameters | n | " + " | ".join(label(n) for n in names)
+      + " | DP-GCL SNR ÷ projected SNR |", "|---|---|" + "---|" * (len(names) + 1)
   ]
   for r in reports:
     m = r["methods"]

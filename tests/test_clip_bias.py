@@ -129,10 +129,16 @@ def test_signal_to_noise_summary_lists_every_report():
        report("trained", 0.05, 0.4)])
   assert "| initial (seed 0) | 10,000 | 0.12 (+0.50) | 0.6 (-0.25) | 5.0 |" in text
   assert "| trained | 10,000 | 0.05 (+0.50) | 0.4 (-0.25) | 8.0 |" in text
+  assert "Config changes" not in text
   other = report("x", 0.1, 0.1)
   other["temperature"] = 2.0
   with pytest.raises(ValueError, match="different"):
     render_results.signal_to_noise_summary_table([report("a", 0.1, 0.1), other])
+  wider = dict(report("x", 0.1, 0.1), overrides={"model.embedding_dim": 16})
+  with pytest.raises(ValueError, match="different"):
+    render_results.signal_to_noise_summary_table([report("a", 0.1, 0.1), wider])
+  text = render_results.signal_to_noise_summary_table([wider, dict(wider, parameters="y")])
+  assert "Config changes: model.embedding_dim = 16." in text
 
 
 def test_signal_to_noise_parses_config_changes():
