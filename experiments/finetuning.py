@@ -49,7 +49,8 @@ def load_pretrained(pretrain_workdir: str, method: str, pre_config):
     return ckptr.restore(path, template)
 
 
-def _read_pretrain(pretrain_workdir: str):
+def read_pretrain(pretrain_workdir: str):
+  """(config, results) of a pretrain.py workdir: its config.json, and its results.json or {}."""
   if not pretrain_workdir:
     raise ValueError(
         "Set --config.pretrain_workdir to the --workdir of a finished pretrain.py run.")
@@ -126,7 +127,7 @@ def train_head(config, e_tr, y_tr, e_te, num_classes: int, csv_path: str, y_te=N
 def finetune_and_evaluate(config, workdir: str, quiet: bool = False) -> dict[str, dict[str, Any]]:
   os.makedirs(workdir, exist_ok=True)
   train_lib.save_config(config, workdir)
-  pre_config, pre_results = _read_pretrain(config.pretrain_workdir)
+  pre_config, pre_results = read_pretrain(config.pretrain_workdir)
   ds = data_lib.load_dataset(config.data, seed=config.seed)
   methods = [
       m for m in (config.methods or pre_config.methods) if m == train_lib.UNTRAINED

@@ -402,6 +402,20 @@ def bound_table(ghost_runs, triangle_runs) -> str:
   return "\n".join(lines)
 
 
+WALLCLOCK_FOOTNOTE = (
+    "† Less than the training alone: the attempts killed with their driver at the end of a "
+    "session were not recorded before 2026-11-24 (run_queue.timed_attempt now writes each "
+    "attempt while it runs). The training seconds count every attempt's steps.")
+
+
+def _wallclock_cell(wallclock_seconds, train_seconds) -> tuple[str, bool]:
+  """(cell, marked): the wall-clock, marked † when it is below the training seconds."""
+  if wallclock_seconds is None:
+    return "–", False
+  marked = train_seconds is not None and wallclock_seconds < train_seconds
+  return f"{wallclock_seconds:,.0f}" + (" †" if marked else ""), marked
+
+
 def runs_table(runs) -> str:
   """Every committed run: wall-clock (all attempts) and training seconds per method."""
   lines = [
@@ -413,18 +427,14 @@ def runs_table(runs) -> str:
   for name, r in runs.items():
     wc = r["wallclock"]
     trained = [r["results"].get(m, {}).get("train_seconds") for m in TRAINED]
-    total = "–" if not wc else f"{wc['total_seconds']:,.0f}"
-    if wc and wc["total_seconds"] < sum(s for s in trained if s is not None):
-      total, incomplete = total + " †", True
+    total, marked = _wallclock_cell(wc["total_seconds"] if wc else None,
+                                    sum(s for s in trained if s is not None))
+    incomplete |= marked
     attempts = "–" if not wc else str(len(wc["attempts"]))
     secs = ["–" if s is None else f"{s:,.0f}" for s in trained]
     lines.append(f"| {name} | {r['seed']} | {total} | {attempts} | " + " | ".join(secs) + " |")
   if incomplete:
-    lines += [
-        "", "† Less than the training alone: the attempts killed with the queue driver at the "
-        "end of a session were not recorded before 2026-11-24 (run_queue now writes each "
-        "attempt while it runs). The training seconds count every attempt's steps."
-    ]
+    lines += ["", WALLCLOCK_FOOTNOTE]
   return "\n".join(lines)
 
 
@@ -490,19 +500,29 @@ def clip_bias_table(report: dict) -> str:
   return "\n".join(lines)
 
 
+def _snr_label(name: str) -> str:
+  """A signal_to_noise.py method key as a label: "logit_dp_projected" → "Logit-DP, projected"."""
+  return LABELS.get(name, f"{LABELS['logit_dp']}, {name.removeprefix('logit_dp_')}")
+
+
+def _config_changes(report: dict) -> str:
+  """The sentence naming a signal_to_noise.py report's ``--set`` changes, or ""."""
+  changes = report.get("overrides")
+  return f" Config changes: {_fmt_overrides(changes)}." if changes else ""
+
+
 def signal_to_noise_table(report: dict) -> str:
   """One private step's clipped sum against its noise, per method (signal_to_noise.py)."""
   lines = [
       f"One batch of {report['n']:,} CIFAR-10 same-class pairs, {report['parameters']} "
       f"parameters, B = {report['clip_norm']:g}, τ = {report['temperature']:g}, "
       f"σ = {report['noise_multiplier']:.3g}: ‖ḡ‖, the sensitivity Δ, the noise's norm σΔ√p, "
-      "SNR = ‖ḡ‖ / (σΔ√p), and the cosine of ḡ with the unclipped full-batch gradient ∇ℒ." +
-      (f" Config changes: {_fmt_overrides(report['overrides'])}." if report.get("overrides") else
-       ""), "", "| method | ‖ḡ‖ | Δ | σΔ√p | SNR | cos(ḡ, ∇ℒ) |", "|---|---|---|---|---|---|"
+      "SNR = ‖ḡ‖ / (σΔ√p), and the cosine of ḡ with the unclipped full-batch gradient ∇ℒ."
+      + _config_changes(report), "", "| method | ‖ḡ‖ | Δ | σΔ√p | SNR | cos(ḡ, ∇ℒ) |",
+      "|---|---|---|---|---|---|"
   ]
   for name, m in report["methods"].items():
-    clip_method = name.removeprefix("logit_dp_")
-    label = LABELS[name] if name in LABELS else f"{LABELS['logit_dp']}, {clip_method}"
+    label = _snr_label(name)
     if name == "dp_gcl":
       label += (f" ({m['num_groups']:,} groups; cos with its unclipped group sum "
                 f"{m['cos_with_unclipped_group_sum']:+.3f})")
@@ -521,17 +541,10 @@ def signal_to_noise_summary_table(reports) -> str:
   for r in reports[1:]:
     if list(r["methods"]) != names or setting(r) != setting(reports[0]):
       raise ValueError("signal_to_noise_summary: reports of different methods or settings")
-  changes = setting(reports[0])[2]
-
-  def label(name):
-    return LABELS.get(name, f"{LABELS['logit_dp']}, {name.removeprefix('logit_dp_')}")
-
-  header = (f"B = {reports[0]['clip_norm']:g}, τ = {reports[0]['temperature']:g}: SNR = "
-            "‖ḡ‖ / (σΔ√p) of one batch, and in brackets cos(ḡ, ∇ℒ).")
-  if changes:
-    header += f" Config changes: {_fmt_overrides(changes)}."
   lines = [
-      header, "", "| parameters | n | " + " | ".join(label(n) for n in names)
+      f"B = {reports[0]['clip_norm']:g}, τ = {reports[0]['temperature']:g}: SNR = "
+      "‖ḡ‖ / (σΔ√p) of one batch, and in brackets cos(ḡ, ∇ℒ)." + _config_changes(reports[0]), "",
+      "| parameters | n | " + " | ".join(_snr_label(n) for n in names)
       + " | DP-GCL SNR ÷ projected SNR |", "|---|---|" + "---|" * (len(names) + 1)
   ]
   for r in reports:
@@ -573,19 +586,15 @@ def search_table(summary: dict) -> str:
           str(r["steps"]), f"{r['noise_multiplier']:.3g}", f"{r['epsilon']:.3g}",
           f"{r['accuracy']:.4f}", "–" if probe is None else f"{probe:.4f}"
       ]
-    wc, trained = r.get("wallclock_seconds"), r.get("train_seconds")
-    wall = "–" if wc is None else f"{wc:,.0f}"
-    if wc is not None and trained is not None and wc < trained:
-      wall, incomplete = wall + " †", True
+    trained = r.get("train_seconds")
+    wall, marked = _wallclock_cell(r.get("wallclock_seconds"), trained)
+    incomplete |= marked
     lines.append(f"| {r['order']} | {name} | {r['stage']} | {_fmt_overrides(r['own_overrides'])} | "
                  f"{_fmt_overrides(r['overrides'])} | " + " | ".join(cells)
                  + f" | {'–' if trained is None else f'{trained:,.0f}'} | {wall} |")
   lines.append("")
   if incomplete:
-    lines += [
-        "† Less than the training alone: attempts killed at the end of a session were not "
-        "recorded before 2026-11-24. The training seconds count every attempt's steps.", ""
-    ]
+    lines += [WALLCLOCK_FOOTNOTE, ""]
   if chosen:
     lines.append(f"Chosen by the rule fixed in advance ({summary['rule']}): **{chosen}**, "
                  f"overrides {_fmt_overrides(summary['chosen']['overrides'])}.")
@@ -790,14 +799,8 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     if a not in groups or b not in groups:
       return f"(no seed of `{a}` with a `{b}` run of the same seed yet)"
     return compare_table(groups[a], groups[b], a, b)
-  if kind in _REPORT_TABLES:  # one JSON report in results_dir -> its table
-    path = os.path.join(results_dir, arg)
-    if not os.path.exists(path):
-      return f"(`{arg}` not computed yet)"
-    with open(path) as f:
-      return _REPORT_TABLES[kind](json.load(f))
-  if kind == "signal_to_noise_summary":  # several reports, comma-separated
-    files = arg.split(",")
+  if kind in _REPORT_TABLES or kind == "signal_to_noise_summary":  # JSON reports -> a table
+    files = arg.split(",") if kind == "signal_to_noise_summary" else [arg]
     missing = [a for a in files if not os.path.exists(os.path.join(results_dir, a))]
     if missing:
       return f"(`{'`, `'.join(missing)}` not computed yet)"
@@ -805,7 +808,9 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     for a in files:
       with open(os.path.join(results_dir, a)) as f:
         reports.append(json.load(f))
-    return signal_to_noise_summary_table(reports)
+    if kind == "signal_to_noise_summary":
+      return signal_to_noise_summary_table(reports)
+    return _REPORT_TABLES[kind](reports[0])
   if kind == "curve":
     return curve_table(curve_data(arg, groups), paper, results_dir)
   if kind == "search":

@@ -131,6 +131,13 @@ def code_version():
               dirty=bool(git("status", "--porcelain", "--", "logit_dp", "experiments")))
 
 
+def write_json(path: str, obj) -> None:
+  """Writes ``obj`` to ``path`` through a temporary file, so a reader never sees half of it."""
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
 @contextlib.contextmanager
 def timed_attempt(workdir: str, command_line: str, heartbeat_seconds: float = HEARTBEAT_SECONDS):
   """Records one attempt in ``workdir/wallclock.json``; yields it to set its ``returncode``.
@@ -153,9 +160,7 @@ def timed_attempt(workdir: str, command_line: str, heartbeat_seconds: float = HE
     with lock:
       attempt["seconds"] = round(time.time() - t0, 1)
       wc["total_seconds"] = round(sum(a["seconds"] for a in wc["attempts"]), 1)
-      with open(path + ".tmp", "w") as f:
-        json.dump(wc, f, indent=1)
-      os.replace(path + ".tmp", path)
+      write_json(path, wc)
 
   def beat():
     while not done.wait(heartbeat_seconds):
@@ -199,8 +204,10 @@ def main(argv):
     workdir = os.path.join(FLAGS.runs_dir, n)
     if is_finished(workdir) or failed_attempts(workdir) >= FLAGS.max_attempts:
       continue
-    (todo if ready(c, o) else waiting).append((n, c, o))
-  waiting = [n for n, c, _ in waiting if c != "finetune"]  # those wait for their pre-training
+    if ready(c, o):
+      todo.append((n, c, o))
+    elif c != "finetune":  # a fine-tuning entry waits for its pre-training run: not news
+      waiting.append(n)
   if waiting:
     print(f"waiting: {', '.join(waiting)} (not ready)", flush=True)
   if not todo:

@@ -28,7 +28,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from absl import app
@@ -86,8 +85,7 @@ def load_params(params_from: str | None, seed: int, init_fn, x, model_config):
   workdir, sep, method = params_from.rpartition(":")
   if not sep or not workdir or not method:
     raise ValueError(f"--params_from must be WORKDIR:METHOD, got {params_from!r}.")
-  with open(os.path.join(workdir, "config.json")) as f:
-    pre_config = ml_collections.ConfigDict(json.load(f))
+  pre_config = finetuning.read_pretrain(workdir)[0]
   measured = json.loads(json.dumps(model_config.to_dict()))  # as config.json stores it
   if pre_config.model.to_dict() != measured:
     raise ValueError(f"{workdir} trained model {pre_config.model.to_dict()}, not the measured "

@@ -180,10 +180,7 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
     summary = dict(rule=RULE, complete=complete, chosen=chosen, stages=list(stages),
                    candidates=list(candidates), base=json.loads(config.base.to_json_best_effort()))
     os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, "search.json.tmp"), "w") as f:
-      json.dump(summary, f, indent=1)
-    os.replace(os.path.join(results_dir, "search.json.tmp"),
-               os.path.join(results_dir, "search.json"))
+    run_queue.write_json(os.path.join(results_dir, "search.json"), summary)
     with open(os.path.join(results_dir, "search.md"), "w") as f:
       f.write(render_results.search_table(summary) + "\n")
     return summary

@@ -356,7 +356,7 @@ def test_pretrain_on_two_processes_matches_one_process_on_four_devices(tmp_path)
     assert got["steps"] == ref["steps"] == ref["total_steps"]
     assert got["epsilon"] == ref["epsilon"] and got["delta"] == ref["delta"]
     # as fine-tuning reads them, in one process
-    params = finetuning.load_pretrained(workdir, method, finetuning._read_pretrain(workdir)[0])
+    params = finetuning.load_pretrained(workdir, method, finetuning.read_pretrain(workdir)[0])
     np.testing.assert_allclose(_flat(params), _flat(ref["params"]), rtol=1e-4, atol=1e-6)
     losses = [row["test_loss"] for row in got["history"]]
     np.testing.assert_allclose(losses, [row["test_loss"] for row in ref["history"]], rtol=1e-4)
