@@ -74,14 +74,17 @@ def parse_overrides(items) -> dict:
   return out
 
 
-def load_params(params_from: str | None, seed: int, init_fn, x, model_config):
-  """(params, description): a run's trained parameters or the seed's initial ones.
+def load_params(params_from: str | None, config, x):
+  """(params, description): a run's trained parameters or the initial ones of seed
+  ``config.seed``'s runs (`train.initial_params`, the parameters every method of that seed
+  starts from).
 
-  A run's parameters are refused (ValueError) unless it trained the model ``model_config``
+  A run's parameters are refused (ValueError) unless it trained the model ``config.model``
   describes, the one the measurement applies them to.
   """
+  model_config = config.model
   if not params_from:
-    return init_fn(jax.random.PRNGKey(seed), x[:1]), f"initial (seed {seed})"
+    return train_lib.initial_params(config, x[:1]), f"initial (seed {config.seed})"
   workdir, sep, method = params_from.rpartition(":")
   if not sep or not workdir or not method:
     raise ValueError(f"--params_from must be WORKDIR:METHOD, got {params_from!r}.")
@@ -146,8 +149,9 @@ def main(argv):
   x_train = np.asarray(data_lib.to_float(ds["x_train"]))
   batch = pairs[np.random.default_rng(FLAGS.seed).choice(len(pairs), FLAGS.n, replace=False)]
   x, x_prime = jnp.asarray(x_train[batch[:, 0]]), jnp.asarray(x_train[batch[:, 1]])
-  _, apply_fn, _, init_jit = train_lib.get_model(config.model)
-  params, described = load_params(FLAGS.params_from, FLAGS.seed, init_jit, x, config.model)
+  config.seed = FLAGS.seed
+  apply_fn = train_lib.get_model(config.model)[1]
+  params, described = load_params(FLAGS.params_from, config, x)
   projection = cifar10_embedding_net_projected.projection_config()
   reference = None
   if "projected" in FLAGS.logit_dp_methods:

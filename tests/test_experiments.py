@@ -125,24 +125,35 @@ def test_a_row_is_logged_at_every_checkpoint(tmp_path):
     assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 2, 3, 4]
 
 
-def test_signal_to_noise_measures_at_a_runs_trained_parameters(pretrained):
+def test_signal_to_noise_measures_at_a_runs_trained_parameters(pretrained, tmp_path):
   from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
   workdir, results = pretrained
   cfg = tiny.get_config()
   x = np.zeros((1, 8, 8, 1), np.float32)
-  params, described = signal_to_noise.load_params(f"{workdir}:non_private", 0, None, x, cfg.model)
+  params, described = signal_to_noise.load_params(f"{workdir}:non_private", cfg, x)
   assert _params_equal(params, results["non_private"]["params"])
   assert described == f"non_private trained ({os.path.basename(workdir)})"
-  init_fn = train.get_model(cfg.model)[3]
-  params, described = signal_to_noise.load_params(None, 3, init_fn, x, cfg.model)
-  assert _params_equal(params, init_fn(jax.random.PRNGKey(3),
-                                       x)) and described == "initial (seed 3)"
   with pytest.raises(ValueError, match="WORKDIR:METHOD"):
-    signal_to_noise.load_params(workdir, 0, None, x, cfg.model)
-  other = cfg.model.copy_and_resolve_references()
-  other.embedding_dim = cfg.model.embedding_dim + 1
+    signal_to_noise.load_params(workdir, cfg, x)
+  other = cfg.copy_and_resolve_references()
+  other.model.embedding_dim = cfg.model.embedding_dim + 1
   with pytest.raises(ValueError, match="not the measured"):
-    signal_to_noise.load_params(f"{workdir}:non_private", 0, None, x, other)
+    signal_to_noise.load_params(f"{workdir}:non_private", other, x)
+
+
+def test_signal_to_noise_initial_parameters_are_those_a_run_of_the_seed_starts_from(tmp_path):
+  """"initial (seed S)" is where seed S's runs start: a run of seed 3 whose updates are zero
+  (learning rate 0) ends at exactly the measured parameters."""
+  from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
+  cfg = tiny.get_config()
+  cfg.seed, cfg.methods, cfg.linear_probe = 3, ("non_private",), False
+  cfg.learning_rates.non_private = 0.0
+  unmoved = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["non_private"]["params"]
+  params, described = signal_to_noise.load_params(None, cfg, np.zeros((1, 8, 8, 1), np.float32))
+  assert _params_equal(params, unmoved) and described == "initial (seed 3)"
+  cfg.seed = 4
+  assert not _params_equal(
+      signal_to_noise.load_params(None, cfg, np.zeros((1, 8, 8, 1)))[0], unmoved)
 
 
 def test_untrained_baseline_added_to_a_finished_run(tmp_path):
