@@ -224,8 +224,8 @@ def test_goal_block_checks_the_accuracy_target_and_the_margin_over_the_seed_spre
                 f"{np.std(logit, ddof=1):.3f}")
   assert target == ["3", "yes", f"{np.mean(logit) - 0.25:+.3f}"]
   rows = {
-      l.split("|")[1].strip(): [c.strip() for c in l.strip("|").split("|")]
-      for l in text.splitlines() if l.startswith("| Logit-DP −")
+      line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+      for line in text.splitlines() if line.startswith("| Logit-DP −")
   }
   gcl_row = rows["Logit-DP − DP-GCL > spread over seeds"]
   delta = np.subtract(logit, gcl)
