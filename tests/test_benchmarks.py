@@ -233,3 +233,19 @@ def test_projected_forms_benchmark_times_both_forms_and_they_agree():
   # Not bit-equal: the Gram form's squared norms carry ε_G·S² more allowance (≤ √ε_G·S = 2⁻¹⁰·S
   # on a norm), which moves the clip factors of clipped pairs by as much.
   assert row["grad_relative_difference"] < 1e-3
+
+
+@pytest.mark.slow  # four compilations; factors_times itself is tested in test_layerwise.py
+def test_projected_jacobians_benchmark_times_both_ways_and_restores_the_library():
+  from benchmarks import projected_jacobians  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
+  before = clipping._projected_jacobians
+  (row,) = projected_jacobians.main([
+      "--sizes", "12", "--dims", "4", "--rank", "6", "--microbatch", "4", "--repeats", "1",
+      "--image-size", "8"
+  ])
+  assert clipping._projected_jacobians is before
+  assert set(
+      row["median_s"]) == {"non_private", "triangle", "projected_gemm", "projected_transpose"}
+  # The same J_eQ̃ up to float32 rounding, so the same clip factors up to their allowances.
+  assert row["grad_relative_difference"] < 1e-4

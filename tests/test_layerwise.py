@@ -380,6 +380,36 @@ def test_factor_contraction_is_the_backward_pass(model, shape, mode, monkeypatch
     np.testing.assert_array_equal(jax.tree_util.tree_unflatten(treedef, grads)["unused"], 0.0)
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("model,shape", [
+    (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
+    pytest.param(ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2), marks=pytest.mark.slow),
+    pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
+    (None, (3, 2)),
+], ids=["conv", "conv_no_bias", "mixed", "pure_jax"])
+def test_factors_times_tangents_is_the_forward_derivative(model, shape, mode, monkeypatch):
+  """J_e t_l contracted from the factors = jax.jvp of the normalised embedding of example e in
+  direction t_l (JAX's own forward mode through embed_fn), for every example and tangent."""
+  embed_fn, params, x, _ = _problem(model, shape)
+  monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d, g=MODES[mode]: g)
+  batch = _batch(embed_fn, params, x)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  num_tangents = 3
+  keys = jax.random.split(jax.random.PRNGKey(11), len(leaves))
+  tangent_leaves = [
+      jax.random.normal(key, (num_tangents,) + leaf.shape) for key, leaf in zip(keys, leaves)
+  ]
+  got = layerwise.factors_times(batch.plan, batch.factors(x), tangent_leaves)
+  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
+  embed = lambda p: jax.vmap(lambda xe: clipping.normalize(
+      batch.embed_fn(p, xe[None])[0], batch.eps))(x)
+  for index in range(num_tangents):
+    tangent = jax.tree_util.tree_unflatten(treedef, [t[index] for t in tangent_leaves])
+    want = jax.jvp(embed, (params,), (tangent,))[1]  # (m, d)
+    np.testing.assert_allclose(got[:, :, index], want, rtol=1e-4,
+                               atol=1e-5 * float(np.max(np.abs(want))))
+
+
 @pytest.mark.parametrize(
     "mode",
     [m if m == "all_ghost" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(MODES)])

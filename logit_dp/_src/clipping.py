@@ -634,21 +634,10 @@ def _projection_tangents(batch: _Batch, reference_inputs, rank: int):
 
 
 def _projected_jacobians(batch: _Batch, factors: layerwise.Factors, tangent_leaves) -> jax.Array:
-  """(m, d, k): J_e q̃_l for the examples of `factors`, contracted from the factors: the
-  transpose of the linear map c ↦ Σ_e J_eᵀc_e (`layerwise.factors_transpose`) applied to each
-  tangent (no forward or backward pass through the model)."""
-  leaves = jax.tree_util.tree_leaves(batch.params)
-  m, d, _ = factors.flat.shape
-
-  def contract(cotangents):  # one tower ("projected" refuses two): both views share batch.plan
-    return layerwise.factors_transpose(batch.plan, factors, cotangents, leaves)
-
-  # Under shard_map (check_vma) both the primal and the tangents must be device-varying, like
-  # the factors: an invariant one would be cast by pvary, whose transpose is a psum that would
-  # add up the projections of every device's examples.
-  transposed = jax.linear_transpose(contract, batch.c.varying(jnp.zeros((m, d),
-                                                                        factors.flat.dtype)))
-  return jax.vmap(lambda q: transposed(q)[0], out_axes=-1)(batch.c.varying(tangent_leaves))
+  """(m, d, k): J_e q̃_l for the examples of `factors`, contracted from the factors
+  (`layerwise.factors_times`; no forward or backward pass through the model). One tower:
+  "projected" refuses two, so both views share batch.plan."""
+  return layerwise.factors_times(batch.plan, factors, tangent_leaves)
 
 
 def _triangle_norms(batch: _Batch, allowance: float = 1.0, projection_spec=None):
