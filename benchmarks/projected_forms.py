@@ -65,6 +65,21 @@ def _time(fn, args) -> float:
   return time.perf_counter() - t
 
 
+def time_side_by_side(fns: dict, call_args: tuple, repeats: int, first: str,
+                      second: str) -> tuple[dict, float]:
+  """({name: median seconds}, ‖ḡ_first − ḡ_second‖ / ‖ḡ_second‖): every (ℒ, ḡ) function called
+  once to warm up, then in turn ``repeats`` times (interleaved, so load changes hit all alike)."""
+  outs = {name: fn(*call_args) for name, fn in fns.items()}
+  a, b = (jax.tree_util.tree_leaves(outs[k][1]) for k in (first, second))
+  num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(a, b))
+  den = sum(float(jnp.sum(y ** 2)) for y in b)
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      times[name].append(_time(fn, call_args))
+  return {name: float(np.median(t)) for name, t in times.items()}, (num / den) ** 0.5
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--sizes", default="1000")
@@ -79,21 +94,12 @@ def main(argv=None) -> list[dict]:
       embed_fn, params, x, x_prime, reference = _problem(n, d, args.image_size)
       call_args = (params, x, x_prime)
       fns = _functions(embed_fn, reference, args.rank, call_args)
-      outs = {name: fn(*call_args) for name, fn in fns.items()}  # warm-up
-      g_gram, g_vector = outs["projected_gram"][1], outs["projected_vector"][1]
-      num = sum(
-          float(jnp.sum((a - b) ** 2))
-          for a, b in zip(jax.tree_util.tree_leaves(g_gram), jax.tree_util.tree_leaves(g_vector)))
-      den = sum(float(jnp.sum(b ** 2)) for b in jax.tree_util.tree_leaves(g_vector))
-      times = {name: [] for name in fns}
-      for _ in range(args.repeats):
-        for name, fn in fns.items():
-          times[name].append(_time(fn, call_args))
-      median = {name: float(np.median(t)) for name, t in times.items()}
+      median, difference = time_side_by_side(fns, call_args, args.repeats, "projected_gram",
+                                             "projected_vector")
       row = dict(n=n, d=d, rank=args.rank, median_s=median,
                  gram_over_vector=median["projected_gram"] / median["projected_vector"],
                  over_non_private={k: v / median["non_private"] for k, v in median.items()},
-                 grad_relative_difference=(num / den) ** 0.5)
+                 grad_relative_difference=difference)
       rows.append(row)
       print(json.dumps(row), flush=True)
   print(json.dumps(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), indent=1))

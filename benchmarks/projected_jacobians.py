@@ -14,13 +14,12 @@ after a warm-up; medians and ratios. Also checks that both give the same ḡ. JS
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import logit_dp
+from benchmarks import projected_forms
 from logit_dp import models
 from logit_dp._src import clipping
 from logit_dp._src import layerwise
@@ -34,12 +33,6 @@ def transposed_projections(batch, factors, tangent_leaves):
   transposed = jax.linear_transpose(contract, batch.c.varying(jnp.zeros((m, d),
                                                                         factors.flat.dtype)))
   return jax.vmap(lambda q: transposed(q)[0], out_axes=-1)(batch.c.varying(tangent_leaves))
-
-
-def _time(fn, args) -> float:
-  t = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  return time.perf_counter() - t
 
 
 def _functions(d: int, n: int, rank: int, microbatch: int, image_size: int,
@@ -90,20 +83,13 @@ def main(argv=None) -> list[dict]:
   for n in (int(s) for s in args.sizes.split(",")):
     for d in (int(s) for s in args.dims.split(",")):
       fns, call_args = _functions(d, n, args.rank, args.microbatch, args.image_size)
-      outs = {name: fn(*call_args) for name, fn in fns.items()}  # warm-up
-      g_new, g_old = (
-          jax.tree_util.tree_leaves(outs[k][1]) for k in ("projected_gemm", "projected_transpose"))
-      num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(g_new, g_old))
-      den = sum(float(jnp.sum(b ** 2)) for b in g_old)
-      times = {name: [] for name in fns}
-      for _ in range(args.repeats):
-        for name, fn in fns.items():
-          times[name].append(_time(fn, call_args))
-      median = {name: float(np.median(t)) for name, t in times.items()}
+      median, difference = projected_forms.time_side_by_side(fns, call_args, args.repeats,
+                                                             "projected_gemm",
+                                                             "projected_transpose")
       row = dict(n=n, d=d, rank=args.rank, microbatch=args.microbatch, median_s=median,
                  gemm_over_transpose=median["projected_gemm"] / median["projected_transpose"],
                  over_non_private={k: v / median["non_private"] for k, v in median.items()},
-                 grad_relative_difference=(num / den) ** 0.5)
+                 grad_relative_difference=difference)
       rows.append(row)
       print(json.dumps(row), flush=True)
   print(json.dumps(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), indent=1))
