@@ -23,7 +23,9 @@ from logit_dp import models
 from logit_dp._src import projection
 
 
-def _problem(n: int, d: int, image_size: int, seed: int = 0):
+def problem(n: int, d: int, image_size: int, seed: int = 0):
+  """(embed_fn, params, x, x', reference): the embedding net with embedding dimension d, n
+  random image pairs (x' = x + noise) of image_size², and 64 random reference inputs."""
   model = models.EmbeddingNet(embedding_dim=d)
   k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.uniform(k1, (n, image_size, image_size, 3))
@@ -32,8 +34,11 @@ def _problem(n: int, d: int, image_size: int, seed: int = 0):
   return model.apply, jax.jit(model.init)(k3, x[:1]), x, x_prime, reference
 
 
-def _functions(embed_fn, reference, rank: int, args: tuple) -> dict:
-  """The four gradients, each compiled for ``args`` = (params, x, x')."""
+def compile_variants(embed_fn, reference, rank: int, args: tuple, variants: dict,
+                     microbatch_size: int | None = None) -> dict:
+  """The non-private gradient, "triangle", and one "projected" step per variant, each compiled
+  for ``args`` = (params, x, x'). variants: {name: (module, attribute, value)}, the library
+  switch set to value while that step is traced (and restored after)."""
   loss = logit_dp.losses.contrastive(temperature=1.0)
 
   def non_private(params, x, x_prime):
@@ -43,19 +48,20 @@ def _functions(embed_fn, reference, rank: int, args: tuple) -> dict:
   fns = {
       "non_private":
           jax.jit(non_private).lower(*args).compile(), "triangle":
-              jax.jit(logit_dp.clipped_grad(embed_fn, loss, 1.0,
-                                            "triangle")).lower(*args).compile()
+              jax.jit(
+                  logit_dp.clipped_grad(embed_fn, loss, 1.0, "triangle",
+                                        microbatch_size=microbatch_size)).lower(*args).compile()
   }
-  for form, max_dim in (("projected_gram", 1 << 30), ("projected_vector", 0)):
-    saved = projection.GRAM_FORM_MAX_DIM
-    projection.GRAM_FORM_MAX_DIM = max_dim
+  for name, (module, attribute, value) in variants.items():
+    saved = getattr(module, attribute)
+    setattr(module, attribute, value)
     try:
       fn = jax.jit(
           logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=reference,
-                                projection_rank=rank))
-      fns[form] = fn.lower(*args).compile()  # traced now, under this form
+                                projection_rank=rank, microbatch_size=microbatch_size))
+      fns[name] = fn.lower(*args).compile()  # traced now, under this variant
     finally:
-      projection.GRAM_FORM_MAX_DIM = saved
+      setattr(module, attribute, saved)
   return fns
 
 
@@ -80,6 +86,26 @@ def time_side_by_side(fns: dict, call_args: tuple, repeats: int, first: str,
   return {name: float(np.median(t)) for name, t in times.items()}, (num / den) ** 0.5
 
 
+def compare_rows(args, build, first: str, second: str, ratio_key: str, **fields) -> list[dict]:
+  """One JSON row per (n, d) of args.sizes × args.dims: build(n, d) -> (fns, call_args), timed
+  by `time_side_by_side`; median seconds, first/second as ``ratio_key``, every function over the
+  non-private step, and the relative ḡ difference of first and second. Printed as they come,
+  then all of them with the device."""
+  rows = []
+  for n in (int(s) for s in args.sizes.split(",")):
+    for d in (int(s) for s in args.dims.split(",")):
+      fns, call_args = build(n, d)
+      median, difference = time_side_by_side(fns, call_args, args.repeats, first, second)
+      row = dict(n=n, d=d, rank=args.rank, **fields, median_s=median,
+                 **{ratio_key: median[first] / median[second]},
+                 over_non_private={k: v / median["non_private"] for k, v in median.items()},
+                 grad_relative_difference=difference)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  print(json.dumps(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), indent=1))
+  return rows
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--sizes", default="1000")
@@ -88,22 +114,17 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--image-size", type=int, default=32)
   args = parser.parse_args(argv)
-  rows = []
-  for n in (int(s) for s in args.sizes.split(",")):
-    for d in (int(s) for s in args.dims.split(",")):
-      embed_fn, params, x, x_prime, reference = _problem(n, d, args.image_size)
-      call_args = (params, x, x_prime)
-      fns = _functions(embed_fn, reference, args.rank, call_args)
-      median, difference = time_side_by_side(fns, call_args, args.repeats, "projected_gram",
-                                             "projected_vector")
-      row = dict(n=n, d=d, rank=args.rank, median_s=median,
-                 gram_over_vector=median["projected_gram"] / median["projected_vector"],
-                 over_non_private={k: v / median["non_private"] for k, v in median.items()},
-                 grad_relative_difference=difference)
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-  print(json.dumps(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), indent=1))
-  return rows
+
+  def build(n, d):
+    embed_fn, params, x, x_prime, reference = problem(n, d, args.image_size)
+    call_args = (params, x, x_prime)
+    forms = {
+        "projected_gram": (projection, "GRAM_FORM_MAX_DIM", 1 << 30),
+        "projected_vector": (projection, "GRAM_FORM_MAX_DIM", 0)
+    }
+    return compile_variants(embed_fn, reference, args.rank, call_args, forms), call_args
+
+  return compare_rows(args, build, "projected_gram", "projected_vector", "gram_over_vector")
 
 
 if __name__ == "__main__":

@@ -394,10 +394,13 @@ def goal_table(group_runs) -> str:
   GOAL_ACCURACY, and for each rival R the paired Δ = acc(Logit-DP) − acc(R) against the spread
   over seeds, s = max(std(Logit-DP), std(R)) (sample std over the seeds both have): met when
   mean(Δ) > s. Each row says by how much the goal is met or missed."""
-  ours = {
-      r["seed"]: r["results"]["logit_dp"]["accuracy"] for r in group_runs
-      if "accuracy" in r["results"].get("logit_dp", {})
-  }
+  def accuracy_by_seed(method):
+    return {
+        r["seed"]: r["results"][method]["accuracy"] for r in group_runs
+        if "accuracy" in r["results"].get(method, {})
+    }
+
+  ours = accuracy_by_seed("logit_dp")
   if not ours:
     return "(no Logit-DP run in this group yet)"
   mean, std = mean_std(list(ours.values()))
@@ -408,10 +411,7 @@ def goal_table(group_runs) -> str:
       f"{'yes' if short >= 0 else 'no'} | {short:+.3f} |"
   ]
   for rival in GOAL_RIVALS:
-    theirs = {
-        r["seed"]: r["results"][rival]["accuracy"] for r in group_runs
-        if "accuracy" in r["results"].get(rival, {}) and r["seed"] in ours
-    }
+    theirs = {s: v for s, v in accuracy_by_seed(rival).items() if s in ours}
     label = f"Logit-DP − {LABELS[rival]} > spread over seeds"
     if not theirs:
       lines.append(f"| {label} | no {LABELS[rival]} run of the same seeds | 0 | – | – |")
@@ -428,7 +428,7 @@ def goal_table(group_runs) -> str:
                  f"{d['n']} | {met} | {margin} |")
   return "\n".join(lines) + (
       "\n\nSpread = the larger of the two methods' sample std over the seeds both have; margin "
-      "= mean − 0.25, or mean Δ − spread (negative: missed by that much).")
+      f"= mean − {GOAL_ACCURACY}, or mean Δ − spread (negative: missed by that much).")
 
 
 def bound_table(ghost_runs, triangle_runs) -> str:

@@ -125,7 +125,7 @@ def test_a_row_is_logged_at_every_checkpoint(tmp_path):
     assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 2, 3, 4]
 
 
-def test_signal_to_noise_measures_at_a_runs_trained_parameters(pretrained, tmp_path):
+def test_signal_to_noise_measures_at_a_runs_trained_parameters(pretrained):
   from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
   workdir, results = pretrained
   cfg = tiny.get_config()

@@ -342,25 +342,34 @@ def _batch(embed_fn, params, x):
   return make_batch(embed_fn, params, x, x)
 
 
-def _backward_pass(batch, params, x, cotangents):
-  """Σ_e J_eᵀ c_e by jax.vjp of the normalised embeddings of embed_fn itself (JAX's own
-  convolution gradients, not the library's layers): the reference."""
+def _normalised_embedding(batch, x):
+  """params ↦ (m, d) normalised embeddings of x by embed_fn itself, example by example (JAX's
+  own layers, not the library's factors): the reference the factor contractions are checked
+  against."""
   from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  embed = lambda p: jax.vmap(lambda xe: clipping.normalize(
+  return lambda p: jax.vmap(lambda xe: clipping.normalize(
       batch.embed_fn(p, xe[None])[0], batch.eps))(x)
-  return jax.vjp(embed, params)[1](cotangents)[0]
+
+
+def _backward_pass(batch, params, x, cotangents):
+  """Σ_e J_eᵀ c_e by jax.vjp of the normalised embeddings: the reference."""
+  return jax.vjp(_normalised_embedding(batch, x), params)[1](cotangents)[0]
 
 
 # The default run keeps conv (factored and flattened leaves) and pure_jax (generic leaves, an
 # unused leaf) in both modes; the others are slow.
+FACTOR_MODELS = dict(
+    argnames="model,shape", argvalues=[
+        (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
+        pytest.param(ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2), marks=pytest.mark.slow),
+        pytest.param(SequenceNet(), (5, 3), marks=pytest.mark.slow),
+        pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
+        (None, (3, 2)),
+    ], ids=["conv", "conv_no_bias", "sequence", "mixed", "pure_jax"])
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("model,shape", [
-    (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
-    pytest.param(ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2), marks=pytest.mark.slow),
-    pytest.param(SequenceNet(), (5, 3), marks=pytest.mark.slow),
-    pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
-    (None, (3, 2)),
-], ids=["conv", "conv_no_bias", "sequence", "mixed", "pure_jax"])
+@pytest.mark.parametrize(**FACTOR_MODELS)
 def test_factor_contraction_is_the_backward_pass(model, shape, mode, monkeypatch):
   """ḡ contracted from the factors = jax.vjp, per leaf, for factored, flat and generic leaves."""
   embed_fn, params, x, _ = _problem(model, shape)
@@ -381,12 +390,7 @@ def test_factor_contraction_is_the_backward_pass(model, shape, mode, monkeypatch
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("model,shape", [
-    (ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3)),
-    pytest.param(ConvNet(CONV_CONFIGS["no_bias"]), (5, 4, 2), marks=pytest.mark.slow),
-    pytest.param(MixedNet(), (6, 6, 2), marks=pytest.mark.slow),
-    (None, (3, 2)),
-], ids=["conv", "conv_no_bias", "mixed", "pure_jax"])
+@pytest.mark.parametrize(**FACTOR_MODELS)
 def test_factors_times_tangents_is_the_forward_derivative(model, shape, mode, monkeypatch):
   """J_e t_l contracted from the factors = jax.jvp of the normalised embedding of example e in
   direction t_l (JAX's own forward mode through embed_fn), for every example and tangent."""
@@ -400,9 +404,7 @@ def test_factors_times_tangents_is_the_forward_derivative(model, shape, mode, mo
       jax.random.normal(key, (num_tangents,) + leaf.shape) for key, leaf in zip(keys, leaves)
   ]
   got = layerwise.factors_times(batch.plan, batch.factors(x), tangent_leaves)
-  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  embed = lambda p: jax.vmap(lambda xe: clipping.normalize(
-      batch.embed_fn(p, xe[None])[0], batch.eps))(x)
+  embed = _normalised_embedding(batch, x)
   for index in range(num_tangents):
     tangent = jax.tree_util.tree_unflatten(treedef, [t[index] for t in tangent_leaves])
     want = jax.jvp(embed, (params,), (tangent,))[1]  # (m, d)
