@@ -21,6 +21,8 @@ B clips, from experiments/pair_norms.py), ``clip_bias:<file in results_dir>`` (w
 every pair does to ḡ, from experiments/clip_bias.py), ``signal_to_noise:<file in results_dir>``
 (one step's clipped sum against its noise, from experiments/signal_to_noise.py),
 ``signal_to_noise_summary:<file>,<file>…`` (its SNR per method over several reports),
+``geometry:<file>,<file>…`` (how spread out the runs' test embeddings are, from
+experiments/embedding_geometry.py),
 ``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json), ``goal:<group>`` (issue #18's
 goal at ε = 5, `goal_table`) and
@@ -605,9 +607,30 @@ def signal_to_noise_summary_table(reports) -> str:
   return "\n".join(lines)
 
 
+def geometry_table(reports) -> str:
+  """How spread out each run's test embeddings are, per method (embedding_geometry.py)."""
+  lines = [
+      f"First {reports[0]['n']:,} test images of each run; cosines over i ≠ j; ū = mean of "
+      "eᵢ/‖eᵢ‖; centred energy = ‖E − 1ēᵀ‖²_F / ‖E‖²_F; test loss: the run's last logged one.", "",
+      "| run | method | median ‖e‖ | mean cos | min cos | ‖ū‖ | centred energy | test loss |",
+      "|---|---|---:|---:|---:|---:|---:|---:|"
+  ]
+  for r in reports:
+    for method, g in r["methods"].items():
+      loss = f"{g['last_test_loss']:.4f}" if "last_test_loss" in g else "–"
+      lines.append(f"| {r['workdir']} | {LABELS.get(method, method)} | {g['median_norm']:.3g} | "
+                   f"{g['mean_cosine']:.4f} | {g['min_cosine']:+.3f} | "
+                   f"{g['mean_direction_norm']:.4f} | {g['centred_energy']:.3f} | {loss} |")
+  return "\n".join(lines)
+
+
 _REPORT_TABLES = {
     "pair_norms": pair_norms_table, "clip_bias": clip_bias_table,
     "signal_to_noise": signal_to_noise_table
+}
+# Blocks over several JSON reports (comma-separated files).
+_MULTI_REPORT_TABLES = {
+    "signal_to_noise_summary": signal_to_noise_summary_table, "geometry": geometry_table
 }
 
 
@@ -848,8 +871,8 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     if a not in groups or b not in groups:
       return f"(no seed of `{a}` with a `{b}` run of the same seed yet)"
     return compare_table(groups[a], groups[b], a, b)
-  if kind in _REPORT_TABLES or kind == "signal_to_noise_summary":  # JSON reports -> a table
-    files = arg.split(",") if kind == "signal_to_noise_summary" else [arg]
+  if kind in _REPORT_TABLES or kind in _MULTI_REPORT_TABLES:  # JSON reports -> a table
+    files = arg.split(",") if kind in _MULTI_REPORT_TABLES else [arg]
     missing = [a for a in files if not os.path.exists(os.path.join(results_dir, a))]
     if missing:
       return f"(`{'`, `'.join(missing)}` not computed yet)"
@@ -857,8 +880,8 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     for a in files:
       with open(os.path.join(results_dir, a)) as f:
         reports.append(json.load(f))
-    if kind == "signal_to_noise_summary":
-      return signal_to_noise_summary_table(reports)
+    if kind in _MULTI_REPORT_TABLES:
+      return _MULTI_REPORT_TABLES[kind](reports)
     return _REPORT_TABLES[kind](reports[0])
   if kind == "curve":
     return curve_table(curve_data(arg, groups), paper, results_dir)

@@ -433,3 +433,62 @@ def test_a_run_started_before_the_dp_gcl_config_resumes(tmp_path):
   cfg.learning_rates.logit_dp = 0.5
   with pytest.raises(ValueError, match="different training config"):
     train.check_resumable(cfg, str(tmp_path))
+
+
+def test_embedding_geometry_of_a_finished_run(pretrained):
+  """The diagnostic's statistics against a direct computation on the run's own encoders."""
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import embedding_geometry  # pylint: disable=g-import-not-at-top
+  workdir, results = pretrained
+  report = embedding_geometry.measure(workdir, n=30)
+  assert set(report) == {"untrained", "logit_dp", "naive_dp", "non_private"}
+  cfg = tiny.get_config()
+  x = data_lib.to_float(data_lib.load_dataset(cfg.data, seed=cfg.seed)["x_test"][:30])
+  e = np.asarray(train.get_model(cfg.model)[1](results["non_private"]["params"], x), np.float64)
+  cos = [
+      np.dot(e[i], e[j]) / np.linalg.norm(e[i]) / np.linalg.norm(e[j]) for i in range(30)
+      for j in range(30) if i != j
+  ]
+  row = report["non_private"]
+  np.testing.assert_allclose(row["mean_cosine"], np.mean(cos), rtol=1e-6)
+  np.testing.assert_allclose(row["min_cosine"], np.min(cos), rtol=1e-6)
+  np.testing.assert_allclose(row["median_norm"], np.median(np.linalg.norm(e, axis=1)), rtol=1e-6)
+  assert row["last_test_loss"] == results["non_private"]["history"][-1]["test_loss"]
+
+
+def test_embedding_geometry_limits():
+  from experiments import embedding_geometry  # pylint: disable=g-import-not-at-top
+  same = embedding_geometry.geometry(np.tile([[3.0, 4.0]], (5, 1)))
+  assert same["mean_cosine"] == pytest.approx(1) and same["mean_direction_norm"] == pytest.approx(1)
+  assert same["centred_energy"] == pytest.approx(0) and same["median_norm"] == pytest.approx(5)
+  spread = embedding_geometry.geometry(np.eye(4))
+  assert spread["mean_cosine"] == pytest.approx(0) and spread["mean_direction_norm"] == 0.5
+  assert spread["centred_energy"] == pytest.approx(0.75)  # ‖I − J/4‖²_F / ‖I‖²_F = 3/4
+  with pytest.raises(ValueError, match="norm 0"):
+    embedding_geometry.geometry(np.array([[1.0, 0.0], [0.0, 0.0]]))
+  with pytest.raises(ValueError, match="n >= 2"):
+    embedding_geometry.geometry(np.ones((1, 3)))
+
+
+def test_geometry_block_renders_every_method_of_every_report(tmp_path):
+  from experiments import embedding_geometry  # pylint: disable=g-import-not-at-top
+  from experiments import render_results  # pylint: disable=g-import-not-at-top
+  row = embedding_geometry.geometry(np.array([[1.0, 0.0], [0.6, 0.8], [0.0, 2.0]]))
+  for run, loss in (("a_s0", 4.6), ("b_s0", None)):
+    os.makedirs(tmp_path / run)
+    methods = {
+        "untrained": row, "logit_dp": dict(row, **({"last_test_loss": loss} if loss else {}))
+    }
+    with open(tmp_path / run / "geometry.json", "w") as f:
+      json.dump(dict(workdir=run, n=3, methods=methods), f)
+  text = ("<!-- generated:geometry:a_s0/geometry.json,b_s0/geometry.json -->\n"
+          "<!-- /generated:geometry:a_s0/geometry.json,b_s0/geometry.json -->")
+  body = render_results.render(text, {}, None, str(tmp_path))
+  lines = [line for line in body.splitlines() if line.startswith(("| a_s0", "| b_s0"))]
+  assert len(lines) == 4
+  # cosines 0.6, 0, 0.8: mean 0.4667, min 0; ‖ū‖ = ‖(1.6, 1.8)/3‖ = 0.8028
+  assert "| a_s0 | Logit-DP | 1 | 0.4667 | +0.000 | 0.8028 |" in body and "| 4.6000 |" in body
+  assert lines[3].endswith("| – |")
+  missing = ("<!-- generated:geometry:c_s0/geometry.json -->\n"
+             "<!-- /generated:geometry:c_s0/geometry.json -->")
+  assert "not computed yet" in render_results.render(missing, {}, None, str(tmp_path))
