@@ -8,6 +8,20 @@
 #
 # DIR holds cifar10.npz. One H100 step of Logit-DP (triangle, n = 1,000) should take well under
 # a minute; lower STEPS if a piece nears 10 minutes (steps/s is in <method>/metrics.csv).
+#
+# With the device tool (calls of at most 10 minutes and 64 MiB, a machine warm for 30 s after a
+# call, 30 minutes a session), the data travels in parts (experiments/gpu_stage.sh):
+#   here, once:  bash experiments/gpu_stage.sh prepare SHARED_DATA_DIR   # .gpu_stage/part00, 01
+#   call 1, carry [".gpu_stage/part00"]:
+#     bash experiments/gpu_stage.sh receive .gpu_stage/part00 /tmp/stage /tmp/cifar
+#   call 2 at once, carry [".gpu_stage/part01"]:
+#     bash experiments/gpu_stage.sh receive .gpu_stage/part01 /tmp/stage /tmp/cifar &&
+#     export PYTHONPATH=/tmp/stage/site:$PWD PYTHONUNBUFFERED=1 &&
+#     (setsid nohup bash experiments/resnet18_gpu.sh /tmp/cifar 0 10 >/tmp/r18.log 2>&1 &) &&
+#     sleep 480; tail -3 /tmp/r18.log
+#   calls 3…, at once each:  sleep 540; tail -3 /tmp/r18.log   (the run goes on between calls)
+#   last call:  W=runs/cifar10_resnet18_s0; cp $W/config.json $W/results.json $OUT;
+#     for m in logit_dp naive_dp non_private; do cp $W/$m/metrics.csv $OUT/$m.metrics.csv; done
 set -euo pipefail
 DIR=${1:?usage: resnet18_gpu.sh NPZ_DIR [SEED] [STEPS] [flags...]}
 SEED=${2:-0}

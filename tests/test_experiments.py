@@ -492,3 +492,42 @@ def test_geometry_block_renders_every_method_of_every_report(tmp_path):
   missing = ("<!-- generated:geometry:c_s0/geometry.json -->\n"
              "<!-- /generated:geometry:c_s0/geometry.json -->")
   assert "not computed yet" in render_results.render(missing, {}, None, str(tmp_path))
+
+
+def test_gpu_stage_carries_the_data_in_parts_and_refuses_a_corrupt_one(tmp_path):
+  """prepare cuts the data into parts; receive, part by part, rebuilds it byte for byte and runs
+  unpack.py on it only once every part is in, after the SHA-256 check."""
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  rng = np.random.default_rng(0)
+  for name in ("cifar10_train.webp.npz", "cifar10_test.webp.npz", "cifar10_label_names.json"):
+    (shared / name).write_bytes(rng.bytes(2500))
+  (shared / "unpack.py").write_text(
+      "import argparse, os, shutil\np = argparse.ArgumentParser()\np.add_argument('--out')\n"
+      "p.add_argument('--only')\na = p.parse_args()\nos.makedirs(a.out, exist_ok=True)\n"
+      "shutil.copy(os.path.join(os.path.dirname(__file__), a.only + '_train.webp.npz'),\n"
+      "            os.path.join(a.out, a.only + '.npz'))\n")
+  script = os.path.join(REPO, "experiments", "gpu_stage.sh")
+  env = dict(os.environ, GPU_STAGE_OUT=str(tmp_path / "parts"), GPU_STAGE_CHUNK="2000",
+             GPU_STAGE_WHEELS="0")
+  subprocess.run(["bash", script, "prepare", str(shared)], env=env, check=True, cwd=REPO)
+  parts = sorted(os.listdir(tmp_path / "parts"))
+  chunks = [tmp_path / "parts" / p / f"chunk.{p[4:]}" for p in parts]
+  assert len(parts) > 2 and all(c.stat().st_size <= 2000 for c in chunks)
+
+  def receive(stage, part):
+    return subprocess.run(["bash", script, "receive", str(tmp_path / "parts" / part), str(stage),
+                           str(tmp_path / "npz")], env=env, cwd=REPO, capture_output=True,
+                          text=True)
+
+  for part in parts[:-1]:
+    assert "staged" not in receive(tmp_path / "stage", part).stdout
+  assert not (tmp_path / "npz").exists()
+  assert "staged:" in receive(tmp_path / "stage", parts[-1]).stdout
+  assert ((tmp_path / "npz" / "cifar10.npz").read_bytes() ==
+          (shared / "cifar10_train.webp.npz").read_bytes())
+  data = bytearray(chunks[1].read_bytes())
+  data[0] ^= 1
+  chunks[1].write_bytes(bytes(data))
+  results = [receive(tmp_path / "stage2", part) for part in parts]
+  assert results[-1].returncode != 0 and "FAILED" in results[-1].stdout + results[-1].stderr
