@@ -515,17 +515,18 @@ def test_gpu_stage_carries_the_data_in_parts_and_refuses_a_corrupt_one(tmp_path)
   chunks = [tmp_path / "parts" / p / f"chunk.{p[4:]}" for p in parts]
   assert len(parts) > 2 and all(c.stat().st_size <= 2000 for c in chunks)
 
+  npz = tmp_path / "npz"
+
   def receive(stage, part):
-    return subprocess.run(["bash", script, "receive", str(tmp_path / "parts" / part), str(stage),
-                           str(tmp_path / "npz")], env=env, cwd=REPO, capture_output=True,
-                          text=True)
+    command = ["bash", script, "receive", str(tmp_path / "parts" / part), str(stage), str(npz)]
+    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
 
   for part in parts[:-1]:
     assert "staged" not in receive(tmp_path / "stage", part).stdout
-  assert not (tmp_path / "npz").exists()
+  assert not npz.exists()
   assert "staged:" in receive(tmp_path / "stage", parts[-1]).stdout
-  assert ((tmp_path / "npz" / "cifar10.npz").read_bytes() ==
-          (shared / "cifar10_train.webp.npz").read_bytes())
+  staged = (npz / "cifar10.npz").read_bytes()
+  assert staged == (shared / "cifar10_train.webp.npz").read_bytes()
   data = bytearray(chunks[1].read_bytes())
   data[0] ^= 1
   chunks[1].write_bytes(bytes(data))
