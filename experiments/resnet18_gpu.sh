@@ -9,6 +9,12 @@
 # DIR holds cifar10.npz. One H100 step of Logit-DP (triangle, n = 1,000) should take well under
 # a minute; lower STEPS if a piece nears 10 minutes (steps/s is in <method>/metrics.csv).
 #
+# On the CPU subset the non-private run diverged at the paper's Adam 1e-2 (docs/RESULTS.md,
+# section 5) and learned at 1e-4; if it diverges here too (test loss at ln(batch), embeddings
+# all one direction: experiments/embedding_geometry.py), add a non-private reference:
+#   WORKDIR=runs/cifar10_resnet18_np_lr1e-4_s0 bash experiments/resnet18_gpu.sh DIR 0 10 \
+#     --config.methods="('non_private',)" --config.learning_rates.non_private=1e-4
+#
 # With the device tool (calls of at most 10 minutes and 64 MiB, a machine warm for 30 s after a
 # call, 30 minutes a session), the data travels in parts (experiments/gpu_stage.sh):
 #   here, once:  bash experiments/gpu_stage.sh prepare SHARED_DATA_DIR   # .gpu_stage/part00, 01
@@ -27,7 +33,7 @@ DIR=${1:?usage: resnet18_gpu.sh NPZ_DIR [SEED] [STEPS] [flags...]}
 SEED=${2:-0}
 STEPS=${3:-5}
 shift $(( $# < 3 ? $# : 3 ))
-WORKDIR=runs/cifar10_resnet18_s${SEED}
+WORKDIR=${WORKDIR:-runs/cifar10_resnet18_s${SEED}}
 cd "$(dirname "$0")/.."
 finished() {
   python - "$WORKDIR" <<'PY'
