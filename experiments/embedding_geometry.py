@@ -7,7 +7,7 @@ For the first ``n`` test images of a finished pretrain.py run, every method's fi
     mean and min of cos(e_i, e_j) = u_iᵀu_j over i ≠ j,
     ‖ū‖, ū = mean of the u_i            (1 when every embedding points the same way),
     centred energy ‖E − 1ēᵀ‖²_F / ‖E‖²_F (the part of the embeddings that varies between images),
-    InfoNCE at uniform logits, ln n, against the test loss the run logged last.
+    and the test loss the run logged last.
 
 When every cosine is near 1, the logits Z_ij/τ of a test batch are nearly equal and the
 contrastive loss sits at ln(batch): the encoder barely separates images, whatever its k-NN score.
