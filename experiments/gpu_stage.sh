@@ -12,6 +12,11 @@
 #            one device call per part, carrying .gpu_stage/partKK, back to back (a machine stays
 #            warm 30 s after a call). Prints "staged: NPZ_DIR" once every part is in, and puts
 #            the wheels in STAGE_DIR/site: export PYTHONPATH=STAGE_DIR/site:$PWD.
+#   then, e.g.: experiments/resnet18_gpu.sh's call sequence, or the exact-ghost seed (queue entry
+#     cifar10_embnet_ghost_s0; started with setsid so that it runs on between calls):
+#     python experiments/pretrain.py --config=experiments/configs/cifar10_embedding_net.py \
+#       --config.seed=0 --config.methods="('logit_dp',)" --config.checkpoint_every=1 \
+#       --config.data.npz_dir=NPZ_DIR --workdir=runs/cifar10_embnet_ghost_s0
 set -euo pipefail
 CHUNK=${GPU_STAGE_CHUNK:-55000000}
 cd "$(dirname "$0")/.."
