@@ -6,8 +6,9 @@
 #
 #   here:  bash experiments/gpu_stage.sh prepare SHARED_DATA_DIR [DATASETS]
 #            DATASETS: cifar10 (default) or cifar10,cifar100. Writes .gpu_stage/part00, part01, …
-#            (git-excluded; GPU_STAGE_OUT=DIR writes there instead) and downloads dp-accounting, ml-collections and tensorboardX wheels
-#            for the image's Python 3.12 (set GPU_STAGE_WHEELS=0 to skip).
+#            (git-excluded; GPU_STAGE_OUT=DIR writes there instead) and downloads the
+#            dp-accounting, ml-collections and tensorboardX wheels for the image's Python 3.12
+#            (GPU_STAGE_WHEELS=0 skips them).
 #   there: bash experiments/gpu_stage.sh receive .gpu_stage/partKK STAGE_DIR NPZ_DIR
 #            one device call per part, carrying .gpu_stage/partKK, back to back (a machine stays
 #            warm 30 s after a call). Prints "staged: NPZ_DIR" once every part is in, and puts
@@ -44,13 +45,12 @@ prepare() {
   fi
   tar -C "$work" -cf "$work/stage.tar" --exclude=stage.tar .
   (cd "$work" && split -b "$CHUNK" -d -a 2 stage.tar chunk. && sha256sum stage.tar >SHA256SUM)
-  local n=0 c part
-  for c in "$work"/chunk.*; do
-    n=$((n + 1))
+  local chunks=("$work"/chunk.*) c part
+  for c in "${chunks[@]}"; do
     part="$out/part${c##*.}"
     mkdir -p "$part" && mv "$c" "$part/" && cp "$work/SHA256SUM" "$part/"
+    echo "${#chunks[@]}" >"$part/PARTS"
   done
-  for c in "$out"/part*; do echo "$n" >"$c/PARTS"; done
   rm -rf "$work"
   du -sh "$out"/part*
 }

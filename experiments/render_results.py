@@ -609,6 +609,8 @@ def signal_to_noise_summary_table(reports) -> str:
 
 def geometry_table(reports) -> str:
   """How spread out each run's test embeddings are, per method (embedding_geometry.py)."""
+  if len({r["n"] for r in reports}) > 1:
+    raise ValueError("geometry: reports over different numbers of test images")
   lines = [
       f"First {reports[0]['n']:,} test images of each run; cosines over i ≠ j; ū = mean of "
       "eᵢ/‖eᵢ‖; centred energy = ‖E − 1ēᵀ‖²_F / ‖E‖²_F; test loss: the run's last logged one.", "",

@@ -492,6 +492,10 @@ def test_geometry_block_renders_every_method_of_every_report(tmp_path):
   missing = ("<!-- generated:geometry:c_s0/geometry.json -->\n"
              "<!-- /generated:geometry:c_s0/geometry.json -->")
   assert "not computed yet" in render_results.render(missing, {}, None, str(tmp_path))
+  with open(tmp_path / "b_s0" / "geometry.json", "w") as f:
+    json.dump(dict(workdir="b_s0", n=4, methods={"untrained": row}), f)
+  with pytest.raises(ValueError, match="different numbers of test images"):
+    render_results.render(text, {}, None, str(tmp_path))
 
 
 def test_gpu_stage_carries_the_data_in_parts_and_refuses_a_corrupt_one(tmp_path):
