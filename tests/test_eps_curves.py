@@ -172,8 +172,10 @@ def test_dpgcl_config_trains_every_method_at_tiny_size(tmp_path):
 
 
 def test_queue_lines_after_the_search():
-  q = [(n, c, o) for n, c, o in run_queue.read_queue(os.path.join(REPO, "experiments", "queue.txt"))
-       if "tuned" in n]
+  q = run_queue.read_queue(os.path.join(REPO, "experiments", "queue_tuned.txt"))
+  main_queue = run_queue.read_queue(os.path.join(REPO, "experiments", "queue.txt"))
+  # One driver per queue file: a run in both would be trained by two drivers at once.
+  assert not {n for n, _, _ in q} & {n for n, _, _ in main_queue}
   names = [n for n, _, _ in q]
   curve = {f"cifar10_embnet_tuned_eps{e}_s{s}" for e in (1, 2, 8) for s in (0, 1, 2)}
   tuned = {f"cifar10_embnet_tuned_s{s}" for s in (0, 1, 2)}
