@@ -56,10 +56,13 @@ PRIVATE = ("logit_dp", "naive_dp", "dp_gcl")
 METRICS = ("accuracy", "best_recall", "best_precision", "best_fbeta", "linear_probe")
 METRIC_LABELS = ("acc", "best recall", "best precision", "best F_β", "linear probe")
 
-# Which of the paper's tables a group is compared with: (absolute, relative) keys.
+# Which of the paper's tables a group is compared with: (absolute, relative) keys; the first
+# matching prefix decides, and None means the paper has no such table (its CIFAR-100
+# fine-tuning is of the embedding net only).
 PAPER_TABLES = {
     "cifar10_embnet": ("cifar10_absolute_mean_std.embedding_net", "cifar10_relative.embedding_net"),
     "cifar10_resnet18": ("cifar10_absolute_mean_std.resnet18", "cifar10_relative.resnet18"),
+    "cifar100_ft_resnet18": None,
     "cifar100_ft": ("cifar100_finetune_absolute", "cifar100_finetune_relative"),
 }
 PAPER_METHOD_KEYS = {"non_private": ("non_private", "non_private_no_bn")}
@@ -119,9 +122,11 @@ def _dig(d, dotted):
 def paper_rows(paper, group: str):
   """{method: dict(abs=[(mean, std or None)] * 4, rel=[value] * 4)} of the paper's table,
   or None."""
-  for prefix, (abs_key, rel_key) in PAPER_TABLES.items():
+  for prefix, keys in PAPER_TABLES.items():
     if group.startswith(prefix):
-      absolute, relative = _dig(paper, abs_key), _dig(paper, rel_key)
+      if keys is None:
+        return None
+      absolute, relative = _dig(paper, keys[0]), _dig(paper, keys[1])
       out = {}
       for m in METHODS:
         key = next((k for k in PAPER_METHOD_KEYS.get(m, (m,)) if k in absolute), None)

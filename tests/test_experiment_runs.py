@@ -262,6 +262,23 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   assert urow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}" and urow[7] == "–"
 
 
+def test_paper_rows_match_the_papers_model():
+  """Each group is set beside the paper's table of its own model, and none where it has none."""
+  paper = render_results.load_paper(os.path.join(REPO, "experiments", "paper_results.json"))
+  cases = {
+      "cifar10_embnet_triangle": paper["cifar10_absolute_mean_std"]["embedding_net"],
+      "cifar10_resnet18_cpu": paper["cifar10_absolute_mean_std"]["resnet18"],
+      "cifar100_ft_triangle": paper["cifar100_finetune_absolute"],
+  }
+  for group, table in cases.items():
+    rows = render_results.paper_rows(paper, group)
+    assert rows is not None and rows["logit_dp"]["abs"][0][0] == np.ravel(
+        table["logit_dp"][0])[0], group
+  # The paper fine-tunes only the embedding net: no paper row beside a ResNet-18 fine-tuning.
+  assert render_results.paper_rows(paper, "cifar100_ft_resnet18_cpu") is None
+  assert render_results.paper_rows(paper, "digits_default") is None
+
+
 def test_runs_table_marks_a_wallclock_below_the_training_time():
   def run(wall, trained):
     results = {m: dict(train_seconds=s) for m, s in zip(render_results.TRAINED, trained)}
