@@ -56,7 +56,7 @@ PRIVATE = ("logit_dp", "naive_dp", "dp_gcl")
 METRICS = ("accuracy", "best_recall", "best_precision", "best_fbeta", "linear_probe")
 METRIC_LABELS = ("acc", "best recall", "best precision", "best F_β", "linear probe")
 
-# Which of the paper's tables a group is compared with: (absolute, relative) keys; the first
+# Which of the paper's tables a group is compared with: (absolute, relative) keys; the longest
 # matching prefix decides, and None means the paper has no such table (its CIFAR-100
 # fine-tuning is of the embedding net only).
 PAPER_TABLES = {
@@ -122,21 +122,20 @@ def _dig(d, dotted):
 def paper_rows(paper, group: str):
   """{method: dict(abs=[(mean, std or None)] * 4, rel=[value] * 4)} of the paper's table,
   or None."""
-  for prefix, keys in PAPER_TABLES.items():
-    if group.startswith(prefix):
-      if keys is None:
-        return None
-      absolute, relative = _dig(paper, keys[0]), _dig(paper, keys[1])
-      out = {}
-      for m in METHODS:
-        key = next((k for k in PAPER_METHOD_KEYS.get(m, (m,)) if k in absolute), None)
-        if key is None:  # a row the paper does not have (DP-GCL, the untrained encoder)
-          continue
-        a = absolute[key]
-        a = [tuple(v) if isinstance(v, list) else (v, None) for v in a]
-        out[m] = dict(abs=a, rel=list(relative[m]), key=key)
-      return out
-  return None
+  prefix = max((p for p in PAPER_TABLES if group.startswith(p)), key=len, default=None)
+  keys = PAPER_TABLES[prefix] if prefix else None
+  if keys is None:
+    return None
+  absolute, relative = _dig(paper, keys[0]), _dig(paper, keys[1])
+  out = {}
+  for m in METHODS:
+    key = next((k for k in PAPER_METHOD_KEYS.get(m, (m,)) if k in absolute), None)
+    if key is None:  # a row the paper does not have (DP-GCL, the untrained encoder)
+      continue
+    a = absolute[key]
+    a = [tuple(v) if isinstance(v, list) else (v, None) for v in a]
+    out[m] = dict(abs=a, rel=list(relative[m]), key=key)
+  return out
 
 
 # ---------------------------------------------------------------------------

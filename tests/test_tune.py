@@ -229,7 +229,7 @@ def test_search_config_is_checked(tmp_path):
   cfg = tune_cifar100.get_config()
   tune.check_search_config(cfg)
   n = sum(len(s["candidates"]) for s in cfg.stages)
-  assert n == 17  # the docstring's count
+  assert n == 17 and f"{n} candidates:" in tune_cifar100.__doc__  # the docstring's count
   b = cfg.base
   assert (b.data.name, b.data.label, tuple(b.methods), b.batch_size, b.target_epsilon,
           b.target_delta, b.clip_method) == ("cifar100", "fine", ("logit_dp",), 10_000, 5.0, 1e-5,
