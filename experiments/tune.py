@@ -11,7 +11,8 @@ public data) and ``stages``: a list of ``dict(name, candidates=[dict(name, overr
 overrides updated with their own; the incumbent after stage k is the best of the incumbent
 and stage k's candidates by `rank_key`: best 3-NN accuracy, ties to fewer steps T, then to
 the earlier candidate. Each candidate trains in ``runs_dir/<name>`` with
-`train.train_and_evaluate`; a finished one (`run_queue.is_finished`) is skipped, an
+`train.train_and_evaluate`; a finished one (`run_queue.is_finished`, in its workdir or, on a
+new machine without runs_dir, in its published copy ``results_dir/<name>``) is skipped, an
 unfinished one resumes from its checkpoints, and the search stops after a stage with an
 unfinished candidate (re-running continues it). A candidate whose training diverges
 (`FloatingPointError`) is recorded as diverged, ranks last and is not retried. σ is never set
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import re
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -129,6 +131,18 @@ def _read_json(path):
     return json.load(f)
 
 
+def finished_dir(workdir: str, published: str) -> str | None:
+  """The folder holding a finished (or diverged) candidate's files, or None if it has not finished.
+
+  The workdir first; else its published copy in ``results_dir`` (a new machine has no runs/,
+  but the committed copies say what finished).
+  """
+  for d in (workdir, published):
+    if os.path.exists(os.path.join(d, DIVERGED_FILE)) or run_queue.is_finished(d):
+      return d
+  return None
+
+
 def _record(stage, cand, order, overrides, workdir) -> dict:
   rec = dict(name=cand["name"], stage=stage["name"], order=order,
              own_overrides=dict(cand["overrides"]), overrides=dict(overrides), finished=False)
@@ -191,19 +205,24 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
     for cand in stage["candidates"]:
       overrides = {**inc_overrides, **cand["overrides"]}
       workdir = os.path.join(runs_dir, cand["name"])
-      # A workdir of this name made with other settings (e.g. an earlier order of the stages)
-      # is neither resumed nor counted as this candidate's result.
+      published = os.path.join(results_dir, cand["name"])
+      # A workdir (or published copy) of this name made with other settings (e.g. an earlier
+      # order of the stages) is neither resumed nor counted: check_resumable refuses it.
       cfg = apply_overrides(config.base, overrides)
       check_resumable(cfg, workdir)
-      if not run_queue.is_finished(workdir) and not os.path.exists(
-          os.path.join(workdir, DIVERGED_FILE)):
+      check_resumable(cfg, published)
+      done_dir = finished_dir(workdir, published)
+      if done_dir is None:
         if not quiet:
           print(f"[tune] {cand['name']}: training with {overrides}", flush=True)
         _train_timed(train_fn, cfg, workdir, quiet)
-      rec = _record(stage, cand, order, overrides, workdir)
+        done_dir = finished_dir(workdir, published) or workdir
+      rec = _record(stage, cand, order, overrides, done_dir)
       order += 1
-      if rec["finished"]:
-        run_queue.publish(workdir, os.path.join(results_dir, cand["name"]))
+      if rec["finished"] and done_dir == workdir:
+        run_queue.publish(workdir, published)
+        if os.path.exists(os.path.join(workdir, DIVERGED_FILE)):
+          shutil.copy(os.path.join(workdir, DIVERGED_FILE), published)
       stage_records.append(rec)
       write_summary(False, None, records + stage_records)  # progress: nothing chosen yet
     records += stage_records

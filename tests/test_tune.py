@@ -106,6 +106,29 @@ def test_search_stops_at_an_unfinished_stage_and_resumes_it(scripted_search):
   assert again == second
 
 
+def test_a_new_machine_resumes_from_the_published_candidates(scripted_search, tmp_path):
+  """runs/ is gone (a new machine), the committed results_dir is not: nothing is retrained,
+  not even the diverged candidate, and the summary is the same."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  results = str(tmp_path / "results")
+  shutil.copytree(scripted_search["results"], results)
+  trainer = ScriptedTrainer()
+  again = tune.run_search(scripted_search["config"], str(tmp_path / "empty_runs"), results,
+                          train_fn=trainer)
+  assert trainer.calls == []
+  assert again == scripted_search["second"]
+  assert any("diverged" in c for c in again["candidates"])
+  # A published copy made with other settings is refused, as a stale workdir is.
+  with open(os.path.join(results, "tau2", "config.json")) as f:
+    stale = json.load(f)
+  stale["temperature"] = 0.25
+  with open(os.path.join(results, "tau2", "config.json"), "w") as f:
+    json.dump(stale, f)
+  with pytest.raises(ValueError, match="different training config"):
+    tune.run_search(scripted_search["config"], str(tmp_path / "empty_runs"), results,
+                    train_fn=trainer)
+
+
 def test_each_stage_builds_on_the_incumbent_and_the_rule_picks(scripted_search):
   second, trainer = scripted_search["second"], scripted_search["trainer"]
   records = {r["name"]: r for r in second["candidates"]}
