@@ -14,7 +14,9 @@ in ``runs/<run-name>`` (re-running a workdir resumes from its checkpoints) with
 ``--config.data.npz_dir=DIR``; its log is ``runs/<run-name>/log.txt``. A run is finished when
 its results.json has every method finished; then its config.json, results.json and
 wallclock.json (wall-clock seconds, commit and dirty flag of every attempt) are copied to
-``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds). An attempt is
+``docs/results/<run-name>/`` (small files only: no checkpoints, no secret seeds). A run whose
+published copy is finished counts as finished even when its workdir is gone (a new machine);
+a fine-tuning entry whose encoders went with it cannot run and is listed as such. An attempt is
 written to wallclock.json when it starts and its seconds every minute while it runs, so one
 killed with the driver (e.g. at the end of a session) keeps its time, with returncode null.
 """
@@ -71,6 +73,13 @@ def is_finished(workdir):
   with open(path) as f:
     res = json.load(f)
   return bool(res) and all(r.get("finished", True) for r in res.values())  # finetune: no key
+
+
+def is_done(name):
+  """True when run ``name`` finished: in its workdir, or in its published copy in results_dir
+  (a new machine has no runs/, and the committed copies say what finished)."""
+  return (is_finished(os.path.join(FLAGS.runs_dir, name))
+          or is_finished(os.path.join(FLAGS.results_dir, name)))
 
 
 def failed_attempts(workdir):
@@ -199,17 +208,21 @@ def main(argv):
     workdir, dest = os.path.join(FLAGS.runs_dir, n), os.path.join(FLAGS.results_dir, n)
     if is_finished(workdir) and not os.path.exists(os.path.join(dest, "results.json")):
       publish(workdir, dest)
-  todo, waiting = [], []
+  todo, waiting, orphaned = [], [], []
   for n, c, o in read_queue(FLAGS.queue):
     workdir = os.path.join(FLAGS.runs_dir, n)
-    if is_finished(workdir) or failed_attempts(workdir) >= FLAGS.max_attempts:
+    if is_done(n) or failed_attempts(workdir) >= FLAGS.max_attempts:
       continue
     if ready(c, o):
       todo.append((n, c, o))
+    elif c == "finetune" and is_done(o[0]):
+      orphaned.append(f"{n} (runs/{o[0]} is gone: its published results have no encoders)")
     elif c != "finetune":  # a fine-tuning entry waits for its pre-training run: not news
       waiting.append(n)
   if waiting:
     print(f"waiting: {', '.join(waiting)} (not ready)", flush=True)
+  if orphaned:
+    print(f"cannot run: {'; '.join(orphaned)}", flush=True)
   if not todo:
     print("queue done", flush=True)
     return

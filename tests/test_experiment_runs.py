@@ -8,6 +8,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import json
 import math
 import re
+import shutil
 import subprocess
 import time
 
@@ -333,6 +334,23 @@ def test_run_queue_runs_skips_and_publishes(tmp_path):
   assert math.isclose(wc["total_seconds"], wc["attempts"][0]["seconds"])
   r = drive()  # finished: skipped
   assert "start" not in r.stdout and "queue done" in r.stdout
+
+
+def test_run_queue_on_a_new_machine_trusts_the_published_runs(tmp_path):
+  """runs/ gone, results/ committed: a published run is not retrained; a fine-tuning entry
+  whose encoders were in runs/ is reported, not run and not waited for in silence."""
+  drive = _queue_driver(tmp_path,
+                        "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n")
+  assert drive().returncode == 0
+  shutil.rmtree(tmp_path / "runs")
+  drive = _queue_driver(
+      tmp_path, "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n"
+      "ft_s0 finetune tiny_s0\n")
+  r = drive()
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "start" not in r.stdout and r.stdout.rstrip().endswith("queue done"), r.stdout
+  assert "cannot run: ft_s0 (runs/tiny_s0 is gone" in r.stdout
+  assert not (tmp_path / "runs" / "tiny_s0").exists()
 
 
 def test_run_queue_waits_for_a_config_that_is_not_ready(tmp_path):
