@@ -27,6 +27,7 @@ copies every finished candidate's config.json, results.json and wallclock.json t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -57,8 +58,12 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 def apply_overrides(config: ml_collections.ConfigDict,
                     overrides: dict[str, Any]) -> ml_collections.ConfigDict:
-  """A copy of ``config`` with every dotted key of ``overrides`` set (the key must exist)."""
-  out = config.copy_and_resolve_references()
+  """A copy of ``config`` with every dotted key of ``overrides`` set (the key must exist).
+
+  A deep copy, so that typed placeholders (``data.npz_dir``) stay overridable from the command
+  line; ``copy_and_resolve_references`` would turn them into untyped ``None``.
+  """
+  out = copy.deepcopy(config)
   for dotted, value in overrides.items():
     *path, leaf = dotted.split(".")
     node = out

@@ -229,6 +229,35 @@ def test_tuned_config_applies_the_chosen_overrides_once(scripted_search):
   assert {k: v for k, v in got["learning_rates"].items() if k != "dp_gcl"} == want["learning_rates"]
 
 
+def _parse_config_flags(config_arg: str, *overrides: str):
+  """The config as pretrain.py's ``config_flags.DEFINE_config_file`` parses it."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  argv = ["prog", f"--config={config_arg}", *overrides]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+  values(argv)
+  return values.config
+
+
+def test_every_npz_config_takes_the_data_folder_from_the_command_line(scripted_search):
+  """As pretrain.py / finetune.py and run_queue pass it: ``--config.data.npz_dir=DIR``. The
+  tuned config once lost the placeholder's type in a copy and refused the flag."""
+  configs = os.path.join(os.path.dirname(tune.__file__), "configs")
+  search = os.path.join(scripted_search["results"], "search.json")
+  checked = []
+  for name in sorted(os.listdir(configs)):
+    if not name.endswith(".py") or name in ("__init__.py", "tune_cifar100.py"):
+      continue
+    arg = os.path.join(configs, name)
+    arg += f":{search}" if name == "cifar10_embedding_net_tuned.py" else ""
+    if _parse_config_flags(arg).get("data", {}).get("source") != "npz":
+      continue
+    assert _parse_config_flags(arg, "--config.data.npz_dir=/d").data.npz_dir == "/d", name
+    checked.append(name)
+  assert "cifar10_embedding_net_tuned.py" in checked and len(checked) >= 10, checked
+
+
 def test_tuned_config_refuses_a_missing_unfinished_or_mismatched_search(scripted_search, tmp_path):
   with pytest.raises(FileNotFoundError, match="run the public-data search first"):
     cifar10_embedding_net_tuned.get_config(str(tmp_path / "none.json"))
