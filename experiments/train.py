@@ -1039,6 +1039,11 @@ def check_resumable(config, workdir: str):
   for k, v in _ADDED_CONFIG_DEFAULTS.items():
     if k not in old:
       old[k] = v
+  # Where the data lies is not what it is (unpack.py verifies the pixels): another machine's
+  # folder resumes the run.
+  for c in (old, new):
+    if "npz_dir" in c.get("data", {}):
+      c.data.npz_dir = None
   key = lambda c: _freeze(
       {k: v for k, v in c.items() if k not in _RUN_ONLY_FIELDS and k not in added})
   if key(old) != key(new):

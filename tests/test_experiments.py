@@ -192,6 +192,20 @@ def test_resume_refuses_a_different_config(pretrained):
     train.train_and_evaluate(cfg, workdir, quiet=True)
 
 
+def test_resume_takes_the_data_from_another_folder_but_not_other_data(tmp_path):
+  """A new machine unpacks CIFAR elsewhere: the folder is a location, the data set is not."""
+  from experiments.configs import cifar10_embedding_net_triangle  # pylint: disable=g-import-not-at-top
+  cfg = cifar10_embedding_net_triangle.get_config()
+  cfg.data.npz_dir = "/old/machine/cifar"
+  (tmp_path / "config.json").write_text(cfg.to_json_best_effort())
+  cfg.data.npz_dir = "/new/machine/cifar"
+  train.check_resumable(cfg, str(tmp_path))  # no error
+  cfg.data.name = "cifar100"
+  with pytest.raises(ValueError, match="different training config"):
+    train.check_resumable(cfg, str(tmp_path))
+  assert cfg.data.npz_dir == "/new/machine/cifar"  # the caller's config is left as it was
+
+
 @pytest.mark.slow  # two tiny runs; test_ledger refuses and resumes past the budget by default
 def test_run_past_the_privacy_budget_is_refused_unless_allowed(tmp_path):
   cfg = tiny.get_config()
