@@ -203,7 +203,7 @@ def _fmt_t_p(d: dict) -> tuple[str, str]:
 
 
 def _fmt_num(x) -> str:
-  return "–" if x is None else f"{x:.3g}"
+  return "–" if x is None or x != x else f"{x:.3g}"  # x != x: NaN (e.g. the std of one seed)
 
 
 def _lr_b(run, method):

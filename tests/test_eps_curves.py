@@ -240,6 +240,7 @@ def test_goal_block_checks_the_accuracy_target_and_the_margin_over_the_seed_spre
   # Short of the target; a rival with one shared seed has no spread; a missing rival is named.
   text = render_results.goal_table(_goal_runs(dict(logit_dp=[0.2], dp_gcl=[0.1])))
   assert "| no | -0.050 |" in text and "| 1 | – (one seed) | – |" in text
+  assert "spread –" in text and "nan" not in text
   assert "no Naive-DP run of the same seeds" in text
   assert render_results.render_block("goal:nothing", {}, {},
                                      None) == ("(no finished run of `nothing` yet)")
