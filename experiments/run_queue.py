@@ -121,10 +121,10 @@ def ready(config, overrides):
   return check is None or bool(check(arg or None))
 
 
-def publish(workdir, dest):
-  """Copies the small, shareable files of a finished run to ``dest``."""
+def publish(workdir, dest, extra_files=()):
+  """Copies the small, shareable files of a finished run (and ``extra_files``) to ``dest``."""
   os.makedirs(dest, exist_ok=True)
-  for name in SHARED_FILES:
+  for name in (*SHARED_FILES, *extra_files):
     src = os.path.join(workdir, name)
     if os.path.exists(src):
       shutil.copy(src, os.path.join(dest, name))

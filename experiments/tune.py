@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -225,9 +224,7 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
       rec = _record(stage, cand, order, overrides, done_dir)
       order += 1
       if rec["finished"] and done_dir == workdir:
-        run_queue.publish(workdir, published)
-        if os.path.exists(os.path.join(workdir, DIVERGED_FILE)):
-          shutil.copy(os.path.join(workdir, DIVERGED_FILE), published)
+        run_queue.publish(workdir, published, extra_files=(DIVERGED_FILE,))
       stage_records.append(rec)
       write_summary(False, None, records + stage_records)  # progress: nothing chosen yet
     records += stage_records
