@@ -827,7 +827,7 @@ def plot_curve(data: dict, paper, out_dir: str) -> str | None:
         sd = 0.0 if sd != sd else sd
         ax.axhspan(mu - sd, mu + sd, color=colours[m], alpha=0.2, lw=0)
         ax.axhline(mu, color=colours[m], lw=1, ls="-" if m == "non_private" else "--",
-                   label=f"{LABELS[m]} ({len(band)} seeds)")
+                   label=f"{LABELS[m]} ({len(band)} seed{'s' if len(band) != 1 else ''})")
     if key == "accuracy" and prow:
       for m in PRIVATE:
         if m in prow:
@@ -969,7 +969,8 @@ def plot_group(group: str, group_runs, out_dir: str) -> list[str]:
     plt.close(fig)
     written.append(path)
   first = group_runs[0]
-  res = {m: r for m, r in first["results"].items() if "confusion_matrix" in r}
+  # A run's results may also hold run-level scalars (the two-tower run's num_classes, ...).
+  res = {m: r for m, r in first["results"].items() if isinstance(r, dict) and "confusion_matrix" in r}
   if res:
     k = len(next(iter(res.values()))["confusion_matrix"])
     names = data_lib.class_names(first["config"].get("data", {}), k)

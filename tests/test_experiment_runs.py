@@ -462,6 +462,7 @@ def test_renderer_figures(tmp_path):
     for r in res.values():
       r["history"] = [dict(epoch=e, test_loss=float(rng.uniform(6, 7))) for e in range(5)]
       r["confusion_matrix"] = rng.integers(0, 5, (10, 10)).tolist()
+    res.update(num_classes=10, example_text="a photo of a cat")  # run-level, as the CLIP run's
     path.write_text(json.dumps(res))
   groups = render_results.groups_of(render_results.load_runs(str(tmp_path)))
   written = render_results.plot_group("cifar10_embnet_f", groups["cifar10_embnet_f"],
