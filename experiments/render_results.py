@@ -970,7 +970,9 @@ def plot_group(group: str, group_runs, out_dir: str) -> list[str]:
     written.append(path)
   first = group_runs[0]
   # A run's results may also hold run-level scalars (the two-tower run's num_classes, ...).
-  res = {m: r for m, r in first["results"].items() if isinstance(r, dict) and "confusion_matrix" in r}
+  res = {
+      m: r for m, r in first["results"].items() if isinstance(r, dict) and "confusion_matrix" in r
+  }
   if res:
     k = len(next(iter(res.values()))["confusion_matrix"])
     names = data_lib.class_names(first["config"].get("data", {}), k)
