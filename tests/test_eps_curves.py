@@ -24,6 +24,14 @@ DOC = f"# t\n<!-- generated:curve:{SPEC} -->\n<!-- /generated:curve:{SPEC} -->\n
 ALL = ("logit_dp", "naive_dp", "dp_gcl", "non_private")
 
 
+def _certified_delta(target_epsilon, seed, method):
+  """The target δ plus an overflow term (1 + e^ε)·T·p_over (T = 50, p_over = 1e-12), varied by
+  seed and method so that the largest one is the one to report."""
+  if method == "non_private":
+    return 0.0
+  return 1e-5 + (1 + np.exp(target_epsilon)) * 50 * 1e-12 * (1 + seed + (method == "dp_gcl"))
+
+
 def _write_runs(root, group, seeds, methods, target_epsilon, rng):
   """Results folders of ``group_s<seed>`` (the renderer's input format), random metrics."""
   for s in seeds:
@@ -33,8 +41,8 @@ def _write_runs(root, group, seeds, methods, target_epsilon, rng):
         m:
             dict(method=m, finished=True, accuracy=float(rng.uniform(0.1, 0.3)),
                  linear_probe=float(rng.uniform(0.2, 0.4)),
-                 epsilon=0.0 if m == "non_private" else target_epsilon * 0.999, delta=1e-5)
-        for m in methods
+                 epsilon=0.0 if m == "non_private" else target_epsilon * 0.999,
+                 delta=_certified_delta(target_epsilon, s, m)) for m in methods
     }
     (d / "results.json").write_text(json.dumps(res))
     (d / "config.json").write_text(json.dumps(dict(seed=s, target_epsilon=target_epsilon)))
@@ -103,6 +111,14 @@ def test_curve_table_means_stds_sources_and_gaps(curve_runs):
   assert ("ε = 5: `cifar10_embnet_triangle` (Logit-DP, Naive-DP, Non-private; seeds 0, 1, 2, 3); "
           "ε = 5: `cifar10_embnet_eps5` (DP-GCL; seeds 0, 1, 2)") in out
   assert "no finished run" not in out
+  # The certified δ of each point: the largest over the runs it uses, never the target alone.
+  largest = {
+      1: _certified_delta(1.0, 2, "dp_gcl"), 2: _certified_delta(2.0, 2, "logit_dp"),
+      5: _certified_delta(5.0, 3, "logit_dp")
+  }
+  assert ("Certified δ (the largest over a point's runs: the target δ plus the padded Poisson "
+          "batch's overflow term (1 + e^ε)·(1 − (1 − p_over)^T)): "
+          + ", ".join(f"ε = {e}: {largest[e]:.4g}" for e in (1, 2, 5)) + ".") in out
 
 
 def test_curve_with_no_run_says_so_and_rejects_a_mislabelled_run(curve_runs, tmp_path):
