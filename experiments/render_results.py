@@ -33,6 +33,7 @@ goal at ε = 5, `goal_table`) and
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import os
@@ -752,6 +753,15 @@ def curve_deltas(data: dict) -> dict[float, float]:
   return out
 
 
+def _round_up(x: float, digits: int = 4) -> str:
+  """x rounded up to ``digits`` significant digits: a bound stays a bound when printed."""
+  if x <= 0:
+    return f"{x:g}"
+  d = decimal.Decimal(repr(float(x)))  # the shortest decimal that reads back as x
+  step = decimal.Decimal(1).scaleb(d.adjusted() - digits + 1)
+  return f"{float(d.quantize(step, rounding=decimal.ROUND_CEILING)):.{digits}g}"
+
+
 def curve_figure_name(prefix: str) -> str:
   return f"{prefix}_eps_curve.png"
 
@@ -793,10 +803,11 @@ def curve_table(data: dict, paper=None, results_dir: str = "") -> str:
   ]
   deltas = curve_deltas(data)
   if deltas:
-    lines[-1] += (" Certified δ (the largest over a point's runs: the target δ plus the padded "
-                  "Poisson batch's overflow term (1 + e^ε)·(1 − (1 − p_over)^T)): "
-                  + ", ".join(f"ε = {_eps_label(e)}: {d:.4g}" for e, d in sorted(deltas.items()))
-                  + ".")
+    lines[-1] += (
+        " Certified δ (the largest over a point's runs: the target δ plus the padded "
+        "Poisson batch's overflow term (1 + e^ε)·(1 − (1 − p_over)^T)): "
+        + ", ".join(f"ε = {_eps_label(e)}: ≤ {_round_up(d)}" for e, d in sorted(deltas.items()))
+        + ".")
   fig = os.path.join(results_dir, "figures", curve_figure_name(data["prefix"]))
   if results_dir and os.path.exists(fig):
     lines += ["", f"![accuracy vs ε](results/figures/{curve_figure_name(data['prefix'])})"]
@@ -859,7 +870,7 @@ def plot_curve(data: dict, paper, out_dir: str) -> str | None:
     ax.set_xticks(data["epsilons"])
     ax.set_xticklabels([_eps_label(e) for e in data["epsilons"]])
     deltas = curve_deltas(data)
-    ax.set_xlabel(f"ε (δ ≤ {max(deltas.values()):.3g})" if deltas else "ε")
+    ax.set_xlabel(f"ε (δ ≤ {_round_up(max(deltas.values()), 3)})" if deltas else "ε")
     ax.set_ylabel(label)
     ax.set_title(f"{data['prefix']}: {label} (mean ± std over seeds)", fontsize=9)
   axes[0].legend(fontsize=7)

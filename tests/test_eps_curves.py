@@ -6,6 +6,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
+import re
 import subprocess
 
 import numpy as np
@@ -116,9 +117,17 @@ def test_curve_table_means_stds_sources_and_gaps(curve_runs):
       1: _certified_delta(1.0, 2, "dp_gcl"), 2: _certified_delta(2.0, 2, "logit_dp"),
       5: _certified_delta(5.0, 3, "logit_dp")
   }
-  assert ("Certified δ (the largest over a point's runs: the target δ plus the padded Poisson "
-          "batch's overflow term (1 + e^ε)·(1 − (1 − p_over)^T)): "
-          + ", ".join(f"ε = {e}: {largest[e]:.4g}" for e in (1, 2, 5)) + ".") in out
+  footer = re.search(
+      r"Certified δ \(the largest over a point's runs: the target δ plus the padded "
+      r"Poisson batch's overflow term \(1 \+ e\^ε\)·\(1 − \(1 − p_over\)\^T\)\): "
+      r"ε = 1: ≤ (\S+), ε = 2: ≤ (\S+), ε = 5: ≤ (\S+)\.", out)
+  assert footer, out
+  for e, printed in zip((1, 2, 5), footer.groups()):
+    # Printed rounded up (a bound), to 4 significant digits.
+    assert largest[e] <= float(printed) <= largest[e] * (1 + 1e-3), (e, printed, largest[e])
+  assert render_results._round_up(1e-5) == "1e-05"
+  assert render_results._round_up(1.01400807e-5) == "1.015e-05"
+  assert render_results._round_up(1.01400807e-5, 3) == "1.02e-05"
 
 
 def test_curve_with_no_run_says_so_and_rejects_a_mislabelled_run(curve_runs, tmp_path):
