@@ -252,6 +252,13 @@ def settings_line(group_runs) -> str:
   return "; ".join(parts) + "."
 
 
+def method_deltas(runs, method) -> list[float]:
+  """The certified δ of a method in each run that reports one."""
+  return [
+      float(r["results"][method]["delta"]) for r in runs if "delta" in r["results"].get(method, {})
+  ]
+
+
 def privacy_cell(group_runs, method) -> str:
   """ε and δ of a method over the group's runs (max over seeds)."""
   if method == "non_private":
@@ -259,9 +266,7 @@ def privacy_cell(group_runs, method) -> str:
   if method == "untrained":
     return "0", "0"
   eps = [r["results"][method]["epsilon"] for r in group_runs if method in r["results"]]
-  dl = [
-      r["results"][method]["delta"] for r in group_runs if "delta" in r["results"].get(method, {})
-  ]
+  dl = method_deltas(group_runs, method)
   if not eps:
     return "–", "–"
   return f"{max(eps):.3g}", (f"{max(dl):.3g}" if dl else "–")
@@ -747,9 +752,9 @@ def curve_deltas(data: dict) -> dict[float, float]:
   `logit_dp.ledger.PrivacyLedger.delta`)."""
   out = {}
   for (m, e), cell in data["cells"].items():
-    for r in cell["runs"] if m in PRIVATE else ():
-      if "delta" in r["results"][m]:
-        out[e] = max(out.get(e, 0.0), float(r["results"][m]["delta"]))
+    deltas = method_deltas(cell["runs"], m) if m in PRIVATE else []
+    if deltas:
+      out[e] = max(out.get(e, 0.0), *deltas)
   return out
 
 
@@ -836,6 +841,7 @@ def plot_curve(data: dict, paper, out_dir: str) -> str | None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   prow = paper_rows(paper, data["prefix"]) if paper else None
   colours = dict(logit_dp="C0", naive_dp="C1", dp_gcl="C2", non_private="0.4", untrained="C3")
+  deltas = curve_deltas(data)
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
   for ax, (key, label) in zip(axes, CURVE_METRICS):
     for m in PRIVATE:
@@ -869,7 +875,6 @@ def plot_curve(data: dict, paper, out_dir: str) -> str | None:
                    label="paper, non-private")
     ax.set_xticks(data["epsilons"])
     ax.set_xticklabels([_eps_label(e) for e in data["epsilons"]])
-    deltas = curve_deltas(data)
     ax.set_xlabel(f"ε (δ ≤ {_round_up(max(deltas.values()), 3)})" if deltas else "ε")
     ax.set_ylabel(label)
     ax.set_title(f"{data['prefix']}: {label} (mean ± std over seeds)", fontsize=9)
