@@ -260,7 +260,8 @@ def method_deltas(runs, method) -> list[float]:
 
 
 def privacy_cell(group_runs, method) -> str:
-  """ε and δ of a method over the group's runs (max over seeds)."""
+  """ε and δ of a method over the group's runs (max over seeds), rounded up to 3 digits: bounds
+  printed as bounds."""
   if method == "non_private":
     return "∞", "–"
   if method == "untrained":
@@ -269,7 +270,7 @@ def privacy_cell(group_runs, method) -> str:
   dl = method_deltas(group_runs, method)
   if not eps:
     return "–", "–"
-  return f"{max(eps):.3g}", (f"{max(dl):.3g}" if dl else "–")
+  return _round_up(max(eps), 3), (_round_up(max(dl), 3) if dl else "–")
 
 
 def group_table(group_runs, paper=None, acc_label="3-NN acc") -> str:

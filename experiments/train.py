@@ -189,19 +189,28 @@ def get_model(model_config):
 
 
 def privacy_plan(config, num_records: int) -> dict[str, Any]:
-  """Sampling rate, number of steps and noise multiplier of the DP methods.
+  """Sampling rate, number of steps, padded batch and noise multiplier of the DP methods.
 
-  q = batch_size / R, T = ceil(num_epochs / q), σ = accounting.noise_multiplier(ε, δ, q, T).
+  q = batch_size / R, T = ceil(num_epochs / q), max_batch = sampling.max_batch_size_for(R, q)
+  (overflow probability p_over per step) and σ = accounting.noise_multiplier(ε, δ_acc, q, T),
+  where δ_acc, the δ at which the ledger reports ε, is
+  ledger.accountant_delta(ε, δ, T, p_over) = δ − (1 + e^ε)·(1 − (1 − p_over)^T) if
+  config.delta_includes_overflow (the certified δ is then ≤ target_delta), else δ.
   """
   q = logit_dp.accounting.sampling_rate_for(int(config.batch_size), num_records)
   steps = logit_dp.accounting.steps_for_epochs(config.num_epochs, q)
+  max_batch = logit_dp.sampling.max_batch_size_for(num_records, q)
+  delta = config.get("target_delta")  # a config with an explicit σ may have none
+  if delta is not None and config.get("delta_includes_overflow", False):
+    p_over = logit_dp.sampling.overflow_probability(num_records, q, max_batch)
+    delta = logit_dp.ledger.accountant_delta(float(config.target_epsilon), delta, steps, p_over)
   if config.get("noise_multiplier") is not None:
     sigma = float(config.noise_multiplier)
   else:
-    sigma = _noise_multiplier_cached(float(config.target_epsilon), float(config.target_delta), q,
-                                     steps, config.accountant)
-  return dict(sampling_rate=q, steps=steps, noise_multiplier=sigma,
-              max_batch=logit_dp.sampling.max_batch_size_for(num_records, q))
+    sigma = _noise_multiplier_cached(float(config.target_epsilon), float(delta), q, steps,
+                                     config.accountant)
+  return dict(sampling_rate=q, steps=steps, noise_multiplier=sigma, max_batch=max_batch,
+              accountant_delta=delta)
 
 
 @functools.lru_cache(maxsize=64)
@@ -656,6 +665,11 @@ def _keys(seed: int):
   return dict(zip(names, jax.random.split(root, len(names))))
 
 
+def _delta_budget(config) -> float | None:
+  """target_delta when the certified δ must stay within it (config.delta_includes_overflow)."""
+  return float(config.target_delta) if config.get("delta_includes_overflow", False) else None
+
+
 class _Batcher:
   """Host-side batches: Poisson for DP methods, shuffled epochs for non-private.
 
@@ -744,9 +758,9 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   if private:
     ledger = logit_dp.ledger.PrivacyLedger(
         noise_multiplier=info["noise_multiplier"], sampling_rate=info["sampling_rate"],
-        target_delta=config.target_delta, accountant=config.accountant, num_examples=num_records,
-        overflow_probability=batcher.sampler.step_overflow_probability,
-        epsilon_budget=float(config.target_epsilon))
+        target_delta=info["accountant_delta"], accountant=config.accountant,
+        num_examples=num_records, overflow_probability=batcher.sampler.step_overflow_probability,
+        epsilon_budget=float(config.target_epsilon), delta_budget=_delta_budget(config))
 
   ckpt_dir = os.path.join(mdir, "checkpoints")
   restored, restored_ledger = restore_checkpoint(ckpt_dir, state, private)
@@ -806,13 +820,21 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   ckpt_every = max(1, int(config.checkpoint_every))
   keep = config.get("max_checkpoints_to_keep", 2)
   if ledger is not None:
-    ledger.epsilon_budget = float(config.target_epsilon)  # a resumed run keeps today's budget
+    # A resumed run keeps today's budgets.
+    ledger.epsilon_budget, ledger.delta_budget = float(config.target_epsilon), _delta_budget(config)
     planned = ledger.epsilon(stop)
-    if planned > ledger.epsilon_budget and not config.get("allow_exceeding_budget", False):
+    allowed = config.get("allow_exceeding_budget", False)
+    if planned > ledger.epsilon_budget and not allowed:
       raise logit_dp.PrivacyBudgetExceededError(
           f"[{method}] running to step {stop} would spend ε = {planned:.4g} > budget "
           f"target_epsilon = {ledger.epsilon_budget:g} (δ = {ledger.target_delta:g}). Set "
           "--config.allow_exceeding_budget=True to continue knowingly.")
+    if ledger.delta_budget is not None and ledger.delta(stop) > ledger.delta_budget and not allowed:
+      raise logit_dp.PrivacyBudgetExceededError(
+          f"[{method}] running to step {stop} would certify δ = {ledger.delta(stop):.6g} > "
+          f"target_delta = {ledger.delta_budget:g} (accountant δ {ledger.target_delta:g} plus "
+          "the padded batches' overflow term). Set --config.allow_exceeding_budget=True to "
+          "continue knowingly.")
   eps_now = ledger.epsilon() if ledger else 0.0
   t_last, s_last, t_train = time.time(), start, 0.0
   bar = tqdm(total=total_steps, initial=start, desc=METHOD_LABELS.get(method, method), disable=quiet
@@ -1022,7 +1044,8 @@ def save_config(config, workdir: str):
 _ADDED_CONFIG_GROUPS = ("dp_gcl", "projection")
 # Fields added after runs were started, with the value that reproduces those runs: a
 # config.json without them is compared as if it had these values.
-_ADDED_CONFIG_DEFAULTS = dict(lr_schedule="constant", lr_final_fraction=0.0, lr_warmup_steps=0)
+_ADDED_CONFIG_DEFAULTS = dict(lr_schedule="constant", lr_final_fraction=0.0, lr_warmup_steps=0,
+                              delta_includes_overflow=False)
 
 
 def check_resumable(config, workdir: str):

@@ -3,6 +3,7 @@
 from logit_dp._src.ledger import LEDGER_FORMAT_VERSION
 from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
+from logit_dp._src.ledger import accountant_delta
 from logit_dp._src.ledger import latest_step
 from logit_dp._src.ledger import restore_checkpoint
 from logit_dp._src.ledger import save_checkpoint
@@ -11,6 +12,7 @@ __all__ = [
     "LEDGER_FORMAT_VERSION",
     "PrivacyBudgetExceededError",
     "PrivacyLedger",
+    "accountant_delta",
     "latest_step",
     "restore_checkpoint",
     "save_checkpoint",

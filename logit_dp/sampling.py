@@ -12,6 +12,7 @@ from logit_dp._src.sampling import inclusion_threshold
 from logit_dp._src.sampling import max_batch_size_for
 from logit_dp._src.sampling import overflow_delta
 from logit_dp._src.sampling import overflow_probability
+from logit_dp._src.sampling import overflow_term
 from logit_dp._src.sampling import poisson_batch
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "max_batch_size_for",
     "overflow_delta",
     "overflow_probability",
+    "overflow_term",
     "poisson_batch",
 ]

@@ -263,6 +263,17 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   assert urow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}" and urow[7] == "–"
 
 
+def test_privacy_cell_rounds_the_bounds_up():
+  """ε and δ are upper bounds: .3g would print 1.0140008e-5 as 1.01e-05 and 2.0004 as 2."""
+  def run(eps, delta):
+    return dict(results=dict(logit_dp=dict(epsilon=eps, delta=delta)))
+
+  runs = [run(4.9988, 1.0000012e-5), run(4.9990, 1.0140008e-5)]
+  assert render_results.privacy_cell(runs, "logit_dp") == ("5", "1.02e-05")
+  assert render_results.privacy_cell([run(2.0004, 1e-5)], "logit_dp") == ("2.01", "1e-05")
+  assert render_results.privacy_cell([run(4.99, 9.99999e-6)], "logit_dp") == ("4.99", "1e-05")
+
+
 def test_paper_rows_match_the_papers_model():
   """Each group is set beside the paper's table of its own model, and none where it has none."""
   paper = render_results.load_paper(os.path.join(REPO, "experiments", "paper_results.json"))

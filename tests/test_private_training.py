@@ -62,32 +62,38 @@ def test_sigma_q_steps_and_ledger_match_the_accountant(kwargs, steps):
   pt = _setup(**kwargs)
   q = BATCH / N
   assert pt.sampling_rate == q and pt.steps == steps
-  assert pt.noise_multiplier == logit_dp.accounting.noise_multiplier(EPS, DELTA, q, steps)
+  # σ is calibrated at δ minus the padded batches' overflow term (1 + e^ε)·(1 − (1 − p)^T),
+  # p = P[Binomial(N + 1, q) > max_batch_size] (≈ T·p here: p ≤ 1e-12).
+  p_over = stats.binom.sf(pt.sampler.max_batch_size, N + 1, q)
+  delta_acc = DELTA - (1 + math.exp(EPS)) * steps * p_over
+  led = pt.ledger
+  assert led.target_delta == pytest.approx(delta_acc, rel=1e-9, abs=0)
+  assert pt.noise_multiplier == logit_dp.accounting.noise_multiplier(EPS, led.target_delta, q,
+                                                                     steps)
   # Independently: the calibrated σ meets the target, 1 % less noise would not.
-  assert _dp_accounting_epsilon(pt.noise_multiplier, q, steps, DELTA) <= EPS
-  assert _dp_accounting_epsilon(0.99 * pt.noise_multiplier, q, steps, DELTA) > EPS
-  # Sampler and ledger: same q, same N, same σ, same δ, budget ε, no steps yet.
+  assert _dp_accounting_epsilon(pt.noise_multiplier, q, steps, led.target_delta) <= EPS
+  assert _dp_accounting_epsilon(0.99 * pt.noise_multiplier, q, steps, led.target_delta) > EPS
+  # Sampler and ledger: same q, same N, same σ, budgets (ε, δ), no steps yet.
   assert pt.sampler.sampling_rate == q and pt.sampler.num_records == N
   assert pt.sampler.expected_batch_size == pytest.approx(BATCH)
-  led = pt.ledger
-  assert (led.noise_multiplier, led.sampling_rate, led.target_delta) == (pt.noise_multiplier, q,
-                                                                         DELTA)
+  assert (led.noise_multiplier, led.sampling_rate) == (pt.noise_multiplier, q)
   assert led.steps == 0 and led.epsilon_budget == EPS and led.num_examples == N
+  assert led.delta_budget == DELTA
   assert led.overflow_probability == pt.sampler.step_overflow_probability
   assert led.remaining_steps() >= steps
   eps_t = led.record_steps(steps)
   assert led.steps == steps
-  assert eps_t == pytest.approx(_dp_accounting_epsilon(pt.noise_multiplier, q, steps, DELTA),
-                                rel=1e-12)
-  assert eps_t <= EPS
+  assert eps_t == pytest.approx(
+      _dp_accounting_epsilon(pt.noise_multiplier, q, steps, led.target_delta), rel=1e-12)
+  assert eps_t <= EPS and led.delta() <= DELTA
 
 
 def test_rdp_accountant_is_used_for_sigma_and_ledger():
   pt = _setup(accountant="rdp")
   q = BATCH / N
-  assert pt.noise_multiplier == logit_dp.accounting.noise_multiplier(EPS, DELTA, q, 50,
-                                                                     accountant="rdp")
-  assert pt.ledger.accountant == "rdp"
+  assert pt.noise_multiplier == logit_dp.accounting.noise_multiplier(EPS, pt.ledger.target_delta, q,
+                                                                     50, accountant="rdp")
+  assert pt.ledger.accountant == "rdp" and pt.ledger.target_delta <= DELTA
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
@@ -252,7 +258,7 @@ def test_end_to_end_training_run():
     assert np.isfinite(float(loss_value))
   assert pt.ledger.steps == pt.steps == 8
   eps, delta = pt.ledger.guarantee()
-  assert eps <= EPS and DELTA <= delta < 2 * DELTA
+  assert eps <= EPS and pt.ledger.target_delta < delta <= DELTA  # overflow term included
   assert int(opt_state[0].count) == 8  # the noise transform ran at every step
   moved = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, start)
   assert all(np.isfinite(v) and v > 0 for v in jax.tree_util.tree_leaves(moved))

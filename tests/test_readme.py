@@ -13,6 +13,7 @@ import re
 
 import dp_accounting
 import pytest
+from scipy import stats
 
 import logit_dp
 from logit_dp import accounting
@@ -76,8 +77,15 @@ def test_worked_example_numbers(executed):
   delta = 1 / n
   assert (namespace["q"], namespace["T"], namespace["N"]) == (q, steps, n)
   assert "# 0.02 " in text and "# 1000 " in text
-  sigma = accounting.noise_multiplier(5.0, delta, q, steps, accountant="pld")
-  sigma_rdp = accounting.noise_multiplier(5.0, delta, q, steps, accountant="rdp")
+  # σ at δ minus the overflow term of the padded batches (1 + e^ε)·(1 − (1 − p)^T) ≈
+  # (1 + e^ε)·T·p, p = P[Binomial(N + 1, q) > padded size] (p ≈ 1e-12: T·p is exact to 1e-9).
+  sampler, ledger = namespace["sampler"], namespace["ledger"]
+  p_over = stats.binom.sf(sampler.max_batch_size, n + 1, q)
+  extra = (1 + math.exp(5.0)) * steps * p_over
+  delta_acc = delta - extra
+  assert ledger.target_delta == pytest.approx(delta_acc, rel=1e-9)
+  sigma = accounting.noise_multiplier(5.0, ledger.target_delta, q, steps, accountant="pld")
+  sigma_rdp = accounting.noise_multiplier(5.0, ledger.target_delta, q, steps, accountant="rdp")
   # ε at that σ from a fresh dp_accounting PLD accountant, not the library's.
   acc = dp_accounting.pld.PLDAccountant(
       neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
@@ -85,7 +93,7 @@ def test_worked_example_numbers(executed):
   acc.compose(
       dp_accounting.SelfComposedDpEvent(
           dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
-  eps = acc.get_epsilon(delta)
+  eps = acc.get_epsilon(ledger.target_delta)
   assert (f"**σ = {sigma:.3f}** (ε = {eps:.2f}; the RDP accountant needs "
           f"σ = {sigma_rdp:.3f})") in text
 
@@ -109,15 +117,18 @@ def test_worked_example_numbers(executed):
           f"{sup / at_1000:.0f}×") in text
   assert f"C/B ≈ {sup / 1e5:.1f}·10⁵" in text
 
-  sampler, ledger = namespace["sampler"], namespace["ledger"]
   assert ledger.steps == steps and ledger.noise_multiplier == sigma
-  p_over = logit_dp.sampling.overflow_probability(n, q, sampler.max_batch_size)
-  extra = ledger.delta() - delta
-  assert extra == pytest.approx(
-      (1 + math.exp(ledger.epsilon())) * -math.expm1(steps * math.log1p(-p_over)), rel=1e-9)
+  certified = ledger.target_delta + (1 + math.exp(ledger.epsilon())) * steps * p_over
+  assert ledger.delta() == pytest.approx(certified, rel=1e-9) and ledger.delta() <= delta
+  old_sigma = accounting.noise_multiplier(5.0, delta, q, steps, accountant="pld")
+  old_eps = accounting.epsilon(old_sigma, delta, q, steps)
+  old_delta = delta + (1 + math.exp(old_eps)) * steps * p_over
   assert (f"Padded batches hold {sampler.max_batch_size:,} rows, so a batch overflows with "
-          f"probability {_sci(p_over, 1)} per step. Counting that adds {_sci(extra, 1)} to δ, so "
-          f"the run is ({ledger.epsilon():.2f}, {_sci(ledger.delta(), 3)})-DP") in text
+          f"probability {_sci(p_over, 1)} per step. Over T = {steps:,} steps that costs δ up to "
+          f"(1 + e^ε)·T·p_over = {_sci(extra, 1)}") in text
+  assert f"calibrates σ at δ − {_sci(extra, 1)} = {_sci(delta_acc, 3)}, not at δ" in text
+  assert f"is ({ledger.epsilon():.2f}, ≤ {_sci(delta, 0)})" in text
+  assert f"would certify ({old_eps:.2f}, {_sci(old_delta, 3)})" in text
 
 
 @_SLOW
@@ -126,5 +137,7 @@ def test_make_private_section_matches_its_parts(executed):
   private = namespace["private"]
   q = 32 / 512
   assert private.steps == math.ceil(1 / q)
-  assert private.noise_multiplier == accounting.noise_multiplier(5.0, 1e-6, q, private.steps)
+  assert private.noise_multiplier == accounting.noise_multiplier(5.0, private.ledger.target_delta,
+                                                                 q, private.steps)
+  assert private.ledger.target_delta <= 1e-6 and private.ledger.delta_budget == 1e-6
   assert private.ledger.steps == private.steps

@@ -61,6 +61,10 @@ def get_config():
   config.accountant = "pld"
   config.noise_multiplier = config_dict.placeholder(
       float)  # None: calibrated to (target_epsilon, target_delta)
+  # True: σ is calibrated at δ minus the padded batches' overflow term, so the certified δ
+  # (overflow term included) is at most target_delta, and training refuses steps past it.
+  # False (every run before 2026-11-25): σ at target_delta, the certified δ slightly above it.
+  config.delta_includes_overflow = True
   config.clip_norm = 1.0
   config.clip_method = "ghost"  # ghost | triangle | materialize
   config.microbatch_size = config_dict.placeholder(int)

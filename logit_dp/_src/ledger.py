@@ -22,6 +22,11 @@ every intermediate model included — is (ε, δ)-DP with ε = `epsilon()` and
 (1 + e^ε)·(1 − (1 − p_over)^steps) accounts for batches that could not be
 represented at the padded size (see `logit_dp.sampling`; it is 0 when
 ``overflow_probability`` = 0, i.e. when no truncation/abort can occur).
+`PrivacyLedger.calibrated` chooses σ so that this whole δ, overflow term
+included, is at most the δ asked for: it calibrates at
+δ_acc = `accountant_delta`(ε, δ, T, p_over) = δ − (1 + e^ε)·(1 − (1 − p_over)^T)
+and sets both budgets, so `record_steps` refuses any step after which
+(ε, δ) would no longer hold.
 The guarantee assumes the ledger's σ and q are those actually used and that
 every step that touched the data was recorded: call `record_steps` *before*
 releasing (applying) each noisy update, and checkpoint ledger and state
@@ -39,17 +44,43 @@ redone step would instead count as a second release.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any
 
 from logit_dp._src import accounting
+from logit_dp._src.sampling import overflow_term
 
 LEDGER_FORMAT_VERSION = 1
 
 
 class PrivacyBudgetExceededError(ValueError):
-  """Taking the requested steps would spend more than the ledger's ε budget."""
+  """Taking the requested steps would spend more than the ledger's ε or δ budget."""
+
+
+def accountant_delta(target_epsilon: float, target_delta: float, steps: int,
+                     overflow_probability: float) -> float:
+  """δ_acc = δ − (1 + e^ε)·(1 − (1 − p_over)^T), the δ at which to calibrate σ.
+
+  If σ is calibrated so that the accountant's ε at δ_acc is ≤ ε after T steps,
+  the certified guarantee of the padded-batch mechanism is (ε, δ_acc + overflow
+  term) with the overflow term ≤ (1 + e^ε)·(1 − (1 − p_over)^T) (it grows with
+  ε), i.e. (ε, δ) exactly as asked.
+
+  Raises:
+    ValueError: the overflow term alone is ≥ δ (raise the padded batch size, i.e.
+      lower p_over, or take fewer steps).
+  """
+  eps = accounting.check_epsilon(target_epsilon)
+  dlt = accounting.check_delta(target_delta)
+  t = accounting.check_steps(steps)
+  extra = overflow_term(eps, t, overflow_probability)
+  if extra >= dlt:
+    raise ValueError(
+        f"The overflow term (1 + e^ε)·(1 − (1 − p_over)^T) = {extra:.4g} of T = {t} padded "
+        f"batches at ε = {eps:g} (p_over = {float(overflow_probability):.3g} per step) is ≥ "
+        f"δ = {dlt:g}: no σ can certify (ε, δ). Use a larger max_batch_size (a smaller "
+        "overflow probability) or fewer steps.")
+  return dlt - extra
 
 
 @dataclasses.dataclass
@@ -59,10 +90,13 @@ class PrivacyLedger:
   Attributes:
     noise_multiplier: σ > 0 of `logit_dp.transform`.
     sampling_rate: q ∈ (0, 1] of the Poisson sampler (1.0: full batch).
-    target_delta: δ ∈ (0, 1) at which ε is reported.
+    target_delta: δ ∈ (0, 1) at which the accountant reports ε; the run's
+      certified δ, `delta()`, adds the overflow term to it.
     accountant: "pld" or "rdp".
     steps: noisy steps taken so far (≥ 0).
     epsilon_budget: optional ε budget; `record_steps` refuses to exceed it.
+    delta_budget: optional δ budget for `delta()` (target_delta plus the
+      overflow term); `record_steps` refuses to exceed it.
     num_examples: optional dataset size N (warns if δ ≥ 1/N).
     overflow_probability: per-step probability p_over that a Poisson batch
       overflows the padded size (`PoissonSampler.step_overflow_probability`);
@@ -87,6 +121,7 @@ class PrivacyLedger:
   num_examples: int | None = None
   overflow_probability: float = 0.0
   pld_discretization: float = accounting.DEFAULT_PLD_DISCRETIZATION
+  delta_budget: float | None = None
 
   def __post_init__(self):
     self.noise_multiplier = accounting.check_noise_multiplier(self.noise_multiplier)
@@ -100,6 +135,11 @@ class PrivacyLedger:
     self.steps = int(self.steps)
     if self.epsilon_budget is not None:
       self.epsilon_budget = accounting.check_epsilon(self.epsilon_budget)
+    if self.delta_budget is not None:
+      self.delta_budget = accounting.check_delta(self.delta_budget)
+      if self.delta_budget < self.target_delta:
+        raise ValueError(f"delta_budget = {self.delta_budget:g} is below target_delta = "
+                         f"{self.target_delta:g}: no step could be taken.")
     if self.num_examples is not None:
       if (isinstance(self.num_examples, bool) or int(self.num_examples) != self.num_examples
           or self.num_examples < 1):
@@ -129,6 +169,37 @@ class PrivacyLedger:
                target_delta=target_delta, num_examples=sampler.num_records,
                overflow_probability=sampler.step_overflow_probability, **kwargs)
 
+  @classmethod
+  def calibrated(cls, sampler, target_epsilon: float, target_delta: float, steps: int,
+                 accountant: str = "pld", **kwargs) -> PrivacyLedger:
+    """A ledger whose ``steps`` steps with ``sampler`` are (ε, δ)-DP, overflow term included.
+
+    σ = `accounting.noise_multiplier`(ε, δ_acc, q, T) with δ_acc =
+    `accountant_delta`(ε, δ, T, p_over) (ValueError if it is ≤ 0), so
+    ``delta(T)`` = δ_acc + (1 + e^ε(T))·(1 − (1 − p_over)^T) ≤ δ. The ledger's
+    target_delta is δ_acc, its epsilon_budget ε and its delta_budget δ.
+
+    Args:
+      sampler: the run's `logit_dp.sampling.PoissonSampler` (q, N and p_over).
+      target_epsilon: ε > 0.
+      target_delta: δ ∈ (0, 1) of the certified guarantee.
+      steps: T, the planned number of steps.
+      accountant: "pld" or "rdp".
+      **kwargs: other `PrivacyLedger` fields (pld_discretization is used by the
+        calibration too).
+    """
+    eps = accounting.check_epsilon(target_epsilon)
+    dlt = accounting.check_delta(target_delta)
+    p_over = sampler.step_overflow_probability
+    delta_acc = accountant_delta(eps, dlt, steps, p_over)
+    discretization = kwargs.get("pld_discretization", accounting.DEFAULT_PLD_DISCRETIZATION)
+    accounting.warn_if_large_delta(dlt, sampler.num_records, stacklevel=3)
+    sigma = accounting.noise_multiplier(eps, delta_acc, sampler.sampling_rate, steps, accountant,
+                                        pld_discretization=discretization)
+    return cls(noise_multiplier=sigma, sampling_rate=sampler.sampling_rate, target_delta=delta_acc,
+               accountant=accountant, num_examples=sampler.num_records, overflow_probability=p_over,
+               epsilon_budget=eps, delta_budget=dlt, **kwargs)
+
   # -- Reporting. -------------------------------------------------------------
 
   def epsilon(self, steps: int | None = None) -> float:
@@ -149,9 +220,8 @@ class PrivacyLedger:
     t = self.steps if steps is None else int(steps)
     if self.overflow_probability == 0.0 or t == 0:
       return self.target_delta
-    eps = self.epsilon(t)
-    eta = -math.expm1(t * math.log1p(-self.overflow_probability))
-    return min(1.0, self.target_delta + (1.0 + math.exp(min(eps, 700.0))) * eta)
+    return min(1.0,
+               self.target_delta + overflow_term(self.epsilon(t), t, self.overflow_probability))
 
   def guarantee(self) -> tuple[float, float]:
     """(ε, δ) of the run so far."""
@@ -169,6 +239,8 @@ class PrivacyLedger:
   def __str__(self) -> str:
     eps, dlt = self.guarantee()
     budget = "" if self.epsilon_budget is None else f" of budget {self.epsilon_budget:g}"
+    if self.delta_budget is not None:
+      budget += f" (δ budget {self.delta_budget:g})"
     return (f"({eps:.4g}, {dlt:.3g})-DP after {self.steps} steps{budget} "
             f"[σ={self.noise_multiplier:.6g}, q={self.sampling_rate:.6g}, {self.accountant}]")
 
@@ -177,9 +249,10 @@ class PrivacyLedger:
   def record_steps(self, k: int = 1, *, allow_exceeding_budget: bool = False) -> float:
     """Records k more noisy steps and returns the new ε.
 
-    Call it before the k updates are released. If the budget would be exceeded
-    (ε(steps + k) > epsilon_budget), nothing is recorded and
-    `PrivacyBudgetExceededError` is raised, unless allow_exceeding_budget=True.
+    Call it before the k updates are released. If a budget would be exceeded
+    (ε(steps + k) > epsilon_budget or δ(steps + k) > delta_budget), nothing is
+    recorded and `PrivacyBudgetExceededError` is raised, unless
+    allow_exceeding_budget=True.
     """
     if isinstance(k, bool) or int(k) != k or k < 0:
       raise ValueError(f"k must be an integer ≥ 0, got {k!r}.")
@@ -192,6 +265,14 @@ class PrivacyLedger:
           f"budget {self.epsilon_budget:g} at δ = {self.target_delta:g} (currently ε = "
           f"{self.epsilon():.4g} after {self.steps} steps). Stop training, or pass "
           "allow_exceeding_budget=True to continue knowingly.")
+    if self.delta_budget is not None and not allow_exceeding_budget:
+      new_delta = self.delta(self.steps + k)
+      if new_delta > self.delta_budget:
+        raise PrivacyBudgetExceededError(
+            f"Taking {k} more step(s) (to {self.steps + k}) would certify δ = {new_delta:.6g} > "
+            f"δ budget {self.delta_budget:g} (accountant δ {self.target_delta:g} plus the "
+            "overflow term of the padded batches). Stop training, or pass "
+            "allow_exceeding_budget=True to continue knowingly.")
     self.steps += k
     return new_eps
 

@@ -85,7 +85,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
-  σ = `accounting.noise_multiplier(ε, δ, q, T, accountant)`;
+  σ = `accounting.noise_multiplier(ε, δ_acc, q, T, accountant)` with δ_acc = δ minus
+  the padded batches' overflow term (`PrivacyLedger.calibrated`);
   C = `sensitivity(loss, B, batch_size=None)` (`naive_sensitivity(B)` = 2B for
   method="naive"); optimizer = chain(`transform(σ, C, noise_key)`,
   [`optax.scale(1 / expected_batch_size)` if mean], optimizer). The noise is
@@ -98,9 +99,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   size, C = `logit_dp.sensitivity(loss, B, batch_size=None)`), updates through
   ``optimizer`` (fresh N(0, (σC)²I) per step from a secret key), and takes at
   most T steps, the released updates (and all models computed from them) are
-  (ε, δ′)-DP with ε ≤ target_epsilon and δ′ = target_delta + the sampler's
-  overflow term, which ``ledger.guarantee()`` reports (see docs/PRIVACY.md for
-  the conditions on embed_fn and what is not covered).
+  (ε, δ′)-DP with ε ≤ target_epsilon and δ′ = δ_acc + the sampler's overflow
+  term ≤ target_delta, which ``ledger.guarantee()`` reports (see docs/PRIVACY.md
+  for the conditions on embed_fn and what is not covered).
 
   Args:
     embed_fn: embed_fn(params, x) -> (n, d), acting on examples independently.
@@ -163,17 +164,16 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     c = sensitivity_lib.sensitivity(loss, b, batch_size=None)
 
   accounting.warn_if_large_delta(delta, n, stacklevel=3)
-  sigma = accounting.noise_multiplier(eps, delta, q, t, accountant)
-  key = jax.random.key(_secret_seed()) if noise_key is None else noise_key
-  scale_by = float(expected_batch_size) if mean else None
-  tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   sampler = PoissonSampler(num_records=n, sampling_rate=q, max_batch_size=max_batch_size,
                            seed=_secret_seed() if sampler_seed is None else sampler_seed,
                            overflow=overflow)
   with warnings.catch_warnings():  # δ ≥ 1/N was already reported above, once
     warnings.filterwarnings("ignore", message="target_delta=", category=UserWarning)
-    ledger = PrivacyLedger.for_sampler(sampler, sigma, delta, accountant=accountant,
-                                       epsilon_budget=eps)
+    ledger = PrivacyLedger.calibrated(sampler, eps, delta, t, accountant)
+  sigma = ledger.noise_multiplier
+  key = jax.random.key(_secret_seed()) if noise_key is None else noise_key
+  scale_by = float(expected_batch_size) if mean else None
+  tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
                          noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
                          steps=t, method=method)

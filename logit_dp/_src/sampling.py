@@ -156,18 +156,30 @@ def max_batch_size_for(num_records: int, sampling_rate: float, *,
   return min(b, -(-(n + 1) // m) * m)
 
 
+def overflow_term(epsilon: float, steps: int, overflow_probability: float) -> float:
+  """(1 + e^ε)·(1 − (1 − p_over)^T), the δ added by T padded steps that each overflow with
+  probability p_over (module docstring); 0 when p_over = 0 or T = 0."""
+  p = float(overflow_probability)
+  if not 0 <= p < 1:
+    raise ValueError(f"overflow_probability must be in [0, 1), got {overflow_probability!r}.")
+  t = _check_int("steps", steps, 0)
+  if p == 0.0 or t == 0:
+    return 0.0
+  eta = -math.expm1(t * math.log1p(-p))
+  return min(1.0, (1.0 + math.exp(min(float(epsilon), 700.0))) * eta)
+
+
 def overflow_delta(num_records: int, sampling_rate: float, max_batch_size: int, steps: int,
                    epsilon: float) -> float:
   """Extra δ from overflows: (1 + e^ε)·(1 − (1 − p_over)^T) ≤ (1 + e^ε)·T·p_over.
 
-  See the module docstring for the proof. Add it to the accountant's δ.
+  See the module docstring for the proof. Add it to the accountant's δ, or calibrate σ at
+  δ minus it (`logit_dp.ledger.accountant_delta`, `PrivacyLedger.calibrated`).
   """
   p = overflow_probability(num_records, sampling_rate, max_batch_size)
-  t = _check_int("steps", steps, 0)
-  if p == 0.0 or t == 0:
-    return 0.0
-  eta = -math.expm1(t * math.log1p(-p)) if p < 1 else 1.0
-  return min(1.0, (1.0 + math.exp(min(float(epsilon), 700.0))) * eta)
+  if p >= 1:  # q = 1 and a padded size below N + 1: every step overflows
+    return 0.0 if _check_int("steps", steps, 0) == 0 else 1.0
+  return overflow_term(epsilon, steps, p)
 
 
 def inclusion_threshold(sampling_rate: float) -> int | None:
