@@ -283,7 +283,14 @@ def base_differences(search_base: dict, config) -> list[str]:
   from experiments import train  # pylint: disable=g-import-not-at-top
   # The projected bound's public references differ by design (CIFAR-100 test in the search,
   # CIFAR-100 train for CIFAR-10): the data around the search, not a setting it chose.
-  ignore = set(train._RUN_ONLY_FIELDS) | {"data", "methods", "projection"}  # pylint: disable=protected-access
+  # How σ is calibrated to the same (ε, δ) (delta_includes_overflow: σ +0.003% at ε = 5, T = 50;
+  # added after the search ran) is not a setting the search chose either.
+  ignore = set(train._RUN_ONLY_FIELDS) | {
+      "data",
+      "methods",
+      "projection",  # pylint: disable=protected-access
+      "delta_includes_overflow"
+  }
   target = json.loads(config.to_json_best_effort())
   keys = (set(search_base) | set(target)) - ignore
   return sorted(k for k in keys if search_base.get(k) != target.get(k))

@@ -258,6 +258,23 @@ def test_every_npz_config_takes_the_data_folder_from_the_command_line(scripted_s
   assert "cifar10_embedding_net_tuned.py" in checked and len(checked) >= 10, checked
 
 
+def test_every_queue_line_parses_with_the_committed_search():
+  """What run_queue will run: each line's config with its overrides, the tuned config reading the
+  committed search.json (a config default added later once made every tuned line fail)."""
+  repo = os.path.dirname(os.path.dirname(tune.__file__))
+  parsed = 0
+  for queue in ("queue.txt", "queue_tuned.txt"):
+    for name, config, overrides in run_queue.read_queue(os.path.join(repo, "experiments", queue)):
+      if config == "finetune":
+        continue
+      cfg = _parse_config_flags(os.path.join(repo, config), *overrides)
+      assert cfg.seed == int(name.rsplit("_s", 1)[1]), name
+      if "--config.delta_includes_overflow=False" in overrides:
+        assert cfg.delta_includes_overflow is False
+      parsed += 1
+  assert parsed >= 20
+
+
 def test_tuned_config_refuses_a_missing_unfinished_or_mismatched_search(scripted_search, tmp_path):
   with pytest.raises(FileNotFoundError, match="run the public-data search first"):
     cifar10_embedding_net_tuned.get_config(str(tmp_path / "none.json"))
