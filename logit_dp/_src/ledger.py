@@ -44,6 +44,7 @@ redone step would instead count as a second release.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -80,7 +81,8 @@ def accountant_delta(target_epsilon: float, target_delta: float, steps: int,
         f"batches at ε = {eps:g} (p_over = {float(overflow_probability):.3g} per step) is ≥ "
         f"δ = {dlt:g}: no σ can certify (ε, δ). Use a larger max_batch_size (a smaller "
         "overflow probability) or fewer steps.")
-  return dlt - extra
+  # One ulp down: (δ − x) + x can round to above δ, and the δ budget check is exact.
+  return math.nextafter(dlt - extra, 0.0) if extra else dlt
 
 
 @dataclasses.dataclass
