@@ -39,6 +39,7 @@ import math
 import os
 import re
 import sys
+from typing import Any
 
 import numpy as np
 from absl import app
@@ -106,7 +107,32 @@ def groups_of(runs) -> dict[str, list[dict]]:
     out.setdefault(r["group"], []).append(r)
   for g in out.values():
     g.sort(key=lambda r: r["seed"])
+    check_one_mechanism(g)
   return dict(sorted(out.items(), key=lambda kv: (kv[0].startswith("cifar100_ft"), kv[0])))
+
+
+# What a method's privacy mechanism is (its δ follows from them and ε): seeds pooled in one
+# group must share all of it.
+MECHANISM_KEYS = ("noise_multiplier", "sampling_rate", "steps", "clip_norm")
+
+
+def check_one_mechanism(group_runs) -> None:
+  """ValueError if a method's seeds in one group ran different mechanisms (σ, q, T or B):
+  a mean over them would pool two experiments (e.g. σ calibrated with and without
+  delta_includes_overflow)."""
+  for key in MECHANISM_KEYS:
+    values: dict[str, dict[Any, list[str]]] = {}
+    for r in group_runs:
+      for method, res in r["results"].items():
+        if isinstance(res, dict) and key in res:
+          values.setdefault(method, {}).setdefault(res[key], []).append(r["name"])
+    for method, seen in values.items():
+      if len(seen) > 1:
+        raise ValueError(
+            f"group {group_runs[0]['group']!r}, {method}: its runs differ in {key} "
+            f"({', '.join(f'{v!r}: {names}' for v, names in seen.items())}); seeds of one group "
+            "must run one mechanism (pin --config.delta_includes_overflow=False for seeds "
+            "added to a group started before 2026-11-25).")
 
 
 def load_paper(path: str) -> dict:

@@ -263,6 +263,18 @@ def test_renderer_means_stds_relative_and_paired_differences(tmp_path):
   assert urow[2] == f"{d.mean():+.4f} ± {d.std(ddof=1):.4f}" and urow[7] == "–"
 
 
+def test_renderer_refuses_to_pool_seeds_of_different_mechanisms(tmp_path):
+  rng = np.random.default_rng(0)
+  _fake_runs(tmp_path / "results", "cifar10_embnet_x", (0, 1), rng)
+  assert set(render_results.groups_of(render_results.load_runs(str(tmp_path / "results"))))
+  path = tmp_path / "results" / "cifar10_embnet_x_s1" / "results.json"
+  res = json.loads(path.read_text())
+  res["logit_dp"]["noise_multiplier"] = 2.70816  # σ calibrated at δ − the overflow term
+  path.write_text(json.dumps(res))
+  with pytest.raises(ValueError, match="differ in noise_multiplier.*delta_includes_overflow"):
+    render_results.groups_of(render_results.load_runs(str(tmp_path / "results")))
+
+
 def test_privacy_cell_rounds_the_bounds_up():
   """ε and δ are upper bounds: .3g would print 1.0140008e-5 as 1.01e-05 and 2.0004 as 2."""
   def run(eps, delta):
