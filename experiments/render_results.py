@@ -840,10 +840,45 @@ def curve_table(data: dict, paper=None, results_dir: str = "") -> str:
         "Poisson batch's overflow term (1 + e^ε)·(1 − (1 − p_over)^T)): "
         + ", ".join(f"ε = {_eps_label(e)}: ≤ {_round_up(d)}" for e, d in sorted(deltas.items()))
         + ".")
+  lines += [
+      "", *curve_differences(data), "",
+      "Δ = Logit-DP − rival per seed, mean ± std over the seeds both points have (n), and the "
+      "two-sided p of the paired t-test."
+  ]
   fig = os.path.join(results_dir, "figures", curve_figure_name(data["prefix"]))
   if results_dir and os.path.exists(fig):
     lines += ["", f"![accuracy vs ε](results/figures/{curve_figure_name(data['prefix'])})"]
   return "\n".join(lines)
+
+
+# Differences the curve's reader asks about: Logit-DP against each rival, at every ε.
+CURVE_DIFFERENCES = (("logit_dp", "dp_gcl"), ("logit_dp", "naive_dp"))
+
+
+def curve_differences(data: dict, key: str = "accuracy") -> list[str]:
+  """Per ε, Logit-DP − rival paired by seed (`paired_difference`: mean ± std (n), two-sided p
+  of the paired t-test) over the seeds both methods' points have."""
+  eps = data["epsilons"]
+  label = dict(CURVE_METRICS)[key]
+  lines = [
+      f"| {label}, paired by seed | " + " | ".join(f"ε = {_eps_label(e)}" for e in eps) + " |",
+      "|---|" + "---|" * len(eps)
+  ]
+  for a, b in CURVE_DIFFERENCES:
+    cells = []
+    for e in eps:
+      ca, cb = data["cells"].get((a, e)), data["cells"].get((b, e))
+      va = {r["seed"]: r["results"][a][key] for r in ca["runs"]} if ca else {}
+      vb = {r["seed"]: r["results"][b][key] for r in cb["runs"]} if cb else {}
+      seeds = sorted(set(va) & set(vb))
+      if not seeds:
+        cells.append("–")
+        continue
+      d = paired_difference([va[s] for s in seeds], [vb[s] for s in seeds])
+      std = "" if d["std"] != d["std"] else f" ± {d['std']:.3f}"
+      cells.append(f"{d['mean']:+.3f}{std} ({d['n']}), p = {_fmt_t_p(d)[1]}")
+    lines.append(f"| {LABELS[a]} − {LABELS[b]} | " + " | ".join(cells) + " |")
+  return lines
 
 
 def epsilon_free_band(data: dict, key: str, method: str = "non_private") -> list[float]:

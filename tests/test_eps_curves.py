@@ -130,6 +130,40 @@ def test_curve_table_means_stds_sources_and_gaps(curve_runs):
   assert render_results._round_up(1.01400807e-5, 3) == "1.02e-05"
 
 
+def test_curve_differences_are_paired_by_seed_within_each_point(curve_runs):
+  """Logit-DP − rival at each ε over the seeds both points have = scipy's paired t-test."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  root, runs = curve_runs
+  out = render_results.render(DOC, runs, None, str(root))
+  header = next(line for line in out.splitlines() if line.startswith("| 3-NN acc, paired"))
+  assert header.endswith("| ε = 1 | ε = 2 | ε = 5 | ε = 8 |")
+
+  def by_seed(group, method):
+    return {
+        r["seed"]: r["results"][method]["accuracy"] for r in runs.values()
+        if r["group"] == group and method in r["results"]
+    }
+
+  sources = {  # (ε, method): group of the point
+      (1, "logit_dp"): "cifar10_embnet_eps1", (1, "dp_gcl"): "cifar10_embnet_eps1",
+      (1, "naive_dp"): "cifar10_embnet_eps1", (2, "logit_dp"): "cifar10_embnet_eps2",
+      (2, "dp_gcl"): "cifar10_embnet_eps2", (2, "naive_dp"): "cifar10_embnet_eps2",
+      (5, "logit_dp"): "cifar10_embnet_triangle", (5, "dp_gcl"): "cifar10_embnet_eps5",
+      (5, "naive_dp"): "cifar10_embnet_triangle"
+  }
+  for rival, label in (("dp_gcl", "Logit-DP − DP-GCL"), ("naive_dp", "Logit-DP − Naive-DP")):
+    row = next([c.strip() for c in line.strip("|").split("|")][1:] for line in out.splitlines()
+               if line.startswith(f"| {label} |"))
+    for i, e in enumerate((1, 2, 5)):
+      a, b = by_seed(sources[(e, "logit_dp")], "logit_dp"), by_seed(sources[(e, rival)], rival)
+      seeds = sorted(set(a) & set(b))  # ε = 2: seed 2 has Logit-DP only; ε = 5: DP-GCL 0-2
+      assert len(seeds) == {1: 3, 2: 2, 5: 3 if rival == "dp_gcl" else 4}[e]
+      d = np.subtract([a[s] for s in seeds], [b[s] for s in seeds])
+      p = stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue
+      assert row[i] == f"{d.mean():+.3f} ± {d.std(ddof=1):.3f} ({len(seeds)}), p = {p:.2g}"
+    assert row[3] == "–"  # ε = 8: no run
+
+
 def test_curve_with_no_run_says_so_and_rejects_a_mislabelled_run(curve_runs, tmp_path):
   root, runs = curve_runs
   out = render_results.render(DOC.replace("cifar10_embnet:", "cifar10_other:"), runs, None)
