@@ -822,19 +822,12 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   if ledger is not None:
     # A resumed run keeps today's budgets.
     ledger.epsilon_budget, ledger.delta_budget = float(config.target_epsilon), _delta_budget(config)
-    planned = ledger.epsilon(stop)
-    allowed = config.get("allow_exceeding_budget", False)
-    if planned > ledger.epsilon_budget and not allowed:
-      raise logit_dp.PrivacyBudgetExceededError(
-          f"[{method}] running to step {stop} would spend ε = {planned:.4g} > budget "
-          f"target_epsilon = {ledger.epsilon_budget:g} (δ = {ledger.target_delta:g}). Set "
-          "--config.allow_exceeding_budget=True to continue knowingly.")
-    if ledger.delta_budget is not None and ledger.delta(stop) > ledger.delta_budget and not allowed:
-      raise logit_dp.PrivacyBudgetExceededError(
-          f"[{method}] running to step {stop} would certify δ = {ledger.delta(stop):.6g} > "
-          f"target_delta = {ledger.delta_budget:g} (accountant δ {ledger.target_delta:g} plus "
-          "the padded batches' overflow term). Set --config.allow_exceeding_budget=True to "
-          "continue knowingly.")
+    if not config.get("allow_exceeding_budget", False):
+      try:
+        ledger.check_budgets(stop)
+      except logit_dp.PrivacyBudgetExceededError as e:
+        raise logit_dp.PrivacyBudgetExceededError(
+            f"[{method}] {e} Here: --config.allow_exceeding_budget=True.") from None
   eps_now = ledger.epsilon() if ledger else 0.0
   t_last, s_last, t_train = time.time(), start, 0.0
   bar = tqdm(total=total_steps, initial=start, desc=METHOD_LABELS.get(method, method), disable=quiet

@@ -285,12 +285,8 @@ def base_differences(search_base: dict, config) -> list[str]:
   # CIFAR-100 train for CIFAR-10): the data around the search, not a setting it chose.
   # How σ is calibrated to the same (ε, δ) (delta_includes_overflow: σ +0.003% at ε = 5, T = 50;
   # added after the search ran) is not a setting the search chose either.
-  ignore = set(train._RUN_ONLY_FIELDS) | {
-      "data",
-      "methods",
-      "projection",  # pylint: disable=protected-access
-      "delta_includes_overflow"
-  }
+  run_only = set(train._RUN_ONLY_FIELDS)  # pylint: disable=protected-access
+  ignore = run_only | {"data", "methods", "projection", "delta_includes_overflow"}
   target = json.loads(config.to_json_best_effort())
   keys = (set(search_base) | set(target)) - ignore
   return sorted(k for k in keys if search_base.get(k) != target.get(k))

@@ -49,3 +49,20 @@ def make_batch(embed_fn, params, x, x_prime, positive_embed_fn=None):
   return clipping._Batch(embed_fn, params, x, x_prime, jnp.ones(
       (x.shape[0],), bool), eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
                          collective=clipping._Collective(None), positive_embed_fn=positive_embed_fn)
+
+
+def save_config_started_before(config, workdir, *fields) -> None:
+  """Writes ``config``'s config.json into ``workdir`` without ``fields``: the config.json of a
+  run started before those fields existed (what `train.check_resumable` must still accept)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  train.save_config(config, str(workdir))
+  path = os.path.join(str(workdir), "config.json")
+  with open(path) as f:
+    old = json.load(f)
+  for k in fields:
+    del old[k]
+  with open(path, "w") as f:
+    json.dump(old, f)

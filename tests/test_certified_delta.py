@@ -17,6 +17,7 @@ from scipy import stats
 
 from experiments import train
 from experiments.configs import tiny
+from helpers import save_config_started_before
 from logit_dp import accounting
 from logit_dp import sampling
 from logit_dp.ledger import PrivacyBudgetExceededError
@@ -145,11 +146,7 @@ def test_privacy_plan_calibrates_at_the_accountant_delta():
 
 def test_a_run_started_before_the_field_resumes_only_with_the_old_calibration(tmp_path):
   cfg = tiny.get_config()
-  train.save_config(cfg, str(tmp_path))
-  path = tmp_path / "config.json"
-  old = json.loads(path.read_text())
-  del old["delta_includes_overflow"]
-  path.write_text(json.dumps(old))
+  save_config_started_before(cfg, tmp_path, "delta_includes_overflow")
   with pytest.raises(ValueError, match="different training config"):
     train.check_resumable(cfg, str(tmp_path))  # σ would change mid-run
   cfg.delta_includes_overflow = False

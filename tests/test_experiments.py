@@ -21,6 +21,7 @@ from experiments import train
 from experiments.configs import default as default_config
 from experiments.configs import tiny
 from experiments.configs import tiny_finetune
+from helpers import save_config_started_before
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -441,11 +442,7 @@ def test_dp_gcl_trains_privately_beside_the_other_methods(pretrained, tmp_path):
 def test_a_run_started_before_the_dp_gcl_config_resumes(tmp_path):
   """config.json files written before config.dp_gcl existed still match today's config."""
   cfg = tiny.get_config()
-  train.save_config(cfg, str(tmp_path))
-  path = tmp_path / "config.json"
-  old = json.loads(path.read_text())
-  del old["dp_gcl"]
-  path.write_text(json.dumps(old))
+  save_config_started_before(cfg, tmp_path, "dp_gcl")
   train.check_resumable(cfg, str(tmp_path))
   cfg.learning_rates.logit_dp = 0.5
   with pytest.raises(ValueError, match="different training config"):

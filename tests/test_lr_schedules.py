@@ -5,7 +5,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import json
 import math
 
 import jax
@@ -17,6 +16,7 @@ import pytest
 import logit_dp
 from experiments import train
 from experiments.configs import tiny
+from helpers import save_config_started_before
 
 METHODS = ("logit_dp", "naive_dp", "dp_gcl", "non_private")
 
@@ -148,12 +148,7 @@ def test_bad_schedule_settings_raise():
 def test_a_run_started_before_the_schedule_fields_resumes(tmp_path):
   """A config.json without lr_schedule (older runs) is the constant schedule, nothing else."""
   cfg = tiny.get_config()
-  train.save_config(cfg, str(tmp_path))
-  path = tmp_path / "config.json"
-  old = json.loads(path.read_text())
-  for k in ("lr_schedule", "lr_final_fraction", "lr_warmup_steps"):
-    del old[k]
-  path.write_text(json.dumps(old))
+  save_config_started_before(cfg, tmp_path, "lr_schedule", "lr_final_fraction", "lr_warmup_steps")
   train.check_resumable(cfg, str(tmp_path))
   cfg.lr_schedule = "cosine"
   with pytest.raises(ValueError, match="different training config"):

@@ -248,35 +248,39 @@ class PrivacyLedger:
 
   # -- Recording. -------------------------------------------------------------
 
+  def check_budgets(self, steps: int) -> None:
+    """Raises `PrivacyBudgetExceededError` if running to ``steps`` steps (in all) would spend
+    ε(steps) > epsilon_budget or certify δ(steps) > delta_budget."""
+    new_eps = self.epsilon(steps)
+    if self.epsilon_budget is not None and new_eps > self.epsilon_budget:
+      raise PrivacyBudgetExceededError(
+          f"Running to step {steps} would spend ε = {new_eps:.4g} > budget "
+          f"{self.epsilon_budget:g} at δ = {self.target_delta:g} (currently ε = "
+          f"{self.epsilon():.4g} after {self.steps} steps). Stop training, or pass "
+          "allow_exceeding_budget=True to continue knowingly.")
+    if self.delta_budget is not None:
+      new_delta = self.delta(steps)
+      if new_delta > self.delta_budget:
+        raise PrivacyBudgetExceededError(
+            f"Running to step {steps} would certify δ = {new_delta:.6g} > δ budget "
+            f"{self.delta_budget:g} (accountant δ {self.target_delta:g} plus the overflow term "
+            "of the padded batches). Stop training, or pass allow_exceeding_budget=True to "
+            "continue knowingly.")
+
   def record_steps(self, k: int = 1, *, allow_exceeding_budget: bool = False) -> float:
     """Records k more noisy steps and returns the new ε.
 
     Call it before the k updates are released. If a budget would be exceeded
-    (ε(steps + k) > epsilon_budget or δ(steps + k) > delta_budget), nothing is
-    recorded and `PrivacyBudgetExceededError` is raised, unless
-    allow_exceeding_budget=True.
+    (`check_budgets`(steps + k)), nothing is recorded and
+    `PrivacyBudgetExceededError` is raised, unless allow_exceeding_budget=True.
     """
     if isinstance(k, bool) or int(k) != k or k < 0:
       raise ValueError(f"k must be an integer ≥ 0, got {k!r}.")
     k = int(k)
-    new_eps = self.epsilon(self.steps + k)
-    if (self.epsilon_budget is not None and new_eps > self.epsilon_budget
-        and not allow_exceeding_budget):
-      raise PrivacyBudgetExceededError(
-          f"Taking {k} more step(s) (to {self.steps + k}) would spend ε = {new_eps:.4g} > "
-          f"budget {self.epsilon_budget:g} at δ = {self.target_delta:g} (currently ε = "
-          f"{self.epsilon():.4g} after {self.steps} steps). Stop training, or pass "
-          "allow_exceeding_budget=True to continue knowingly.")
-    if self.delta_budget is not None and not allow_exceeding_budget:
-      new_delta = self.delta(self.steps + k)
-      if new_delta > self.delta_budget:
-        raise PrivacyBudgetExceededError(
-            f"Taking {k} more step(s) (to {self.steps + k}) would certify δ = {new_delta:.6g} > "
-            f"δ budget {self.delta_budget:g} (accountant δ {self.target_delta:g} plus the "
-            "overflow term of the padded batches). Stop training, or pass "
-            "allow_exceeding_budget=True to continue knowingly.")
+    if not allow_exceeding_budget:
+      self.check_budgets(self.steps + k)
     self.steps += k
-    return new_eps
+    return self.epsilon()
 
   # -- Serialisation. ---------------------------------------------------------
 
