@@ -196,6 +196,23 @@ def paired_difference(a, b) -> dict[str, float]:
   return dict(mean=mean, std=std, n=n, t=t, p=p)
 
 
+def values_by_seed(runs, method, metric) -> dict:
+  """{seed: metric of ``method``} over the runs that have it."""
+  return {
+      r["seed"]: float(r["results"][method][metric]) for r in runs
+      if r["results"].get(method, {}).get(metric) is not None
+  }
+
+
+def paired_by_seed(a_runs, a_method, b_runs, b_method, metric) -> tuple[list, list]:
+  """The metric of a_method in a_runs and of b_method in b_runs over the seeds both have, in
+  seed order: the two samples of `paired_difference`. Every paired table is built on this."""
+  va = values_by_seed(a_runs, a_method, metric)
+  vb = values_by_seed(b_runs, b_method, metric)
+  seeds = sorted(va.keys() & vb.keys())
+  return [va[s] for s in seeds], [vb[s] for s in seeds]
+
+
 def method_values(group_runs, method, metric, rel=False):
   """The metric of ``method`` in every run of the group that has it (relative if ``rel``)."""
   out = []
@@ -344,11 +361,10 @@ def verdict_table(groups, paper) -> str:
       continue
     prow = paper_rows(paper, g) if paper else None
     for a, b in pairs:
-      both = [r for r in group_runs if a in r["results"] and b in r["results"]]
-      if not both:
+      va, vb = paired_by_seed(group_runs, a, group_runs, b, "accuracy")
+      if not va:
         continue
-      key = "accuracy"
-      d = paired_difference(method_values(both, a, key), method_values(both, b, key))
+      d = paired_difference(va, vb)
       if d["n"] < 2:
         answer = "one seed: cannot tell"
       elif d["p"] == d["p"] and d["p"] < 0.05:
@@ -369,20 +385,15 @@ def verdict_table(groups, paper) -> str:
 
 def compare_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
   """Same method, same seeds, two configurations: paired Δ = m(a) − m(b) per metric."""
-  b_by_seed = {r["seed"]: r for r in b_runs}
   lines = [
       f"| method | metric | {a_name} | {b_name} | Δ paired by seed | n | t | p |",
       "|---|---|---|---|---|---|---|---|"
   ]
   for m in METHODS:
-    both = [(r, b_by_seed[r["seed"]]) for r in a_runs
-            if r["seed"] in b_by_seed and m in r["results"] and m in b_by_seed[r["seed"]]["results"]
-           ]
-    if not both:
-      continue
     for k, lab in zip(METRICS, METRIC_LABELS):
-      va = [ra["results"][m][k] for ra, _ in both]
-      vb = [rb["results"][m][k] for _, rb in both]
+      va, vb = paired_by_seed(a_runs, m, b_runs, m, k)
+      if not va:
+        continue
       d = paired_difference(va, vb)
       t, p = _fmt_t_p(d)
       lines.append(f"| {LABELS[m]} | {lab} | {fmt_ms(*mean_std(va))} | {fmt_ms(*mean_std(vb))} | "
@@ -395,25 +406,16 @@ def versus_table(a_runs, b_runs, a_name: str, b_name: str, acc: str = "3-NN acc"
   Δ = m_a − m'_b of 3-NN accuracy and the linear probe (e.g. Logit-DP with one clip method
   against the Naive-DP, non-private and untrained encoders of the same seeds). acc labels
   the "accuracy" metric (3-NN accuracy; the head's accuracy for fine-tuning groups)."""
-  b_by_seed = {r["seed"]: r for r in b_runs}
   lines = [
       f"| {a_name} | {b_name} | metric | a | b | Δ = a − b paired by seed | n | t | p |",
       "|---|---|---|---|---|---|---|---|---|"
   ]
   for ma in METHODS:
     for mb in METHODS:
-      both = [
-          (r, b_by_seed[r["seed"]]) for r in a_runs
-          if r["seed"] in b_by_seed and ma in r["results"] and mb in b_by_seed[r["seed"]]["results"]
-      ]
-      if not both:
-        continue
       for k, lab in (("accuracy", acc), ("linear_probe", "linear probe")):
-        pairs = [(ra["results"][ma].get(k), rb["results"][mb].get(k)) for ra, rb in both]
-        pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
-        if not pairs:
+        va, vb = paired_by_seed(a_runs, ma, b_runs, mb, k)
+        if not va:
           continue
-        va, vb = [x for x, _ in pairs], [y for _, y in pairs]
         d = paired_difference(va, vb)
         t, p = _fmt_t_p(d)
         lines.append(f"| {LABELS[ma]} | {LABELS[mb]} | {lab} | {fmt_ms(*mean_std(va))} | "
@@ -433,13 +435,7 @@ def goal_table(group_runs) -> str:
   GOAL_ACCURACY, and for each rival R the paired Δ = acc(Logit-DP) − acc(R) against the spread
   over seeds, s = max(std(Logit-DP), std(R)) (sample std over the seeds both have): met when
   mean(Δ) > s. Each row says by how much the goal is met or missed."""
-  def accuracy_by_seed(method):
-    return {
-        r["seed"]: r["results"][method]["accuracy"] for r in group_runs
-        if "accuracy" in r["results"].get(method, {})
-    }
-
-  ours = accuracy_by_seed("logit_dp")
+  ours = values_by_seed(group_runs, "logit_dp", "accuracy")
   if not ours:
     return "(no Logit-DP run in this group yet)"
   mean, std = mean_std(list(ours.values()))
@@ -450,13 +446,11 @@ def goal_table(group_runs) -> str:
       f"{'yes' if short >= 0 else 'no'} | {short:+.3f} |"
   ]
   for rival in GOAL_RIVALS:
-    theirs = {s: v for s, v in accuracy_by_seed(rival).items() if s in ours}
+    a, b = paired_by_seed(group_runs, "logit_dp", group_runs, rival, "accuracy")
     label = f"Logit-DP − {LABELS[rival]} > spread over seeds"
-    if not theirs:
+    if not a:
       lines.append(f"| {label} | no {LABELS[rival]} run of the same seeds | 0 | – | – |")
       continue
-    seeds = sorted(theirs)
-    a, b = [ours[s] for s in seeds], [theirs[s] for s in seeds]
     d = paired_difference(a, b)
     spread = max(mean_std(a)[1], mean_std(b)[1])
     if spread != spread:  # one seed: no spread to compare with
@@ -868,13 +862,11 @@ def curve_differences(data: dict, key: str = "accuracy") -> list[str]:
     cells = []
     for e in eps:
       ca, cb = data["cells"].get((a, e)), data["cells"].get((b, e))
-      va = {r["seed"]: r["results"][a][key] for r in ca["runs"]} if ca else {}
-      vb = {r["seed"]: r["results"][b][key] for r in cb["runs"]} if cb else {}
-      seeds = sorted(set(va) & set(vb))
-      if not seeds:
+      va, vb = paired_by_seed(ca["runs"] if ca else [], a, cb["runs"] if cb else [], b, key)
+      if not va:
         cells.append("–")
         continue
-      d = paired_difference([va[s] for s in seeds], [vb[s] for s in seeds])
+      d = paired_difference(va, vb)
       std = "" if d["std"] != d["std"] else f" ± {d['std']:.3f}"
       cells.append(f"{d['mean']:+.3f}{std} ({d['n']}), p = {_fmt_t_p(d)[1]}")
     lines.append(f"| {LABELS[a]} − {LABELS[b]} | " + " | ".join(cells) + " |")
