@@ -472,8 +472,12 @@ def test_paired_by_seed_keeps_only_seeds_where_both_sides_have_the_metric():
     return dict(seed=seed, results={m: dict(accuracy=v) for m, v in methods.items()})
 
   a_runs = [run(3, logit_dp=0.3), run(1, logit_dp=0.1), run(2, logit_dp=0.2), run(5)]
-  b_runs = [run(2, naive_dp=0.25), run(1, naive_dp=0.15), run(4, naive_dp=0.4),
-            run(5, naive_dp=0.5)]
+  b_runs = [
+      run(2, naive_dp=0.25),
+      run(1, naive_dp=0.15),
+      run(4, naive_dp=0.4),
+      run(5, naive_dp=0.5)
+  ]
   b_runs[1]["results"]["naive_dp"]["linear_probe"] = 0.9
   assert render_results.paired_by_seed(a_runs, "logit_dp", b_runs, "naive_dp",
                                        "accuracy") == ([0.1, 0.2], [0.15, 0.25])
