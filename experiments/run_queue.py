@@ -19,6 +19,9 @@ published copy is finished counts as finished even when its workdir is gone (a n
 a fine-tuning entry whose encoders went with it cannot run and is listed as such. An attempt is
 written to wallclock.json when it starts and its seconds every minute while it runs, so one
 killed with the driver (e.g. at the end of a session) keeps its time, with returncode null.
+A run longer than a session can be committed with ``python -m experiments.carry save RUN``
+(public privacy seeds only); the driver restores it from ``--carry_dir`` when its workdir is
+missing and deletes the carried copy once the run is published.
 """
 
 import contextlib
@@ -34,6 +37,8 @@ import time
 from absl import app
 from absl import flags
 
+from experiments import carry
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 HEARTBEAT_SECONDS = 60.0
@@ -46,6 +51,10 @@ def _define_flags():
   flags.DEFINE_string("runs_dir", os.path.join(_REPO, "runs"), "Where the workdirs go.")
   flags.DEFINE_string("results_dir", os.path.join(_REPO, "docs", "results"),
                       "Where finished runs' small files are copied.")
+  flags.DEFINE_string(
+      "carry_dir", carry.CARRY_DIR,
+      "Carried unfinished runs (experiments/carry.py): restored when their "
+      "workdir is missing, deleted once published.")
   flags.DEFINE_integer("max_attempts", 3, "Attempts per run (a crash is retried, then skipped).")
   flags.DEFINE_integer("wait_pid", None, "Wait for this process to exit before starting.")
 
@@ -130,6 +139,16 @@ def publish(workdir, dest, extra_files=()):
       shutil.copy(src, os.path.join(dest, name))
 
 
+def publish_run(name):
+  """`publish` of a finished queue entry; its carried copy (experiments/carry.py), if any, is
+  deleted: the published files replace it."""
+  publish(os.path.join(FLAGS.runs_dir, name), os.path.join(FLAGS.results_dir, name))
+  carried = os.path.join(FLAGS.carry_dir, name)
+  if os.path.isdir(carried):
+    shutil.rmtree(carried)
+    print(f"deleted {carried} (published)", flush=True)
+
+
 def code_version():
   """The commit the run starts from, and whether logit_dp/ or experiments/ differ from it."""
   def git(*args):
@@ -207,7 +226,7 @@ def main(argv):
   for n, _, _ in read_queue(FLAGS.queue):  # finished but not yet copied (e.g. a restart)
     workdir, dest = os.path.join(FLAGS.runs_dir, n), os.path.join(FLAGS.results_dir, n)
     if is_finished(workdir) and not os.path.exists(os.path.join(dest, "results.json")):
-      publish(workdir, dest)
+      publish_run(n)
   todo, waiting, orphaned = [], [], []
   for n, c, o in read_queue(FLAGS.queue):
     workdir = os.path.join(FLAGS.runs_dir, n)
@@ -228,11 +247,13 @@ def main(argv):
     return
   name, config, overrides = todo[0]
   workdir = os.path.join(FLAGS.runs_dir, name)
+  if carry.restore(os.path.join(FLAGS.carry_dir, name), workdir):
+    print(f"restored {name} from {FLAGS.carry_dir}", flush=True)
   print(f"{time.strftime('%H:%M:%S', time.gmtime())} start {name}", flush=True)
   rc = run_one(name, config, overrides, workdir)
   print(f"{time.strftime('%H:%M:%S', time.gmtime())} end {name} rc={rc}", flush=True)
   if is_finished(workdir):
-    publish(workdir, os.path.join(FLAGS.results_dir, name))
+    publish_run(name)
   elif rc != 0:  # a crash is most often broken code: stop rather than burn through the queue
     print(f"stopped: {name} failed (rc={rc}); see {workdir}/log.txt, fix, then restart the driver",
           flush=True)

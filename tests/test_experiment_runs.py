@@ -12,12 +12,15 @@ import shutil
 import subprocess
 import time
 
+import jax
 import numpy as np
 import pytest
 from scipy import stats
 
 import logit_dp
+from experiments import carry
 from experiments import data as data_lib
+from experiments import finetuning
 from experiments import render_results
 from experiments import run_queue
 from experiments import train
@@ -73,8 +76,7 @@ def test_paper_size_configs_have_the_papers_sampling_rate_and_steps():
 
 @pytest.mark.slow  # five gradient compilations; test_experiments checks the default config's C
 def test_paper_hparams_config_clips_each_method_with_its_own_bound():
-  import jax
-  import jax.numpy as jnp
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   cfg = cifar10_embedding_net_paper_hparams.get_config()
   cfg.model = tiny.get_config().model
   cfg.microbatch_size = None
@@ -338,7 +340,8 @@ def _queue_driver(tmp_path, queue_text: str):
   queue.write_text(queue_text)
   args = [
       sys.executable, "-m", "experiments.run_queue", f"--queue={queue}",
-      f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}"
+      f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}",
+      f"--carry_dir={tmp_path / 'carry'}"
   ]
   return lambda: subprocess.run(args, cwd=REPO, capture_output=True, text=True)
 
@@ -405,6 +408,65 @@ def test_tuned_config_is_ready_only_when_the_search_has_finished(tmp_path):
   assert cifar10_embedding_net_tuned.ready(str(path)) and tune.search_finished(str(path))
   with pytest.raises(ValueError, match="has not finished"):  # ready, but nothing to run: loud
     cifar10_embedding_net_tuned.get_config(str(path))
+
+
+def _naive_dp_tiny(privacy_seed):
+  config = tiny.get_config()
+  config.methods = ("naive_dp",)  # a DP run: its checkpoints hold the noise key
+  config.privacy_seed = privacy_seed
+  return config
+
+
+def test_carry_refuses_a_run_whose_checkpoints_hold_secret_seeds(tmp_path):
+  """Committing a checkpoint of a run with secret seeds would publish its noise key."""
+  config = _naive_dp_tiny(None)
+  config.stop_after_steps = 2
+  workdir = str(tmp_path / "runs" / "secret_s0")
+  train.train_and_evaluate(config, workdir, quiet=True)
+  with pytest.raises(ValueError, match="secret"):
+    carry.save(workdir, str(tmp_path / "carry" / "secret_s0"))
+  assert not (tmp_path / "carry").exists()
+  public = str(tmp_path / "runs" / "public_s0")  # public seeds, but a secret seed file inside
+  config.privacy_seed = 0
+  train.train_and_evaluate(config, public, quiet=True)
+  (tmp_path / "runs" / "public_s0" / carry.SECRET_SEEDS_FILE).write_text("{}")
+  assert carry.SECRET_SEEDS_FILE == train.SECRET_SEEDS_FILE
+  with pytest.raises(ValueError, match="secret seed file"):
+    carry.save(public, str(tmp_path / "carry" / "public_s0"))
+
+
+def test_carried_run_resumes_on_a_new_machine_as_if_uninterrupted(tmp_path):
+  """save -> runs/ gone -> the queue restores, resumes and publishes it, and drops the carried
+  copy; the parameters and ε are those of one uninterrupted run."""
+  config = _naive_dp_tiny(7)
+  reference = train.train_and_evaluate(config, str(tmp_path / "reference"), quiet=True)["naive_dp"]
+  config.stop_after_steps, config.checkpoint_every = 2, 1
+  workdir = tmp_path / "runs" / "tiny_s0"
+  train.train_and_evaluate(config, str(workdir), quiet=True)
+  assert sorted(os.listdir(workdir / "naive_dp" / "checkpoints")) == ["1", "2"]
+  kept = carry.save(str(workdir), str(tmp_path / "carry" / "tiny_s0"))
+  assert kept == [os.path.join("naive_dp", "checkpoints", "2")]
+  carried = tmp_path / "carry" / "tiny_s0"
+  assert os.listdir(carried / "naive_dp" / "checkpoints") == ["2"]
+  assert not (carried / "tensorboard").exists() and (carried / "config.json").exists()
+  with pytest.raises(ValueError, match="finished"):
+    carry.save(str(tmp_path / "reference"), str(tmp_path / "carry" / "reference"))
+  shutil.rmtree(tmp_path / "runs")  # a new machine
+  drive = _queue_driver(
+      tmp_path, "tiny_s0 experiments/configs/tiny.py --config.methods=('naive_dp',) "
+      "--config.privacy_seed=7\n")
+  r = drive()
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "restored tiny_s0" in r.stdout and "deleted" in r.stdout, r.stdout
+  assert not carried.exists()
+  published = json.loads((tmp_path / "results" / "tiny_s0" / "results.json").read_text())
+  assert published["naive_dp"]["finished"]
+  assert published["naive_dp"]["epsilon"] == reference["epsilon"]
+  resumed = finetuning.load_pretrained(str(workdir), "naive_dp",
+                                       finetuning.read_pretrain(str(workdir))[0])
+  for a, b in zip(jax.tree_util.tree_leaves(resumed),
+                  jax.tree_util.tree_leaves(reference["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_timed_attempt_keeps_the_time_of_a_killed_attempt(tmp_path):
