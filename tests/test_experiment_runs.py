@@ -410,47 +410,52 @@ def test_tuned_config_is_ready_only_when_the_search_has_finished(tmp_path):
     cifar10_embedding_net_tuned.get_config(str(path))
 
 
-def _naive_dp_tiny(privacy_seed):
+@pytest.fixture(scope="module")
+def carry_runs(tmp_path_factory):
+  """A tiny DP run (Naive-DP: its checkpoints hold the noise key) with a public privacy seed,
+  uninterrupted and stopped after 2 of its steps (a checkpoint at each step)."""
+  root = tmp_path_factory.mktemp("carry")
   config = tiny.get_config()
-  config.methods = ("naive_dp",)  # a DP run: its checkpoints hold the noise key
-  config.privacy_seed = privacy_seed
-  return config
+  config.methods, config.privacy_seed = ("naive_dp",), 7
+  reference = train.train_and_evaluate(config, str(root / "reference"), quiet=True)["naive_dp"]
+  config.stop_after_steps, config.checkpoint_every = 2, 1
+  train.train_and_evaluate(config, str(root / "stopped"), quiet=True)
+  return root, reference
 
 
-def test_carry_refuses_a_run_whose_checkpoints_hold_secret_seeds(tmp_path):
+def test_carry_refuses_runs_whose_checkpoints_hold_secrets_and_finished_runs(carry_runs, tmp_path):
   """Committing a checkpoint of a run with secret seeds would publish its noise key."""
-  config = _naive_dp_tiny(None)
-  config.stop_after_steps = 2
-  workdir = str(tmp_path / "runs" / "secret_s0")
-  train.train_and_evaluate(config, workdir, quiet=True)
-  with pytest.raises(ValueError, match="secret"):
-    carry.save(workdir, str(tmp_path / "carry" / "secret_s0"))
+  root, _ = carry_runs
+  secret = tmp_path / "secret_s0"
+  shutil.copytree(root / "stopped", secret)
+  config = json.loads((secret / "config.json").read_text())
+  assert config["privacy_seed"] == 7
+  config["privacy_seed"] = None  # what config.json of a run with secret seeds holds
+  (secret / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="privacy_seed is unset"):
+    carry.save(str(secret), str(tmp_path / "carry" / "secret_s0"))
   assert not (tmp_path / "carry").exists()
-  public = str(tmp_path / "runs" / "public_s0")  # public seeds, but a secret seed file inside
-  config.privacy_seed = 0
-  train.train_and_evaluate(config, public, quiet=True)
-  (tmp_path / "runs" / "public_s0" / carry.SECRET_SEEDS_FILE).write_text("{}")
-  assert carry.SECRET_SEEDS_FILE == train.SECRET_SEEDS_FILE
+  planted = tmp_path / "planted_s0"  # public seeds, but a secret seed file inside
+  shutil.copytree(root / "stopped", planted)
+  (planted / "naive_dp" / train.SECRET_SEEDS_FILE).write_text("{}")
   with pytest.raises(ValueError, match="secret seed file"):
-    carry.save(public, str(tmp_path / "carry" / "public_s0"))
+    carry.save(str(planted), str(tmp_path / "carry" / "planted_s0"))
+  with pytest.raises(ValueError, match="finished"):
+    carry.save(str(root / "reference"), str(tmp_path / "carry" / "reference"))
+  assert not (tmp_path / "carry").exists()
 
 
-def test_carried_run_resumes_on_a_new_machine_as_if_uninterrupted(tmp_path):
+def test_carried_run_resumes_on_a_new_machine_as_if_uninterrupted(carry_runs, tmp_path):
   """save -> runs/ gone -> the queue restores, resumes and publishes it, and drops the carried
   copy; the parameters and ε are those of one uninterrupted run."""
-  config = _naive_dp_tiny(7)
-  reference = train.train_and_evaluate(config, str(tmp_path / "reference"), quiet=True)["naive_dp"]
-  config.stop_after_steps, config.checkpoint_every = 2, 1
+  root, reference = carry_runs
   workdir = tmp_path / "runs" / "tiny_s0"
-  train.train_and_evaluate(config, str(workdir), quiet=True)
+  shutil.copytree(root / "stopped", workdir)
   assert sorted(os.listdir(workdir / "naive_dp" / "checkpoints")) == ["1", "2"]
-  kept = carry.save(str(workdir), str(tmp_path / "carry" / "tiny_s0"))
-  assert kept == [os.path.join("naive_dp", "checkpoints", "2")]
   carried = tmp_path / "carry" / "tiny_s0"
-  assert os.listdir(carried / "naive_dp" / "checkpoints") == ["2"]
+  assert carry.save(str(workdir), str(carried)) == [os.path.join("naive_dp", "checkpoints", "2")]
+  assert os.listdir(carried / "naive_dp" / "checkpoints") == ["2"]  # what a resume reads
   assert not (carried / "tensorboard").exists() and (carried / "config.json").exists()
-  with pytest.raises(ValueError, match="finished"):
-    carry.save(str(tmp_path / "reference"), str(tmp_path / "carry" / "reference"))
   shutil.rmtree(tmp_path / "runs")  # a new machine
   drive = _queue_driver(
       tmp_path, "tiny_s0 experiments/configs/tiny.py --config.methods=('naive_dp',) "
@@ -460,12 +465,13 @@ def test_carried_run_resumes_on_a_new_machine_as_if_uninterrupted(tmp_path):
   assert "restored tiny_s0" in r.stdout and "deleted" in r.stdout, r.stdout
   assert not carried.exists()
   published = json.loads((tmp_path / "results" / "tiny_s0" / "results.json").read_text())
-  assert published["naive_dp"]["finished"]
+  assert published["naive_dp"]["finished"] and published["naive_dp"]["steps"] > 2
   assert published["naive_dp"]["epsilon"] == reference["epsilon"]
   resumed = finetuning.load_pretrained(str(workdir), "naive_dp",
                                        finetuning.read_pretrain(str(workdir))[0])
-  for a, b in zip(jax.tree_util.tree_leaves(resumed),
-                  jax.tree_util.tree_leaves(reference["params"])):
+  leaves, expected = (jax.tree_util.tree_leaves(p) for p in (resumed, reference["params"]))
+  assert len(leaves) == len(expected)
+  for a, b in zip(leaves, expected):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
