@@ -535,6 +535,31 @@ def test_renderer_versus_block_pairs_every_method_of_a_with_every_method_of_b(tm
   _assert_paired_cells(row[5:9], runs, "logit_dp", "naive_dp", "accuracy")
 
 
+def test_renderer_bound_block_compares_ghost_and_triangle_logit_dp_seed_by_seed(tmp_path):
+  """One exact-norm seed beside three triangle seeds: only the shared seed is shown, every
+  metric with ghost − triangle, and the training seconds with their ratio."""
+  rng = np.random.default_rng(3)
+  _fake_runs(tmp_path / "results", "cifar10_embnet_ghost", (1,), rng)
+  _fake_runs(tmp_path / "results", "cifar10_embnet_triangle", (0, 1, 2), rng)
+  runs = render_results.load_runs(str(tmp_path / "results"))
+  block = "bound:cifar10_embnet_ghost:cifar10_embnet_triangle"
+  out = render_results.render(f"<!-- generated:{block} -->\n<!-- /generated:{block} -->\n", runs,
+                              None)
+  _assert_tables_well_formed(out)
+  ghost = runs["cifar10_embnet_ghost_s1"]["results"]["logit_dp"]
+  tri = runs["cifar10_embnet_triangle_s1"]["results"]["logit_dp"]
+  row = _cells(out, "| 1 | linear probe")
+  assert row[2:] == [
+      f"{ghost['linear_probe']:.4f}", f"{tri['linear_probe']:.4f}",
+      f"{ghost['linear_probe'] - tri['linear_probe']:+.4f}"
+  ]
+  row = _cells(out, "| 1 | Logit-DP train s")
+  assert row[4] == f"×{ghost['train_seconds'] / tri['train_seconds']:,.1f}"
+  assert "| 0 |" not in out and "| 2 |" not in out
+  assert len([r for r in out.splitlines() if r.startswith("| 1 |")
+             ]) == len(render_results.METRICS) + 1
+
+
 def test_paired_by_seed_keeps_only_seeds_where_both_sides_have_the_metric():
   def run(seed, **methods):
     return dict(seed=seed, results={m: dict(accuracy=v) for m, v in methods.items()})
