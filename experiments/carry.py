@@ -57,20 +57,12 @@ def _refuse_secrets(workdir: str) -> None:
       raise ValueError(f"{os.path.join(root, SECRET_SEEDS_FILE)} is a secret seed file.")
 
 
-def _finished(workdir: str) -> bool:
-  path = os.path.join(workdir, "results.json")
-  if not os.path.exists(path):
-    return False
-  with open(path) as f:
-    results = json.load(f)
-  return bool(results) and all(r.get("finished", True) for r in results.values())
-
-
 def save(workdir: str, dest: str) -> list[str]:
   """Copies ``workdir`` to ``dest`` (replacing it) without TensorBoard logs and with only the
   newest checkpoint of each method; returns the checkpoints kept (paths relative to dest)."""
+  from experiments import run_queue  # pylint: disable=g-import-not-at-top (run_queue imports carry)
   _refuse_secrets(workdir)
-  if _finished(workdir):
+  if run_queue.is_finished(workdir):
     raise ValueError(f"{workdir} has finished: publish it (run_queue does); nothing to carry.")
   kept, skip = [], set()
   for root, dirs, _ in os.walk(workdir):

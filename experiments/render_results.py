@@ -467,29 +467,26 @@ def goal_table(group_runs) -> str:
 def bound_table(ghost_runs, triangle_runs) -> str:
   """Logit-DP with exact (ghost) pair norms vs the triangle bound, seed by seed (the seeds both
   groups have): each metric, ghost − triangle, and the training seconds with their ratio."""
-  rows = [(k, lab, 4) for k, lab in zip(METRICS, METRIC_LABELS)]
-  rows.append(("train_seconds", "Logit-DP train s", 0))
   lines = [
       "| seed | metric | ghost (exact norms) | triangle (upper bound) | ghost − triangle |",
       "|---|---|---|---|---|"
   ]
-  by_metric = {
+  by_key = {
       k: (values_by_seed(ghost_runs, "logit_dp", k), values_by_seed(triangle_runs, "logit_dp", k))
-      for k, _, _ in rows
+      for k in (*METRICS, "train_seconds")
   }
-  seeds = sorted(set().union(*(g.keys() & t.keys() for g, t in by_metric.values())))
+  seeds = sorted(set().union(*(g.keys() & t.keys() for g, t in by_key.values())))
   for seed in seeds:
-    for k, label, digits in rows:
-      g, t = by_metric[k]
+    for k, label in (*zip(METRICS, METRIC_LABELS), ("train_seconds", "Logit-DP train s")):
+      g, t = by_key[k]
       if seed not in g or seed not in t:
         continue
       a, b = g[seed], t[seed]
       if k == "train_seconds":
-        diff = f"×{a / b:,.1f}" if b > 0 else "–"
-        lines.append(f"| {seed} | {label} | {a:,.0f} | {b:,.0f} | {diff} |")
+        cells = f"{a:,.0f} | {b:,.0f} | " + (f"×{a / b:,.1f}" if b > 0 else "–")
       else:
-        lines.append(
-            f"| {seed} | {label} | {a:.{digits}f} | {b:.{digits}f} | {a - b:+.{digits}f} |")
+        cells = f"{a:.4f} | {b:.4f} | {a - b:+.4f}"
+      lines.append(f"| {seed} | {label} | {cells} |")
   return "\n".join(lines)
 
 
