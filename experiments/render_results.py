@@ -464,24 +464,39 @@ def goal_table(group_runs) -> str:
       f"= mean − {GOAL_ACCURACY}, or mean Δ − spread (negative: missed by that much).")
 
 
-def bound_table(ghost_runs, triangle_runs) -> str:
-  """Logit-DP with exact (ghost) pair norms vs the triangle bound, seed by seed (the seeds both
-  groups have): each metric, ghost − triangle, and the training seconds with their ratio."""
+BOUND_LABELS = dict(ghost="ghost (exact norms)", triangle="triangle (upper bound)",
+                    projected="projected (upper bound)")
+
+
+def _clip_method_label(group_runs) -> str:
+  """The clip method of a group's runs (config.clip_method), as a column header."""
+  found = {r["config"].get("clip_method", "?") for r in group_runs}
+  if len(found) != 1:
+    raise ValueError(f"one group ran several clip methods: {sorted(found)}")
+  method = found.pop()
+  return BOUND_LABELS.get(method, method)
+
+
+def bound_table(a_runs, b_runs) -> str:
+  """Logit-DP with one pair-norm clip method (a, e.g. exact ghost norms) against another (b, e.g.
+  the triangle bound), seed by seed (the seeds both groups have): each metric, a − b, and the
+  training seconds with their ratio a / b. Columns are named by each group's config.clip_method."""
+  a_label, b_label = _clip_method_label(a_runs), _clip_method_label(b_runs)
   lines = [
-      "| seed | metric | ghost (exact norms) | triangle (upper bound) | ghost − triangle |",
-      "|---|---|---|---|---|"
+      f"| seed | metric | {a_label} | {b_label} | "
+      f"{a_label.split()[0]} − {b_label.split()[0]} |", "|---|---|---|---|---|"
   ]
   by_key = {
-      k: (values_by_seed(ghost_runs, "logit_dp", k), values_by_seed(triangle_runs, "logit_dp", k))
+      k: (values_by_seed(a_runs, "logit_dp", k), values_by_seed(b_runs, "logit_dp", k))
       for k in (*METRICS, "train_seconds")
   }
-  seeds = sorted(set().union(*(g.keys() & t.keys() for g, t in by_key.values())))
+  seeds = sorted(set().union(*(a.keys() & b.keys() for a, b in by_key.values())))
   for seed in seeds:
     for k, label in (*zip(METRICS, METRIC_LABELS), ("train_seconds", "Logit-DP train s")):
-      g, t = by_key[k]
-      if seed not in g or seed not in t:
+      a_values, b_values = by_key[k]
+      if seed not in a_values or seed not in b_values:
         continue
-      a, b = g[seed], t[seed]
+      a, b = a_values[seed], b_values[seed]
       if k == "train_seconds":
         cells = f"{a:,.0f} | {b:,.0f} | " + (f"×{a / b:,.1f}" if b > 0 else "–")
       else:
@@ -1003,10 +1018,10 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
       return f"(no finished run of `{arg}` yet)"
     return goal_table(groups[arg])
   if kind == "bound":
-    ghost, tri = arg.split(":")
-    if ghost not in groups or tri not in groups:
-      return f"(no finished run of `{ghost}` with a `{tri}` run of the same seed yet)"
-    return bound_table(groups[ghost], groups[tri])
+    a, b = arg.split(":")
+    if a not in groups or b not in groups:
+      return f"(no finished run of `{a}` with a `{b}` run of the same seed yet)"
+    return bound_table(groups[a], groups[b])
   raise ValueError(f"unknown generated block {name!r}")
 
 

@@ -535,17 +535,31 @@ def test_renderer_versus_block_pairs_every_method_of_a_with_every_method_of_b(tm
   _assert_paired_cells(row[5:9], runs, "logit_dp", "naive_dp", "accuracy")
 
 
+def _set_clip_method(results, group, seeds, method):
+  for s in seeds:
+    path = results / f"{group}_s{s}" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "clip_method": method}))
+
+
+def _render_bound_block(results, a, b):
+  block = f"bound:{a}:{b}"
+  return render_results.render(f"<!-- generated:{block} -->\n<!-- /generated:{block} -->\n",
+                               render_results.load_runs(str(results)), None)
+
+
 def test_renderer_bound_block_compares_ghost_and_triangle_logit_dp_seed_by_seed(tmp_path):
   """One exact-norm seed beside three triangle seeds: only the shared seed is shown, every
   metric with ghost − triangle, and the training seconds with their ratio."""
   rng = np.random.default_rng(3)
   _fake_runs(tmp_path / "results", "cifar10_embnet_ghost", (1,), rng)
   _fake_runs(tmp_path / "results", "cifar10_embnet_triangle", (0, 1, 2), rng)
+  _set_clip_method(tmp_path / "results", "cifar10_embnet_ghost", (1,), "ghost")
+  _set_clip_method(tmp_path / "results", "cifar10_embnet_triangle", (0, 1, 2), "triangle")
   runs = render_results.load_runs(str(tmp_path / "results"))
-  block = "bound:cifar10_embnet_ghost:cifar10_embnet_triangle"
-  out = render_results.render(f"<!-- generated:{block} -->\n<!-- /generated:{block} -->\n", runs,
-                              None)
+  out = _render_bound_block(tmp_path / "results", "cifar10_embnet_ghost", "cifar10_embnet_triangle")
   _assert_tables_well_formed(out)
+  assert ("| seed | metric | ghost (exact norms) | triangle (upper bound) | ghost − triangle |"
+          in out)
   ghost = runs["cifar10_embnet_ghost_s1"]["results"]["logit_dp"]
   tri = runs["cifar10_embnet_triangle_s1"]["results"]["logit_dp"]
   row = _cells(out, "| 1 | linear probe")
@@ -558,6 +572,22 @@ def test_renderer_bound_block_compares_ghost_and_triangle_logit_dp_seed_by_seed(
   assert "| 0 |" not in out and "| 2 |" not in out
   assert len([r for r in out.splitlines() if r.startswith("| 1 |")
              ]) == len(render_results.METRICS) + 1
+
+
+def test_renderer_bound_block_names_columns_by_clip_method_and_refuses_mixed_groups(tmp_path):
+  """The same block against the projected bound is headed by that method; a group whose seeds
+  ran different clip methods is refused rather than compared as one."""
+  rng = np.random.default_rng(4)
+  results = tmp_path / "results"
+  _fake_runs(results, "cifar10_embnet_ghost", (0,), rng)
+  _fake_runs(results, "cifar10_embnet_projected", (0, 1), rng)
+  _set_clip_method(results, "cifar10_embnet_ghost", (0,), "ghost")
+  _set_clip_method(results, "cifar10_embnet_projected", (0, 1), "projected")
+  out = _render_bound_block(results, "cifar10_embnet_ghost", "cifar10_embnet_projected")
+  assert ("| ghost (exact norms) | projected (upper bound) | ghost − projected |" in out)
+  _set_clip_method(results, "cifar10_embnet_projected", (1,), "triangle")
+  with pytest.raises(ValueError, match="several clip methods"):
+    _render_bound_block(results, "cifar10_embnet_ghost", "cifar10_embnet_projected")
 
 
 def test_paired_by_seed_keeps_only_seeds_where_both_sides_have_the_metric():
