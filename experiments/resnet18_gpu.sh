@@ -16,19 +16,31 @@
 #     --config.methods="('non_private',)" --config.learning_rates.non_private=1e-4
 #
 # With the device tool (calls of at most 10 minutes and 64 MiB, a machine warm for 30 s after a
-# call, 30 minutes a session), the data travels in parts (experiments/gpu_stage.sh):
+# call, and since 2026-11 only 15 minutes of device time a task, the start included), the data
+# travels in two parts (experiments/gpu_stage.sh) and the run must finish inside the second call
+# and one short third: its checkpoints (~135 MB a method, and they hold the noise key) cannot come
+# back, so a run cut off there is lost.
 #   here, once:  bash experiments/gpu_stage.sh prepare SHARED_DATA_DIR   # .gpu_stage/part00, 01
 #   call 1, carry [".gpu_stage/part00"]:
 #     bash experiments/gpu_stage.sh receive .gpu_stage/part00 /tmp/stage /tmp/cifar
-#   call 2 at once, carry [".gpu_stage/part01"]:
+#   call 2 at once, carry [".gpu_stage/part01"], timeout_s 600:
 #     bash experiments/gpu_stage.sh receive .gpu_stage/part01 /tmp/stage /tmp/cifar &&
 #     export PYTHONPATH=/tmp/stage/site:$PWD PYTHONUNBUFFERED=1 &&
 #     (setsid nohup bash experiments/resnet18_gpu.sh /tmp/cifar 0 10 >/tmp/r18.log 2>&1 &) &&
-#     sleep 480; tail -3 /tmp/r18.log
-#   calls 3…, at once each:  sleep 540; tail -3 /tmp/r18.log   (the run goes on between calls)
-#   last call:  W=runs/cifar10_resnet18_s0; cp $W/config.json $W/results.json $OUT;
-#     for m in logit_dp naive_dp non_private; do cp $W/$m/metrics.csv $OUT/$m.metrics.csv; done
+#     sleep 520; tail -3 /tmp/r18.log; bash experiments/resnet18_gpu.sh --collect
+#   call 3 at once, if it has not finished:  sleep 150; bash experiments/resnet18_gpu.sh --collect
+# --collect copies config.json, results.json and each method's metrics.csv of WORKDIR to $OUT.
 set -euo pipefail
+if [[ "${1:-}" == "--collect" ]]; then
+  W=${WORKDIR:-runs/cifar10_resnet18_s0}
+  cd "$(dirname "$0")/.."
+  for f in config.json results.json; do [[ -f $W/$f ]] && cp "$W/$f" "$OUT/"; done
+  for m in logit_dp naive_dp non_private; do
+    [[ -f $W/$m/metrics.csv ]] && cp "$W/$m/metrics.csv" "$OUT/$m.metrics.csv"
+  done
+  ls "$OUT"
+  exit 0
+fi
 DIR=${1:?usage: resnet18_gpu.sh NPZ_DIR [SEED] [STEPS] [flags...]}
 SEED=${2:-0}
 STEPS=${3:-5}

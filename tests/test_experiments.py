@@ -550,3 +550,21 @@ def test_gpu_stage_carries_the_data_in_parts_and_refuses_a_corrupt_one(tmp_path)
   chunks[1].write_bytes(bytes(data))
   results = [receive(tmp_path / "stage2", part) for part in parts]
   assert results[-1].returncode != 0 and "FAILED" in results[-1].stdout + results[-1].stderr
+
+
+def test_resnet18_gpu_collect_copies_the_small_results_of_a_workdir(tmp_path):
+  """--collect brings back what the tables need (config, results, each method's metrics) and no
+  checkpoint, also from a run that has not finished (a method's folder may be missing)."""
+  workdir = tmp_path / "run"
+  for m in ("logit_dp", "naive_dp"):
+    (workdir / m / "checkpoints").mkdir(parents=True)
+    (workdir / m / "metrics.csv").write_text(f"step,{m}\n")
+    (workdir / m / "checkpoints" / "5").write_text("noise key")
+  (workdir / "config.json").write_text("{}")
+  out = tmp_path / "out"
+  out.mkdir()
+  env = dict(os.environ, WORKDIR=str(workdir), OUT=str(out))
+  script = os.path.join(REPO, "experiments", "resnet18_gpu.sh")
+  subprocess.run(["bash", script, "--collect"], env=env, check=True, cwd=REPO, capture_output=True)
+  assert sorted(os.listdir(out)) == ["config.json", "logit_dp.metrics.csv", "naive_dp.metrics.csv"]
+  assert (out / "naive_dp.metrics.csv").read_text() == "step,naive_dp\n"
