@@ -249,3 +249,45 @@ def test_projected_jacobians_benchmark_times_both_ways_and_restores_the_library(
       row["median_s"]) == {"non_private", "triangle", "projected_gemm", "projected_transpose"}
   # The same J_eQ̃ up to float32 rounding, so the same clip factors up to their allowances.
   assert row["grad_relative_difference"] < 1e-4
+
+
+def test_allocator_summary_pairs_each_step_across_processes():
+  """Each allocator's mean of its processes' medians, and the ratio preloaded / default."""
+  from benchmarks import allocator
+  processes = [
+      dict(allocator="default", steps={"m n=8 ghost": 2.0, "m n=8 nonprivate": 1.0}),
+      dict(allocator="preloaded", steps={"m n=8 ghost": 1.5}),
+      dict(allocator="preloaded", steps={"m n=8 ghost": 1.7, "m n=8 nonprivate": 0.9}),
+      dict(allocator="default", steps={"m n=8 ghost": 2.2, "m n=8 nonprivate": 1.1}),
+  ]
+  table = allocator.summarize(processes)
+  assert table["m n=8 ghost"]["default"]["times_s"] == [2.0, 2.2]
+  assert table["m n=8 ghost"]["ratio"] == pytest.approx(1.6 / 2.1)
+  assert table["m n=8 nonprivate"]["preloaded"]["times_s"] == [0.9]
+  assert table["m n=8 nonprivate"]["ratio"] == pytest.approx(0.9 / 1.05)
+
+
+def test_allocator_preload_check_tells_a_mapped_library_from_a_missing_one(tmp_path):
+  from benchmarks import allocator
+  assert not allocator.preload_is_mapped(str(tmp_path / "libmissing.so"))
+  found = allocator.find_preload()
+  if found is None:
+    pytest.skip("tcmalloc is not installed (Debian: libtcmalloc-minimal4)")
+  assert allocator.preload_is_mapped(found)
+
+
+@pytest.mark.slow  # two step_benchmark processes
+def test_allocator_benchmark_end_to_end(tmp_path):
+  from benchmarks import allocator
+  if allocator.find_preload() is None:
+    pytest.skip("tcmalloc is not installed (Debian: libtcmalloc-minimal4)")
+  out = tmp_path / "allocator.json"
+  report = allocator.main([
+      "--rounds", "1", "--out",
+      str(out), "--", "--quick", "--methods", "nonprivate", "--compile-cache", ""
+  ])
+  assert json.loads(out.read_text())["schema"] == allocator.SCHEMA
+  assert [p["allocator"] for p in report["processes"]] == ["default", "preloaded"]
+  (row,) = report["steps"].values()
+  assert row["ratio"] == pytest.approx(row["preloaded"]["mean_s"] / row["default"]["mean_s"])
+  assert all(p["minor_faults"] > 0 and p["user_s"] > 0 for p in report["processes"])
