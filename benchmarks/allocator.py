@@ -108,9 +108,10 @@ def markdown(report: dict) -> str:
       "| step | default (s) | preloaded (s) | preloaded / default |", "|---|---|---|---|"
   ]
   for key, row in report["steps"].items():
-    d, p = row["default"]["mean_s"], row["preloaded"]["mean_s"]
+    d, p = (row[a]["mean_s"] for a in ("default", "preloaded"))
+    cells = ["–" if v is None else f"{v:.3f}" for v in (d, p)]
     ratio = "–" if row["ratio"] is None else f"{row['ratio']:.2f}×"
-    lines.append(f"| {key} | {d:.3f} | {p:.3f} | {ratio} |")
+    lines.append(f"| {key} | {cells[0]} | {cells[1]} | {ratio} |")
   lines += [
       "", "| process | allocator | user CPU s | system CPU s | minor page faults |",
       "|---|---|---|---|---|"

@@ -265,6 +265,15 @@ def test_allocator_summary_pairs_each_step_across_processes():
   assert table["m n=8 ghost"]["ratio"] == pytest.approx(1.6 / 2.1)
   assert table["m n=8 nonprivate"]["preloaded"]["times_s"] == [0.9]
   assert table["m n=8 nonprivate"]["ratio"] == pytest.approx(0.9 / 1.05)
+  # A step that only one allocator's processes timed (skipped in the other) has no ratio.
+  processes.append(
+      dict(allocator="default", steps={"m n=8 triangle": 3.0}, user_s=1.0, system_s=0.1,
+           minor_faults=10))
+  table = allocator.summarize(processes)
+  assert table["m n=8 triangle"]["ratio"] is None
+  md = allocator.markdown(
+      dict(preload="/lib/libtcmalloc.so", rounds=2, steps=table, processes=processes[-1:]))
+  assert "| m n=8 triangle | 3.000 | – | – |" in md
 
 
 def test_allocator_preload_check_tells_a_mapped_library_from_a_missing_one(tmp_path):
