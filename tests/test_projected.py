@@ -95,8 +95,17 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
                                reference_inputs=reference, projection_rank=rank,
                                float_allowance=False), np.float64)
   off = ~np.eye(N, dtype=bool)
-  # float32 without allowances: a − ‖Q̃ᵀJ_iᵀv̂_j‖² cancels (the subspace holds most of a), ~1e-4.
-  np.testing.assert_allclose(got[off], np.minimum(projected, triangle)[off], rtol=1e-3)
+  want = np.minimum(projected, triangle)
+  # float32 without allowances: the perpendicular parts a − ‖Q̃ᵀJ_iᵀv̂_j‖² cancel terms of
+  # order s², so a small bound's relative error can reach 1e-3. The squared error stays within
+  # the Gram allowance ε_G·(s_i + s'_j)² that float_allowance=True adds for it (measured: 1/13
+  # of it at d = 20, 1/72 at d = 5), and is ~1e-4 relative at the median.
+  _, j_u = _float64_jacobians(embed_fn, params, x)
+  _, j_v = _float64_jacobians(embed_fn, params, x_prime)
+  scale = np.linalg.norm(j_u, axis=(1, 2))[:, None] + np.linalg.norm(j_v, axis=(1, 2))[None, :]
+  squared_error = np.abs(got ** 2 - want ** 2)[off] / scale[off] ** 2
+  assert squared_error.max() <= clipping._GRAM_FLOAT_ERROR, squared_error.max()
+  assert np.median(np.abs(got - want)[off] / want[off]) < 1e-3
   np.testing.assert_allclose(np.diag(got), np.diag(true), rtol=2e-4)  # diagonal: exact vectors
   # It is a real improvement: tighter than triangle, and an upper bound of the truth.
   assert np.all(projected >= true * (1 - 1e-12))
