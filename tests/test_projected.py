@@ -53,7 +53,8 @@ def _float64_jacobians(embed_fn, params, xs, eps=logit_dp.DEFAULT_COSINE_EPS):
 
 
 def _float64_truth(embed_fn, params, x, x_prime, reference, rank):
-  """(true norms, triangle bound, projected bound), each (n, n), in float64."""
+  """(true norms, triangle bound, projected bound, s_i + s'_j), each (n, n), in float64; s the
+  Frobenius norms of the normalised embedding's Jacobians, the scale of the float allowances."""
   u, j_u = _float64_jacobians(embed_fn, params, x)
   v, j_v = _float64_jacobians(embed_fn, params, x_prime)
   _, j_ref = _float64_jacobians(embed_fn, params, reference)
@@ -69,7 +70,8 @@ def _float64_truth(embed_fn, params, x, x_prime, reference, rank):
   projected = np.sqrt(
       np.linalg.norm(g @ q, axis=-1) ** 2
       + (np.linalg.norm(perp(first), axis=-1) + np.linalg.norm(perp(second), axis=-1)) ** 2)
-  return true, triangle, projected
+  scale = np.linalg.norm(j_u, axis=(1, 2))[:, None] + np.linalg.norm(j_v, axis=(1, 2))[None, :]
+  return true, triangle, projected, scale
 
 
 def test_the_test_dimensions_take_both_forms():
@@ -89,7 +91,7 @@ def conv_case(request):
 
 def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
   """k = m·(d − 1), the reference rows' rank: their span, well defined in float32 too."""
-  embed_fn, params, x, x_prime, reference, rank, (true, triangle, projected) = conv_case
+  embed_fn, params, x, x_prime, reference, rank, (true, triangle, projected, scale) = conv_case
   got = np.asarray(
       logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
                                reference_inputs=reference, projection_rank=rank,
@@ -100,9 +102,6 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
   # order s², so a small bound's relative error can reach 1e-3. The squared error stays within
   # the Gram allowance ε_G·(s_i + s'_j)² that float_allowance=True adds for it (measured: 1/13
   # of it at d = 20, 1/72 at d = 5), and is ~1e-4 relative at the median.
-  _, j_u = _float64_jacobians(embed_fn, params, x)
-  _, j_v = _float64_jacobians(embed_fn, params, x_prime)
-  scale = np.linalg.norm(j_u, axis=(1, 2))[:, None] + np.linalg.norm(j_v, axis=(1, 2))[None, :]
   squared_error = np.abs(got ** 2 - want ** 2)[off] / scale[off] ** 2
   assert squared_error.max() <= clipping._GRAM_FLOAT_ERROR, squared_error.max()
   assert np.median(np.abs(got - want)[off] / want[off]) < 1e-3
@@ -113,7 +112,7 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
 
 
 def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_case):
-  embed_fn, params, x, x_prime, reference, _, (true, _, _) = conv_case
+  embed_fn, params, x, x_prime, reference, _, (true, _, _, _) = conv_case
   got = np.asarray(
       logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
                                reference_inputs=reference, projection_rank=7, microbatch_size=3),
@@ -176,7 +175,7 @@ def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   pair gradient: the bound is the exact norm, up to its float32 allowances."""
   embed_fn, params, x, x_prime, _ = _conv_problem(seed=2, num_reference=1)
   both = jnp.concatenate([x, x_prime])
-  true, triangle, _ = _float64_truth(embed_fn, params, x, x_prime, both, rank=2 * N * 5)
+  true, triangle, _, scale = _float64_truth(embed_fn, params, x, x_prime, both, rank=2 * N * 5)
   got = np.asarray(
       logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", reference_inputs=both,
                                projection_rank=2 * N * 5), np.float64)
@@ -184,9 +183,6 @@ def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   off = ~np.eye(N, dtype=bool)
   # Above the truth by at most the float32 allowances, √ε_G·s per Gram half and the vector
   # allowance √k·ε_V·S in the subspace (as ghost's exact norms: test_float32_norms).
-  _, j_u = _float64_jacobians(embed_fn, params, x)
-  _, j_v = _float64_jacobians(embed_fn, params, x_prime)
-  scale = (np.linalg.norm(j_u, axis=(1, 2))[:, None] + np.linalg.norm(j_v, axis=(1, 2))[None, :])
   allowance = (clipping._GRAM_FLOAT_ERROR ** 0.5
                + np.sqrt(2 * N * 5) * clipping._VECTOR_FLOAT_ERROR)
   assert np.all(got[off] <= true[off] + 1.01 * allowance * scale[off])
