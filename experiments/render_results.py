@@ -3,8 +3,8 @@ r"""Renders every table of docs/RESULTS.md from committed run results and the pa
     python -m experiments.render_results            # rewrites the generated blocks in place
     python -m experiments.render_results --check    # exit 1 if docs/RESULTS.md is out of date
 
-Inputs: ``docs/results/<run-name>/{config,results,wallclock}.json`` (copied there by
-experiments/run_queue.py) and ``experiments/paper_results.json`` (the paper's tables, with
+Inputs: ``docs/results/<run-name>/{config,results,wallclock}.json`` (copied there from a
+finished run's folder) and ``experiments/paper_results.json`` (the paper's tables, with
 the citation). Runs named ``<group>_s<seed>`` form a group; a metric of a group is
 reported as mean ± std over its seeds (std with ddof = 1, as for n runs of the paper), and
 each relative metric is m_seed / m_seed(non-private) averaged over seeds. Differences
@@ -24,8 +24,7 @@ every pair does to ḡ, from experiments/clip_bias.py), ``signal_to_noise:<file 
 ``geometry:<file>,<file>…`` (how spread out the runs' test embeddings are, from
 experiments/embedding_geometry.py),
 ``search:<folder in results_dir>`` (the
-public-data search of experiments/tune.py, from its search.json), ``goal:<group>`` (issue #18's
-goal at ε = 5, `goal_table`) and
+public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
 ``<prefix>_eps<E>``, an extra group per ε for the methods those lack; `parse_curve_spec`).
 ``--figures`` also draws each curve block's figure, ``results_dir/figures/<prefix>_eps_curve.png``.
@@ -132,8 +131,8 @@ def check_one_mechanism(group_runs) -> None:
         raise ValueError(
             f"group {group_runs[0]['group']!r}, {method}: its runs differ in {key} "
             f"({', '.join(f'{v!r}: {names}' for v, names in seen.items())}); seeds of one group "
-            "must run one mechanism (pin --config.delta_includes_overflow=False for seeds "
-            "added to a group started before 2026-11-25).")
+            "must run one mechanism (a seed added to a group whose runs calibrated σ at the "
+            "target δ needs --config.delta_includes_overflow=False).")
 
 
 def check_one_clip_method(group_runs) -> None:
@@ -434,46 +433,6 @@ def versus_table(a_runs, b_runs, a_name: str, b_name: str, acc: str = "3-NN acc"
   return "\n".join(lines)
 
 
-# Issue #18 item 4: at ε = 5 (embedding net, full-size CIFAR-10) Logit-DP's mean 3-NN accuracy
-# at least GOAL_ACCURACY, and above each rival by more than the spread over seeds.
-GOAL_ACCURACY = 0.25
-GOAL_RIVALS = ("dp_gcl", "naive_dp")
-
-
-def goal_table(group_runs) -> str:
-  """Issue #18's goal, checked on one group: Logit-DP's mean 3-NN accuracy against
-  GOAL_ACCURACY, and for each rival R the paired Δ = acc(Logit-DP) − acc(R) against the spread
-  over seeds, s = max(std(Logit-DP), std(R)) (sample std over the seeds both have): met when
-  mean(Δ) > s. Each row says by how much the goal is met or missed."""
-  ours = values_by_seed(group_runs, "logit_dp", "accuracy")
-  if not ours:
-    return "(no Logit-DP run in this group yet)"
-  mean, std = mean_std(list(ours.values()))
-  short = mean - GOAL_ACCURACY
-  lines = [
-      "| criterion | measured | n seeds | met | margin |", "|---|---|---|---|---|",
-      f"| Logit-DP 3-NN acc ≥ {GOAL_ACCURACY} | {fmt_ms(mean, std)} | {len(ours)} | "
-      f"{'yes' if short >= 0 else 'no'} | {short:+.3f} |"
-  ]
-  for rival in GOAL_RIVALS:
-    a, b = paired_by_seed(group_runs, "logit_dp", group_runs, rival, "accuracy")
-    label = f"Logit-DP − {LABELS[rival]} > spread over seeds"
-    if not a:
-      lines.append(f"| {label} | no {LABELS[rival]} run of the same seeds | 0 | – | – |")
-      continue
-    d = paired_difference(a, b)
-    spread = max(mean_std(a)[1], mean_std(b)[1])
-    if spread != spread:  # one seed: no spread to compare with
-      met, margin = "– (one seed)", "–"
-    else:
-      met, margin = ("yes" if d["mean"] > spread else "no"), f"{d['mean'] - spread:+.3f}"
-    lines.append(f"| {label} | Δ = {fmt_ms(d['mean'], d['std'])}, spread {_fmt_num(spread)} | "
-                 f"{d['n']} | {met} | {margin} |")
-  return "\n".join(lines) + (
-      "\n\nSpread = the larger of the two methods' sample std over the seeds both have; margin "
-      f"= mean − {GOAL_ACCURACY}, or mean Δ − spread (negative: missed by that much).")
-
-
 BOUND_LABELS = dict(ghost="ghost (exact norms)", triangle="triangle (upper bound)",
                     projected="projected (upper bound)")
 
@@ -513,9 +472,8 @@ def bound_table(a_runs, b_runs) -> str:
 
 
 WALLCLOCK_FOOTNOTE = (
-    "† Less than the training alone: the attempts killed with their driver at the end of a "
-    "session were not recorded before 2026-11-24 (run_queue.timed_attempt now writes each "
-    "attempt while it runs). The training seconds count every attempt's steps.")
+    "† Less than the training alone: an attempt interrupted before its wall-clock was written "
+    "is missing from it, while the training seconds count every attempt's steps.")
 
 
 def _wallclock_cell(wallclock_seconds, train_seconds) -> tuple[str, bool]:
@@ -1020,10 +978,6 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
       return f"(no seed of `{a}` with a `{b}` run of the same seed yet)"
     acc = "head acc" if a.startswith("cifar100_ft") else "3-NN acc"
     return versus_table(groups[a], groups[b], a, b, acc)
-  if kind == "goal":
-    if arg not in groups:
-      return f"(no finished run of `{arg}` yet)"
-    return goal_table(groups[arg])
   if kind == "bound":
     a, b = arg.split(":")
     if a not in groups or b not in groups:

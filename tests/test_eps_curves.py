@@ -268,38 +268,3 @@ def test_dpgcl_queue_lines_pair_with_the_triangle_seeds():
     assert "--config.methods=('dp_gcl',)" in overrides and f"--config.seed={s}" in overrides
     assert q[f"cifar10_embnet_triangle_s{s}"][0] == (
         "experiments/configs/cifar10_embedding_net_triangle.py")
-
-
-def _goal_runs(values):
-  """Group runs as load_runs gives them: {method: [accuracy per seed]}."""
-  seeds = range(len(next(iter(values.values()))))
-  return [dict(seed=s, results={m: dict(accuracy=v[s]) for m, v in values.items()}) for s in seeds]
-
-
-def test_goal_block_checks_the_accuracy_target_and_the_margin_over_the_seed_spread():
-  """Issue #18 item 4: mean 3-NN ≥ 0.25, and each paired Δ above max(std ours, std theirs)."""
-  logit, gcl, naive = [0.26, 0.27, 0.25], [0.24, 0.23, 0.25], [0.255, 0.265, 0.245]
-  text = render_results.goal_table(_goal_runs(dict(logit_dp=logit, dp_gcl=gcl, naive_dp=naive)))
-  spread = max(np.std(logit, ddof=1), np.std(gcl, ddof=1))
-  target = _row(text, "Logit-DP 3-NN acc ≥ 0.25", f"{np.mean(logit):.3f} ± "
-                f"{np.std(logit, ddof=1):.3f}")
-  assert target == ["3", "yes", f"{np.mean(logit) - 0.25:+.3f}"]
-  rows = {
-      line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
-      for line in text.splitlines() if line.startswith("| Logit-DP −")
-  }
-  gcl_row = rows["Logit-DP − DP-GCL > spread over seeds"]
-  delta = np.subtract(logit, gcl)
-  assert gcl_row[1].startswith(f"Δ = {delta.mean():.3f} ± {np.std(delta, ddof=1):.3f}")
-  assert gcl_row[2:] == ["3", "yes", f"{delta.mean() - spread:+.3f}"]
-  naive_row = rows["Logit-DP − Naive-DP > spread over seeds"]
-  naive_margin = np.mean(np.subtract(logit, naive)) - max(np.std(logit, ddof=1),
-                                                          np.std(naive, ddof=1))
-  assert naive_margin < 0 and naive_row[3:] == ["no", f"{naive_margin:+.3f}"]
-  # Short of the target; a rival with one shared seed has no spread; a missing rival is named.
-  text = render_results.goal_table(_goal_runs(dict(logit_dp=[0.2], dp_gcl=[0.1])))
-  assert "| no | -0.050 |" in text and "| 1 | – (one seed) | – |" in text
-  assert "spread –" in text and "nan" not in text
-  assert "no Naive-DP run of the same seeds" in text
-  assert render_results.render_block("goal:nothing", {}, {},
-                                     None) == ("(no finished run of `nothing` yet)")
