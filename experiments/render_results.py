@@ -27,7 +27,8 @@ experiments/embedding_geometry.py),
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
 ``<prefix>_eps<E>``, an extra group per ε for the methods those lack; `parse_curve_spec`).
-``--figures`` also draws each curve block's figure, ``results_dir/figures/<prefix>_eps_curve.png``.
+``--figures`` also draws each curve block's figure, ``results_dir/figures/<prefix>_eps_curve.png``,
+and the README's, ``results_dir/figures/accuracy_vs_epsilon.png`` (`FRONT_CURVE`).
 """
 
 from __future__ import annotations
@@ -702,6 +703,11 @@ def search_table(summary: dict) -> str:
 
 CURVE_EPSILONS = (1.0, 2.0, 5.0, 8.0)
 CURVE_METRICS = (("accuracy", "3-NN acc"), ("linear_probe", "linear probe"))
+# The README's figure: 3-NN accuracy vs ε of the recommended setting, one panel.
+FRONT_CURVE = "cifar10_embnet_tuned:5=cifar10_embnet_tuned"
+FRONT_FIGURE = "accuracy_vs_epsilon.png"
+FRONT_TITLE = ("CIFAR-10, embedding net: 3-NN accuracy vs ε\n"
+               "(mean ± std over 3 seeds; stars: the paper's ε = 5 points)")
 
 
 def _eps_label(e: float) -> str:
@@ -871,9 +877,11 @@ def epsilon_free_band(data: dict, key: str, method: str = "non_private") -> list
   return [by_seed[s] for s in sorted(by_seed)]
 
 
-def plot_curve(data: dict, paper, out_dir: str) -> str | None:
-  """Accuracy vs ε, two panels (3-NN, linear probe): mean ± std over seeds per DP method, the
-  non-private mean ± std as a band, the paper's ε = 5 points as stars. None if no point."""
+def plot_curve(data: dict, paper, out_dir: str, metrics=CURVE_METRICS, path: str | None = None,
+               title: str | None = None) -> str | None:
+  """Accuracy vs ε, one panel per metric (default 3-NN and linear probe): mean ± std over seeds
+  per DP method, the non-private mean ± std as a band, the paper's ε = 5 points as stars. Written
+  to ``path`` (default ``out_dir/<prefix>_eps_curve.png``); None if no point."""
   if not data["cells"]:
     return None
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -882,8 +890,9 @@ def plot_curve(data: dict, paper, out_dir: str) -> str | None:
   prow = paper_rows(paper, data["prefix"]) if paper else None
   colours = dict(logit_dp="C0", naive_dp="C1", dp_gcl="C2", non_private="0.4", untrained="C3")
   deltas = curve_deltas(data)
-  fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-  for ax, (key, label) in zip(axes, CURVE_METRICS):
+  fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.6), squeeze=False)
+  axes = axes[0]
+  for ax, (key, label) in zip(axes, metrics):
     for m in PRIVATE:
       pts = []
       for e in data["epsilons"]:
@@ -917,11 +926,11 @@ def plot_curve(data: dict, paper, out_dir: str) -> str | None:
     ax.set_xticklabels([_eps_label(e) for e in data["epsilons"]])
     ax.set_xlabel(f"ε (δ ≤ {_round_up(max(deltas.values()), 3)})" if deltas else "ε")
     ax.set_ylabel(label)
-    ax.set_title(f"{data['prefix']}: {label} (mean ± std over seeds)", fontsize=9)
+    ax.set_title(title or f"{data['prefix']}: {label} (mean ± std over seeds)", fontsize=9)
   axes[0].legend(fontsize=7)
   fig.tight_layout()
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, curve_figure_name(data["prefix"]))
+  path = path or os.path.join(out_dir, curve_figure_name(data["prefix"]))
+  os.makedirs(os.path.dirname(path), exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
@@ -1074,6 +1083,10 @@ def main(argv):
         path = plot_curve(curve_data(m["name"].partition(":")[2], groups), paper, figures)
         if path:
           print("wrote", path)
+    path = plot_curve(curve_data(FRONT_CURVE, groups), paper, figures, CURVE_METRICS[:1],
+                      os.path.join(figures, FRONT_FIGURE), FRONT_TITLE)
+    if path:
+      print("wrote", path)
   new = render(old, runs, paper, flags.FLAGS.results_dir)
   if flags.FLAGS.check:
     if new != old:

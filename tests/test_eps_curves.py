@@ -199,6 +199,22 @@ def test_curve_figure_and_its_link(curve_runs):
       root / "doc.md").read_text()
 
 
+def test_curve_figure_with_one_panel_at_a_given_path(curve_runs, tmp_path):
+  """The README's figure: the 3-NN panel alone, where it is asked for, with the given title."""
+  root, runs = curve_runs
+  data = render_results.curve_data(SPEC, render_results.groups_of(runs))
+  path = str(tmp_path / "front" / "figure.png")
+  out = render_results.plot_curve(data, None, str(root), render_results.CURVE_METRICS[:1], path,
+                                  "a title")
+  assert out == path and os.path.getsize(path) > 0
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  width, height = Image.open(path).size
+  assert width < 1.5 * height  # one panel (two are 9 × 3.6 inches)
+  assert render_results.plot_curve(
+      render_results.curve_data("cifar10_none:5=cifar10_none", {}), None, str(root),
+      render_results.CURVE_METRICS[:1], path) is None
+
+
 # ---------------------------------------------------------------------------
 # The curve runs' config and the proposed queue.
 
