@@ -210,9 +210,8 @@ def test_curve_figure_with_one_panel_at_a_given_path(curve_runs, tmp_path):
   from PIL import Image  # pylint: disable=g-import-not-at-top
   width, height = Image.open(path).size
   assert width < 1.5 * height  # one panel (two are 9 × 3.6 inches)
-  assert render_results.plot_curve(
-      render_results.curve_data("cifar10_none:5=cifar10_none", {}), None, str(root),
-      render_results.CURVE_METRICS[:1], path) is None
+  assert render_results.plot_curve(render_results.curve_data("cifar10_none:5=cifar10_none", {}),
+                                   None, str(root), render_results.CURVE_METRICS[:1], path) is None
 
 
 # ---------------------------------------------------------------------------
