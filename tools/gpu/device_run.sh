@@ -4,10 +4,12 @@
 # fresh-process peak device memory.  Each stage has its own time limit and writes into
 # RESULTS as it goes, so a stage that runs out of time loses only itself.
 #
-#   bash benchmarks/device_run.sh RESULTS_DIR
+#   bash tools/gpu/device_run.sh RESULTS_DIR
 set -u
 RES=${1:?usage: device_run.sh RESULTS_DIR}
 mkdir -p "$RES"
+RES=$(cd "$RES" && pwd)
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 BENCH="python3 -m benchmarks.step_benchmark --compile-cache $RES/.jax_cache"
