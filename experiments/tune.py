@@ -1,4 +1,4 @@
-r"""Sequential search of Logit-DP settings on public data (issue #18 item 2).
+r"""Sequential search of Logit-DP settings on public data.
 
     python -m experiments.tune --config=experiments/configs/tune_cifar100.py \
         --config.base.data.npz_dir=DIR --runs_dir=runs/tune_cifar100 \

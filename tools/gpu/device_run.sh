@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark session: environment, the clipping tests on the device, the step
+# The GPU benchmark run: environment, the clipping tests on the device, the step
 # benchmark on the embedding net (n up to 10,000 in one logical batch) and ResNet-18, and
 # fresh-process peak device memory.  Each stage has its own time limit and writes into
 # RESULTS as it goes, so a stage that runs out of time loses only itself.
