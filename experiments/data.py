@@ -7,9 +7,9 @@ Sources (``config.data.source``):
 * ``npz`` -- Keras-style ``cifar10.npz`` / ``cifar100.npz`` (``x_train``,
   ``y_train``, ``x_test``, ``y_test`` and ``y_*_coarse`` for CIFAR-100) in
   ``config.data.npz_dir`` (an offline copy), else in ``$LOGIT_DP_CIFAR_DIR``, else in the cache
-  folder (``config.data.cache_dir``, default :func:`experiments.cifar.default_data_dir`), where
-  the official archive is downloaded, checked against its published checksums and unpacked
-  the first time (:mod:`experiments.cifar`).
+  folder (:func:`experiments.cifar.default_data_dir`: ``$LOGIT_DP_DATA_DIR``, else
+  ``~/.cache/logit_dp``), where the official archive is downloaded, checked against its
+  published checksums and unpacked the first time (:mod:`experiments.cifar`).
 * ``tfds`` -- ``tensorflow_datasets`` (optional extra ``logit_dp[tfds]``; needs internet
   or a prepared TFDS data dir), imported lazily.
 
@@ -165,8 +165,7 @@ def load_dataset(data_config, seed: int = 0) -> dict[str, np.ndarray]:
   if source == "digits":
     ds = load_digits(seed=seed, test_fraction=data_config.get("test_fraction", 0.2))
   elif source == "npz":
-    ds = load_npz(data_config.get("npz_dir"), data_config.name, data_config.get("label", "fine"),
-                  data_config.get("cache_dir"))
+    ds = load_npz(data_config.get("npz_dir"), data_config.name, data_config.get("label", "fine"))
   elif source == "tfds":
     ds = load_tfds(data_config.name, data_config.get("label", "fine"),
                    data_config.get("tfds_data_dir"))

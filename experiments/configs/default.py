@@ -24,10 +24,9 @@ def get_config():
   config.data.source = "digits"  # digits | npz | tfds
   config.data.name = "digits"  # cifar10 | cifar100 for npz/tfds
   config.data.label = "fine"  # fine | coarse (CIFAR-100 superclasses)
-  # Folder with cifar10.npz / cifar100.npz (None: $LOGIT_DP_CIFAR_DIR, else the official archive
-  # downloaded, verified and unpacked into cache_dir; None: experiments.cifar.default_data_dir).
+  # Folder with cifar10.npz / cifar100.npz (None: $LOGIT_DP_CIFAR_DIR, else the official archive,
+  # downloaded, verified and unpacked once into $LOGIT_DP_DATA_DIR or ~/.cache/logit_dp).
   config.data.npz_dir = config_dict.placeholder(str)
-  config.data.cache_dir = config_dict.placeholder(str)
   config.data.tfds_data_dir = config_dict.placeholder(str)
   config.data.test_fraction = 0.2  # digits only
   config.data.train_subset = config_dict.placeholder(
