@@ -100,7 +100,7 @@ def verify(path: str, name: str) -> None:
     ChecksumError: any of the three differs.
   """
   archive = _archive(name)
-  md5, sha256, size = hashlib.md5(), hashlib.sha256(), 0
+  md5, sha256, size = hashlib.md5(usedforsecurity=False), hashlib.sha256(), 0
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       md5.update(block)
@@ -154,15 +154,22 @@ def fetch(name: str, directory: str, base_url: str | None = None, timeout_s: flo
 
 
 def _unpickle(tar: tarfile.TarFile, member: str) -> dict:
-  f = tar.extractfile(member)
+  try:
+    f = tar.extractfile(member)
+  except KeyError:
+    f = None
   if f is None:
-    raise ChecksumError(f"{member} is not a file in {tar.name}")
+    raise ValueError(f"{tar.name} has no file {member}: not an official CIFAR archive")
   with f:
     return pickle.load(f, encoding="bytes")  # verified archive: the official pickles
 
 
 def read_archive(path: str, name: str) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
   """The Keras-style arrays and the class names of the archive at ``path`` (not verified here).
+
+  Each pickled image is a row of 3,072 bytes, the red, green and blue 32×32 planes one after
+  another, each row-major: ``x[i, r, c, ch] = data[i, 1024·ch + 32·r + c]``. Training batches
+  are concatenated in their order.
 
   Returns:
     ``(arrays, label_names)``: ``arrays`` with ``x_train``, ``y_train``, ``x_test``, ``y_test``
