@@ -233,7 +233,7 @@ def prepare(name: str, out_dir: str | None = None, archive_dir: str | None = Non
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m experiments.cifar", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default=None, help="folder of the npz files (default: the cache)")
   parser.add_argument("--datasets", default="cifar10,cifar100", help="comma-separated names")
