@@ -5,7 +5,7 @@ r"""The "projected" step with its per-example projections J_eQ̃ formed two ways
 For each (n, d): the paper's embedding net with embedding dimension d, n CIFAR-shaped pairs,
 64 reference inputs, rank 32, microbatches of 1,000 (the full-size runs' setting). Times one
 jitted `clipped_grad` step of: the non-private gradient, "triangle", and "projected" with J_eQ̃
-from `layerwise.factors_times` (GEMMs, the library's way since 2026-11-24) and from
+from `layerwise.factors_times` (GEMMs, the library's way) and from
 `jax.linear_transpose` of `layerwise.factors_transpose` vmapped over the k tangents (the way
 before: its ghost layers broadcast a (k, m, T, d, C) product). Called in turn ``repeats`` times
 after a warm-up; medians and ratios. Also checks that both give the same ḡ. JSON on stdout

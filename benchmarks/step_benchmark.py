@@ -631,41 +631,6 @@ def _fmt_mem(r):
   return _fmt_gb(b) + ("" if peak_memory(r, fallback=False) is not None else " *")
 
 
-def check_targets(results: list[dict]) -> list[dict]:
-  """The CPU targets of issue #6 (embedding net), as measured."""
-  out = []
-  g = _get(results, "embedding", 1000, "ghost")
-  if g is not None:
-    ratio = g.get("ratio_median")
-    out.append({
-        "target": "n=1000: Logit-DP ghost step ≤ 15× non-private", "limit": 15.0, "measured": ratio,
-        "met": None if ratio is None else bool(ratio <= 15.0)
-    })
-    mem = peak_memory(g)
-    out.append({
-        "target": "n=1000: Logit-DP ghost peak memory ≤ 3 GB", "limit": 3.0,
-        "measured": None if mem is None else mem / GB,
-        "met": None if mem is None else bool(mem <= 3 * GB)
-    })
-  g, m = _get(results, "embedding", 256, "ghost"), _get(results, "embedding", 256, "materialize")
-  if g is not None and m is not None:
-    sp = m["median_s"] / g["median_s"] if g.get("median_s") and m.get("median_s") else None
-    out.append({
-        "target": "n=256: ghost ≥ 100× faster than materialize", "limit": 100.0, "measured": sp,
-        "met": None if sp is None else bool(sp >= 100.0)
-    })
-  g = _get(results, "embedding", 4096, "ghost")
-  if g is not None:
-    mem = peak_memory(g)
-    ok = g["status"] == "ok" and g.get("median_s") is not None
-    out.append({
-        "target": "n=4096: ghost runs on a 24 GB machine", "limit": 24.0,
-        "measured": None if mem is None else mem / GB,
-        "met": bool(ok and (mem is None or mem <= 24 * GB))
-    })
-  return out
-
-
 def code_version() -> dict:
   """Git commit of the checkout and a hash of the clipping code that was measured."""
   import hashlib  # pylint: disable=g-import-not-at-top
@@ -861,15 +826,6 @@ def markdown(report: dict) -> str:
                      f"{', '.join(f'{k:.2f}' for k in v['local_exponents'])} | "
                      f"{'—' if kr is None else f'{kr:.2f}'} |")
     lines.append("")
-  tg = report.get("targets", [])
-  if tg:
-    lines.append("| target | measured | met |")
-    lines.append("|---|---:|---|")
-    for t in tg:
-      meas = "—" if t["measured"] is None else f"{t['measured']:.3g}"
-      met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-      lines.append(f"| {t['target']} | {meas} | {met} |")
-    lines.append("")
   return "\n".join(lines)
 
 
@@ -878,7 +834,6 @@ def markdown(report: dict) -> str:
 
 def finalize(report: dict) -> dict:
   report["scaling"] = scaling_exponents(report["results"])
-  report["targets"] = check_targets(report["results"])
   return report
 
 

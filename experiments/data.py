@@ -6,7 +6,10 @@ Sources (``config.data.source``):
   works offline): NHWC ``(n, 8, 8, 1)`` float32 in [0, 1], stratified split.
 * ``npz`` -- Keras-style ``cifar10.npz`` / ``cifar100.npz`` (``x_train``,
   ``y_train``, ``x_test``, ``y_test`` and ``y_*_coarse`` for CIFAR-100) in
-  ``config.data.npz_dir``.
+  ``config.data.npz_dir`` (an offline copy), else in ``$LOGIT_DP_CIFAR_DIR``, else in the cache
+  folder (:func:`experiments.cifar.default_data_dir`: ``$LOGIT_DP_DATA_DIR``, else
+  ``~/.cache/logit_dp``), where the official archive is downloaded, checked against its
+  published checksums and unpacked the first time (:mod:`experiments.cifar`).
 * ``tfds`` -- ``tensorflow_datasets`` (optional extra ``logit_dp[tfds]``; needs internet
   or a prepared TFDS data dir), imported lazily.
 
@@ -35,6 +38,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from experiments import cifar
+
 __all__ = [
     "load_dataset",
     "load_digits",
@@ -47,11 +52,13 @@ __all__ = [
     "MISSING_NPZ_HELP",
 ]
 
+CIFAR_DIR_ENV = "LOGIT_DP_CIFAR_DIR"
 MISSING_NPZ_HELP = (
-    "CIFAR data not found. This machine may be offline: create Keras-style .npz files with\n"
-    "    python <shared data folder>/unpack.py --out DIR      (e.g. ../shared/data/unpack.py)\n"
-    "and pass --config.data.npz_dir=DIR (or set LOGIT_DP_CIFAR_DIR=DIR). Online, use "
-    "--config.data.source=tfds (needs `pip install logit_dp[tfds]`).")
+    "Pass --config.data.npz_dir=DIR with a folder holding Keras-style cifar10.npz / "
+    "cifar100.npz (`python -m experiments.cifar --out DIR` makes them from the official "
+    "archives, `--archive_dir` for offline copies of the archives), or leave npz_dir unset to "
+    "download them into the cache folder; or use --config.data.source=tfds "
+    "(`pip install 'logit_dp[tfds]'`).")
 
 
 def to_float(x):
@@ -73,20 +80,31 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> dict[str, np.ndarr
   return dict(x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te, num_classes=10)
 
 
-def _npz_path(npz_dir: str | None, name: str) -> str:
-  npz_dir = npz_dir or os.environ.get("LOGIT_DP_CIFAR_DIR")
+def _npz_path(npz_dir: str | None, name: str, cache_dir: str | None = None) -> str:
+  """The npz of ``name``: in ``npz_dir``, else ``$LOGIT_DP_CIFAR_DIR``, else prepared in the
+  cache (downloaded and verified the first time)."""
+  npz_dir = npz_dir or os.environ.get(CIFAR_DIR_ENV)
   if not npz_dir:
-    raise FileNotFoundError(MISSING_NPZ_HELP)
-  path = os.path.join(os.path.expanduser(npz_dir), f"{name}.npz")
+    return cifar.prepare(name, cache_dir)
+  path = cifar.npz_path(npz_dir, name)
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} does not exist.\n" + MISSING_NPZ_HELP)
   return path
 
 
-def load_npz(npz_dir: str | None, name: str = "cifar10", label: str = "fine"):
-  """Loads ``{npz_dir}/{name}.npz``; ``label='coarse'`` uses ``y_*_coarse`` (CIFAR-100)."""
-  with np.load(_npz_path(npz_dir, name)) as f:
+def load_npz(npz_dir: str | None, name: str = "cifar10", label: str = "fine",
+             cache_dir: str | None = None):
+  """Loads ``{npz_dir}/{name}.npz``; ``label='coarse'`` uses ``y_*_coarse`` (CIFAR-100).
+
+  Without ``npz_dir`` (and ``$LOGIT_DP_CIFAR_DIR``), the npz in ``cache_dir`` (default
+  :func:`experiments.cifar.default_data_dir`), made from the official archive if missing.
+  """
+  if label not in ("fine", "coarse"):
+    raise ValueError(f"label must be 'fine' or 'coarse', not {label!r}")
+  with np.load(_npz_path(npz_dir, name, cache_dir)) as f:
     suffix = "_coarse" if label == "coarse" else ""
+    if "y_train" + suffix not in f:
+      raise ValueError(f"{name}.npz has no {label} labels (y_train{suffix})")
     out = dict(x_train=f["x_train"], y_train=f["y_train" + suffix].astype(np.int32),
                x_test=f["x_test"], y_test=f["y_test" + suffix].astype(np.int32))
   out["num_classes"] = int(max(out["y_train"].max(), out["y_test"].max()) + 1)
@@ -99,7 +117,7 @@ def load_tfds(name: str = "cifar10", label: str = "fine", data_dir: str | None =
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   except ImportError as e:  # pragma: no cover - depends on the optional extra
     raise ImportError("source='tfds' needs tensorflow-datasets: pip install 'logit_dp[tfds]'. "
-                      "Offline, use source='npz'.\n" + MISSING_NPZ_HELP) from e
+                      "Or use source='npz'.\n" + MISSING_NPZ_HELP) from e
   key = "coarse_label" if (label == "coarse" and name == "cifar100") else "label"
   out = {}
   for split in ("train", "test"):

@@ -1,4 +1,4 @@
-r"""Sequential search of Logit-DP settings on public data (issue #18 item 2).
+r"""Sequential search of Logit-DP settings on public data.
 
     python -m experiments.tune --config=experiments/configs/tune_cifar100.py \
         --config.base.data.npz_dir=DIR --runs_dir=runs/tune_cifar100 \
@@ -11,7 +11,7 @@ public data) and ``stages``: a list of ``dict(name, candidates=[dict(name, overr
 overrides updated with their own; the incumbent after stage k is the best of the incumbent
 and stage k's candidates by `rank_key`: best 3-NN accuracy, ties to fewer steps T, then to
 the earlier candidate. Each candidate trains in ``runs_dir/<name>`` with
-`train.train_and_evaluate`; a finished one (`run_queue.is_finished`, in its workdir or, on a
+`train.train_and_evaluate`; a finished one (`workdirs.is_finished`, in its workdir or, on a
 new machine without runs_dir, in its published copy ``results_dir/<name>``) is skipped, an
 unfinished one resumes from its checkpoints, and the search stops after a stage with an
 unfinished candidate (re-running continues it). A candidate whose training diverges
@@ -40,7 +40,7 @@ from absl import app
 from absl import flags
 
 from experiments import render_results
-from experiments import run_queue
+from experiments import workdirs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULE = ("best 3-NN accuracy on the public test split; ties to fewer steps T, then to the "
@@ -142,7 +142,7 @@ def finished_dir(workdir: str, published: str) -> str | None:
   but the committed copies say what finished).
   """
   for d in (workdir, published):
-    if os.path.exists(os.path.join(d, DIVERGED_FILE)) or run_queue.is_finished(d):
+    if os.path.exists(os.path.join(d, DIVERGED_FILE)) or workdirs.is_finished(d):
       return d
   return None
 
@@ -152,7 +152,7 @@ def _record(stage, cand, order, overrides, workdir) -> dict:
              own_overrides=dict(cand["overrides"]), overrides=dict(overrides), finished=False)
   if os.path.exists(os.path.join(workdir, DIVERGED_FILE)):
     rec.update(finished=True, diverged=_read_json(os.path.join(workdir, DIVERGED_FILE))["error"])
-  elif run_queue.is_finished(workdir):
+  elif workdirs.is_finished(workdir):
     r = _read_json(os.path.join(workdir, "results.json"))["logit_dp"]
     rec.update(finished=True, steps=int(r["steps"]), noise_multiplier=r["noise_multiplier"],
                sampling_rate=r["sampling_rate"], epsilon=r["epsilon"], delta=r["delta"],
@@ -164,8 +164,8 @@ def _record(stage, cand, order, overrides, workdir) -> dict:
 
 
 def _train_timed(train_fn, cfg, workdir, quiet):
-  """train_fn(cfg, workdir), timed in workdir/wallclock.json (`run_queue.timed_attempt`)."""
-  with run_queue.timed_attempt(workdir, "experiments.tune") as attempt:
+  """train_fn(cfg, workdir), timed in workdir/wallclock.json (`workdirs.timed_attempt`)."""
+  with workdirs.timed_attempt(workdir, "experiments.tune") as attempt:
     attempt["returncode"] = 1
     try:
       train_fn(cfg, workdir, quiet=quiet)
@@ -198,7 +198,7 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
     summary = dict(rule=RULE, complete=complete, chosen=chosen, stages=list(stages),
                    candidates=list(candidates), base=json.loads(config.base.to_json_best_effort()))
     os.makedirs(results_dir, exist_ok=True)
-    run_queue.write_json(os.path.join(results_dir, "search.json"), summary)
+    workdirs.write_json(os.path.join(results_dir, "search.json"), summary)
     with open(os.path.join(results_dir, "search.md"), "w") as f:
       f.write(render_results.search_table(summary) + "\n")
     return summary
@@ -224,7 +224,7 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
       rec = _record(stage, cand, order, overrides, done_dir)
       order += 1
       if rec["finished"] and done_dir == workdir:
-        run_queue.publish(workdir, published, extra_files=(DIVERGED_FILE,))
+        workdirs.publish(workdir, published, extra_files=(DIVERGED_FILE,))
       stage_records.append(rec)
       write_summary(False, None, records + stage_records)  # progress: nothing chosen yet
     records += stage_records

@@ -37,7 +37,7 @@ from logit_dp._src.sensitivity import naive_sensitivity
 from logit_dp._src.sensitivity import sensitivity
 from logit_dp._src.two_tower import shared_parameters
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "PRIVATE_METHODS",

@@ -138,7 +138,7 @@ def test_privacy_plan_calibrates_at_the_accountant_delta():
   assert plan["accountant_delta"] == pytest.approx(cfg.target_delta - extra, rel=1e-9)
   assert independent_epsilon(plan["noise_multiplier"], plan["accountant_delta"], Q, plan["steps"],
                              accounting.DEFAULT_PLD_DISCRETIZATION) <= 8.0
-  cfg.delta_includes_overflow = False  # runs before 2026-11-25
+  cfg.delta_includes_overflow = False  # σ at target_delta
   legacy = train.privacy_plan(cfg, N)
   assert legacy["accountant_delta"] == cfg.target_delta
   assert legacy["noise_multiplier"] < plan["noise_multiplier"]

@@ -1,7 +1,15 @@
 """Data loading, positive pairs, samplers (no record over-represented) and augmentations."""
 
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
 import os
+import pickle
+import shutil
 import sys
+import tarfile
 
 # `experiments/` is not an installed package: make the repository root importable
 # (also when pytest is started as `pytest` rather than `python -m pytest`).
@@ -15,6 +23,7 @@ import pytest
 
 import logit_dp.sampling
 from experiments import augment
+from experiments import cifar
 from experiments import data as data_lib
 from experiments import train
 
@@ -57,14 +66,189 @@ def test_npz_source_with_coarse_labels_and_subset(tmp_path):
   assert x.dtype == jnp.float32 and float(x.max()) <= 1.0
 
 
-def test_missing_npz_explains_unpack(tmp_path, monkeypatch):
+def test_missing_npz_in_a_given_folder_explains_the_options(tmp_path, monkeypatch):
   monkeypatch.delenv("LOGIT_DP_CIFAR_DIR", raising=False)
-  cfg = ml_collections.ConfigDict(dict(source="npz", name="cifar10", label="fine", npz_dir=None))
-  with pytest.raises(FileNotFoundError, match="unpack.py"):
+  cfg = ml_collections.ConfigDict(
+      dict(source="npz", name="cifar10", label="fine", npz_dir=str(tmp_path)))
+  with pytest.raises(FileNotFoundError, match="python -m experiments.cifar --out DIR"):
     data_lib.load_dataset(cfg)
-  cfg.npz_dir = str(tmp_path)
-  with pytest.raises(FileNotFoundError, match="unpack.py"):
+  monkeypatch.setenv("LOGIT_DP_CIFAR_DIR", str(tmp_path))
+  cfg.npz_dir = None
+  with pytest.raises(FileNotFoundError, match="cifar10.npz does not exist"):
     data_lib.load_dataset(cfg)
+
+
+def test_npz_label_must_be_fine_or_coarse(tmp_path):
+  _fake_npz(tmp_path / "cifar10.npz", coarse=False)
+  with pytest.raises(ValueError, match="'fine' or 'coarse'"):
+    data_lib.load_npz(str(tmp_path), "cifar10", label="superclass")
+  with pytest.raises(ValueError, match="no coarse labels"):
+    data_lib.load_npz(str(tmp_path), "cifar10", label="coarse")
+
+
+# ---------------------------------------------------------------------------
+# The official archives: a small archive in the official pickle layout, served from a file:// URL.
+
+
+def _official_layout_archive(path, name, sizes=(3, 2, 4, 1, 2), test_size=5, seed=0):
+  """A .tar.gz laid out as the official ``name`` archive (Python-2 pickles with byte-string keys,
+  images as rows of 3,072 bytes: 1,024 red, 1,024 green, 1,024 blue, each row-major), with
+  ``sizes`` images in its training batches (CIFAR-10: one per batch; CIFAR-100: their sum in
+  one), and the images and labels it holds."""
+  rng = np.random.default_rng(seed)
+  folder = "cifar-10-batches-py" if name == "cifar10" else "cifar-100-python"
+  if name == "cifar100":
+    sizes = (sum(sizes),)
+  members, images, labels = {}, {}, {}
+  for split, split_sizes in (("train", sizes), ("test", (test_size,))):
+    rows, fine = [], []
+    for b, n in enumerate(split_sizes):
+      data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+      y = rng.integers(0, 10 if name == "cifar10" else 100, n).tolist()
+      if name == "cifar10":
+        member = f"data_batch_{b + 1}" if split == "train" else "test_batch"
+        members[member] = {b"batch_label": b"batch", b"labels": y, b"data": data}
+      else:
+        members[split] = {b"fine_labels": y, b"coarse_labels": [v // 5 for v in y], b"data": data}
+      rows.append(data)
+      fine.extend(y)
+    images[split], labels[split] = np.concatenate(rows), np.asarray(fine)
+  if name == "cifar10":
+    members["batches.meta"] = {b"label_names": [f"class{c}".encode() for c in range(10)]}
+  else:
+    members["meta"] = {
+        b"fine_label_names": [f"fine{c}".encode() for c in range(100)],
+        b"coarse_label_names": [f"coarse{c}".encode() for c in range(20)]
+    }
+  with tarfile.open(path, "w:gz") as tar:
+    for member, content in members.items():
+      payload = pickle.dumps(content, protocol=2)
+      info = tarfile.TarInfo(f"{folder}/{member}")
+      info.size = len(payload)
+      tar.addfile(info, io.BytesIO(payload))
+  return images, labels
+
+
+def _serve(tmp_path, monkeypatch, name, corrupt=False):
+  """Writes the archive of ``name`` into a served folder and registers its checksums as the
+  published ones; returns the folder's file:// URL, the images and labels."""
+  served = tmp_path / "served"
+  served.mkdir(exist_ok=True)
+  archive = cifar.ARCHIVES[name]
+  path = served / archive.filename
+  images, labels = _official_layout_archive(path, name)
+  raw = path.read_bytes()
+  monkeypatch.setitem(
+      cifar.ARCHIVES, name,
+      dataclasses.replace(archive, size=len(raw), md5=hashlib.md5(raw).hexdigest(),
+                          sha256=hashlib.sha256(raw).hexdigest()))
+  if corrupt:  # one byte of the served copy changes after publication
+    path.write_bytes(raw[:100] + bytes([raw[100] ^ 1]) + raw[101:])
+  return served.as_uri(), images, labels
+
+
+def _pixel(rows, i, r, c, channel):
+  """Pixel (r, c) of image i in the official layout: channel planes of 32 rows of 32."""
+  return rows[i, channel * 1024 + r * 32 + c]
+
+
+def test_published_checksums_are_well_formed():
+  for name, archive in cifar.ARCHIVES.items():
+    assert archive.filename == f"{name.replace('cifar', 'cifar-')}-python.tar.gz"
+    assert len(archive.md5) == 32 and len(archive.sha256) == 64
+    int(archive.md5, 16), int(archive.sha256, 16)  # hexadecimal
+    assert archive.size > 160_000_000
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+def test_download_verifies_and_unpacks_the_official_layout(tmp_path, monkeypatch, name):
+  url, images, labels = _serve(tmp_path, monkeypatch, name)
+  cache = tmp_path / "cache"
+  path = cifar.prepare(name, str(cache), base_url=url)
+  assert path == str(cache / f"{name}.npz")
+  assert (cache / cifar.ARCHIVES[name].filename).exists()  # kept: verified, reused
+  assert not [p for p in os.listdir(cache) if p.endswith(".part")]
+  with np.load(path) as f:
+    arrays = dict(f)
+  keys = {"x_train", "y_train", "x_test", "y_test"}
+  keys |= {"y_train_coarse", "y_test_coarse"} if name == "cifar100" else set()
+  assert set(arrays) == keys
+  for split in ("train", "test"):
+    x = arrays[f"x_{split}"]
+    assert x.shape == (len(labels[split]), 32, 32, 3) and x.dtype == np.uint8
+    rows = images[split]
+    for i, r, c, channel in itertools.product(range(len(rows)), (0, 7, 31), (0, 19, 31), range(3)):
+      assert x[i, r, c, channel] == _pixel(rows, i, r, c, channel)
+    np.testing.assert_array_equal(arrays[f"y_{split}"], labels[split])
+    assert arrays[f"y_{split}"].dtype == np.int64
+    if name == "cifar100":
+      np.testing.assert_array_equal(arrays[f"y_{split}_coarse"], labels[split] // 5)
+  names = json.loads((cache / f"{name}_label_names.json").read_text())
+  if name == "cifar10":
+    assert names == {"label_names": [f"class{c}" for c in range(10)]}
+  else:
+    assert names["fine_label_names"][99] == "fine99" and len(names["coarse_label_names"]) == 20
+
+
+def test_a_corrupted_download_is_refused_and_deleted(tmp_path, monkeypatch):
+  url, _, _ = _serve(tmp_path, monkeypatch, "cifar10", corrupt=True)
+  cache = tmp_path / "cache"
+  with pytest.raises(cifar.ChecksumError, match="is not the official cifar-10-python.tar.gz"):
+    cifar.prepare("cifar10", str(cache), base_url=url)
+  assert os.listdir(cache) == []  # neither the archive nor a partial file nor an npz
+
+
+def test_a_corrupted_archive_already_present_is_refused(tmp_path, monkeypatch):
+  url, _, _ = _serve(tmp_path, monkeypatch, "cifar100")
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  archive = cache / cifar.ARCHIVES["cifar100"].filename
+  good = (tmp_path / "served" / archive.name).read_bytes()
+  archive.write_bytes(good[:-1])  # truncated
+  with pytest.raises(cifar.ChecksumError, match="size .*; md5 .*; sha256"):
+    cifar.prepare("cifar100", str(cache), base_url=url)
+  assert not (cache / "cifar100.npz").exists()
+
+
+def test_a_failed_download_says_how_to_work_offline(tmp_path):
+  missing = (tmp_path / "nowhere").as_uri()
+  with pytest.raises(cifar.DownloadError, match="--config.data.npz_dir=DIR"):
+    cifar.prepare("cifar10", str(tmp_path / "cache"), base_url=missing)
+
+
+def test_offline_archives_are_unpacked_without_download(tmp_path, monkeypatch, capsys):
+  _, images, _ = _serve(tmp_path, monkeypatch, "cifar10")
+  out = tmp_path / "npz"
+  offline = (tmp_path / "nowhere").as_uri()  # a download would fail
+  cifar.main(f"--out={out} --datasets=cifar10 --archive_dir={tmp_path / 'served'} "
+             f"--base_url={offline}".split())
+  assert capsys.readouterr().out.strip() == str(out / "cifar10.npz")
+  ds = data_lib.load_npz(str(out), "cifar10")
+  assert ds["x_train"].shape == (len(images["train"]), 32, 32, 3) and ds["num_classes"] <= 10
+
+
+def test_npz_source_without_a_folder_downloads_into_the_cache_once(tmp_path, monkeypatch):
+  url, images, labels = _serve(tmp_path, monkeypatch, "cifar100")
+  monkeypatch.delenv("LOGIT_DP_CIFAR_DIR", raising=False)
+  monkeypatch.setenv("LOGIT_DP_DATA_DIR", str(tmp_path / "cache"))
+  monkeypatch.setattr(cifar, "OFFICIAL_BASE_URL", url)
+  assert cifar.default_data_dir() == str(tmp_path / "cache")
+  cfg = ml_collections.ConfigDict(dict(source="npz", name="cifar100", label="coarse", npz_dir=None))
+  ds = data_lib.load_dataset(cfg)
+  np.testing.assert_array_equal(ds["y_test"], labels["test"] // 5)
+  assert ds["x_train"].shape[0] == len(images["train"])
+  shutil.rmtree(tmp_path / "served")  # the second load reads the cache
+  again = data_lib.load_dataset(cfg)
+  np.testing.assert_array_equal(again["x_train"], ds["x_train"])
+
+
+def test_default_cache_folder(monkeypatch, tmp_path):
+  monkeypatch.delenv("LOGIT_DP_DATA_DIR", raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert cifar.default_data_dir() == str(tmp_path / "logit_dp")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert cifar.default_data_dir() == str(tmp_path / "home" / ".cache" / "logit_dp")
 
 
 def test_tfds_source_with_mock_data():
@@ -80,7 +264,7 @@ def test_real_cifar_npz():
   d = os.environ.get("LOGIT_DP_CIFAR_DIR")
   if not d or not os.path.exists(os.path.join(d, "cifar100.npz")):
     pytest.skip(
-        "set LOGIT_DP_CIFAR_DIR to a folder made by `python <shared>/data/unpack.py --out DIR`")
+        "set LOGIT_DP_CIFAR_DIR to a folder made by `python -m experiments.cifar --out DIR`")
   c10 = data_lib.load_npz(d, "cifar10")
   assert c10["x_train"].shape == (50000, 32, 32, 3) and c10["num_classes"] == 10
   c100 = data_lib.load_npz(d, "cifar100", label="coarse")

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from experiments import render_results
-from experiments import run_queue
 from experiments import train
 from experiments.configs import cifar10_embedding_net_dpgcl
 from experiments.configs import cifar10_embedding_net_triangle
 from experiments.configs import tiny
+from tools import run_queue
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PUBLISHED_RUNS = os.path.join(REPO, "tools", "published_runs.txt")
 SPEC = "cifar10_embnet:5=cifar10_embnet_triangle"
 DOC = f"# t\n<!-- generated:curve:{SPEC} -->\n<!-- /generated:curve:{SPEC} -->\n"
 ALL = ("logit_dp", "naive_dp", "dp_gcl", "non_private")
@@ -245,11 +246,9 @@ def test_dpgcl_config_trains_every_method_at_tiny_size(tmp_path):
   assert res["dp_gcl"]["sensitivity"] == 2.0 and res["dp_gcl"]["learning_rate"] == 1e-2
 
 
-def test_queue_lines_after_the_search():
-  q = run_queue.read_queue(os.path.join(REPO, "experiments", "queue_tuned.txt"))
-  main_queue = run_queue.read_queue(os.path.join(REPO, "experiments", "queue.txt"))
-  # One driver per queue file: a run in both would be trained by two drivers at once.
-  assert not {n for n, _, _ in q} & {n for n, _, _ in main_queue}
+def test_published_run_lines_after_the_search():
+  runs = run_queue.read_queue(PUBLISHED_RUNS)
+  q = [(n, c, o) for n, c, o in runs if n.startswith(("cifar10_embnet_tuned", "cifar100_ft_tuned"))]
   names = [n for n, _, _ in q]
   curve = {f"cifar10_embnet_tuned_eps{e}_s{s}" for e in (1, 2, 8) for s in (0, 1, 2)}
   tuned = {f"cifar10_embnet_tuned_s{s}" for s in (0, 1, 2)}
@@ -274,8 +273,8 @@ def test_queue_lines_after_the_search():
         f"cifar10_embnet_tuned_eps1_s{s}")
 
 
-def test_dpgcl_queue_lines_pair_with_the_triangle_seeds():
-  queue = run_queue.read_queue(os.path.join(REPO, "experiments", "queue.txt"))
+def test_dpgcl_run_lines_pair_with_the_triangle_seeds():
+  queue = run_queue.read_queue(PUBLISHED_RUNS)
   q = {n: (c, o) for n, c, o in queue}
   for s in (0, 1, 2):
     config, overrides = q[f"cifar10_embnet_dpgcl_s{s}"]

@@ -1,4 +1,4 @@
-"""Tests of the paper-scale experiment tooling: configs at tiny size, run queue, renderer."""
+"""Tests of the paper-scale experiment tooling: configs at tiny size, the results renderer."""
 
 import os
 import sys
@@ -6,11 +6,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
-import math
 import re
-import shutil
 import subprocess
-import time
 
 import jax
 import numpy as np
@@ -18,11 +15,8 @@ import pytest
 from scipy import stats
 
 import logit_dp
-from experiments import carry
 from experiments import data as data_lib
-from experiments import finetuning
 from experiments import render_results
-from experiments import run_queue
 from experiments import train
 from experiments.configs import cifar10_embedding_net_paper_hparams
 from experiments.configs import cifar10_embedding_net_projected
@@ -330,73 +324,6 @@ def test_render_check_mode(tmp_path):
   assert subprocess.run(args, cwd=REPO, capture_output=True).returncode == 0  # rendered
 
 
-# ---------------------------------------------------------------------------
-# Run queue.
-
-
-def _queue_driver(tmp_path, queue_text: str):
-  """Writes the queue file; returns a function that runs the driver on it once."""
-  queue = tmp_path / "queue.txt"
-  queue.write_text(queue_text)
-  args = [
-      sys.executable, "-m", "experiments.run_queue", f"--queue={queue}",
-      f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}",
-      f"--carry_dir={tmp_path / 'carry'}"
-  ]
-  return lambda: subprocess.run(args, cwd=REPO, capture_output=True, text=True)
-
-
-def test_run_queue_runs_skips_and_publishes(tmp_path):
-  drive = _queue_driver(
-      tmp_path, "# a comment\n"
-      "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)  # np\n")
-  r = drive()
-  assert r.returncode == 0, r.stdout + r.stderr
-  assert "start tiny_s0" in r.stdout and r.stdout.rstrip().endswith("queue done")
-  published = sorted(os.listdir(tmp_path / "results" / "tiny_s0"))
-  assert published == ["config.json", "results.json", "wallclock.json"]
-  wc = json.loads((tmp_path / "results" / "tiny_s0" / "wallclock.json").read_text())
-  assert len(wc["attempts"]) == 1 and wc["attempts"][0]["returncode"] == 0
-  assert math.isclose(wc["total_seconds"], wc["attempts"][0]["seconds"])
-  r = drive()  # finished: skipped
-  assert "start" not in r.stdout and "queue done" in r.stdout
-
-
-def test_run_queue_on_a_new_machine_trusts_the_published_runs(tmp_path):
-  """runs/ gone, results/ committed: a published run is not retrained; a fine-tuning entry
-  whose encoders were in runs/ is reported, not run and not waited for in silence."""
-  drive = _queue_driver(tmp_path,
-                        "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n")
-  assert drive().returncode == 0
-  shutil.rmtree(tmp_path / "runs")
-  drive = _queue_driver(
-      tmp_path, "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n"
-      "ft_s0 finetune tiny_s0\n")
-  r = drive()
-  assert r.returncode == 0, r.stdout + r.stderr
-  assert "start" not in r.stdout and r.stdout.rstrip().endswith("queue done"), r.stdout
-  assert "cannot run: ft_s0 (runs/tiny_s0 is gone" in r.stdout
-  assert not (tmp_path / "runs" / "tiny_s0").exists()
-
-
-def test_run_queue_waits_for_a_config_that_is_not_ready(tmp_path):
-  """A config file's ready(arg) holds its entry back; later entries run meanwhile."""
-  flag = tmp_path / "go"
-  config = tmp_path / "gated.py"
-  config.write_text("import os\nfrom experiments.configs.tiny import get_config\n"
-                    "def ready(arg=None):\n  return os.path.exists(arg)\n")
-  drive = _queue_driver(
-      tmp_path, f"gated_s0 {config}:{flag} --config.methods=('non_private',)\n"
-      "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n")
-  r = drive()
-  assert r.returncode == 0, r.stdout + r.stderr
-  assert "start tiny_s0" in r.stdout and "start gated_s0" not in r.stdout
-  assert "waiting: gated_s0 (not ready)" in r.stdout and r.stdout.rstrip().endswith("queue done")
-  flag.write_text("")
-  r = drive()
-  assert "start gated_s0" in r.stdout and "start tiny_s0" not in r.stdout, r.stdout + r.stderr
-
-
 def test_tuned_config_is_ready_only_when_the_search_has_finished(tmp_path):
   from experiments import tune  # pylint: disable=g-import-not-at-top
   from experiments.configs import cifar10_embedding_net_tuned  # pylint: disable=g-import-not-at-top
@@ -408,96 +335,6 @@ def test_tuned_config_is_ready_only_when_the_search_has_finished(tmp_path):
   assert cifar10_embedding_net_tuned.ready(str(path)) and tune.search_finished(str(path))
   with pytest.raises(ValueError, match="has not finished"):  # ready, but nothing to run: loud
     cifar10_embedding_net_tuned.get_config(str(path))
-
-
-@pytest.fixture(scope="module")
-def carry_runs(tmp_path_factory):
-  """A tiny DP run (Naive-DP: its checkpoints hold the noise key) with a public privacy seed,
-  uninterrupted and stopped after 2 of its steps (a checkpoint at each step)."""
-  root = tmp_path_factory.mktemp("carry")
-  config = tiny.get_config()
-  config.methods, config.privacy_seed = ("naive_dp",), 7
-  reference = train.train_and_evaluate(config, str(root / "reference"), quiet=True)["naive_dp"]
-  config.stop_after_steps, config.checkpoint_every = 2, 1
-  train.train_and_evaluate(config, str(root / "stopped"), quiet=True)
-  return root, reference
-
-
-def test_carry_refuses_runs_whose_checkpoints_hold_secrets_and_finished_runs(carry_runs, tmp_path):
-  """Committing a checkpoint of a run with secret seeds would publish its noise key."""
-  root, _ = carry_runs
-  secret = tmp_path / "secret_s0"
-  shutil.copytree(root / "stopped", secret)
-  config = json.loads((secret / "config.json").read_text())
-  assert config["privacy_seed"] == 7
-  config["privacy_seed"] = None  # what config.json of a run with secret seeds holds
-  (secret / "config.json").write_text(json.dumps(config))
-  with pytest.raises(ValueError, match="privacy_seed is unset"):
-    carry.save(str(secret), str(tmp_path / "carry" / "secret_s0"))
-  assert not (tmp_path / "carry").exists()
-  planted = tmp_path / "planted_s0"  # public seeds, but a secret seed file inside
-  shutil.copytree(root / "stopped", planted)
-  (planted / "naive_dp" / train.SECRET_SEEDS_FILE).write_text("{}")
-  with pytest.raises(ValueError, match="secret seed file"):
-    carry.save(str(planted), str(tmp_path / "carry" / "planted_s0"))
-  with pytest.raises(ValueError, match="finished"):
-    carry.save(str(root / "reference"), str(tmp_path / "carry" / "reference"))
-  assert not (tmp_path / "carry").exists()
-
-
-def test_carried_run_resumes_on_a_new_machine_as_if_uninterrupted(carry_runs, tmp_path):
-  """save -> runs/ gone -> the queue restores, resumes and publishes it, and drops the carried
-  copy; the parameters and ε are those of one uninterrupted run."""
-  root, reference = carry_runs
-  workdir = tmp_path / "runs" / "tiny_s0"
-  shutil.copytree(root / "stopped", workdir)
-  assert sorted(os.listdir(workdir / "naive_dp" / "checkpoints")) == ["1", "2"]
-  carried = tmp_path / "carry" / "tiny_s0"
-  assert carry.save(str(workdir), str(carried)) == [os.path.join("naive_dp", "checkpoints", "2")]
-  assert os.listdir(carried / "naive_dp" / "checkpoints") == ["2"]  # what a resume reads
-  assert not (carried / "tensorboard").exists() and (carried / "config.json").exists()
-  shutil.rmtree(tmp_path / "runs")  # a new machine
-  drive = _queue_driver(
-      tmp_path, "tiny_s0 experiments/configs/tiny.py --config.methods=('naive_dp',) "
-      "--config.privacy_seed=7\n")
-  r = drive()
-  assert r.returncode == 0, r.stdout + r.stderr
-  assert "restored tiny_s0" in r.stdout and "deleted" in r.stdout, r.stdout
-  assert not carried.exists()
-  published = json.loads((tmp_path / "results" / "tiny_s0" / "results.json").read_text())
-  assert published["naive_dp"]["finished"] and published["naive_dp"]["steps"] > 2
-  assert published["naive_dp"]["epsilon"] == reference["epsilon"]
-  resumed = finetuning.load_pretrained(str(workdir), "naive_dp",
-                                       finetuning.read_pretrain(str(workdir))[0])
-  leaves, expected = (jax.tree_util.tree_leaves(p) for p in (resumed, reference["params"]))
-  assert len(leaves) == len(expected)
-  for a, b in zip(leaves, expected):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_timed_attempt_keeps_the_time_of_a_killed_attempt(tmp_path):
-  """A driver killed mid-run (SIGKILL, as at the end of a session) leaves its attempt in
-  wallclock.json with its seconds up to the last heartbeat and returncode null, which the
-  queue does not count as a failure."""
-  script = ("import sys, time; from experiments import run_queue\n"
-            "with run_queue.timed_attempt(sys.argv[1], 'cmd', heartbeat_seconds=0.1):\n"
-            "  print('started', flush=True); time.sleep(600)\n")
-  proc = subprocess.Popen(
-      [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-  assert proc.stdout.readline().strip() == "started"
-  time.sleep(1.5)
-  proc.kill()
-  proc.wait()
-  wc = json.loads((tmp_path / "wallclock.json").read_text())
-  (killed,) = wc["attempts"]
-  assert killed["returncode"] is None and 1.0 <= killed["seconds"] <= 10.0
-  assert run_queue.failed_attempts(str(tmp_path)) == 0
-  with run_queue.timed_attempt(str(tmp_path), "cmd") as attempt:
-    attempt["returncode"] = 3
-  wc = json.loads((tmp_path / "wallclock.json").read_text())
-  assert [a["returncode"] for a in wc["attempts"]] == [None, 3]
-  assert math.isclose(wc["total_seconds"], sum(a["seconds"] for a in wc["attempts"]), abs_tol=0.11)
-  assert run_queue.failed_attempts(str(tmp_path)) == 1
 
 
 def _render_two_groups(tmp_path, block: str, seed: int):

@@ -382,7 +382,7 @@ def test_cifar_embedding_net_smoke(tmp_path):
   d = os.environ.get("LOGIT_DP_CIFAR_DIR")
   if not d or not os.path.exists(os.path.join(d, "cifar10.npz")):
     pytest.skip(
-        "set LOGIT_DP_CIFAR_DIR to a folder made by `python <shared>/data/unpack.py --out DIR`")
+        "set LOGIT_DP_CIFAR_DIR to a folder made by `python -m experiments.cifar --out DIR`")
   from experiments.configs import cifar10_embedding_net
   cfg = cifar10_embedding_net.get_config()
   cfg.data.npz_dir = d
@@ -510,61 +510,3 @@ def test_geometry_block_renders_every_method_of_every_report(tmp_path):
     json.dump(dict(workdir="b_s0", n=4, methods={"untrained": row}), f)
   with pytest.raises(ValueError, match="different numbers of test images"):
     render_results.render(text, {}, None, str(tmp_path))
-
-
-def test_gpu_stage_carries_the_data_in_parts_and_refuses_a_corrupt_one(tmp_path):
-  """prepare cuts the data into parts; receive, part by part, rebuilds it byte for byte and runs
-  unpack.py on it only once every part is in, after the SHA-256 check."""
-  shared = tmp_path / "shared"
-  shared.mkdir()
-  rng = np.random.default_rng(0)
-  for name in ("cifar10_train.webp.npz", "cifar10_test.webp.npz", "cifar10_label_names.json"):
-    (shared / name).write_bytes(rng.bytes(2500))
-  (shared / "unpack.py").write_text(
-      "import argparse, os, shutil\np = argparse.ArgumentParser()\np.add_argument('--out')\n"
-      "p.add_argument('--only')\na = p.parse_args()\nos.makedirs(a.out, exist_ok=True)\n"
-      "shutil.copy(os.path.join(os.path.dirname(__file__), a.only + '_train.webp.npz'),\n"
-      "            os.path.join(a.out, a.only + '.npz'))\n")
-  script = os.path.join(REPO, "experiments", "gpu_stage.sh")
-  env = dict(os.environ, GPU_STAGE_OUT=str(tmp_path / "parts"), GPU_STAGE_CHUNK="2000",
-             GPU_STAGE_WHEELS="0")
-  subprocess.run(["bash", script, "prepare", str(shared)], env=env, check=True, cwd=REPO)
-  parts = sorted(os.listdir(tmp_path / "parts"))
-  chunks = [tmp_path / "parts" / p / f"chunk.{p[4:]}" for p in parts]
-  assert len(parts) > 2 and all(c.stat().st_size <= 2000 for c in chunks)
-
-  npz = tmp_path / "npz"
-
-  def receive(stage, part):
-    command = ["bash", script, "receive", str(tmp_path / "parts" / part), str(stage), str(npz)]
-    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
-
-  for part in parts[:-1]:
-    assert "staged" not in receive(tmp_path / "stage", part).stdout
-  assert not npz.exists()
-  assert "staged:" in receive(tmp_path / "stage", parts[-1]).stdout
-  staged = (npz / "cifar10.npz").read_bytes()
-  assert staged == (shared / "cifar10_train.webp.npz").read_bytes()
-  data = bytearray(chunks[1].read_bytes())
-  data[0] ^= 1
-  chunks[1].write_bytes(bytes(data))
-  results = [receive(tmp_path / "stage2", part) for part in parts]
-  assert results[-1].returncode != 0 and "FAILED" in results[-1].stdout + results[-1].stderr
-
-
-def test_resnet18_gpu_collect_copies_the_small_results_of_a_workdir(tmp_path):
-  """--collect brings back what the tables need (config, results, each method's metrics) and no
-  checkpoint, also from a run that has not finished (a method's folder may be missing)."""
-  workdir = tmp_path / "run"
-  for m in ("logit_dp", "naive_dp"):
-    (workdir / m / "checkpoints").mkdir(parents=True)
-    (workdir / m / "metrics.csv").write_text(f"step,{m}\n")
-    (workdir / m / "checkpoints" / "5").write_text("noise key")
-  (workdir / "config.json").write_text("{}")
-  out = tmp_path / "out"
-  out.mkdir()
-  env = dict(os.environ, WORKDIR=str(workdir), OUT=str(out))
-  script = os.path.join(REPO, "experiments", "resnet18_gpu.sh")
-  subprocess.run(["bash", script, "--collect"], env=env, check=True, cwd=REPO, capture_output=True)
-  assert sorted(os.listdir(out)) == ["config.json", "logit_dp.metrics.csv", "naive_dp.metrics.csv"]
-  assert (out / "naive_dp.metrics.csv").read_text() == "step,naive_dp\n"

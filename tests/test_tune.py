@@ -11,12 +11,13 @@ import math
 import numpy as np
 import pytest
 
-from experiments import run_queue
 from experiments import tune
+from experiments import workdirs
 from experiments.configs import cifar10_embedding_net_triangle
 from experiments.configs import cifar10_embedding_net_tuned
 from experiments.configs import tiny
 from experiments.configs import tune_cifar100
+from tools import run_queue
 
 # ---------------------------------------------------------------------------
 # The search logic on the real 17-candidate config, with a scripted trainer (no training).
@@ -241,8 +242,8 @@ def _parse_config_flags(config_arg: str, *overrides: str):
 
 
 def test_every_npz_config_takes_the_data_folder_from_the_command_line(scripted_search):
-  """As pretrain.py / finetune.py and run_queue pass it: ``--config.data.npz_dir=DIR``. The
-  tuned config once lost the placeholder's type in a copy and refused the flag."""
+  """As pretrain.py, finetune.py and tools/run_queue.py pass it: ``--config.data.npz_dir=DIR``.
+  The tuned config once lost the placeholder's type in a copy and refused the flag."""
   configs = os.path.join(os.path.dirname(tune.__file__), "configs")
   search = os.path.join(scripted_search["results"], "search.json")
   checked = []
@@ -258,20 +259,20 @@ def test_every_npz_config_takes_the_data_folder_from_the_command_line(scripted_s
   assert "cifar10_embedding_net_tuned.py" in checked and len(checked) >= 10, checked
 
 
-def test_every_queue_line_parses_with_the_committed_search():
-  """What run_queue will run: each line's config with its overrides, the tuned config reading the
-  committed search.json (a config default added later once made every tuned line fail)."""
+def test_every_published_run_line_parses_with_the_committed_search():
+  """What tools/run_queue.py runs: each line's config with its overrides, the tuned config reading
+  the committed search.json (a config default added later must not make a tuned line fail)."""
   repo = os.path.dirname(os.path.dirname(tune.__file__))
   parsed = 0
-  for queue in ("queue.txt", "queue_tuned.txt"):
-    for name, config, overrides in run_queue.read_queue(os.path.join(repo, "experiments", queue)):
-      if config == "finetune":
-        continue
-      cfg = _parse_config_flags(os.path.join(repo, config), *overrides)
-      assert cfg.seed == int(name.rsplit("_s", 1)[1]), name
-      if "--config.delta_includes_overflow=False" in overrides:
-        assert cfg.delta_includes_overflow is False
-      parsed += 1
+  for name, config, overrides in run_queue.read_queue(
+      os.path.join(repo, "tools", "published_runs.txt")):
+    if config == "finetune":
+      continue
+    cfg = _parse_config_flags(os.path.join(repo, config), *overrides)
+    assert cfg.seed == int(name.rsplit("_s", 1)[1]), name
+    if "--config.delta_includes_overflow=False" in overrides:
+      assert cfg.delta_includes_overflow is False
+    parsed += 1
   assert parsed >= 20
 
 
@@ -388,7 +389,7 @@ def test_tiny_search_trains_resumes_and_picks(tmp_path):
   cfg.base.stop_after_steps = 2
   part = tune.run_search(cfg, str(tmp_path / "runs"), str(tmp_path / "res"))
   assert not part["complete"] and len(part["candidates"]) == 1
-  assert not run_queue.is_finished(str(tmp_path / "runs" / "base"))
+  assert not workdirs.is_finished(str(tmp_path / "runs" / "base"))
   cfg.base.stop_after_steps = None
   done = tune.run_search(cfg, str(tmp_path / "runs"), str(tmp_path / "res"))
   assert done["complete"]

@@ -6,10 +6,15 @@ Batch 10,000, 20 epochs, Adam with lr 1e-2 (Logit-DP), 1e-2 (Naive-DP), 1e-3
     python experiments/pretrain.py --config=experiments/configs/cifar10_embedding_net.py \
         --config.data.npz_dir=DIR --workdir=runs/cifar10_embnet
 
-DIR holds cifar10.npz (offline: `python <shared>/data/unpack.py --out DIR`).  The
-50,000 train images make 25,000 disjoint same-class pair records, so q = 0.4 and
-T = 50 steps.  Ghost clipping at n = 10,000 costs O(n^2 d p) per step, far beyond a
-CPU: on a CPU use clip_method="triangle" and/or a subset (see docs/RESULTS.md).
+DIR holds cifar10.npz (`python -m experiments.cifar --out DIR` makes it from the official
+archive); without ``--config.data.npz_dir`` the archive is downloaded into the cache folder once.
+The 50,000 train images make 25,000 disjoint same-class pair records, so q = 0.4 and T = 50
+steps.  Exact ghost clipping at n = 10,000 costs O(n^2 d p) per step: an accelerator's work
+(about 400 s a step on two CPU cores, docs/BENCHMARKS.md).  On a CPU use
+`cifar10_embedding_net_projected` (clip_method="projected": a bound exact on the span of public
+CIFAR-100 references' Jacobians, close to the exact norms), not clip_method="triangle": the
+triangle bound over-estimates the negative pairs' norms several-fold, so clipping biases the
+gradient towards collapsed embeddings (docs/RESULTS.md).
 """
 
 from experiments.configs import default

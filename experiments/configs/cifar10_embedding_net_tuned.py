@@ -1,4 +1,4 @@
-"""The private CIFAR-10 run with the Logit-DP setting chosen on public CIFAR-100 (issue #18).
+"""The private CIFAR-10 run with the Logit-DP setting chosen on public CIFAR-100.
 
 `cifar10_embedding_net_triangle` (25,000 records, expected batch 10,000, ε = 5, δ = 1e-5,
 triangle clipping; the projected bound's references, if it is chosen, are 64 CIFAR-100 train
@@ -18,8 +18,8 @@ its base is not this config on CIFAR-100 (e.g. a ``--subset`` search).
         --config.data.npz_dir=DIR --config.seed=S --workdir=runs/cifar10_embnet_tuned_sS
 
 ``--config=experiments/configs/cifar10_embedding_net_tuned.py:PATH`` reads another
-search.json. `ready` tells experiments/run_queue.py to wait for the search rather than run (and
-fail) before it has finished.
+search.json. `ready` says whether the search has finished, so that a script running several
+configs can wait for it rather than start (and fail) too early.
 """
 
 import os

@@ -7,7 +7,7 @@ pair records, q = 0.04, T = 50. B = 1 (ours; the paper's clip norms are 1e-5 / 1
 ``--config.clip_norms="{'logit_dp': 1e-5, 'naive_dp': 1e-3}"``). Per-pair clipping of an
 11M-parameter network: Logit-DP uses clip_method="triangle" (clips by an upper bound of every
 pair-gradient norm: still private, clips more than needed). In resumable pieces of
-under 10 minutes: ``bash experiments/resnet18_gpu.sh DIR``.
+under 10 minutes: ``bash tools/gpu/resnet18_gpu.sh DIR``.
 
     python experiments/pretrain.py --config=experiments/configs/cifar10_resnet18.py \
         --config.data.npz_dir=DIR --workdir=runs/cifar10_resnet18

@@ -24,8 +24,9 @@ def get_config():
   config.data.source = "digits"  # digits | npz | tfds
   config.data.name = "digits"  # cifar10 | cifar100 for npz/tfds
   config.data.label = "fine"  # fine | coarse (CIFAR-100 superclasses)
-  config.data.npz_dir = config_dict.placeholder(
-      str)  # folder with cifar10.npz / cifar100.npz (or $LOGIT_DP_CIFAR_DIR)
+  # Folder with cifar10.npz / cifar100.npz (None: $LOGIT_DP_CIFAR_DIR, else the official archive,
+  # downloaded, verified and unpacked once into $LOGIT_DP_DATA_DIR or ~/.cache/logit_dp).
+  config.data.npz_dir = config_dict.placeholder(str)
   config.data.tfds_data_dir = config_dict.placeholder(str)
   config.data.test_fraction = 0.2  # digits only
   config.data.train_subset = config_dict.placeholder(
@@ -63,10 +64,14 @@ def get_config():
       float)  # None: calibrated to (target_epsilon, target_delta)
   # True: σ is calibrated at δ minus the padded batches' overflow term, so the certified δ
   # (overflow term included) is at most target_delta, and training refuses steps past it.
-  # False (every run before 2026-11-25): σ at target_delta, the certified δ slightly above it.
+  # False: σ at target_delta, the certified δ slightly above it.
   config.delta_includes_overflow = True
   config.clip_norm = 1.0
-  config.clip_method = "ghost"  # ghost | triangle | materialize
+  # ghost (exact, bounded memory) | projected (a bound exact on the span of public references'
+  # Jacobians; needs config.projection, as configs/cifar10_embedding_net_projected.py) |
+  # materialize (exact, all pair gradients in memory; small models) | triangle (an upper bound:
+  # private, but biased towards collapse for contrastive losses).
+  config.clip_method = "ghost"
   config.microbatch_size = config_dict.placeholder(int)
   config.log_private_train_loss = False
   # DP-GCL (method "dp_gcl", the grouped baseline): records are hashed by id into

@@ -1,4 +1,4 @@
-"""The public-data search of Logit-DP settings (issue #18 item 2): CIFAR-100 as public data.
+"""The public-data search of Logit-DP settings: CIFAR-100 as public data.
 
     python -m experiments.tune --config=experiments/configs/tune_cifar100.py \
         --config.base.data.npz_dir=DIR --runs_dir=runs/tune_cifar100 \

@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# Takes the offline CIFAR copies and the wheels the GPU image lacks to a lent GPU machine, whose
-# calls carry at most 64 MiB each (working tree included): here the data is cut into parts of
-# at most CHUNK bytes, one part per call; there each call adds its part to a staging folder, and
-# the call with the last part checks the SHA-256, unpacks the data and installs the wheels.
+# Takes the CIFAR data, and the wheels the GPU image lacks, to an accelerator host whose calls
+# carry at most 64 MiB each (working tree included): here the data is cut into parts of at most
+# CHUNK bytes, one part per call; there each call adds its part to a staging folder, and the call
+# with the last part checks the SHA-256 of the whole, unpacks the data and installs the wheels.
 #
-#   here:  bash experiments/gpu_stage.sh prepare SHARED_DATA_DIR [DATASETS]
-#            DATASETS: cifar10 (default) or cifar10,cifar100. Writes .gpu_stage/part00, part01, …
+#   here:  bash tools/gpu/gpu_stage.sh prepare DATA_DIR [DATASETS]
+#            DATASETS: cifar10 (default) or cifar10,cifar100. DATA_DIR holds, for each data set,
+#            its official archive (cifar-10-python.tar.gz, cifar-100-python.tar.gz) or its
+#            Keras-style npz (cifar10.npz, cifar100.npz: `python -m experiments.cifar --out
+#            DATA_DIR`); an archive travels smaller. Writes .gpu_stage/part00, part01, …
 #            (git-excluded; GPU_STAGE_OUT=DIR writes there instead) and downloads the
 #            dp-accounting, ml-collections and tensorboardX wheels for the image's Python 3.12
 #            (GPU_STAGE_WHEELS=0 skips them).
-#   there: bash experiments/gpu_stage.sh receive .gpu_stage/partKK STAGE_DIR NPZ_DIR
-#            one device call per part, carrying .gpu_stage/partKK, back to back (a machine stays
-#            warm 30 s after a call). Prints "staged: NPZ_DIR" once every part is in, and puts
-#            the wheels in STAGE_DIR/site: export PYTHONPATH=STAGE_DIR/site:$PWD.
-#   then, e.g.: experiments/resnet18_gpu.sh's call sequence, or the exact-ghost seed (queue entry
-#     cifar10_embnet_ghost_s0; started with setsid so that it runs on between calls):
-#     python experiments/pretrain.py --config=experiments/configs/cifar10_embedding_net.py \
-#       --config.seed=0 --config.methods="('logit_dp',)" --config.checkpoint_every=1 \
-#       --config.data.npz_dir=NPZ_DIR --workdir=runs/cifar10_embnet_ghost_s0
+#   there: bash tools/gpu/gpu_stage.sh receive .gpu_stage/partKK STAGE_DIR NPZ_DIR
+#            one call per part, carrying .gpu_stage/partKK, back to back. Prints "staged: NPZ_DIR"
+#            once every part is in (an archive is verified against its published checksums and
+#            unpacked by experiments.cifar), and puts the wheels in STAGE_DIR/site:
+#            export PYTHONPATH=STAGE_DIR/site:$PWD.
+#   then, e.g., tools/gpu/resnet18_gpu.sh's call sequence.
 set -euo pipefail
 CHUNK=${GPU_STAGE_CHUNK:-55000000}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 prepare() {
-  local src=${1:?usage: gpu_stage.sh prepare SHARED_DATA_DIR [DATASETS]} datasets=${2:-cifar10}
+  local src=${1:?usage: gpu_stage.sh prepare DATA_DIR [DATASETS]} datasets=${2:-cifar10}
   local out=${GPU_STAGE_OUT:-.gpu_stage} work exclude
   if [[ $out == .gpu_stage ]]; then
     exclude=$(git rev-parse --git-path info/exclude)
@@ -32,11 +32,20 @@ prepare() {
   fi
   rm -rf "$out" && mkdir -p "$out"
   work=$(mktemp -d)
-  local files=(unpack.py)
+  local d archive
   for d in ${datasets//,/ }; do
-    files+=("${d}_train.webp.npz" "${d}_test.webp.npz" "${d}_label_names.json")
+    archive=$(archive_name "$d")
+    if [[ -f $src/$archive ]]; then
+      cp "$src/$archive" "$work/"
+    elif [[ -f $src/$d.npz ]]; then
+      cp "$src/$d.npz" "$work/"
+      if [[ -f $src/${d}_label_names.json ]]; then cp "$src/${d}_label_names.json" "$work/"; fi
+    else
+      echo "$src holds neither $archive nor $d.npz (python -m experiments.cifar --out $src)" >&2
+      rm -rf "$work"
+      return 1
+    fi
   done
-  for f in "${files[@]}"; do cp "$src/$f" "$work/"; done
   if [[ ${GPU_STAGE_WHEELS:-1} != 0 ]]; then
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux2014_x86_64 -d "$work/wheels" \
@@ -55,6 +64,8 @@ prepare() {
   du -sh "$out"/part*
 }
 
+archive_name() { echo "${1/cifar/cifar-}-python.tar.gz"; }  # cifar10 -> cifar-10-python.tar.gz
+
 pip_version() { python3 -m pip show "$1" | awk '/^Version:/{print $2}'; }
 
 receive() {
@@ -71,9 +82,15 @@ receive() {
   (cd "$stage" && cat chunk.* >stage.tar && sha256sum -c SHA256SUM && rm chunk.*)
   mkdir -p "$stage/files" && tar -C "$stage/files" -xf "$stage/stage.tar" && rm "$stage/stage.tar"
   local d
+  mkdir -p "$npz"
   for d in cifar10 cifar100; do
-    if [[ -f "$stage/files/${d}_train.webp.npz" ]]; then
-      python3 "$stage/files/unpack.py" --out "$npz" --only "$d"
+    if [[ -f "$stage/files/$(archive_name "$d")" ]]; then
+      python3 -m experiments.cifar --out "$npz" --datasets "$d" --archive_dir "$stage/files"
+    elif [[ -f "$stage/files/$d.npz" ]]; then
+      cp "$stage/files/$d.npz" "$npz/"
+      if [[ -f $stage/files/${d}_label_names.json ]]; then
+        cp "$stage/files/${d}_label_names.json" "$npz/"
+      fi
     fi
   done
   if compgen -G "$stage/files/wheels/*.whl" >/dev/null; then
@@ -86,6 +103,6 @@ receive() {
 case "${1:-}" in
   prepare) shift && prepare "$@" ;;
   receive) shift && receive "$@" ;;
-  *) echo "usage: gpu_stage.sh prepare SHARED_DATA_DIR [DATASETS] | receive PART STAGE NPZ" >&2
+  *) echo "usage: gpu_stage.sh prepare DATA_DIR [DATASETS] | receive PART STAGE NPZ" >&2
      exit 2 ;;
 esac

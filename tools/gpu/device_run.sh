@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU benchmark session: environment, the clipping tests on the device, the step
+# The GPU benchmark run: environment, the clipping tests on the device, the step
 # benchmark on the embedding net (n up to 10,000 in one logical batch) and ResNet-18, and
 # fresh-process peak device memory.  Each stage has its own time limit and writes into
 # RESULTS as it goes, so a stage that runs out of time loses only itself.
 #
-#   bash benchmarks/device_run.sh RESULTS_DIR
+#   bash tools/gpu/device_run.sh RESULTS_DIR
 set -u
 RES=${1:?usage: device_run.sh RESULTS_DIR}
 mkdir -p "$RES"
+RES=$(cd "$RES" && pwd)
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 BENCH="python3 -m benchmarks.step_benchmark --compile-cache $RES/.jax_cache"

@@ -1,0 +1,233 @@
+"""The contributor tools: the run driver, the run records it writes, the accelerator scripts."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json
+import math
+import shutil
+import subprocess
+import time
+
+import numpy as np
+
+from experiments import workdirs
+from tools import run_queue
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_TOOLS = os.path.join(REPO, "tools", "gpu")
+
+# ---------------------------------------------------------------------------
+# The run driver.
+
+
+def _queue_driver(tmp_path, queue_text: str):
+  """Writes the list of runs; returns a function that runs the driver on it once."""
+  queue = tmp_path / "queue.txt"
+  queue.write_text(queue_text)
+  args = [
+      sys.executable, "-m", "tools.run_queue", f"--queue={queue}",
+      f"--runs_dir={tmp_path / 'runs'}", f"--results_dir={tmp_path / 'results'}"
+  ]
+  return lambda: subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+
+
+def test_run_queue_runs_skips_and_publishes(tmp_path):
+  drive = _queue_driver(
+      tmp_path, "# a comment\n"
+      "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)  # np\n")
+  r = drive()
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "start tiny_s0" in r.stdout and r.stdout.rstrip().endswith("queue done")
+  published = sorted(os.listdir(tmp_path / "results" / "tiny_s0"))
+  assert published == ["config.json", "results.json", "wallclock.json"]
+  wc = json.loads((tmp_path / "results" / "tiny_s0" / "wallclock.json").read_text())
+  assert len(wc["attempts"]) == 1 and wc["attempts"][0]["returncode"] == 0
+  assert math.isclose(wc["total_seconds"], wc["attempts"][0]["seconds"])
+  r = drive()  # finished: skipped
+  assert "start" not in r.stdout and "queue done" in r.stdout
+
+
+def test_run_queue_without_workdirs_trusts_the_published_runs(tmp_path):
+  """runs/ gone, results/ kept: a published run is not retrained; a fine-tuning entry whose
+  encoders were in runs/ is reported, not run and not waited for in silence."""
+  drive = _queue_driver(tmp_path,
+                        "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n")
+  assert drive().returncode == 0
+  shutil.rmtree(tmp_path / "runs")
+  drive = _queue_driver(
+      tmp_path, "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n"
+      "ft_s0 finetune tiny_s0\n")
+  r = drive()
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "start" not in r.stdout and r.stdout.rstrip().endswith("queue done"), r.stdout
+  assert "cannot run: ft_s0 (runs/tiny_s0 is gone" in r.stdout
+  assert not (tmp_path / "runs" / "tiny_s0").exists()
+
+
+def test_run_queue_waits_for_a_config_that_is_not_ready(tmp_path):
+  """A config file's ready(arg) holds its entry back; later entries run meanwhile."""
+  flag = tmp_path / "go"
+  config = tmp_path / "gated.py"
+  config.write_text("import os\nfrom experiments.configs.tiny import get_config\n"
+                    "def ready(arg=None):\n  return os.path.exists(arg)\n")
+  drive = _queue_driver(
+      tmp_path, f"gated_s0 {config}:{flag} --config.methods=('non_private',)\n"
+      "tiny_s0 experiments/configs/tiny.py --config.methods=('non_private',)\n")
+  r = drive()
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "start tiny_s0" in r.stdout and "start gated_s0" not in r.stdout
+  assert "waiting: gated_s0 (not ready)" in r.stdout and r.stdout.rstrip().endswith("queue done")
+  flag.write_text("")
+  r = drive()
+  assert "start gated_s0" in r.stdout and "start tiny_s0" not in r.stdout, r.stdout + r.stderr
+
+
+def test_published_runs_list_names_each_published_run_once():
+  """Every entry of tools/published_runs.txt names a config that exists (or a fine-tuning of an
+  earlier entry), and no run twice."""
+  entries = run_queue.read_queue(os.path.join(REPO, "tools", "published_runs.txt"))
+  names = [n for n, _, _ in entries]
+  assert len(names) == len(set(names)) and len(names) > 50
+  for i, (name, config, overrides) in enumerate(entries):
+    if config == "finetune":
+      assert overrides[0] in names[:i], name
+    else:
+      assert os.path.exists(os.path.join(REPO, config.partition(":")[0])), (name, config)
+
+
+# ---------------------------------------------------------------------------
+# Run records (experiments.workdirs).
+
+
+def test_timed_attempt_keeps_the_time_of_a_killed_attempt(tmp_path):
+  """A process killed mid-run (SIGKILL) leaves its attempt in wallclock.json with its seconds up
+  to the last heartbeat and returncode null, which does not count as a failure."""
+  script = ("import sys, time; from experiments import workdirs\n"
+            "with workdirs.timed_attempt(sys.argv[1], 'cmd', heartbeat_seconds=0.1):\n"
+            "  print('started', flush=True); time.sleep(600)\n")
+  proc = subprocess.Popen(
+      [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+  assert proc.stdout.readline().strip() == "started"
+  time.sleep(1.5)
+  proc.kill()
+  proc.wait()
+  wc = json.loads((tmp_path / "wallclock.json").read_text())
+  (killed,) = wc["attempts"]
+  assert killed["returncode"] is None and 1.0 <= killed["seconds"] <= 10.0
+  assert workdirs.failed_attempts(str(tmp_path)) == 0
+  with workdirs.timed_attempt(str(tmp_path), "cmd") as attempt:
+    attempt["returncode"] = 3
+  wc = json.loads((tmp_path / "wallclock.json").read_text())
+  assert [a["returncode"] for a in wc["attempts"]] == [None, 3]
+  assert math.isclose(wc["total_seconds"], sum(a["seconds"] for a in wc["attempts"]), abs_tol=0.11)
+  assert workdirs.failed_attempts(str(tmp_path)) == 1
+
+
+def test_publish_copies_only_the_shareable_files(tmp_path):
+  workdir, dest = tmp_path / "run", tmp_path / "published"
+  (workdir / "logit_dp" / "checkpoints").mkdir(parents=True)
+  for name in ("config.json", "extra.json", "log.txt"):
+    (workdir / name).write_text(name)
+  (workdir / "logit_dp" / "checkpoints" / "3").write_text("noise key")
+  assert not workdirs.is_finished(str(workdir))  # no results.json
+  (workdir / "results.json").write_text(json.dumps({"logit_dp": {"finished": False}}))
+  assert not workdirs.is_finished(str(workdir))
+  (workdir / "results.json").write_text(json.dumps({"logit_dp": {"finished": True}}))
+  assert workdirs.is_finished(str(workdir))
+  workdirs.publish(str(workdir), str(dest), extra_files=("extra.json",))
+  assert sorted(os.listdir(dest)) == ["config.json", "extra.json", "results.json"]
+
+
+# ---------------------------------------------------------------------------
+# Accelerator scripts.
+
+
+def test_gpu_scripts_parse():
+  for script in sorted(os.listdir(GPU_TOOLS)):
+    subprocess.run(["bash", "-n", os.path.join(GPU_TOOLS, script)], check=True)
+
+
+def _stage(tmp_path, source, datasets="cifar10"):
+  """Runs `gpu_stage.sh prepare` on ``source`` in parts of 2,000 bytes; returns the part names,
+  a function that receives one part into a staging folder, and the npz folder it fills."""
+  script = os.path.join(GPU_TOOLS, "gpu_stage.sh")
+  env = dict(os.environ, GPU_STAGE_OUT=str(tmp_path / "parts"), GPU_STAGE_CHUNK="2000",
+             GPU_STAGE_WHEELS="0")
+  subprocess.run(["bash", script, "prepare", str(source), datasets], env=env, check=True,
+                 cwd=tmp_path, capture_output=True)
+  npz = tmp_path / "npz"
+
+  def receive(stage, part):
+    command = ["bash", script, "receive", str(tmp_path / "parts" / part), str(stage), str(npz)]
+    return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+
+  return sorted(os.listdir(tmp_path / "parts")), receive, npz
+
+
+def test_gpu_stage_carries_the_data_in_parts_and_refuses_a_corrupt_one(tmp_path):
+  """prepare cuts the data into parts; receive, part by part, rebuilds it byte for byte only once
+  every part is in, after the SHA-256 check."""
+  source = tmp_path / "data"
+  source.mkdir()
+  rng = np.random.default_rng(0)
+  (source / "cifar10.npz").write_bytes(rng.bytes(5000))
+  (source / "cifar10_label_names.json").write_text('{"label_names": []}')
+  parts, receive, npz = _stage(tmp_path, source)
+  chunks = [tmp_path / "parts" / p / f"chunk.{p[4:]}" for p in parts]
+  assert len(parts) > 2 and all(c.stat().st_size <= 2000 for c in chunks)
+  for part in parts[:-1]:
+    assert "staged" not in receive(tmp_path / "stage", part).stdout
+  assert not npz.exists()
+  last = receive(tmp_path / "stage", parts[-1])
+  assert "staged:" in last.stdout, last.stdout + last.stderr
+  assert (npz / "cifar10.npz").read_bytes() == (source / "cifar10.npz").read_bytes()
+  assert (npz / "cifar10_label_names.json").exists()
+  data = bytearray(chunks[1].read_bytes())
+  data[0] ^= 1
+  chunks[1].write_bytes(bytes(data))
+  results = [receive(tmp_path / "stage2", part) for part in parts]
+  assert results[-1].returncode != 0 and "FAILED" in results[-1].stdout + results[-1].stderr
+
+
+def test_gpu_stage_checks_an_archive_against_the_published_checksums(tmp_path):
+  """An archive under the official name is unpacked there by experiments.cifar, which refuses
+  one that is not the official archive."""
+  source = tmp_path / "data"
+  source.mkdir()
+  (source / "cifar-10-python.tar.gz").write_bytes(np.random.default_rng(1).bytes(3000))
+  parts, receive, npz = _stage(tmp_path, source)
+  results = [receive(tmp_path / "stage", part) for part in parts]
+  assert results[-1].returncode != 0
+  assert "is not the official cifar-10-python.tar.gz" in results[-1].stderr
+  assert not (npz / "cifar10.npz").exists()
+
+
+def test_gpu_stage_refuses_a_folder_without_the_data(tmp_path):
+  script = os.path.join(GPU_TOOLS, "gpu_stage.sh")
+  env = dict(os.environ, GPU_STAGE_OUT=str(tmp_path / "parts"), GPU_STAGE_WHEELS="0")
+  r = subprocess.run(
+      ["bash", script, "prepare", str(tmp_path), "cifar100"], env=env, capture_output=True,
+      text=True)
+  assert r.returncode != 0 and "neither cifar-100-python.tar.gz nor cifar100.npz" in r.stderr
+
+
+def test_resnet18_gpu_collect_copies_the_small_results_of_a_workdir(tmp_path):
+  """--collect brings back what the tables need (config, results, each method's metrics) and no
+  checkpoint, also from a run that has not finished (a method's folder may be missing)."""
+  workdir = tmp_path / "run"
+  for m in ("logit_dp", "naive_dp"):
+    (workdir / m / "checkpoints").mkdir(parents=True)
+    (workdir / m / "metrics.csv").write_text(f"step,{m}\n")
+    (workdir / m / "checkpoints" / "5").write_text("noise key")
+  (workdir / "config.json").write_text("{}")
+  out = tmp_path / "out"
+  out.mkdir()
+  env = dict(os.environ, WORKDIR=str(workdir), OUT=str(out))
+  script = os.path.join(GPU_TOOLS, "resnet18_gpu.sh")
+  subprocess.run(["bash", script, "--collect"], env=env, check=True, cwd=tmp_path,
+                 capture_output=True)
+  assert sorted(os.listdir(out)) == ["config.json", "logit_dp.metrics.csv", "naive_dp.metrics.csv"]
+  assert (out / "naive_dp.metrics.csv").read_text() == "step,naive_dp\n"
