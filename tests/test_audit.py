@@ -142,6 +142,47 @@ def test_the_audit_catches_a_sensitivity_without_the_temperature_factor():
   assert found.ratio > 1.0
 
 
+@jax.custom_jvp
+def _nan_slope_near_one(z):
+  """0, with a NaN derivative wherever |Z_ij| > 0.9999 (and 0 elsewhere)."""
+  return jnp.zeros_like(z)
+
+
+@_nan_slope_near_one.defjvp
+def _nan_slope_near_one_jvp(primals, tangents):
+  (z,), (t,) = primals, tangents
+  return jnp.zeros_like(z), jnp.where(jnp.abs(z) > 0.9999, jnp.nan, 0.0) * t
+
+
+class _NanNearOneSpreadout(losses_lib.Spreadout):
+  """Spreadout whose weights τ_ij are NaN on near-identical pairs only: a ḡ that is NaN on
+  some batches (the near-identical restarts) and finite on the others."""
+  def __call__(self, z, mask=None):
+    return super().__call__(z, mask) + jnp.sum(_nan_slope_near_one(z))
+
+
+@pytest.mark.parametrize("num_steps", [0, 1])
+def test_a_nan_gradient_on_one_restart_fails_the_search(num_steps):
+  """A NaN ḡ on some inputs is a failure of the audited code: one NaN restart among finite
+  ones makes the returned ratio NaN (it never passes ≤ 1), in the random search and in the
+  gradient ascent."""
+  fn, params, x, x_prime = make("linear", 4, seed=0)
+  loss = _NanNearOneSpreadout()
+  start = audit.max_removal_ratio(fn, params, loss, 0.1, x, x_prime)
+  assert 0 < start.ratio <= 1  # finite where no pair is near-identical
+  # Restart 3 draws near-identical positives (|Z_ii| > 0.9999): its ḡ is NaN.
+  found = audit.search_worst_case(fn, params, loss, 0.1, x, x_prime, key=jax.random.PRNGKey(1),
+                                  num_restarts=4, num_steps=num_steps)
+  assert not found.ratio <= 1 + TOL and np.isnan(found.ratio), found.ratio
+  assert np.all(np.isnan(found.gaps))
+  # The reported inputs reproduce the failure.
+  assert np.isnan(audit.max_removal_ratio(fn, params, loss, 0.1, found.x, found.x_prime).ratio)
+  # The same search without that restart passes: the NaN restart decides the result.
+  fine = audit.search_worst_case(fn, params, loss, 0.1, x, x_prime, key=jax.random.PRNGKey(1),
+                                 num_restarts=3, num_steps=0)
+  assert 0 < fine.ratio <= 1
+
+
 def test_search_argument_checks():
   fn, params, x, x_prime = make("linear", 3, seed=5)
   loss = logit_dp.losses.spreadout()
