@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import logit_dp
 from conftest import make_model
+from conftest import require_devices
 from helpers import rel_err
 from helpers import tree_norm
 from logit_dp import distributed
@@ -32,9 +33,7 @@ MASK = np.array([1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1], bool)  # paddi
 
 @pytest.fixture(scope="module", autouse=True)
 def _enough_devices():
-  if jax.device_count() < max(DEVICE_COUNTS):
-    pytest.skip(f"needs {max(DEVICE_COUNTS)} devices (XLA_FLAGS from conftest), "
-                f"got {jax.device_count()}")
+  require_devices(max(DEVICE_COUNTS))
 
 
 @functools.cache
