@@ -272,8 +272,8 @@ def _sharded_run(k):
     new_params, state, _ = step(params, state, data[idx], data_prime[idx], mask)
     run.ledger.record_steps(1)
     _assert_same_on_every_device((new_params, state))
-    steps.append((jax.device_get(params), jax.device_get(new_params),
-                  (data[idx], data_prime[idx], mask)))
+    steps.append(
+        (jax.device_get(params), jax.device_get(new_params), (data[idx], data_prime[idx], mask)))
     params = new_params
   return run, state, steps
 
