@@ -111,7 +111,6 @@ def test_no_batch_moves_the_gradient_by_more_than_the_sensitivity(case):
   assert result.ratio_sup <= result.ratio + 1e-12
 
 
-@pytest.mark.slow  # the search's power; the sensitivity audit above runs by default
 def test_gradient_ascent_search_finds_large_but_valid_ratios():
   fn, params, x, x_prime = make("linear", 4, seed=2)
   loss = logit_dp.losses.contrastive(0.5)
