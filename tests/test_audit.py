@@ -135,6 +135,18 @@ def test_naive_dp_search_approaches_2b_and_never_exceeds_it():
   assert found.bound == logit_dp.naive_sensitivity(1e-3)
 
 
+def test_naive_dp_sensitivity_b_would_be_wrong():
+  """Negative control of the Naive-DP bound 2B: a random search already finds a pair whose
+  removal moves the clipped batch gradient by more than B (the two clipped gradients point
+  apart), so the audit rejects B and accepts 2B."""
+  fn, params, x, x_prime = make("linear", 3, seed=3)
+  found = audit.search_worst_case(fn, params, logit_dp.losses.contrastive(0.5), 1e-3, x, x_prime,
+                                  key=jax.random.PRNGKey(1), num_restarts=12, num_steps=0,
+                                  method="naive")
+  assert found.bound == logit_dp.naive_sensitivity(1e-3) == 2e-3
+  assert 1e-3 < found.max_gap <= found.bound * (1 + TOL)
+
+
 class _PaperContrastive(losses_lib.Contrastive):
   """The released code's constant: Lemma 3.4 without the 1/τ factor (too small)."""
   def sensitivity_factor(self, batch_size=None):

@@ -268,7 +268,8 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x_prime, mask):
-  """Adam ascent on (x, x′[, w]); returns the best max_k gap_k² seen and its arguments."""
+  """Adam ascent on (x, x′[, w]); returns the best max_k gap_k² seen and its arguments, or +inf
+  and the first point where a gap was not finite."""
   opt = optax.adam(learning_rate)
 
   def objective(variables):
