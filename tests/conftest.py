@@ -2,7 +2,12 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+NUM_SIMULATED_DEVICES = 8
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# Added to XLA_FLAGS that are already set rather than replacing them (or being dropped).
+_flags = os.environ.get("XLA_FLAGS", "")
+if _DEVICE_COUNT_FLAG not in _flags:
+  os.environ["XLA_FLAGS"] = f"{_flags} {_DEVICE_COUNT_FLAG}={NUM_SIMULATED_DEVICES}".strip()
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -49,6 +54,19 @@ def make_model(kind: str, n: int, seed: int = 0):
   x_prime = x + 0.5 * jax.random.normal(k2, shape)
   params = model.init(k3, x[:1])
   return model.apply, params, x, x_prime
+
+
+def require_devices(k: int) -> None:
+  """Fails unless k devices are visible. On CPU they are the simulated ones this file asks
+  XLA for, so fewer means a misconfiguration (an XLA_FLAGS with a smaller device count): a
+  failure, never a silent skip. An accelerator backend is skipped with its device count."""
+  if jax.device_count() >= k:
+    return
+  message = (f"needs {k} devices, {jax.default_backend()} has {jax.device_count()} "
+             f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+  if jax.default_backend() == "cpu":
+    pytest.fail(f"{message}: set {_DEVICE_COUNT_FLAG}={NUM_SIMULATED_DEVICES} or leave it unset.")
+  pytest.skip(message)
 
 
 @pytest.fixture

@@ -66,3 +66,64 @@ def save_config_started_before(config, workdir, *fields) -> None:
     del old[k]
   with open(path, "w") as f:
     json.dump(old, f)
+
+
+def chi2_interval(k: int, level: float) -> tuple[float, float]:
+  """The acceptance interval of the two-sided χ²(k) test at `level`: Σ(z/s)² of k i.i.d.
+  N(0, s²) draws falls outside it with probability `level`."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  return float(stats.chi2.ppf(level / 2, k)), float(stats.chi2.isf(level / 2, k))
+
+
+def chi2_statistic(noise, std: float) -> tuple[float, int]:
+  """(Σ(z/std)², k) over every coordinate z of every leaf of `noise` (a pytree or array)."""
+  z = flat(noise) / std
+  return float(np.sum(z * z)), z.size
+
+
+def chi2_power(k: int, level: float, std_ratio: float) -> float:
+  """P[the two-sided χ²(k) test at `level` for std s rejects] when the true std is
+  std_ratio·s: the statistic is then std_ratio²·χ²(k)."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  lo, hi = chi2_interval(k, level)
+  r2 = std_ratio ** 2
+  return float(stats.chi2.cdf(lo / r2, k) + stats.chi2.sf(hi / r2, k))
+
+
+def assert_noise_std(noise, std: float, level: float = 1e-6, off_by: float = 0.15,
+                     min_power: float = 0.99) -> None:
+  """Two-sided χ² test that every coordinate of `noise` is i.i.d. N(0, std²), at `level`
+  (its false-alarm probability). It first checks its own power: a std `off_by` too large or
+  too small is rejected with probability ≥ min_power."""
+  stat, k = chi2_statistic(noise, std)
+  for ratio in (1 + off_by, 1 - off_by):
+    assert chi2_power(k, level, ratio) >= min_power, (k, ratio, chi2_power(k, level, ratio))
+  lo, hi = chi2_interval(k, level)
+  assert lo < stat < hi, f"Σz² = {stat:.1f} outside ({lo:.1f}, {hi:.1f}) for k = {k}"
+
+
+def noise_std_is_rejected(noise, std: float, level: float = 1e-6) -> bool:
+  """Whether the χ² test of `assert_noise_std` rejects std (for negative controls)."""
+  stat, k = chi2_statistic(noise, std)
+  lo, hi = chi2_interval(k, level)
+  return not lo < stat < hi
+
+
+def max_abs_correlation_z(series) -> float:
+  """max over pairs of 1-D samples of √(m−3)·|atanh r| (Fisher z of Pearson's r, m the pair's
+  common length, the longer one truncated): ≈ |N(0, 1)| for each pair of independent series."""
+  worst = 0.0
+  for i in range(len(series)):
+    for j in range(i + 1, len(series)):
+      m = min(series[i].size, series[j].size)
+      a, b = np.ravel(series[i])[:m], np.ravel(series[j])[:m]
+      r = np.clip(np.corrcoef(a, b)[0, 1], -1 + 1e-15, 1 - 1e-15)
+      worst = max(worst, float(np.sqrt(m - 3) * abs(np.arctanh(r))))
+  return worst
+
+
+def independence_threshold(num_pairs: int, level: float = 1e-6) -> float:
+  """The Bonferroni bound on max_abs_correlation_z: exceeded with probability ≤ level when
+  every pair is independent."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  return float(stats.norm.isf(level / (2 * num_pairs)))

@@ -16,7 +16,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import logit_dp
+from conftest import MLP
 from conftest import make_model
+from conftest import require_devices
+from helpers import assert_noise_std
+from helpers import independence_threshold
+from helpers import max_abs_correlation_z
+from helpers import noise_std_is_rejected
 from helpers import rel_err
 from helpers import tree_norm
 from logit_dp import distributed
@@ -32,9 +38,7 @@ MASK = np.array([1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1], bool)  # paddi
 
 @pytest.fixture(scope="module", autouse=True)
 def _enough_devices():
-  if jax.device_count() < max(DEVICE_COUNTS):
-    pytest.skip(f"needs {max(DEVICE_COUNTS)} devices (XLA_FLAGS from conftest), "
-                f"got {jax.device_count()}")
+  require_devices(max(DEVICE_COUNTS))
 
 
 @functools.cache
@@ -204,64 +208,147 @@ def _private_optimizer():
   return distributed.make_private_optimizer(SIGMA, c, NOISE_KEY, optax.sgd(1.0)), c
 
 
-@functools.cache
-def _step_outputs(k):
-  """One private step (sgd, lr 1) on k devices: (new_params, new_state)."""
-  embed_fn, params, x, x_prime, clip_norm = _batch()
-  mesh = distributed.data_mesh(k)
-  opt, _ = _private_optimizer()
-  step = distributed.make_private_train_step(embed_fn, LOSSES["contrastive"], clip_norm, mesh, opt)
-  new_params, new_state, _ = step(distributed.replicate(params, mesh),
-                                  distributed.replicate(opt.init(params), mesh), x, x_prime, MASK)
-  return new_params, new_state
-
-
-# Slow: test_multihost's default test compares the noisy update of 2 processes × 2 devices with
-# one process (same key) and refuses per-process noise keys.
-@pytest.mark.slow
-def test_noise_is_identical_on_every_device_and_matches_single_device():
-  _, params, x, x_prime, _ = _batch()
-  opt, _ = _private_optimizer()
-  # Single device: ḡ -> transform -> sgd, with the same key.
-  _, grads = _single("contrastive")(params, x, x_prime, MASK)
-  update = jax.jit(lambda g, p: optax.apply_updates(p, opt.update(g, opt.init(p), p)[0]))
-  expected = update(grads, params)
-  for k in (2, 8):
-    new_params, new_state = _step_outputs(k)
-    _assert_same_on_every_device((new_params, new_state))
-    assert rel_err(new_params, expected) < 1e-5
-    assert int(new_state[0].count) == 1
-
-
 def _flat(tree):
   return np.concatenate(
       [np.ravel(np.asarray(leaf, np.float64)) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
-@pytest.mark.slow  # all four device counts (the noise: see the test above)
-def test_accounting_does_not_depend_on_device_count():
-  """Same sensitivity, same noise, same (σ, q, T): the same ε for any number of devices."""
+@pytest.mark.slow  # the sharded ḡ equals one device's (default: test_sharded_equals_single_device)
+def test_removing_a_pair_moves_the_sharded_gradient_the_same_for_every_device_count():
+  """Add-or-remove one pair (row 3 masked out): the change of the global ḡ is the same for
+  every k and within the sensitivity of the single-device mechanism."""
   _, params, x, x_prime, _ = _batch()
   _, c = _private_optimizer()
-  noises, diffs = [], []
+  diffs = []
   for k in DEVICE_COUNTS:
     sharded = _sharded(k, "contrastive")
     g = _flat(sharded(params, x, x_prime, MASK)[1])
-    # Add-or-remove one pair (row 3 masked out): the change of ḡ is the same
-    # for every k and within the sensitivity, so the Gaussian mechanism is too.
     diffs.append(g - _flat(sharded(params, x, x_prime, MASK & (np.arange(N) != 3))[1]))
-    # The released update with sgd(lr=1) is ḡ + noise.
-    new_params, _ = _step_outputs(k)
-    noises.append(_flat(params) - _flat(new_params) - g)
-  assert abs(np.std(noises[0]) / (SIGMA * c) - 1) < 0.25  # N(0, (σC)²) per coordinate
-  for noise, diff in zip(noises[1:], diffs[1:]):
-    # The same noise vector (up to ḡ's float rounding, tiny next to σC).
-    np.testing.assert_allclose(noise, noises[0], rtol=0, atol=1e-4 * SIGMA * c)
+  for diff in diffs[1:]:
     np.testing.assert_allclose(diff, diffs[0], rtol=0, atol=1e-5 * np.linalg.norm(diffs[0]))
   assert max(np.linalg.norm(d) for d in diffs) <= c
-  # The accountant sees only (σ, δ, q, T).
-  eps = {k: logit_dp.accounting.epsilon(SIGMA, 1e-5, 0.01, 100) for k in DEVICE_COUNTS}
-  assert len(set(eps.values())) == 1 and np.isfinite(eps[1])
+
+
+# A private run as make_private sets it up, stepped by make_private_train_step on k devices.
+RUN_RECORDS, RUN_BATCH, RUN_STEPS, RUN_MAX_BATCH = 48, 8, 3, 24
+RUN_EPSILON, RUN_DELTA = 4.0, 1e-5
+
+
+@functools.cache
+def _run_data():
+  """A wider MLP than _batch's (520 parameters: 1,560 noise coordinates over the run, for the
+  χ² test's power) and RUN_RECORDS pair records."""
+  model = MLP(features=(32, 8))
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(5), 3)
+  x = jax.random.normal(k1, (RUN_RECORDS, 7))
+  x_prime = x + 0.5 * jax.random.normal(k2, x.shape)
+  return model.apply, model.init(k3, x[:1]), np.asarray(x), np.asarray(x_prime)
+
+
+def _make_run():
+  embed_fn, _, _, _ = _run_data()
+  return logit_dp.make_private(embed_fn, LOSSES["contrastive"], 0.05, target_epsilon=RUN_EPSILON,
+                               target_delta=RUN_DELTA, num_records=RUN_RECORDS,
+                               expected_batch_size=RUN_BATCH, optimizer=optax.sgd(1.0),
+                               steps=RUN_STEPS, noise_key=NOISE_KEY, sampler_seed=11,
+                               max_batch_size=RUN_MAX_BATCH)
+
+
+@functools.cache
+def _sharded_run(k):
+  """RUN_STEPS private steps on k devices, the ledger recording each: the PrivateTraining it
+  used, the final optimizer state, and per step (params before, params after, batch)."""
+  embed_fn, params, data, data_prime = _run_data()
+  run = _make_run()
+  mesh = distributed.data_mesh(k)
+  step = distributed.make_private_train_step(embed_fn, LOSSES["contrastive"], run.clip_norm, mesh,
+                                             run.optimizer)
+  params = distributed.replicate(params, mesh)
+  state = distributed.replicate(run.optimizer.init(params), mesh)
+  steps = []
+  for t in range(RUN_STEPS):
+    batch = run.sampler(t)
+    idx, mask = np.asarray(batch.indices), np.asarray(batch.mask)
+    new_params, state, _ = step(params, state, data[idx], data_prime[idx], mask)
+    run.ledger.record_steps(1)
+    _assert_same_on_every_device((new_params, state))
+    steps.append(
+        (jax.device_get(params), jax.device_get(new_params), (data[idx], data_prime[idx], mask)))
+    params = new_params
+  return run, state, steps
+
+
+@functools.cache
+def _dp_accounting_epsilon(sigma, q, steps, delta):
+  """ε of T Poisson-subsampled Gaussian steps from dp_accounting's PLD accountant directly."""
+  import dp_accounting  # pylint: disable=g-import-not-at-top
+  accountant = dp_accounting.pld.PLDAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+      value_discretization_interval=1e-4)
+  accountant.compose(
+      dp_accounting.SelfComposedDpEvent(
+          dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+  return accountant.get_epsilon(delta)
+
+
+@functools.cache
+def _run_grad_fn(clip_norm):
+  """The single-device ḡ of the run's model (jitted once)."""
+  embed_fn, _, _, _ = _run_data()
+  return jax.jit(logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm))
+
+
+def _released_noise(run, steps):
+  """Per step, the noise of the released update: with sgd(1), params − new_params − ḡ, ḡ the
+  single-device clipped sum on that step's batch and parameters."""
+  grad_fn = _run_grad_fn(run.clip_norm)
+  return [
+      _flat(before) - _flat(after) - _flat(grad_fn(before, *batch)[1])
+      for before, after, batch in steps
+  ]
+
+
+def test_accounting_does_not_depend_on_device_count():
+  """For k = 1, 2, 4, 8 devices: each run's σ, q, T (steps the noise transform took) and
+  ledger give the same ε, within the budget; the noise is the same on every device and for
+  every k, is N(0, (σC)²) on every coordinate (χ² test) and independent across steps."""
+  epsilons, noises = {}, {}
+  for k in DEVICE_COUNTS:
+    run, state, steps = _sharded_run(k)
+    sigma, q = run.noise_multiplier, run.sampler.sampling_rate
+    num_steps = int(state[0].count)  # the noise transform's own step count
+    assert num_steps == run.ledger.steps == RUN_STEPS
+    assert (run.ledger.noise_multiplier, run.ledger.sampling_rate) == (sigma, q)
+    epsilons[k] = _dp_accounting_epsilon(sigma, q, num_steps, run.ledger.target_delta)
+    assert epsilons[k] <= RUN_EPSILON
+    np.testing.assert_allclose(run.ledger.epsilon(), epsilons[k], rtol=1e-2)
+    noises[k] = _released_noise(run, steps)
+  assert len(set(epsilons.values())) == 1, epsilons
+  reference = noises[DEVICE_COUNTS[0]]
+  run = _sharded_run(DEVICE_COUNTS[0])[0]
+  std = run.noise_multiplier * run.sensitivity
+  for k in DEVICE_COUNTS[1:]:  # the same noise vectors, up to ḡ's float rounding
+    np.testing.assert_allclose(np.concatenate(noises[k]), np.concatenate(reference), rtol=0,
+                               atol=1e-4 * std)
+  # Two-sided χ² test at level 1e-6 over 3 × 520 coordinates; a std 15 % off either way is
+  # rejected with probability ≥ 0.99 (asserted inside), a std half as large with certainty.
+  assert_noise_std(reference, std)
+  assert noise_std_is_rejected([0.5 * n for n in reference], std)  # σ halved, same key
+  # Fresh noise at every step: Fisher z of every pair of steps, Bonferroni at level 1e-6.
+  threshold = independence_threshold(num_pairs=3)
+  assert max_abs_correlation_z(reference) < threshold
+  assert max_abs_correlation_z([reference[0], reference[0]]) > threshold  # a reused step key
+
+
+@pytest.mark.slow  # the same run, against the single-device optimizer update
+def test_noise_is_identical_on_every_device_and_matches_single_device():
+  embed_fn, _, _, _ = _run_data()
+  run, _, steps = _sharded_run(8)
+  grad_fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], run.clip_norm)
+  state = run.optimizer.init(steps[0][0])
+  for before, after, batch in steps:
+    updates, state = run.optimizer.update(grad_fn(before, *batch)[1], state, before)
+    assert rel_err(after, optax.apply_updates(before, updates)) < 1e-5
 
 
 def test_data_mesh_and_padding_helpers():

@@ -16,6 +16,7 @@ import pytest
 import logit_dp
 from conftest import SmallConv
 from conftest import make_model
+from conftest import require_devices
 from helpers import rel_err
 from logit_dp import distributed
 from logit_dp import models
@@ -180,8 +181,7 @@ MASK_SHARDED = np.array([1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 1], bool)
 def test_ring_matches_one_device(k, blocks, monkeypatch):
   """Column blocks passed around k devices (with r < n/k: recomputed per row block, padded where
   the blocks do not divide n/k), microbatches and padding masks: the single-device ḡ."""
-  if jax.device_count() < k:
-    pytest.skip(f"needs {k} devices (XLA_FLAGS from conftest)")
+  require_devices(k)
   embed_fn, params, x, x_prime = make_model("conv", N_SHARDED)
   clip_norm = float(
       np.quantile(np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime)), 0.4))
@@ -198,8 +198,7 @@ def test_ring_matches_one_device(k, blocks, monkeypatch):
 def test_ring_per_device_memory_falls_as_one_over_k():
   """Per-device temporaries of the sharded ghost gradient, same global batch: k = 8 holds its
   n/8 rows and two column blocks of n/16 (2n/8 examples' factors), k = 1 both views of all n."""
-  if jax.device_count() < 8:
-    pytest.skip("needs 8 devices (XLA_FLAGS from conftest)")
+  require_devices(8)
   model = models.ResNet18(width=4, embedding_dim=8)  # factors dominate: 30k floats per example
   n = 128
   x = jax.random.normal(jax.random.PRNGKey(0), (n, 8, 8, 3))

@@ -268,7 +268,8 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x_prime, mask):
-  """Adam ascent on (x, x′[, w]); returns the best max_k gap_k² seen and its arguments."""
+  """Adam ascent on (x, x′[, w]); returns the best max_k gap_k² seen and its arguments, or +inf
+  and the first point where a gap was not finite."""
   opt = optax.adam(learning_rate)
 
   def objective(variables):
@@ -281,12 +282,18 @@ def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x
   if optimize_params:
     variables["params"] = params
 
+  def keep(best, best_v, max_sq, v):
+    # A non-finite gap is a failure of the audited code: the first one seen is kept (as +inf,
+    # never replaced) so that the re-audit of its point reports it.
+    failed = ~jnp.isfinite(max_sq) & jnp.isfinite(best)
+    better = failed | (jnp.isfinite(max_sq) & (max_sq > best))
+    best_v = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), v, best_v)
+    return jnp.where(failed, jnp.inf, jnp.where(better, max_sq, best)), best_v
+
   def step(carry, _):
     v, state, best, best_v = carry
     (_, max_sq), g = jax.value_and_grad(objective, has_aux=True)(v)
-    better = jnp.isfinite(max_sq) & (max_sq > best)
-    best_v = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), v, best_v)
-    best = jnp.where(better, max_sq, best)
+    best, best_v = keep(best, best_v, max_sq, v)
     g = jax.tree_util.tree_map(lambda t: jnp.where(jnp.isfinite(t), -t, 0.0), g)  # ascent
     updates, state = opt.update(g, state, v)
     return (optax.apply_updates(v, updates), state, best, best_v), max_sq
@@ -294,9 +301,7 @@ def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x
   init = (variables, opt.init(variables), jnp.asarray(-1.0), variables)
   (v, _, best, best_v), _ = jax.lax.scan(step, init, None, length=num_steps)
   _, last = objective(v)  # the final iterate, never evaluated inside the scan
-  better = jnp.isfinite(last) & (last > best)
-  best_v = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), v, best_v)
-  return jnp.where(better, last, best), best_v
+  return keep(best, best_v, last, v)
 
 
 _RESTART_SCALES = (1.0, 0.1, 10.0)
@@ -367,7 +372,9 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   restarts). With ``num_steps=0`` the restarts are only evaluated, all at once
   (a random search: one cheap compilation, used by the property tests). The
   best point over all restarts and steps is re-audited with
-  `max_removal_ratio` and returned.
+  `max_removal_ratio` and returned; a point where some gap_k is not finite (the
+  audited ḡ is NaN or infinite there) takes precedence over every finite one, so
+  the returned ratio is then NaN or infinite and fails ``ratio <= 1``.
 
   Args:
     embed_fn, params, loss, clip_norm: as for `logit_dp.clipped_grad`.
@@ -403,7 +410,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     gaps = np.asarray(
         _evaluate_many(core, params, jnp.stack([p[1] for p in points]),
                        jnp.stack([p[2] for p in points]), mask, chunk))
-    values = np.where(np.all(np.isfinite(gaps), axis=1), np.max(gaps, axis=1), -1.0)
+    # A restart with a non-finite gap is the result (+inf): its ratio is NaN and fails.
+    values = np.where(np.all(np.isfinite(gaps), axis=1), np.max(gaps, axis=1), np.inf)
     r = int(np.argmax(values))
     return _result(gaps[r], loss, clip_norm, mask, method, params, points[r][1], points[r][2])
   else:
@@ -416,9 +424,11 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
         value, v = _ascent(core, int(num_steps), float(learning_rate), bool(optimize_params), chunk,
                            p0, x0, xp0, mask)
       value = float(value)
-      if math.isfinite(value) and value > best:
+      if not math.isfinite(value) or value > best:
         best = value
         best_args = (v["params"] if optimize_params else p0, v["x"], v["x_prime"])
+      if not math.isfinite(best):  # a non-finite gap fails the audit: re-audit that point
+        break
   p, bx, bxp = best_args
   return max_removal_ratio(embed_fn, p, loss, clip_norm, bx, bxp, method=method, chunk=chunk,
                            cosine_eps=cosine_eps, num_groups=num_groups, group_seed=group_seed,
