@@ -346,8 +346,8 @@ def _normalised_embedding(batch, x):
   """params ↦ (m, d) normalised embeddings of x by embed_fn itself, example by example (JAX's
   own layers, not the library's factors): the reference the factor contractions are checked
   against."""
-  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  return lambda p: jax.vmap(lambda xe: clipping.normalize(
+  from logit_dp._src import numerics  # pylint: disable=g-import-not-at-top
+  return lambda p: jax.vmap(lambda xe: numerics.normalize(
       batch.embed_fn(p, xe[None])[0], batch.eps))(x)
 
 

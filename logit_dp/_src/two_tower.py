@@ -29,10 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logit_dp._src import clipping
+from logit_dp._src import checks
+from logit_dp._src import chunking
 from logit_dp._src import layerwise
-
-_HIGHEST = jax.lax.Precision.HIGHEST
+from logit_dp._src import numerics
+from logit_dp._src import pair_terms
+from logit_dp._src import rows as rows_lib
 
 
 class TowerPlans(NamedTuple):
@@ -102,11 +104,11 @@ def shared_columns(plans: TowerPlans, params) -> tuple[np.ndarray, np.ndarray]:
 
 def _transpose_vector(factors: layerwise.Factors, cotangent):
   """(Jᵀc over the flat columns (q,), ‖Jᵀc‖² over the ghost layers) of one example."""
-  flat = jnp.matmul(cotangent, factors.flat, precision=_HIGHEST)
+  flat = jnp.matmul(cotangent, factors.flat, precision=numerics.HIGHEST)
   ghost_sq = jnp.zeros((), flat.dtype)
   for patches, deltas in zip(factors.ghost_patches, factors.ghost_deltas):
-    weighted = jnp.einsum("tkc,k->tc", deltas, cotangent, precision=_HIGHEST)
-    grad = jnp.matmul(patches.T, weighted, precision=_HIGHEST)
+    weighted = jnp.einsum("tkc,k->tc", deltas, cotangent, precision=numerics.HIGHEST)
+    grad = jnp.matmul(patches.T, weighted, precision=numerics.HIGHEST)
     ghost_sq = ghost_sq + jnp.sum(grad * grad)
   return flat, ghost_sq
 
@@ -133,66 +135,53 @@ def diagonal_sq_norms(f_u: layerwise.Factors, f_v: layerwise.Factors, u, v, cols
   return jax.lax.map(lambda r: one(*r), rows, batch_size=max(1, int(chunk)))
 
 
-def _shared_cross(flat_rows, u_rows, flat_columns_all, v):
-  """v̂_jᵀ J_i|_S J'_j|_Sᵀ û_i for the local rows i and all columns j, in row chunks."""
-  n, d, _ = flat_columns_all.shape
-  rows = flat_rows.shape[0]
-  chunk = int(max(1, min(rows, clipping._CROSS_GRAM_CHUNK_FLOATS // max(n * d * d, 1))))
-  out = clipping._map_chunks(lambda f, ur: layerwise.flat_cross(f, ur, flat_columns_all, v),
-                             (flat_rows, u_rows), chunk)
-  return clipping._unchunk_rows(out, rows)
-
-
-def pair_norms(batch, method: str,
+def pair_norms(batch, cross_terms: bool,
                allowance: float = 1.0) -> tuple[jax.Array, tuple[layerwise.Factors, ...] | None]:
   """(norms (n_local, n), factors or None) for clipping the pair gradients of two towers.
 
   Off the diagonal, disjoint towers: √(a + b + ε_G S_ij²) (exact up to the float32
-  allowance, ε_G = allowance·_GRAM_FLOAT_ERROR, S_ij = ‖J_i‖_F + ‖J'_j‖_F); shared
-  leaves: "ghost" min(√(a + b + 2c + ε_G S_ij²), triangle bound), "triangle" the bound.
-  Diagonal: √‖g_ii‖² from vectors + allowance·_VECTOR_FLOAT_ERROR·S_ii. factors (of the
-  local rows of both towers) are returned when "ghost" computed them (shared leaves), for
-  ḡ from the factors; None means ḡ by backward passes.
+  allowance, ε_G = allowance·GRAM_FLOAT_ERROR, S_ij = ‖J_i‖_F + ‖J'_j‖_F); shared
+  leaves: with cross_terms ("ghost") min(√(a + b + 2c + ε_G S_ij²), triangle bound), without
+  ("triangle") the bound. Diagonal: √‖g_ii‖² from vectors + allowance·VECTOR_FLOAT_ERROR·S_ii.
+  factors (of the local rows of both towers) are returned when the cross terms computed them
+  (shared leaves), for ḡ from the factors; None means ḡ by backward passes.
+  batch: a `pair_batch.PairBatch` (which builds its plans with this module).
   """
   plans, c = batch.tower_plans, batch.c
   cols_u, cols_v = shared_columns(plans, batch.params)
-  eps_gram = allowance * clipping._GRAM_FLOAT_ERROR
-  n_local = clipping._num_rows(batch.x)
-  diagonal_chunk = clipping._vectors_per_block(batch, n_local)
+  eps_gram = allowance * numerics.GRAM_FLOAT_ERROR
+  n_local = rows_lib.num_rows(batch.x)
+  diagonal_chunk = chunking.vectors_per_block(batch.params, n_local)
   factors = None
-  if method == "ghost" and plans.shared:
+  if cross_terms and plans.shared:
     f_u = batch.factors(batch.x)
     f_v_local = batch.factors(batch.x_prime, positive=True)
     factors = (f_u, f_v_local)
     k_local, k_prime_local = f_u.gram, f_v_local.gram
     diag_sq = diagonal_sq_norms(f_u, f_v_local, batch.u_loc, batch.v_loc, cols_u, cols_v,
                                 diagonal_chunk)
-    cross = _shared_cross(f_u.flat[..., cols_u], batch.u_loc, c.gather(f_v_local.flat[..., cols_v]),
-                          batch.v)
+    cross = chunking.flat_cross_terms(f_u.flat[..., cols_u], batch.u_loc,
+                                      c.gather(f_v_local.flat[..., cols_v]), batch.v)
   else:
     # Grams and diagonal vectors microbatch by microbatch; no factors are kept.
     def chunk_terms(x_chunk, x_prime_chunk, u_chunk, v_chunk):
       f_u = batch.factors(x_chunk, chunked=False)
       f_v = batch.factors(x_prime_chunk, chunked=False, positive=True)
-      rows = clipping._vectors_per_block(batch, clipping._num_rows(x_chunk))
+      rows = chunking.vectors_per_block(batch.params, rows_lib.num_rows(x_chunk))
       sq = diagonal_sq_norms(f_u, f_v, u_chunk, v_chunk, cols_u, cols_v, rows)
       return f_u.gram, f_v.gram, sq
 
     xs = (batch.x, batch.x_prime, batch.u_loc, batch.v_loc)
-    m = batch.microbatch_size
-    if m is None or m >= n_local:
-      k_local, k_prime_local, diag_sq = chunk_terms(*xs)
-    else:
-      k_local, k_prime_local, diag_sq = clipping._unchunk_rows(
-          clipping._map_chunks(chunk_terms, xs, m), n_local)
+    k_local, k_prime_local, diag_sq = chunking.map_row_chunks(chunk_terms, xs,
+                                                              batch.microbatch_size)
     cross = None
-  s_local = clipping._jacobian_norms(k_local)
-  s_prime_local = clipping._jacobian_norms(k_prime_local)
+  s_local = pair_terms.jacobian_norms(k_local)
+  s_prime_local = pair_terms.jacobian_norms(k_prime_local)
   s_all = c.gather(s_prime_local)
-  anchor, positive = clipping._quadratic_terms(k_local, c.gather(k_prime_local), batch.u_loc,
-                                               batch.v)
+  anchor, positive = pair_terms.quadratic_terms(k_local, c.gather(k_prime_local), batch.u_loc,
+                                                batch.v)
   scale_sq = (s_local[:, None] + s_all[None, :]) ** 2
-  bound = clipping._triangle_bound(anchor, positive, s_local, s_all, allowance)
+  bound = pair_terms.triangle_bound(anchor, positive, s_local, s_all, allowance)
   if not plans.shared:  # no cross term: exact
     norms = jnp.sqrt(jnp.maximum(anchor, 0.0) + jnp.maximum(positive, 0.0) + eps_gram * scale_sq)
   elif cross is not None:
@@ -200,7 +189,7 @@ def pair_norms(batch, method: str,
         jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0) + eps_gram * scale_sq), bound)
   else:
     norms = bound
-  diagonal = (jnp.sqrt(jnp.maximum(diag_sq, 0.0)) + allowance * clipping._VECTOR_FLOAT_ERROR *
+  diagonal = (jnp.sqrt(jnp.maximum(diag_sq, 0.0)) + allowance * numerics.VECTOR_FLOAT_ERROR *
               (s_local + s_prime_local))
   return norms.at[jnp.arange(n_local), batch.rows].set(diagonal), factors
 
@@ -211,7 +200,7 @@ def shared_parameters(embed_fn, positive_embed_fn, params, x, x_prime) -> list[s
   Empty: the towers are disjoint and `clipped_grad(..., positive_embed_fn=)` clips exact
   pair norms at the cost of "triangle". x, x_prime: example inputs (a few rows suffice).
   """
-  x, x_prime, _ = clipping.check_pairs(x, x_prime)
+  x, x_prime, _ = checks.check_pairs(x, x_prime)
   d = int(embed_fn(params, x).shape[-1])
   anchor = layerwise.make_plan(embed_fn, params, x, d)
   positive = layerwise.make_plan(positive_embed_fn, params, x_prime, d)
