@@ -6,6 +6,10 @@ Every method is a `ClipMethod` (pair norms; the clipped gradient):
 * "materialize" (`Materialize`): Algorithm 1, every pair gradient formed (the reference);
 * "triangle" (`Triangle`): an upper bound from per-example Grams (cheaper, clips more);
 * "projected" (`Projected`): the triangle bound made exact on the subspace of public inputs.
+
+Two towers are a case of the batch's plans (`two_tower.tower_plans`): "ghost" and "triangle"
+find their norms with `towers.pair_norms`, "materialize" forms the pair gradients of both
+towers as of one, and "projected" takes one tower only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 cross-Gram over the flattened parameters plus per-layer pair terms of ghost layers, in row
 chunks. The rows' and columns' factors are held r and c examples at a time within a memory
 budget (`chunking.ghost_block_sizes`); under a shard_map axis the column blocks pass around the
-ring of devices. Two towers: `two_tower.pair_norms` (exact at triangle's cost for towers that
+ring of devices. Two towers: `towers.pair_norms` (exact at triangle's cost for towers that
 share no parameter).
 """
 
@@ -21,8 +21,8 @@ from logit_dp._src import chunking
 from logit_dp._src import numerics
 from logit_dp._src import pair_batch
 from logit_dp._src import pair_terms
-from logit_dp._src import two_tower
 from logit_dp._src.methods import base
+from logit_dp._src.methods import towers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Ghost(base.ClipMethod):
   def pair_norms_with_factors(self, batch, allowance) -> base.NormsAndFactors:
     """See `base.ClipMethod.pair_norms_with_factors`."""
     if batch.two_tower:
-      return two_tower.pair_norms(batch, cross_terms=True, allowance=allowance)
+      return towers.pair_norms(batch, cross_terms=True, allowance=allowance)
     tau = jnp.zeros((batch.u_loc.shape[0], batch.u.shape[0]), batch.u_loc.dtype)
     return ghost_blocks(batch, tau, math.inf, allowance, self.memory_budget,
                         with_grads=False)[0], None

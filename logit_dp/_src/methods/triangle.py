@@ -3,7 +3,7 @@
 Cheaper than "ghost" (per-example Grams only), private, and clips more than needed: the
 negative pairs more than the exact diagonal, which for the contrastive loss biases ḡ towards
 collapsed embeddings when most pairs are clipped (docs/METHOD.md). Two towers that share no
-parameter get exact norms at this cost (`two_tower.pair_norms`).
+parameter get exact norms at this cost (`towers.pair_norms`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import ClassVar
 
 import jax
 
-from logit_dp._src import two_tower
 from logit_dp._src.methods import base
 from logit_dp._src.methods import bounds
+from logit_dp._src.methods import towers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Triangle(base.ClipMethod):
   def pair_norms_with_factors(self, batch, allowance) -> base.NormsAndFactors:
     """See `base.ClipMethod.pair_norms_with_factors`."""
     if batch.two_tower:
-      return two_tower.pair_norms(batch, cross_terms=False, allowance=allowance)
+      return towers.pair_norms(batch, cross_terms=False, allowance=allowance)
     return bounds.bound_norms(batch, allowance), None
 
 
