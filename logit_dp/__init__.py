@@ -12,6 +12,7 @@ The grouped baseline DP-GCL (`grouped_clipped_grad`, `grouped_sensitivity`,
 
 from logit_dp import accounting
 from logit_dp import audit
+from logit_dp import clip_methods
 from logit_dp import distributed
 from logit_dp import ledger
 from logit_dp import losses
@@ -55,6 +56,7 @@ __all__ = [
     "accounting",
     "assign_groups",
     "audit",
+    "clip_methods",
     "distributed",
     "ledger",
     "sampling",

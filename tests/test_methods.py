@@ -10,8 +10,9 @@ import pytest
 
 import logit_dp
 from conftest import make_model
+from logit_dp import clip_methods as methods
 from logit_dp import distributed
-from logit_dp._src import methods
+from logit_dp._src import methods as methods_lib
 
 LOSS = logit_dp.losses.contrastive(temperature=0.5)
 N = 6
@@ -23,13 +24,13 @@ def _flat(tree) -> np.ndarray:
 
 def test_the_registry_is_the_method_list_and_resolves_names_to_their_objects():
   assert logit_dp.METHODS == ("ghost", "materialize", "triangle", "projected")
-  assert tuple(methods.REGISTRY) == logit_dp.METHODS
+  assert tuple(methods_lib.REGISTRY) == logit_dp.METHODS == methods.METHODS
   reference = np.ones((2, 7), np.float32)
   for name in logit_dp.METHODS:
     options = dict(reference_inputs=reference) if name == "projected" else {}
     method = methods.resolve(name, **options)
     assert isinstance(method, logit_dp.ClipMethod)
-    assert type(method) is methods.REGISTRY[name] and method.name == name
+    assert type(method) is methods_lib.REGISTRY[name] and method.name == name
   assert methods.resolve("ghost", memory_budget=123) == methods.Ghost(memory_budget=123)
   assert methods.resolve("materialize", pair_block_size=5) == methods.Materialize(5)
   with pytest.raises(ValueError, match="method must be one of"):
