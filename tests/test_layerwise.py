@@ -424,7 +424,7 @@ def test_nonfinite_factors_with_zero_cotangent_contribute_exactly_zero(mode, mon
   factors = batch.factors(x)
   assert not all(np.all(np.isfinite(f)) for f in jax.tree_util.tree_leaves(factors))
   cotangents = jax.random.normal(jax.random.PRNGKey(8), (x.shape[0], 4)).at[1].set(0.0)
-  grads = jax.tree_util.tree_leaves(batch._factor_backward(factors, cotangents))
+  grads = jax.tree_util.tree_leaves(batch.factor_backward(factors, cotangents))
   keep = np.arange(x.shape[0]) != 1
   expected = jax.tree_util.tree_leaves(_backward_pass(batch, params, x[keep], cotangents[keep]))
   assert len(grads) == len(expected)
