@@ -47,6 +47,8 @@ def test_method_objects_are_checked_like_their_names():
     logit_dp.clipped_grad(embed_fn, LOSS, 1.0,
                           methods.Projected(reference_inputs=np.asarray(x[:2]), rank=4),
                           positive_embed_fn=lambda p, xs: embed_fn(p, xs) * 2.0)
+  with pytest.raises(ValueError, match="set \\['memory_budget'\\] in it"):
+    logit_dp.clipped_grad(embed_fn, LOSS, 1.0, methods.Ghost(), memory_budget=5)
   with pytest.raises(ValueError, match="used by method='projected' only"):
     logit_dp.clipped_grad(embed_fn, LOSS, 1.0, "triangle", reference_inputs=x[:2])
 

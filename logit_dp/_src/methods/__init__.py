@@ -45,9 +45,20 @@ def resolve(method: str | ClipMethod, *, memory_budget: int | None = None,
   """The `ClipMethod` object of a method name (or the object itself), with its options checked.
 
   Options a method does not use are ignored, except reference_inputs: only "projected" takes
-  them (ValueError otherwise, as for "projected" without them or with two towers).
+  them (ValueError otherwise, as for "projected" without them or with two towers). A method
+  object holds its own options: passing them as keywords too is a ValueError.
   """
   if isinstance(method, ClipMethod):  # checked like its name and options
+    given = {
+        "memory_budget": memory_budget, "pair_block_size": pair_block_size,
+        "reference_inputs": reference_inputs
+    }
+    extra = sorted(k for k, v in given.items() if v is not None)
+    if projection_rank != DEFAULT_PROJECTION_RANK:
+      extra.append("projection_rank")
+    if extra:
+      raise ValueError(f"method is a {type(method).__name__} object: set {extra} in it, not as "
+                       "keywords.")
     options = {field.name: getattr(method, field.name) for field in dataclasses.fields(method)}
     if "rank" in options:
       options["projection_rank"] = options.pop("rank")
