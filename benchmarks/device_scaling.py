@@ -74,8 +74,8 @@ def build_step(method: str, model, params, mesh, loss, clip_norm: float, sigma: 
   """The jitted data-parallel step and its replicated (params, opt_state)."""
   if method == "nonprivate":
     opt = optax.adam(1e-3)
-    step = distributed.make_private_train_step(model.apply, loss, jnp.inf, mesh, opt, naive=True,
-                                               non_private=True)
+    step = distributed.make_private_train_step(model.apply, loss, jnp.inf, mesh, opt,
+                                               method="naive", non_private=True)
   else:
     c = logit_dp.sensitivity(loss, clip_norm)
     opt = distributed.make_private_optimizer(sigma, c, key, optax.adam(1e-3))

@@ -21,9 +21,14 @@ import jax.numpy as jnp
 
 import logit_dp
 from logit_dp import models
-from logit_dp._src import clipping
+from logit_dp._src import layerwise
+from logit_dp._src import numerics
+from logit_dp._src import pair_terms
 
-_SWITCHES = ("_with_diagonal", "_GRAM_FLOAT_ERROR", "_VECTOR_FLOAT_ERROR")
+# (module, name) of what the previous release did not have: the diagonal pairs from their
+# vectors and the float32 allowances.
+_SWITCHES = ((pair_terms, "with_diagonal"), (numerics, "GRAM_FLOAT_ERROR"), (numerics,
+                                                                             "VECTOR_FLOAT_ERROR"))
 
 
 def _compiled(method: str, safe: bool, microbatch_size: int, params, x, x_prime, mask):
@@ -33,20 +38,20 @@ def _compiled(method: str, safe: bool, microbatch_size: int, params, x, x_prime,
   loss = logit_dp.losses.contrastive(temperature=1.0)
   fresh = lambda p, xs: model.apply(p, xs)  # a new function: nothing compiled is shared
   grad_fn = logit_dp.clipped_grad(fresh, loss, 1.0, method, microbatch_size=microbatch_size)
-  saved = [getattr(clipping, name) for name in _SWITCHES]
-  saved_diagonal = clipping.layerwise.diagonal_sq_norms
+  saved = [getattr(module, name) for module, name in _SWITCHES]
+  saved_diagonal = layerwise.diagonal_sq_norms
   if not safe:
-    clipping._with_diagonal = lambda batch, norms, *args: norms
-    clipping._GRAM_FLOAT_ERROR = clipping._VECTOR_FLOAT_ERROR = 0.0
+    pair_terms.with_diagonal = lambda batch, norms, *args: norms
+    numerics.GRAM_FLOAT_ERROR = numerics.VECTOR_FLOAT_ERROR = 0.0
     # triangle's diagonal not computed (its values then differ: only the time is compared)
-    clipping.layerwise.diagonal_sq_norms = (lambda plan, f_u, f_v, u, v, chunk=1: jnp.full(
+    layerwise.diagonal_sq_norms = (lambda plan, f_u, f_v, u, v, chunk=1: jnp.full(
         (u.shape[0],), jnp.inf))
   try:
     return jax.jit(grad_fn.core).lower(params, x, x_prime, mask).compile()
   finally:
-    for name, value in zip(_SWITCHES, saved):
-      setattr(clipping, name, value)
-    clipping.layerwise.diagonal_sq_norms = saved_diagonal
+    for (module, name), value in zip(_SWITCHES, saved):
+      setattr(module, name, value)
+    layerwise.diagonal_sq_norms = saved_diagonal
 
 
 def main(argv=None) -> list:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 import logit_dp
 from benchmarks import step_benchmark
-from logit_dp._src import clipping
+from logit_dp._src import chunking
 from logit_dp._src import layerwise
 
 UNBOUNDED = 1 << 50  # bytes: every batch in one block (the path before the blocks)
@@ -61,12 +61,12 @@ def memory(args) -> list:
         args.model, n, args.image_size)
     d = jax.eval_shape(embed_fn, params, x[:1]).shape[-1]
     plan = layerwise.make_plan(embed_fn, params, x, d)
-    example_bytes = clipping.factor_bytes_per_example(plan, d, jax.tree_util.tree_leaves(params))
-    budgets = {"blocked": args.budget or clipping.default_memory_budget()}
+    example_bytes = chunking.factor_bytes_per_example(plan, d, jax.tree_util.tree_leaves(params))
+    budgets = {"blocked": args.budget or chunking.default_memory_budget()}
     if not args.skip_unbounded:
       budgets["one block"] = UNBOUNDED
     for name, budget in budgets.items():
-      r, c = clipping.ghost_block_sizes(n, 1, example_bytes, budget, args.microbatch or 1)
+      r, c = chunking.ghost_block_sizes(n, 1, example_bytes, budget, args.microbatch or 1)
       row = dict(model=args.model, n=n, num_params=num_params, microbatch=args.microbatch,
                  variant=name, memory_budget=budget, factor_bytes_per_example=example_bytes,
                  row_block=r, column_block=c)

@@ -30,7 +30,8 @@ implementation of the same contractions pays:
                          d²·q for the flattened layers, T²P + 2TCd + T²C + d per ghost
                          layer) at the GEMM floor's multiply-adds per second
 
-The pieces use private internals of logit_dp/_src/clipping.py; when those change,
+The pieces use the library's internal modules (logit_dp/_src: pair_batch, chunking, the
+"ghost" method); when those change,
 the pieces that no longer apply are reported as unavailable (the whole-step timings
 and the GEMM floor still run).
 """
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 
@@ -72,8 +72,12 @@ def pair_multiply_adds(plan, d: int) -> int:
 
 def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
             temperature: float = 1.0) -> dict:
-  from logit_dp._src import clipping as C  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import chunking  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import collective  # pylint: disable=g-import-not-at-top
   from logit_dp._src import layerwise as L  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import methods  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import numerics  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import pair_batch  # pylint: disable=g-import-not-at-top
 
   embed_fn, params, x, xp, p = sb.build_problem("embedding", n, image_size)
   loss = logit_dp.losses.contrastive(temperature=temperature)
@@ -93,8 +97,8 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
   mask = jnp.ones((n,), bool)
 
   def batch(pp, xx, xxp):
-    return C._Batch(embed_fn, pp, xx, xxp, mask, eps=C.DEFAULT_COSINE_EPS, microbatch_size=None,
-                    collective=C._Collective(None))
+    return pair_batch.PairBatch(embed_fn, pp, xx, xxp, mask, eps=numerics.DEFAULT_COSINE_EPS,
+                                microbatch_size=None, collective=collective.Collective(None))
 
   def forward(pp, xx, xxp):
     b = batch(pp, xx, xxp)
@@ -106,20 +110,19 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
   def pair_norms(pp, xx, xxp):
     b = batch(pp, xx, xxp)
-    n = xx.shape[0]
-    return C._ghost(b, jnp.zeros((n, n)), math.inf, 1.0, None, with_grads=False)[0]
+    return methods.Ghost().pair_norms(b)
 
   def backward_from_factors(fu, fv, pp, xx, xxp):
     b = batch(pp, xx, xxp)
     tau = jax.grad(loss)(b.z, b.valid)
     cot_u, cot_v = tau @ b.v, tau.T @ b.u
-    return jax.tree_util.tree_map(jnp.add, b._factor_backward(fu, cot_u),
-                                  b._factor_backward(fv, cot_v))
+    return jax.tree_util.tree_map(jnp.add, b.factor_backward(fu, cot_u),
+                                  b.factor_backward(fv, cot_v))
 
   def backward_passes(pp, xx, xxp):
     b = batch(pp, xx, xxp)
     return [
-        L.embedding_deltas(embed_fn, pp, b.plan, v, lambda e: C.normalize(e, b.eps))
+        L.embedding_deltas(embed_fn, pp, b.plan, v, lambda e: numerics.normalize(e, b.eps))
         for v in (b.x, b.x_prime)
     ]
 
@@ -128,13 +131,13 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
   record("factors", factors, params, x, xp)
   f_u, f_v, u, v = jax.jit(factors)(params, x, xp)
   out["flat_params"] = int(f_v.flat.shape[-1])
-  record("flat cross", lambda fu, fv, uu, vv: C._flat_cross_terms(fu.flat, uu, fv.flat, vv), f_u,
-         f_v, u, v)
+  record("flat cross", lambda fu, fv, uu, vv: chunking.flat_cross_terms(fu.flat, uu, fv.flat, vv),
+         f_u, f_v, u, v)
   for i in range(len(f_u.ghost_patches)):
 
     def layer_cross(fu, fv, uu, vv, i=i):
-      return C._ghost_layer_cross_terms(fu.ghost_patches[i], fu.ghost_deltas[i], uu,
-                                        fv.ghost_patches[i], fv.ghost_deltas[i], vv)
+      return chunking.ghost_layer_cross_terms(fu.ghost_patches[i], fu.ghost_deltas[i], uu,
+                                              fv.ghost_patches[i], fv.ghost_deltas[i], vv)
 
     t, p_i = f_u.ghost_patches[i].shape[1:]
     record(f"ghost layer {i} (T={t}, P={p_i}, C={f_u.ghost_deltas[i].shape[-1]})", layer_cross, f_u,

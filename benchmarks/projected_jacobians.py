@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import projected_forms
-from logit_dp._src import clipping
 from logit_dp._src import layerwise
+from logit_dp._src.methods import bounds
 
 
 def transposed_projections(batch, factors, tangent_leaves):
@@ -42,8 +42,8 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--image-size", type=int, default=32)
   args = parser.parse_args(argv)
   ways = {
-      "projected_gemm": (clipping, "_projected_jacobians", clipping._projected_jacobians),
-      "projected_transpose": (clipping, "_projected_jacobians", transposed_projections)
+      "projected_gemm": (bounds, "projected_jacobians", bounds.projected_jacobians),
+      "projected_transpose": (bounds, "projected_jacobians", transposed_projections)
   }
 
   def build(n, d):

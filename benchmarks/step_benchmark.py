@@ -632,7 +632,8 @@ def _fmt_mem(r):
 
 
 def code_version() -> dict:
-  """Git commit of the checkout and a hash of the clipping code that was measured."""
+  """Git commit of the checkout and a hash of the library code that was measured (every module
+  of logit_dp/_src: the clip methods and what they build on)."""
   import hashlib  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = {}
@@ -648,11 +649,18 @@ def code_version() -> dict:
     pass
   try:
     from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-    with open(clipping.__file__, "rb") as f:
-      data = f.read()
-    out["clipping_py_sha256"] = hashlib.sha256(data).hexdigest()[:16]
-    out["clipping_py_mtime_utc"] = datetime.datetime.fromtimestamp(
-        os.path.getmtime(clipping.__file__), datetime.UTC).isoformat(timespec="seconds")
+    src = os.path.dirname(clipping.__file__)
+    files = sorted(
+        os.path.join(folder, name) for folder, _, names in os.walk(src) for name in names
+        if name.endswith(".py"))
+    digest = hashlib.sha256()
+    for path in files:
+      digest.update(os.path.relpath(path, src).encode())
+      with open(path, "rb") as f:
+        digest.update(f.read())
+    out["engine_sha256"] = digest.hexdigest()[:16]
+    out["engine_mtime_utc"] = datetime.datetime.fromtimestamp(
+        max(os.path.getmtime(path) for path in files), datetime.UTC).isoformat(timespec="seconds")
   except (ImportError, OSError):
     pass
   return out

@@ -67,11 +67,11 @@ from logit_dp import models
 # The encoder at its initial parameters, evaluated like the trained ones: the floor every
 # method must beat (a random conv net already gives a useful k-NN). No step, no data, ε = 0.
 UNTRAINED = "untrained"
-METHOD_LABELS = {
-    "logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL",
-    "non_private": "Non-private", UNTRAINED: "Untrained (init)"
-}
-PRIVATE_METHODS = ("logit_dp", "naive_dp", "dp_gcl")
+# The private methods are the mechanisms ("logit_dp" with config.clip_method, "naive_dp",
+# "dp_gcl"); "non_private" and UNTRAINED are the baselines.
+PRIVATE_METHODS = tuple(mechanism.value for mechanism in logit_dp.Mechanism)
+METHOD_LABELS = ({mechanism.value: mechanism.label for mechanism in logit_dp.Mechanism} |
+                 {"non_private": "Non-private", UNTRAINED: "Untrained (init)"})
 # Folded into the seed's key to get DP-GCL's group keys (public: the assignment only has to be
 # independent of the data). A separate derivation leaves the other methods' keys unchanged.
 _GROUP_KEY_TAG = 0x6763_6C
@@ -330,7 +330,7 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
   if method == "non_private" and make_mesh(config) is not None:
     # The exact gradient, data parallel: Naive-DP's path without clipping.
     grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, jnp.inf, make_mesh(config),
-                                                        naive=True)
+                                                        method="naive")
   if method == "non_private":
 
     def local_grad_fn(params, x, x_prime, mask):
@@ -349,11 +349,20 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
     info = dict(noise_multiplier=0.0, sensitivity=0.0, sampling_rate=None, steps=steps,
                 max_batch=batch)
     return grad_fn, tx, info
+  if method not in PRIVATE_METHODS:
+    raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp, dp_gcl or non_private)")
+  mechanism = logit_dp.Mechanism(method)
   plan = privacy_plan(config, num_records)
   microbatch = dict(microbatch_size=config.get("microbatch_size"))
   mesh = make_mesh(config)
   bound = clip_norm(config, method)
-  if method == "logit_dp":
+  if mechanism is logit_dp.Mechanism.DP_GCL:
+    if mesh is not None:
+      raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
+    dp_gcl_extra_views(config)
+    grad_fn = logit_dp.grouped_clipped_grad(apply_fn, loss, bound, dp_gcl_num_groups(config),
+                                            **microbatch)
+  elif mechanism is logit_dp.Mechanism.LOGIT_DP:
     extra = _clip_method_kwargs(config)
     if mesh is None:
       grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound, method=config.clip_method,
@@ -362,26 +371,15 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
       grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh,
                                                           method=config.clip_method, **microbatch,
                                                           **extra)
-    # Poisson batches have a random size: calibrate to the supremum over batch sizes.
-    # The sensitivity is of the global ḡ: it does not depend on the number of devices.
-    sens = logit_dp.sensitivity(loss, bound, batch_size=None)
-  elif method == "naive_dp":
-    if mesh is None:
-      grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=bound, **microbatch)
-    else:
-      grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh, naive=True,
-                                                          **microbatch)
-    sens = logit_dp.naive_sensitivity(bound)
-  elif method == "dp_gcl":
-    if mesh is not None:
-      raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
-    dp_gcl_extra_views(config)
-    grad_fn = logit_dp.grouped_clipped_grad(apply_fn, loss, bound, dp_gcl_num_groups(config),
-                                            **microbatch)
-    # One group's clipped gradient is replaced when a record joins or leaves: 2B.
-    sens = logit_dp.grouped_sensitivity(bound)
+  elif mesh is None:
+    grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=bound, **microbatch)
   else:
-    raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp, dp_gcl or non_private)")
+    grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh, method="naive",
+                                                        **microbatch)
+  # The mechanism's sensitivity (Logit-DP: of the loss; Naive-DP and DP-GCL: 2B), of the global
+  # ḡ (independent of the number of devices). Poisson batches have a random size: calibrate to
+  # the supremum over batch sizes.
+  sens = grad_fn.sensitivity(batch_size=None)
   tx = optax.chain(
       logit_dp.transform(noise_multiplier=plan["noise_multiplier"], sensitivity=sens,
                          key=noise_key),

@@ -2,8 +2,9 @@
 
 Implements Logit-DP (Kong, Muñoz Medina & Ribero, "Differentially private
 optimization for non-decomposable objective functions", ICLR 2025) in JAX:
-per-pair clipped gradients (`clipped_grad`), their sensitivity (`sensitivity`),
-and the Gaussian noise as an optax transformation (`transform`);
+per-pair clipped gradients (`clipped_grad`, a `ClippedGradFn` carrying its `Mechanism` and
+sensitivity; the clip methods `METHODS`, each a `ClipMethod`), their sensitivity
+(`sensitivity`), and the Gaussian noise as an optax transformation (`transform`);
 `make_private` sets all of it up (with sampler and ledger) in one call.
 The grouped baseline DP-GCL (`grouped_clipped_grad`, `grouped_sensitivity`,
 `assign_groups`) clips each group's gradient instead of each pair's.
@@ -11,25 +12,29 @@ The grouped baseline DP-GCL (`grouped_clipped_grad`, `grouped_sensitivity`,
 
 from logit_dp import accounting
 from logit_dp import audit
+from logit_dp import clip_methods
 from logit_dp import distributed
 from logit_dp import ledger
 from logit_dp import losses
 from logit_dp import sampling
-from logit_dp._src.clipping import DEFAULT_COSINE_EPS
-from logit_dp._src.clipping import METHODS
 from logit_dp._src.clipping import clipped_grad
-from logit_dp._src.clipping import cosine_similarity
 from logit_dp._src.clipping import naive_clipped_grad
-from logit_dp._src.clipping import normalize
 from logit_dp._src.clipping import pair_grad_norms
+from logit_dp._src.grad_fn import ClippedGradFn
 from logit_dp._src.grouped import assign_groups
 from logit_dp._src.grouped import grouped_clipped_grad
 from logit_dp._src.grouped import grouped_sensitivity
 from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
+from logit_dp._src.mechanisms import PRIVATE_METHODS
+from logit_dp._src.mechanisms import Mechanism
+from logit_dp._src.methods import METHODS
+from logit_dp._src.methods import ClipMethod
 from logit_dp._src.noise import AddNoiseState
 from logit_dp._src.noise import transform
-from logit_dp._src.private_training import PRIVATE_METHODS
+from logit_dp._src.numerics import DEFAULT_COSINE_EPS
+from logit_dp._src.numerics import cosine_similarity
+from logit_dp._src.numerics import normalize
 from logit_dp._src.private_training import PrivateTraining
 from logit_dp._src.private_training import make_private
 from logit_dp._src.sampling import PoissonSampler
@@ -40,6 +45,9 @@ from logit_dp._src.two_tower import shared_parameters
 __version__ = "0.2.0"
 
 __all__ = [
+    "ClipMethod",
+    "ClippedGradFn",
+    "Mechanism",
     "PRIVATE_METHODS",
     "PoissonSampler",
     "PrivacyBudgetExceededError",
@@ -48,6 +56,7 @@ __all__ = [
     "accounting",
     "assign_groups",
     "audit",
+    "clip_methods",
     "distributed",
     "ledger",
     "sampling",

@@ -73,9 +73,9 @@ def require_devices(k: int) -> None:
 def no_float_allowance(monkeypatch):
   """Clip norms without the float32 allowances, to compare the methods' exact computations
   (tests/test_float32_norms.py tests the allowances themselves)."""
-  from logit_dp._src import clipping
-  monkeypatch.setattr(clipping, "_GRAM_FLOAT_ERROR", 0.0)
-  monkeypatch.setattr(clipping, "_VECTOR_FLOAT_ERROR", 0.0)
+  from logit_dp._src import numerics
+  monkeypatch.setattr(numerics, "GRAM_FLOAT_ERROR", 0.0)
+  monkeypatch.setattr(numerics, "VECTOR_FLOAT_ERROR", 0.0)
 
 
 @pytest.fixture(params=["mlp", "conv"])

@@ -40,15 +40,18 @@ def method_kwargs(method: str, x, num_reference: int = 4, seed: int = 7) -> dict
 
 
 def make_batch(embed_fn, params, x, x_prime, positive_embed_fn=None):
-  """The library's internal `clipping._Batch` for all-valid rows on one device, without
+  """The library's internal `pair_batch.PairBatch` for all-valid rows on one device, without
   microbatches (tests that check its factors, norms and projections directly)."""
   import jax.numpy as jnp
 
-  from logit_dp._src import clipping
+  from logit_dp._src import collective
+  from logit_dp._src import numerics
+  from logit_dp._src import pair_batch
 
-  return clipping._Batch(embed_fn, params, x, x_prime, jnp.ones(
-      (x.shape[0],), bool), eps=clipping.DEFAULT_COSINE_EPS, microbatch_size=None,
-                         collective=clipping._Collective(None), positive_embed_fn=positive_embed_fn)
+  return pair_batch.PairBatch(embed_fn, params, x, x_prime, jnp.ones(
+      (x.shape[0],), bool), eps=numerics.DEFAULT_COSINE_EPS, microbatch_size=None,
+                              collective=collective.Collective(None),
+                              positive_embed_fn=positive_embed_fn)
 
 
 def save_config_started_before(config, workdir, *fields) -> None:

@@ -186,7 +186,7 @@ def test_profile_floor_counts_the_multiply_adds_xla_counts():
   import jax  # pylint: disable=g-import-not-at-top
 
   from benchmarks import profile_ghost  # pylint: disable=g-import-not-at-top
-  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import chunking  # pylint: disable=g-import-not-at-top
 
   n = 6  # 8×8 images: conv1 flattened; conv2, conv3 and the dense head ghost layers
   embed_fn, params, x, xp, _ = step_benchmark.build_problem("embedding", n, 8)
@@ -195,10 +195,10 @@ def test_profile_floor_counts_the_multiply_adds_xla_counts():
   assert any(batch.plan.ghost) and not all(batch.plan.ghost)
 
   def cross_terms(fu, fv, u, v):
-    total = clipping._flat_cross_terms(fu.flat, u, fv.flat, v)  # pylint: disable=protected-access
+    total = chunking.flat_cross_terms(fu.flat, u, fv.flat, v)
     for a_u, dl_u, a_v, dl_v in zip(fu.ghost_patches, fu.ghost_deltas, fv.ghost_patches,
                                     fv.ghost_deltas):
-      total += clipping._ghost_layer_cross_terms(a_u, dl_u, u, a_v, dl_v, v)  # pylint: disable=protected-access
+      total += chunking.ghost_layer_cross_terms(a_u, dl_u, u, a_v, dl_v, v)
     return total
 
   analysis = jax.jit(cross_terms).lower(f_u, f_v, batch.u_loc, batch.v).compile().cost_analysis()
@@ -211,13 +211,12 @@ def test_profile_floor_counts_the_multiply_adds_xla_counts():
 @pytest.mark.slow  # four compilations of the clipped gradient
 def test_diagonal_cost_times_both_variants_and_restores_the_library():
   from benchmarks import diagonal_cost  # pylint: disable=g-import-not-at-top
-  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  before = [getattr(clipping, name) for name in diagonal_cost._SWITCHES]
+  before = [getattr(module, name) for module, name in diagonal_cost._SWITCHES]
   rows = diagonal_cost.main(
       ["--sizes", "4", "--repeats", "1", "--microbatch", "2", "--image-size", "8"])
   assert [r["method"] for r in rows] == ["ghost", "triangle"]
   assert all(r["safe_s"] > 0 and r["previous_s"] > 0 and math.isfinite(r["ratio"]) for r in rows)
-  assert [getattr(clipping, name) for name in diagonal_cost._SWITCHES] == before
+  assert [getattr(module, name) for module, name in diagonal_cost._SWITCHES] == before
 
 
 @pytest.mark.slow  # four compilations; the forms themselves are tested in test_projected.py
@@ -238,13 +237,13 @@ def test_projected_forms_benchmark_times_both_forms_and_they_agree():
 @pytest.mark.slow  # four compilations; factors_times itself is tested in test_layerwise.py
 def test_projected_jacobians_benchmark_times_both_ways_and_restores_the_library():
   from benchmarks import projected_jacobians  # pylint: disable=g-import-not-at-top
-  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  before = clipping._projected_jacobians
+  from logit_dp._src.methods import bounds  # pylint: disable=g-import-not-at-top
+  before = bounds.projected_jacobians
   (row,) = projected_jacobians.main([
       "--sizes", "12", "--dims", "4", "--rank", "6", "--microbatch", "4", "--repeats", "1",
       "--image-size", "8"
   ])
-  assert clipping._projected_jacobians is before
+  assert bounds.projected_jacobians is before
   assert set(
       row["median_s"]) == {"non_private", "triangle", "projected_gemm", "projected_transpose"}
   # The same J_eQ̃ up to float32 rounding, so the same clip factors up to their allowances.

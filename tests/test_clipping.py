@@ -237,7 +237,7 @@ def test_bad_batches():
 def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
   """The accelerator's larger, uncapped pair-term chunks (one chunk of 13 rows here, against
   the CPU's two padded chunks of 8) give the materialised norms too."""
-  from logit_dp._src import clipping
+  from logit_dp._src import chunking
   from logit_dp._src import layerwise
   embed_fn, params, x, x_prime = make_model("conv", n=13)
   monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d: True)
@@ -245,7 +245,7 @@ def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
                                    float_allowance=False)
   norms = {}
   for accelerator in (False, True):
-    monkeypatch.setattr(clipping, "_on_accelerator", lambda a=accelerator: a)
+    monkeypatch.setattr(chunking, "on_accelerator", lambda a=accelerator: a)
     fresh = lambda p, xs: embed_fn(p, xs)  # a new function: nothing compiled is reused
     norms[accelerator] = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost",
                                                   float_allowance=False)
@@ -264,13 +264,13 @@ def test_ghost_never_allocates_n_squared_p_floats():
   convolution and GEMM workspaces) does not count as growth in n.
   """
   from conftest import SmallConv
-  from logit_dp._src import clipping
+  from logit_dp._src import chunking
   from logit_dp._src import layerwise
   model, d = SmallConv(channels=(16, 32), dim=5), 5
   # One chunk of a ghost layer's pair terms: rows × n × (T² + 2TC + d) floats, at most the
   # chunk budget (larger on an accelerator).
-  chunk_budget, _ = clipping._backend_chunk_limits(clipping._GHOST_LAYER_CHUNK_FLOATS,
-                                                   clipping._GHOST_LAYER_CHUNK_ROWS)
+  chunk_budget, _ = chunking.backend_chunk_limits(chunking.GHOST_LAYER_CHUNK_FLOATS,
+                                                  chunking.GHOST_LAYER_CHUNK_ROWS)
   temp, budget = {}, {}
   for n in (64, 256):
     x = jax.random.normal(jax.random.PRNGKey(0), (n, 8, 8, 3))

@@ -15,7 +15,8 @@ from conftest import SmallConv
 from helpers import make_batch
 from helpers import method_kwargs
 from logit_dp import audit
-from logit_dp._src import clipping
+from logit_dp._src import numerics
+from logit_dp._src import pair_terms
 
 N = 8
 
@@ -91,9 +92,9 @@ def test_clip_norms_are_never_below_the_float64_truth(truths, method, family):
   if method not in ("triangle",
                     "projected"):  # an exact method over-estimates by no more than its allowance
     _, factors = _batch_and_factors(embed_fn, params, x, x_prime)
-    s_u, s_v = (np.asarray(clipping._jacobian_norms(f.gram), np.float64) for f in factors)
+    s_u, s_v = (np.asarray(pair_terms.jacobian_norms(f.gram), np.float64) for f in factors)
     scale = s_u[:, None] + s_v[None, :]
-    allowance = (clipping._GRAM_FLOAT_ERROR ** 0.5 + clipping._VECTOR_FLOAT_ERROR) * scale
+    allowance = (numerics.GRAM_FLOAT_ERROR ** 0.5 + numerics.VECTOR_FLOAT_ERROR) * scale
     assert np.all(got <= truth + 1.01 * allowance)
 
 
@@ -103,7 +104,7 @@ def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
   embed_fn, params, x, x_prime = _problem("near_identical")
   batch, (f_u, f_v) = _batch_and_factors(embed_fn, params, x, x_prime)
   a, b, c = (
-      np.asarray(t, np.float64) for t in clipping._ghost_terms(f_u, batch.u_loc, f_v, batch.v))
+      np.asarray(t, np.float64) for t in pair_terms.ghost_terms(f_u, batch.u_loc, f_v, batch.v))
   gram_form = np.sqrt(np.maximum(np.diag(a + b + 2 * c), 0.0))
   truth = np.diag(truths["near_identical"])
   assert np.max(np.abs(gram_form - truth) / truth) > 0.1
@@ -117,8 +118,8 @@ def test_triangle_takes_the_diagonal_pairs_from_their_vectors(truths):
   tri = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"), np.float64)
   truth = truths["near_identical"]
   _, factors = _batch_and_factors(embed_fn, params, x, x_prime)
-  s_u, s_v = (np.asarray(clipping._jacobian_norms(f.gram), np.float64) for f in factors)
-  allowance = clipping._VECTOR_FLOAT_ERROR * (s_u + s_v)
+  s_u, s_v = (np.asarray(pair_terms.jacobian_norms(f.gram), np.float64) for f in factors)
+  allowance = numerics.VECTOR_FLOAT_ERROR * (s_u + s_v)
   assert np.all(np.diag(truth) <= np.diag(tri))
   assert np.all(np.diag(tri) <= np.diag(truth) + 1.01 * allowance)
   off = ~np.eye(N, dtype=bool)
@@ -149,8 +150,8 @@ def test_the_audit_search_catches_gram_norms_without_the_allowances(monkeypatch)
 
   assert search().ratio <= 1.0
   with monkeypatch.context() as patch:
-    patch.setattr(clipping, "_GRAM_FLOAT_ERROR", 0.0)
-    patch.setattr(clipping, "_with_diagonal", lambda batch, norms, *args: norms)
+    patch.setattr(numerics, "GRAM_FLOAT_ERROR", 0.0)
+    patch.setattr(pair_terms, "with_diagonal", lambda batch, norms, *args: norms)
     assert search().ratio > 1.0
 
 

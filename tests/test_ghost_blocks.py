@@ -20,7 +20,7 @@ from conftest import require_devices
 from helpers import rel_err
 from logit_dp import distributed
 from logit_dp import models
-from logit_dp._src import clipping
+from logit_dp._src import chunking
 from logit_dp._src import layerwise
 
 LOSS = logit_dp.losses.contrastive(temperature=0.5)
@@ -35,7 +35,7 @@ BLOCKS = [(4, 2), (3, 1), (6, 3), (2, 2), (8, 8)]
 
 
 def _force_blocks(monkeypatch, r, c):
-  monkeypatch.setattr(clipping, "ghost_block_sizes", lambda *args: (r, c))
+  monkeypatch.setattr(chunking, "ghost_block_sizes", lambda *args: (r, c))
 
 
 def _fresh(embed_fn):
@@ -121,7 +121,7 @@ def test_block_sizes_fit_the_budget(multiple):
     for k in (1, 8):
       buffers = 1 if k == 1 else 2
       for slots in (1, 2, 3, 5, 9, 17, 40, 100, 3 * n, 10 * n):
-        r, c = clipping.ghost_block_sizes(n, k, example_bytes, slots * example_bytes, multiple)
+        r, c = chunking.ghost_block_sizes(n, k, example_bytes, slots * example_bytes, multiple)
         case = (n, k, slots, r, c)
         assert r >= 1 and c >= 1 and r % c == 0, case
         assert c <= multiple or c % multiple == 0 or (k, r, c) == (1, n, n), case
@@ -130,7 +130,7 @@ def test_block_sizes_fit_the_budget(multiple):
         if multiple == 1 and slots >= 2 * n + buffers:  # all local rows: no recomputation
           assert r >= n and r - n < c, case
     # One device with room for both views: one block, the path before the blocks.
-    assert clipping.ghost_block_sizes(n, 1, example_bytes, 2 * n * example_bytes) == (n, n)
+    assert chunking.ghost_block_sizes(n, 1, example_bytes, 2 * n * example_bytes) == (n, n)
 
 
 def test_memory_budget_is_checked():
@@ -152,7 +152,7 @@ def test_blocked_temporaries_do_not_grow_with_n_like_one_block():
   x = jnp.zeros((64, 8, 8, 3))
   params = model.init(jax.random.PRNGKey(1), x[:1])
   plan = layerwise.make_plan(model.apply, params, x, 5)
-  example_bytes = clipping.factor_bytes_per_example(plan, 5, jax.tree_util.tree_leaves(params))
+  example_bytes = chunking.factor_bytes_per_example(plan, 5, jax.tree_util.tree_leaves(params))
   temp = {}
   for name, budget in (("one block", None), ("blocked", 12 * example_bytes)):
     fn = logit_dp.clipped_grad(model.apply, LOSS, 1.0, "ghost", microbatch_size=4,

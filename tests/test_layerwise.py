@@ -346,8 +346,8 @@ def _normalised_embedding(batch, x):
   """params ↦ (m, d) normalised embeddings of x by embed_fn itself, example by example (JAX's
   own layers, not the library's factors): the reference the factor contractions are checked
   against."""
-  from logit_dp._src import clipping  # pylint: disable=g-import-not-at-top
-  return lambda p: jax.vmap(lambda xe: clipping.normalize(
+  from logit_dp._src import numerics  # pylint: disable=g-import-not-at-top
+  return lambda p: jax.vmap(lambda xe: numerics.normalize(
       batch.embed_fn(p, xe[None])[0], batch.eps))(x)
 
 
@@ -424,7 +424,7 @@ def test_nonfinite_factors_with_zero_cotangent_contribute_exactly_zero(mode, mon
   factors = batch.factors(x)
   assert not all(np.all(np.isfinite(f)) for f in jax.tree_util.tree_leaves(factors))
   cotangents = jax.random.normal(jax.random.PRNGKey(8), (x.shape[0], 4)).at[1].set(0.0)
-  grads = jax.tree_util.tree_leaves(batch._factor_backward(factors, cotangents))
+  grads = jax.tree_util.tree_leaves(batch.factor_backward(factors, cotangents))
   keep = np.arange(x.shape[0]) != 1
   expected = jax.tree_util.tree_leaves(_backward_pass(batch, params, x[keep], cotangents[keep]))
   assert len(grads) == len(expected)

@@ -133,7 +133,7 @@ def test_naive_method_uses_naive_gradient_and_sensitivity():
 ])
 def test_grad_fn_is_clipped_grad_with_method_and_microbatch(method, microbatch_size):
   # A conv net: clipped_grad(microbatch_size=m) currently fails on nets of Dense layers only
-  # (a zero-size leaf reshaped with -1 in clipping._unchunk_rows), not make_private's concern.
+  # (a zero-size leaf reshaped with -1 in chunking.unchunk_rows), not make_private's concern.
   embed_fn, params, x, xp = make_model("conv", n=6)
   loss = logit_dp.losses.contrastive(temperature=1.0)
   pt = logit_dp.make_private(embed_fn, loss, 1.0, target_epsilon=EPS, target_delta=DELTA,

@@ -16,8 +16,10 @@ from conftest import make_model
 from helpers import make_batch
 from helpers import rel_err
 from logit_dp import audit
-from logit_dp._src import clipping
+from logit_dp._src import numerics
+from logit_dp._src import pair_terms
 from logit_dp._src import projection
+from logit_dp._src.methods import bounds
 
 N = 8
 
@@ -103,7 +105,7 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
   # the Gram allowance ε_G·(s_i + s'_j)² that float_allowance=True adds for it (measured: 1/13
   # of it at d = 20, 1/72 at d = 5), and is ~1e-4 relative at the median.
   squared_error = np.abs(got ** 2 - want ** 2)[off] / scale[off] ** 2
-  assert squared_error.max() <= clipping._GRAM_FLOAT_ERROR, squared_error.max()
+  assert squared_error.max() <= numerics.GRAM_FLOAT_ERROR, squared_error.max()
   assert np.median(np.abs(got - want)[off] / want[off]) < 1e-3
   np.testing.assert_allclose(np.diag(got), np.diag(true), rtol=2e-4)  # diagonal: exact vectors
   # It is a real improvement: tighter than triangle, and an upper bound of the truth.
@@ -125,11 +127,11 @@ def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_cas
 def _float32_projections(embed_fn, params, x, x_prime, reference, rank):
   """(J_iQ̃, û, J'_jQ̃, v̂, s, s') as the library computes them in float32."""
   batch = make_batch(embed_fn, params, x, x_prime)
-  tangents, _ = clipping._projection_tangents(batch, reference, rank)
+  tangents, _ = bounds.projection_tangents(batch, reference, rank)
   f_u, f_v = batch.factors(batch.x), batch.factors(batch.x_prime)
-  return (clipping._projected_jacobians(batch, f_u, tangents), batch.u_loc,
-          clipping._projected_jacobians(batch, f_v, tangents), batch.v,
-          clipping._jacobian_norms(f_u.gram), clipping._jacobian_norms(f_v.gram))
+  return (bounds.projected_jacobians(batch, f_u, tangents), batch.u_loc,
+          bounds.projected_jacobians(batch, f_v, tangents), batch.v,
+          pair_terms.jacobian_norms(f_u.gram), pair_terms.jacobian_norms(f_v.gram))
 
 
 # By default near-identical views (the stress) on the diagonal and off it ("shifted"), at the
@@ -163,10 +165,10 @@ def test_gram_form_float32_error_is_a_sixteenth_of_its_allowance(family, dim, nu
       np.abs(np.asarray(g, np.float64) ** 2 - np.sum(w * w, axis=-1)) / scale ** 2
       for g, w, scale in zip(got, (x_vec + y_vec, x_vec, y_vec), (s_i + s_j, s_i, s_j))
   ]
-  assert max(e.max() for e in errors) * 16 <= clipping._GRAM_FLOAT_ERROR
+  assert max(e.max() for e in errors) * 16 <= numerics.GRAM_FLOAT_ERROR
   # ... and with the allowance each bounds the vector form's norm on the right side.
   upper, x_low, y_low = (np.asarray(t, np.float64) for t in projection.gram_norms(
-      p_u, u, projection.gram_columns(p_v, v), s_u, s_v, clipping._GRAM_FLOAT_ERROR))
+      p_u, u, projection.gram_columns(p_v, v), s_u, s_v, numerics.GRAM_FLOAT_ERROR))
   assert np.all(upper >= np.linalg.norm(x_vec + y_vec, axis=-1))
   assert np.all(x_low <= np.linalg.norm(x_vec, axis=-1))
   assert np.all(y_low <= np.linalg.norm(y_vec, axis=-1))
@@ -186,8 +188,7 @@ def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   off = ~np.eye(N, dtype=bool)
   # Above the truth by at most the float32 allowances, √ε_G·s per Gram half and the vector
   # allowance √k·ε_V·S in the subspace (as ghost's exact norms: test_float32_norms).
-  allowance = (clipping._GRAM_FLOAT_ERROR ** 0.5
-               + np.sqrt(2 * N * 5) * clipping._VECTOR_FLOAT_ERROR)
+  allowance = (numerics.GRAM_FLOAT_ERROR ** 0.5 + np.sqrt(2 * N * 5) * numerics.VECTOR_FLOAT_ERROR)
   assert np.all(got[off] <= true[off] + 1.01 * allowance * scale[off])
   assert np.median(got[off] / true[off]) < 1.01
   assert np.median(triangle[off] / true[off]) > 1.3  # where triangle is loose
@@ -329,4 +330,4 @@ def test_make_private_trains_with_projected():
       np.isfinite(np.concatenate([np.ravel(u) for u in jax.tree_util.tree_leaves(updates)])))
   assert private.sensitivity == logit_dp.sensitivity(logit_dp.losses.contrastive(temperature=1.0),
                                                      1.0, batch_size=None)
-  assert clipping.METHODS[-1] == "projected"
+  assert logit_dp.METHODS[-1] == "projected"

@@ -21,7 +21,8 @@ from helpers import make_batch
 from helpers import rel_err
 from logit_dp import audit
 from logit_dp import distributed
-from logit_dp._src import clipping
+from logit_dp._src import numerics
+from logit_dp._src import pair_terms
 
 # "projected" supports one tower only (a ValueError: test_projected.py).
 TWO_TOWER_METHODS = tuple(m for m in logit_dp.METHODS if m != "projected")
@@ -175,18 +176,18 @@ def test_clip_norms_are_never_below_the_float64_truth(kind, method):
                                positive_embed_fn=g), np.float64)
   assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)
   batch = _batch(f, g, params, x, x_prime)
-  s_u = np.asarray(clipping._jacobian_norms(batch.factors(batch.x).gram), np.float64)
-  s_v = np.asarray(clipping._jacobian_norms(batch.factors(batch.x_prime, positive=True).gram),
+  s_u = np.asarray(pair_terms.jacobian_norms(batch.factors(batch.x).gram), np.float64)
+  s_v = np.asarray(pair_terms.jacobian_norms(batch.factors(batch.x_prime, positive=True).gram),
                    np.float64)
   scale = s_u[:, None] + s_v[None, :]
   diagonal = np.eye(N, dtype=bool)
   # The diagonal from vectors is exact up to the vector allowance, in every method.
-  vector = clipping._VECTOR_FLOAT_ERROR * scale
+  vector = numerics.VECTOR_FLOAT_ERROR * scale
   # An allowance covers the float32 error it is added to, so the excess is at most twice it.
   assert np.all(got[diagonal] <= truth[diagonal] + 2.02 * vector[diagonal])
   exact = method != "triangle" or kind in ("disjoint", "aligned_disjoint")
   if exact:  # disjoint towers: exact at triangle's cost; ghost and materialize: exact
-    allowance = (clipping._GRAM_FLOAT_ERROR ** 0.5 + clipping._VECTOR_FLOAT_ERROR) * scale
+    allowance = (numerics.GRAM_FLOAT_ERROR ** 0.5 + numerics.VECTOR_FLOAT_ERROR) * scale
     assert np.all(got <= truth + 2.02 * allowance)
   else:  # the triangle bound, strictly above the truth somewhere
     assert np.any(got[~diagonal] > 1.01 * truth[~diagonal])

@@ -49,8 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from logit_dp._src import checks
 from logit_dp._src import clipping
 from logit_dp._src import grouped
+from logit_dp._src import mechanisms
+from logit_dp._src import methods
+from logit_dp._src import numerics
+from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
 
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
@@ -92,12 +97,9 @@ class RemovalAudit:
 
 
 def _bounds(loss, clip_norm: float, n_valid: int, method: str) -> tuple[float, float]:
-  if method in ("naive", "dp_gcl"):
-    c = (sensitivity_lib.naive_sensitivity(clip_norm)
-         if method == "naive" else grouped.grouped_sensitivity(clip_norm))
-    return c, c
-  return (sensitivity_lib.sensitivity(loss, clip_norm, batch_size=max(n_valid, 2)),
-          sensitivity_lib.sensitivity(loss, clip_norm, batch_size=None))
+  mechanism = mechanisms.Mechanism.of_method(method)
+  return (mechanism.sensitivity(loss, clip_norm, batch_size=max(n_valid, 2)),
+          mechanism.sensitivity(loss, clip_norm, batch_size=None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +117,7 @@ def _grouping(method, num_groups, group_seed, extra_views_fn) -> _Grouping | Non
     return None
   if num_groups is None:
     raise ValueError("method='dp_gcl' needs num_groups.")
-  return _Grouping(grouped._check_num_groups(num_groups), int(group_seed), extra_views_fn)
+  return _Grouping(grouped.check_num_groups(num_groups), int(group_seed), extra_views_fn)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,10 +129,10 @@ class _Reference:
 
 def _reference(method, reference_inputs, projection_rank, embed_fn,
                positive_embed_fn=None) -> _Reference | None:
-  """`clipping._check_projection`'s checks (also for "naive" and "dp_gcl", which never reach
+  """`checks.check_projection`'s checks (also for "naive" and "dp_gcl", which never reach
   clipped_grad), its result as a cache key."""
-  spec = clipping._check_projection(method, reference_inputs, projection_rank, positive_embed_fn,
-                                    embed_fn)
+  spec = checks.check_projection(method, reference_inputs, projection_rank, positive_embed_fn,
+                                 embed_fn)
   return None if spec is None else _Reference(*spec)
 
 
@@ -138,7 +140,7 @@ def _reference(method, reference_inputs, projection_rank, embed_fn,
 def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, positive_embed_fn=None,
                reference: _Reference | None = None):
   """The jitted core of the audited grad_fn (cached: one compilation per configuration)."""
-  if method == "dp_gcl":
+  if mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL:
     if grouping is None:
       raise ValueError("method='dp_gcl' needs num_groups.")
     if positive_embed_fn is not None:
@@ -154,14 +156,10 @@ def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, pos
       return fn.core(params, x, x_prime, mask, groups, views)
 
     return grouped_core
-  if method == "naive":
-    fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, cosine_eps=cosine_eps,
-                                     positive_embed_fn=positive_embed_fn)
-  else:
-    projected = {} if reference is None else dict(reference_inputs=reference.inputs,
-                                                  projection_rank=reference.rank)
-    fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, cosine_eps=cosine_eps,
-                               positive_embed_fn=positive_embed_fn, **projected)
+  projected = {} if reference is None else dict(reference_inputs=reference.inputs,
+                                                projection_rank=reference.rank)
+  fn = clipping.private_grad(embed_fn, loss, clip_norm, method, cosine_eps=cosine_eps,
+                             positive_embed_fn=positive_embed_fn, **projected)
   return fn.core
 
 
@@ -171,7 +169,7 @@ def _flat(tree) -> jax.Array:
 
 def _gaps_fn(core, params, x, x_prime, mask, chunk):
   """gap_k for every k: ḡ(X) against ḡ(X with pair k masked out)."""
-  n = clipping._num_rows(x)
+  n = rows_lib.num_rows(x)
   _, full, _ = core(params, x, x_prime, mask)
   full = _flat(full)
 
@@ -193,29 +191,24 @@ def _gaps_jit(core, params, x, x_prime, mask, chunk):
 
 
 def _check_method(method: str) -> str:
-  allowed = clipping.METHODS + ("naive", "dp_gcl")
-  if method not in allowed:
-    raise ValueError(f"method must be one of {allowed}, got {method!r}.")
-  return method
+  return mechanisms.check_method(method, mechanisms.AUDITED_METHODS)
 
 
 def _prepare(loss, x, x_prime, mask):
-  x, x_prime, mask = clipping._check_pair_inputs(x, x_prime, mask,
-                                                 getattr(loss, "min_batch_size", 1))
+  x, x_prime, mask = checks.check_pair_inputs(x, x_prime, mask, getattr(loss, "min_batch_size", 1))
   as_float32 = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
   x, x_prime = jax.tree_util.tree_map(as_float32, (x, x_prime))
-  if not (bool(jnp.all(clipping._finite_rows(x)))
-          and bool(jnp.all(clipping._finite_rows(x_prime)))):
+  if not (bool(jnp.all(rows_lib.finite_rows(x))) and bool(jnp.all(rows_lib.finite_rows(x_prime)))):
     raise ValueError("audit inputs must be finite.")
   return x, x_prime, mask
 
 
 def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
                  method: str = "ghost", chunk: int | None = None,
-                 cosine_eps: float = clipping.DEFAULT_COSINE_EPS, num_groups: int | None = None,
+                 cosine_eps: float = numerics.DEFAULT_COSINE_EPS, num_groups: int | None = None,
                  group_seed: int = 0, extra_views_fn: Callable | None = None,
                  positive_embed_fn: EmbedFn | None = None, reference_inputs: Any = None,
-                 projection_rank: int = clipping.DEFAULT_PROJECTION_RANK) -> np.ndarray:
+                 projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> np.ndarray:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, as an (n,) array.
 
   Args:
@@ -241,11 +234,11 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
 
 def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
                       method: str = "ghost", chunk: int | None = None,
-                      cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
+                      cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None,
                       positive_embed_fn: EmbedFn | None = None, reference_inputs: Any = None,
-                      projection_rank: int = clipping.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
+                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
   """max_k ‖ḡ(X) − ḡ(X∖k)‖₂ and its ratio to the sensitivity.
 
   Args: as for `removal_gaps`; method="naive" audits Naive-DP and "dp_gcl" DP-GCL against 2B.
@@ -355,10 +348,10 @@ def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime) -> RemovalA
 def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, key,
                       num_restarts: int = 4, num_steps: int = 50, learning_rate: float = 0.05,
                       init_scale: float = 1.0, optimize_params: bool = False, method: str = "ghost",
-                      chunk: int | None = None, cosine_eps: float = clipping.DEFAULT_COSINE_EPS,
+                      chunk: int | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None, reference_inputs: Any = None,
-                      projection_rank: int = clipping.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
+                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
 
   Restart 0 starts from (x, x′, params); restart r ≥ 1 from inputs drawn

@@ -43,9 +43,10 @@ process.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,12 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from logit_dp._src import checks
 from logit_dp._src import clipping
+from logit_dp._src import grad_fn as grad_fn_lib
+from logit_dp._src import mechanisms
 from logit_dp._src import noise as noise_lib
+from logit_dp._src import rows as rows_lib
 
 DATA_AXIS = "data"
 
@@ -77,35 +82,31 @@ __all__ = [
 DevicesArg = None | int | Sequence[Any]
 
 
-class ShardedGradFn(Protocol):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class ShardedGradFn(grad_fn_lib.ClippedGradFn):
   """grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) on the GLOBAL batch (`make_sharded_grad_fn`).
 
-  ``shard_mapped`` is its un-jitted shard_map, (params, x, x_prime, mask) -> (ℒ, ḡ,
+  A `ClippedGradFn` (mechanism, clip_norm, sensitivity()) whose ḡ is replicated on every
+  device. ``shard_mapped`` is its un-jitted shard_map, (params, x, x_prime, mask) -> (ℒ, ḡ,
   n_nonfinite); ``mesh`` the mesh it runs on.
   """
-
   shard_mapped: Callable[..., tuple[jax.Array, Any, jax.Array]]
   mesh: Mesh
 
-  def __call__(self, params: Any, x: jax.Array, x_prime: jax.Array,
-               mask: jax.Array | None = None) -> tuple[jax.Array, Any]:
-    """(ℒ, ḡ) on the batch of pairs (x_i, x'_i) with mask_i true, replicated on every device."""
-    ...
 
-
-class TrainStep(Protocol):
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class TrainStep(grad_fn_lib.CheckedCall):
   """step(params, opt_state, x, x_prime, mask=None) -> (params, opt_state, ℒ).
 
   ``shard_mapped`` is its un-jitted body; ``mesh`` the mesh it runs on.
   """
-
   shard_mapped: Callable[..., tuple[Any, Any, jax.Array]]
   mesh: Mesh
 
   def __call__(self, params: Any, opt_state: Any, x: jax.Array, x_prime: jax.Array,
                mask: jax.Array | None = None) -> tuple[Any, Any, jax.Array]:
     """One private step on the batch of pairs (x_i, x'_i) with mask_i true."""
-    ...
+    return self._checked_core(params, opt_state, x, x_prime, mask)
 
 
 def resolve_devices(devices: DevicesArg = None) -> list:
@@ -172,8 +173,8 @@ def pad_to_multiple(x, x_prime, mask=None, multiple: int = 1) -> tuple[Any, Any,
     raise ValueError(f"multiple must be a positive integer, got {multiple!r}.")
   host = all(isinstance(a, np.ndarray) for a in jax.tree_util.tree_leaves((x, x_prime, mask)))
   xp = np if host else jnp
-  x, x_prime, mask = clipping.check_pairs(x, x_prime, mask, xp)
-  n = clipping._num_rows(x)
+  x, x_prime, mask = checks.check_pairs(x, x_prime, mask, xp)
+  n = rows_lib.num_rows(x)
   pad = (-n) % int(multiple)
   if pad == 0:
     return x, x_prime, mask
@@ -307,8 +308,8 @@ def shard_batch(mesh: Mesh, x, x_prime, mask=None, *,
 def _check_global_batch(x, x_prime, mask, k: int, min_batch_size: int):
   """(x, x_prime) as jax arrays (or pytrees of them); ValueError on a batch that cannot be
   split over k devices or is too small for the loss."""
-  x, x_prime, _ = clipping.check_pairs(x, x_prime)
-  n = clipping._num_rows(x)
+  x, x_prime, _ = checks.check_pairs(x, x_prime)
+  n = rows_lib.num_rows(x)
   if n < min_batch_size:
     raise ValueError(f"the loss needs at least {min_batch_size} pairs per batch, got {n}.")
   if n % k:
@@ -321,19 +322,33 @@ def _check_global_batch(x, x_prime, mask, k: int, min_batch_size: int):
   return x, x_prime
 
 
-def _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs):
-  """The (un-checked, jitted) core of clipped_grad / naive_clipped_grad for one shard.
+def _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs):
+  """The `ClippedGradFn` of one shard (`clipping.private_grad` with axis_name); naive=True is
+  method="naive".
 
-  The public grad_fn checks the batch size on the LOCAL shard (so 1 pair per
-  device fails for the contrastive loss, which needs 2 in the batch); the core
-  is called directly and the checks are done here on the global batch instead.
+  Its public call checks the batch size on the LOCAL shard (so 1 pair per device fails for
+  the contrastive loss, which needs 2 in the batch); the sharded functions call its core and
+  check the global batch instead.
   """
-  if naive:  # Naive-DP has no pair norms, hence no method
-    grad_fn = clipping.naive_clipped_grad(embed_fn, loss, clip_norm, axis_name=axis_name, **kwargs)
-  else:
-    grad_fn = clipping.clipped_grad(embed_fn, loss, clip_norm, method=method, axis_name=axis_name,
-                                    **kwargs)
-  return grad_fn.core
+  if naive:  # Naive-DP has no pair norms, hence no clip method
+    method = mechanisms.NAIVE_METHOD
+  return clipping.private_grad(embed_fn, loss, clip_norm, method, axis_name=axis_name, **kwargs)
+
+
+def _checked_global_inputs(k: int, min_batch_size: int, data, replicated):
+  """check_inputs of the sharded functions: (params, [opt_state,] x, x_prime, mask) with the
+  global batch checked (`_check_global_batch`, `checks.check_mask`) and, called eagerly, placed
+  on the mesh (one placement whatever the caller's: no resharding inside, one jit cache entry)."""
+  def check_inputs(*state, x, x_prime, mask):
+    x, x_prime = _check_global_batch(x, x_prime, mask, k, min_batch_size)
+    n = rows_lib.num_rows(x)
+    mask = jnp.ones((n,), bool) if mask is None else checks.check_mask(mask, n, jnp)
+    if not rows_lib.is_traced((state, x, x_prime, mask)):
+      state = jax.device_put(state, replicated)
+      x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
+    return (*state, x, x_prime, mask)
+
+  return check_inputs
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
@@ -357,44 +372,35 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   own jitted step.
 
   Args:
-    embed_fn, loss, clip_norm, method: as in `logit_dp.clipped_grad`.
+    embed_fn, loss, clip_norm: as in `logit_dp.clipped_grad`.
     mesh: a mesh with axis `axis_name` (e.g. `data_mesh()`).
-    naive: use `naive_clipped_grad` (Naive-DP) instead.
+    method: a `logit_dp.PRIVATE_METHODS` entry, as in `make_private`: a clip method of
+      `clipped_grad` (Logit-DP) or "naive" (`naive_clipped_grad`, Naive-DP).
+    naive: True is the same as method="naive".
     axis_name: the mesh axis the batch is split along.
     **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device), and
       positive_embed_fn for two towers (x, x_prime may then be pytrees, split
       along axis 0 of every leaf).
   """
   k = _axis_size(mesh, axis_name)
-  core = _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
+  shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
   batch_spec = P(axis_name)
-  shard_mapped = _shard_map(core, mesh, (P(), batch_spec, batch_spec, batch_spec), (P(), P(), P()))
+  shard_mapped = _shard_map(shard_fn.core, mesh, (P(), batch_spec, batch_spec, batch_spec),
+                            (P(), P(), P()))
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
-  jitted = jax.jit(shard_mapped)
-  min_batch_size = getattr(loss, "min_batch_size", 1)
-  what = "naive_clipped_grad" if naive else f"clipped_grad({method})"
+  check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
 
-  checked = []
+  def check_inputs(params, x, x_prime, mask=None):
+    return check_global(params, x=x, x_prime=x_prime, mask=mask)
 
-  def grad_fn(params, x, x_prime, mask=None):
-    x, x_prime = _check_global_batch(x, x_prime, mask, k, min_batch_size)
-    n = clipping._num_rows(x)
-    if not checked:
-      clipping.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
-      checked.append(True)
-    mask = jnp.ones((n,), bool) if mask is None else clipping._check_mask(mask, n, jnp)
-    if not clipping._is_traced((params, x, x_prime, mask)):
-      # One placement whatever the caller's: no resharding inside, one jit cache entry.
-      params = jax.device_put(params, replicated)
-      x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
-    loss_value, grads, num_nonfinite = jitted(params, x, x_prime, mask)
-    clipping.raise_if_dropped(what, (params, x, x_prime, mask), num_nonfinite)
-    return loss_value, grads
+  def check_model(params, x, x_prime, mask):
+    del mask
+    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
 
-  typed = cast(ShardedGradFn, grad_fn)
-  typed.shard_mapped = shard_mapped
-  typed.mesh = mesh
-  return typed
+  return ShardedGradFn(core=jax.jit(shard_mapped), check_inputs=check_inputs,
+                       check_model=check_model, mechanism=shard_fn.mechanism,
+                       clip_norm=shard_fn.clip_norm, loss=loss, clip_method=shard_fn.clip_method,
+                       description=shard_fn.description, shard_mapped=shard_mapped, mesh=mesh)
 
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
@@ -449,7 +455,7 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
   `optimizer` must add the noise (build it with `make_private_optimizer` or
   start it with `logit_dp.transform`): on first use the step raises ValueError
   otherwise, unless non_private=True (an explicitly non-private step). embed_fn
-  is checked on first use too (`clipping.check_embed_fn`). Each device computes the global ḡ,
+  is checked on first use too (`checks.check_embed_fn`). Each device computes the global ḡ,
   then runs the same optimizer update on the same replicated state; the
   noise key lives in that state, so every device draws the same noise and the
   released update and new params are identical everywhere (no extra
@@ -458,12 +464,12 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
   donate=True params and opt_state are donated. As with `clipped_grad` under
   jit, valid pairs with non-finite inputs or embeddings are masked out.
 
+  method and naive (the same as method="naive") as in `make_sharded_grad_fn`.
   The returned step has `.shard_mapped`, the un-jitted body, whose outputs are
   per-device values typed replicated (out_specs=P()).
   """
   k = _axis_size(mesh, axis_name)
-  core = _grad_core(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
-  min_batch_size = getattr(loss, "min_batch_size", 1)
+  core = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs).core
 
   def body(params, opt_state, x, x_prime, mask):
     loss_value, grads, _ = core(params, x, x_prime, mask)
@@ -475,24 +481,16 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
                             (P(), P(), P()))
   jitted = jax.jit(shard_mapped, donate_argnums=(0, 1) if donate else ())
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
+  check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
 
-  checked = []
+  def check_inputs(params, opt_state, x, x_prime, mask=None):
+    return check_global(params, opt_state, x=x, x_prime=x_prime, mask=mask)
 
-  def step(params, opt_state, x, x_prime, mask=None):
-    x, x_prime = _check_global_batch(x, x_prime, mask, k, min_batch_size)
-    n = clipping._num_rows(x)
-    if not checked:
-      if not non_private:
-        check_adds_noise(optimizer, params)
-      clipping.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
-      checked.append(True)
-    mask = jnp.ones((n,), bool) if mask is None else clipping._check_mask(mask, n, jnp)
-    if not clipping._is_traced((params, opt_state, x, x_prime, mask)):
-      params, opt_state = jax.device_put((params, opt_state), replicated)
-      x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
-    return jitted(params, opt_state, x, x_prime, mask)
+  def check_model(params, opt_state, x, x_prime, mask):
+    del opt_state, mask
+    if not non_private:
+      check_adds_noise(optimizer, params)
+    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
 
-  typed = cast(TrainStep, step)
-  typed.shard_mapped = shard_mapped
-  typed.mesh = mesh
-  return typed
+  return TrainStep(core=jitted, check_inputs=check_inputs, check_model=check_model,
+                   shard_mapped=shard_mapped, mesh=mesh)

@@ -34,14 +34,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logit_dp._src import clipping
+from logit_dp._src import checks
+from logit_dp._src import chunking
+from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import losses as losses_lib
+from logit_dp._src import mechanisms
+from logit_dp._src import numerics
+from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
 
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
@@ -52,28 +57,15 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # gradient's true norm ≤ B (tests/test_grouped.py measures the float32 error against float64).
 _NORM_FLOAT_ALLOWANCE = 2.0 ** -12
 
-
-class GroupedGradFn(Protocol):
-  """grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
-
-  Returns (ℒ, ḡ) as built by `grouped_clipped_grad`. ``core(params, x, x_prime, mask,
-  group_ids, extra_views) -> (ℒ, ḡ, n_nonfinite)`` is the jitted body without input checks,
-  taking the group ids directly (the guarantee needs them from `assign_groups`);
-  ``with_num_dropped`` is grad_fn returning n_nonfinite too, never raising.
-  """
-
-  core: Callable[..., tuple[jax.Array, Any, jax.Array]]
-  with_num_dropped: Callable[..., tuple[jax.Array, Any, jax.Array]]
-  num_groups: int
-
-  def __call__(self, params: Any, x: jax.Array, x_prime: jax.Array, mask: jax.Array | None = None,
-               *, record_ids: jax.Array, group_key: jax.Array,
-               extra_views: jax.Array | None = None) -> tuple[jax.Array, Any]:
-    """(ℒ, ḡ) on the records (x_i, x'_i[, extra_views_i]) with mask_i true."""
-    ...
+#: grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None) -> (ℒ, ḡ),
+#: as built by `grouped_clipped_grad`: a `ClippedGradFn` of `Mechanism.DP_GCL`. Its ``core(params,
+#: x, x_prime, mask, group_ids, extra_views) -> (ℒ, ḡ, n_nonfinite)`` is the jitted body without
+#: input checks, taking the group ids directly (the guarantee needs them from `assign_groups`).
+GroupedGradFn = grad_fn_lib.ClippedGradFn
 
 
-def _check_num_groups(num_groups) -> int:
+def check_num_groups(num_groups) -> int:
+  """num_groups as an int if a positive integer (G ≥ 1); ValueError otherwise."""
   if isinstance(num_groups, bool) or not isinstance(num_groups,
                                                     (int, np.integer)) or num_groups < 1:
     raise ValueError(f"num_groups must be an integer ≥ 1, got {num_groups!r}.")
@@ -96,7 +88,7 @@ def assign_groups(record_ids: jax.Array, key: jax.Array, num_groups: int) -> jax
   Returns:
     (n,) int32 group ids.
   """
-  g = _check_num_groups(num_groups)
+  g = check_num_groups(num_groups)
   ids = jnp.asarray(record_ids)
   if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"record_ids must be a 1-D integer array, got shape {ids.shape}, dtype "
@@ -106,13 +98,7 @@ def assign_groups(record_ids: jax.Array, key: jax.Array, num_groups: int) -> jax
   return jax.vmap(draw)(ids)
 
 
-def grouped_sensitivity(clip_norm: float) -> float:
-  """Sensitivity 2B of the DP-GCL gradient ḡ = Σ_g clip_B(∇L_g), add/remove one record.
-
-  Adding a record changes one group's clipped gradient from a vector of norm ≤ B to
-  another one (both non-zero in general): 2B, as Naive-DP (G = 1 is Naive-DP).
-  """
-  return 2.0 * sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
+grouped_sensitivity = sensitivity_lib.grouped_sensitivity
 
 
 def grouped_contrastive_row_losses(u: jax.Array, v: jax.Array, w: jax.Array | None,
@@ -168,15 +154,15 @@ def _embed_rows(embed_fn, params, xs, eps, chunk):
   """n(Φ(x)) for the rows of xs, microbatch by microbatch: (n, d)."""
   n = xs.shape[0]
   if chunk is None or chunk >= n:
-    return clipping.normalize(embed_fn(params, xs), eps)
-  return clipping._unchunk_rows(
-      clipping._map_chunks(lambda rows: clipping.normalize(embed_fn(params, rows), eps), (xs,),
-                           chunk), n)
+    return numerics.normalize(embed_fn(params, xs), eps)
+  return chunking.unchunk_rows(
+      chunking.map_chunks(lambda rows: numerics.normalize(embed_fn(params, rows), eps), (xs,),
+                          chunk), n)
 
 
 def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: int, *,
                          microbatch_size: int | None = None,
-                         cosine_eps: float = clipping.DEFAULT_COSINE_EPS) -> GroupedGradFn:
+                         cosine_eps: float = numerics.DEFAULT_COSINE_EPS) -> GroupedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
 
   grad_fn returns (ℒ, ḡ) with ℒ = Σ_g L_g and ḡ = Σ_g min(1, B/‖∇_w L_g‖)·∇_w L_g, a SUM
@@ -212,8 +198,8 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     raise ValueError(f"grouped_clipped_grad needs logit_dp.losses.contrastive(τ), got {loss!r}: "
                      "its group loss is InfoNCE over the group's members and extra views.")
   bound = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
-  num_groups = _check_num_groups(num_groups)
-  clipping._check_microbatch(microbatch_size)
+  num_groups = check_num_groups(num_groups)
+  checks.check_microbatch(microbatch_size)
   temperature = float(loss.temperature)
 
   def core(params, x, x_prime, mask, group_ids, extra_views):
@@ -240,7 +226,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
 
     def record_grad(xr, xpr, viewsr, cur, cvr, cwr):
       examples = jnp.concatenate([xr[None], xpr[None], viewsr])
-      _, vjp = jax.vjp(lambda p: clipping.normalize(embed_fn(p, examples), cosine_eps), params)
+      _, vjp = jax.vjp(lambda p: numerics.normalize(embed_fn(p, examples), cosine_eps), params)
       return vjp(jnp.concatenate([cur[None], cvr[None], cwr]))[0]
 
     def accumulate(acc, rows):
@@ -259,40 +245,29 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     sq = sum(jnp.sum(g.reshape(num_groups, -1) ** 2, axis=1) for g in leaves)
     norms = jnp.sqrt(sq) * (1.0 + _NORM_FLOAT_ALLOWANCE)
     finite = jnp.isfinite(norms)
-    factor = clipping._clip_factor(norms, bound)
+    factor = numerics.clip_factor(norms, bound)
     grads = jax.tree_util.tree_map(
         lambda g: jnp.tensordot(factor.astype(g.dtype), _zero_rows(finite, g), axes=1, precision=
                                 _HIGHEST), group_grads)
     all_dropped = (num_nonfinite > 0) & ~jnp.any(valid)
     return jnp.where(all_dropped, jnp.nan, loss_value), grads, num_nonfinite
 
-  jitted = jax.jit(clipping._full_float32(core))
-  checked = []
-
-  def with_num_dropped(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None):
-    x, x_prime, mask = clipping._check_pair_inputs(x, x_prime, mask, loss.min_batch_size)
+  def check_inputs(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None):
+    x, x_prime, mask = checks.check_pair_inputs(x, x_prime, mask, loss.min_batch_size)
     ids = _check_record_ids(record_ids, mask, x.shape[0])
     if extra_views is not None:
       extra_views = _check_extra_views(extra_views, x)
-    if not checked:
-      clipping.check_embed_fn(embed_fn, params, x)
-      checked.append(True)
-    return jitted(params, x, x_prime, mask, assign_groups(ids, group_key, num_groups), extra_views)
+    return params, x, x_prime, mask, assign_groups(ids, group_key, num_groups), extra_views
 
-  def grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None):
-    loss_value, grads, num_nonfinite = with_num_dropped(params, x, x_prime, mask,
-                                                        record_ids=record_ids, group_key=group_key,
-                                                        extra_views=extra_views)
-    clipping.raise_if_dropped("grouped_clipped_grad",
-                              (params, x, x_prime, mask, record_ids, group_key, extra_views),
-                              num_nonfinite, unit="record(s)")
-    return loss_value, grads
+  def check_model(params, x, *views):
+    del views  # the same model embeds every view
+    checks.check_embed_fn(embed_fn, params, x)
 
-  typed = cast(GroupedGradFn, grad_fn)
-  typed.core = jitted
-  typed.with_num_dropped = with_num_dropped
-  typed.num_groups = num_groups
-  return typed
+  return grad_fn_lib.ClippedGradFn(core=jax.jit(numerics.full_float32(core)),
+                                   check_inputs=check_inputs, check_model=check_model,
+                                   mechanism=mechanisms.Mechanism.DP_GCL, clip_norm=bound,
+                                   loss=loss, num_groups=num_groups,
+                                   description="grouped_clipped_grad", unit="record(s)")
 
 
 def _check_record_ids(record_ids, mask, n: int) -> jax.Array:
@@ -303,7 +278,7 @@ def _check_record_ids(record_ids, mask, n: int) -> jax.Array:
   if ids.shape != (n,) or not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"record_ids must be an integer array of shape ({n},), got shape "
                      f"{ids.shape}, dtype {ids.dtype}.")
-  if not clipping._is_traced((ids, mask)):
+  if not rows_lib.is_traced((ids, mask)):
     valid_ids = np.asarray(ids)[np.asarray(mask)]
     if valid_ids.size and valid_ids.min() < 0:
       raise ValueError("record_ids must be ≥ 0.")

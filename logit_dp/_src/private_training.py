@@ -19,21 +19,22 @@ import optax
 from logit_dp._src import accounting
 from logit_dp._src import clipping
 from logit_dp._src import distributed
+from logit_dp._src import mechanisms
 from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.sampling import PoissonSampler
 
 #: Methods accepted by `make_private`: the Logit-DP ones and the Naive-DP baseline.
-PRIVATE_METHODS = tuple(clipping.METHODS) + ("naive",)
+PRIVATE_METHODS = mechanisms.PRIVATE_METHODS
 
 
 class PrivateTraining(NamedTuple):
   """Everything a private training loop needs, consistent by construction.
 
   Attributes:
-    grad_fn: grad_fn(params, x, x_prime, mask) -> (ℒ, ḡ), ḡ the SUM of clipped
-      pair gradients (`clipped_grad`) or the clipped batch gradient
-      (`naive_clipped_grad` for method="naive").
+    grad_fn: a `ClippedGradFn`, grad_fn(params, x, x_prime, mask) -> (ℒ, ḡ), ḡ the SUM
+      of clipped pair gradients (`clipped_grad`) or the clipped batch gradient
+      (`naive_clipped_grad` for method="naive"); ``grad_fn.mechanism`` says which.
     optimizer: optax chain ḡ → + N(0, (σC)²) → [× 1/E[n] if mean] → optimizer.
       Its state holds the noise key: checkpoint it, keep it secret.
     sampler: the Poisson sampler (rate q, secret seed); batch t = sampler(t).
@@ -134,8 +135,7 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   """
   if not callable(embed_fn):
     raise ValueError(f"embed_fn must be callable, got {embed_fn!r}.")
-  if method not in PRIVATE_METHODS:
-    raise ValueError(f"method must be one of {PRIVATE_METHODS}, got {method!r}.")
+  mechanisms.check_method(method, PRIVATE_METHODS)
   if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
     raise ValueError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}.")
   if not isinstance(mean, bool):
@@ -154,14 +154,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     raise ValueError(f"sampler_seed must be an integer ≥ 0 or None, got {sampler_seed!r}.")
   b = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
 
-  if method == "naive":
-    grad_fn = clipping.naive_clipped_grad(embed_fn, loss, b, microbatch_size=microbatch_size,
-                                          **grad_kwargs)
-    c = sensitivity_lib.naive_sensitivity(b)
-  else:
-    grad_fn = clipping.clipped_grad(embed_fn, loss, b, method=method,
-                                    microbatch_size=microbatch_size, **grad_kwargs)
-    c = sensitivity_lib.sensitivity(loss, b, batch_size=None)
+  grad_fn = clipping.private_grad(embed_fn, loss, b, method, microbatch_size=microbatch_size,
+                                  **grad_kwargs)
+  c = grad_fn.sensitivity(batch_size=None)
 
   accounting.warn_if_large_delta(delta, n, stacklevel=3)
   sampler = PoissonSampler(num_records=n, sampling_rate=q, max_batch_size=max_batch_size,

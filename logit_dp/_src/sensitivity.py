@@ -58,3 +58,12 @@ def sensitivity(loss, clip_norm: float, batch_size: int | None = None) -> float:
 def naive_sensitivity(clip_norm: float) -> float:
   """Sensitivity 2B of Naive-DP (the batch gradient clipped to B), add/remove-one."""
   return 2.0 * check_clip_norm(clip_norm, allow_inf=False)
+
+
+def grouped_sensitivity(clip_norm: float) -> float:
+  """Sensitivity 2B of the DP-GCL gradient ḡ = Σ_g clip_B(∇L_g), add/remove one record.
+
+  Adding a record changes one group's clipped gradient from a vector of norm ≤ B to
+  another one (both non-zero in general): 2B, as Naive-DP (G = 1 is Naive-DP).
+  """
+  return 2.0 * check_clip_norm(clip_norm, allow_inf=False)

@@ -1,0 +1,229 @@
+"""Input validation of the gradient builders: bad input is a ValueError, never NaN or a silently
+non-private result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logit_dp._src import projection
+from logit_dp._src import rows as rows_lib
+
+# embed_fn(params, x) -> (n, d); x is an array or a pytree of arrays, examples along axis 0.
+EmbedFn = Callable[[Any, Any], jax.Array]
+
+
+def raise_if_dropped(what: str, tree, num_dropped, unit: str = "pair(s)") -> None:
+  """Eager calls only: a ValueError when rows with non-finite inputs or embeddings were dropped.
+
+  Under jit (``tree`` traced) such rows are masked out and counted instead (docs/PRIVACY.md).
+  """
+  if not rows_lib.is_traced(tree) and int(num_dropped) > 0:
+    raise ValueError(f"{what}: {int(num_dropped)} {unit} have non-finite inputs or embeddings "
+                     "(NaN/inf). Nothing was released. Under jit such rows are masked out "
+                     "instead (see docs/PRIVACY.md).")
+
+
+def as_inputs(a, name: str, xp) -> Any:
+  """An array, or a pytree of arrays (e.g. token ids and their mask), with the examples along
+  axis 0 of every leaf, as `xp` arrays; ValueError otherwise."""
+  leaves, treedef = jax.tree_util.tree_flatten(a)
+  if not leaves:
+    raise ValueError(f"{name} must be an array or a pytree of arrays, got {a!r} (no arrays).")
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+    where = name + jax.tree_util.keystr(path)
+    if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float, bool, np.generic)):
+      raise ValueError(f"{where} must be an array with the examples along axis 0, got "
+                       f"{type(leaf).__name__}.")
+    dtype = np.dtype(getattr(leaf, "dtype", type(leaf)))
+    if dtype.kind not in "biuf":
+      raise ValueError(f"{where} must hold numbers (bool, int or float), got dtype {dtype}.")
+    leaf = xp.asarray(leaf)
+    if leaf.ndim < 1:
+      raise ValueError(f"{where} must have the examples along axis 0, got a scalar.")
+    out.append(leaf)
+  sizes = sorted({leaf.shape[0] for leaf in out})
+  if len(sizes) > 1:
+    raise ValueError(
+        f"every leaf of {name} must hold the same number of examples along axis 0, "
+        f"got {sizes}: "
+        + ", ".join(f"{name}{jax.tree_util.keystr(path)}: {leaf.shape}"
+                    for (path, _), leaf in zip(jax.tree_util.tree_flatten_with_path(a)[0], out))
+        + ".")
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def check_mask(mask, n: int, xp) -> Any:
+  """mask as a boolean `xp` array of shape (n,); ValueError unless boolean or integer 0/1."""
+  mask = xp.asarray(mask)
+  if mask.shape != (n,):
+    raise ValueError(f"mask must have shape ({n},), got {mask.shape}.")
+  if mask.dtype == bool:
+    return mask
+  if not jnp.issubdtype(mask.dtype, jnp.integer):
+    raise ValueError(
+        f"mask must be boolean (or integer 0/1), got dtype {mask.dtype}: a float mask such as "
+        "0.5 would silently count as True.")
+  if not rows_lib.is_traced(mask) and not bool(xp.all((mask == 0) | (mask == 1))):
+    raise ValueError("an integer mask must hold only 0 and 1.")
+  return mask.astype(bool)
+
+
+def check_pairs(x, x_prime, mask=None, xp=jnp) -> tuple[Any, Any, Any]:
+  """(x, x_prime, mask) as `xp` arrays (or pytrees of them), mask all-True if None.
+
+  ValueError on leaves that are not numeric arrays with the examples along axis 0, leaves
+  of one input with different numbers of examples, x and x_prime with different numbers
+  of examples, or a mask that is not boolean (integer 0/1 is accepted).
+  """
+  x, x_prime = as_inputs(x, "x", xp), as_inputs(x_prime, "x_prime", xp)
+  if rows_lib.num_rows(x) != rows_lib.num_rows(x_prime):
+    raise ValueError(f"x and x_prime must hold the same number of examples, got "
+                     f"{rows_lib.num_rows(x)} and {rows_lib.num_rows(x_prime)} (shapes "
+                     f"{jax.tree_util.tree_map(jnp.shape, x)} and "
+                     f"{jax.tree_util.tree_map(jnp.shape, x_prime)}).")
+  n = rows_lib.num_rows(x)
+  mask = xp.ones((n,), dtype=bool) if mask is None else check_mask(mask, n, xp)
+  return x, x_prime, mask
+
+
+NON_TRAINABLE_COLLECTIONS = ("batch_stats", "cache", "intermediates", "state")
+PROBE_ROWS = 4
+
+
+def probe_inputs(params, x) -> tuple[Any, Any]:
+  """Concrete stand-ins of (params, x) with their shapes and dtypes (random, fixed seed)."""
+  rng = np.random.default_rng(0)
+
+  def stand_in(a, scale):
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      return np.asarray(scale * rng.standard_normal(a.shape), a.dtype)
+    if jnp.issubdtype(a.dtype, jnp.integer):
+      return np.asarray(rng.integers(0, 2, a.shape), a.dtype)
+    if a.dtype == bool:
+      return np.ones(a.shape, a.dtype)  # e.g. an attention mask: keep every position
+    return np.zeros(a.shape, a.dtype)
+
+  rows = min(rows_lib.num_rows(x), PROBE_ROWS)
+  return (jax.tree_util.tree_map(lambda a: stand_in(a, 0.3), params),
+          jax.tree_util.tree_map(
+              lambda a: stand_in(jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype), 1.0), x))
+
+
+def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn") -> None:
+  """ValueError unless embed_fn(params, x) is (n, d) and treats the examples independently.
+
+  Per-pair clipping needs each embedding to depend on its own example only: a model that
+  mixes the batch (flax BatchNorm in training mode, subtracting the batch mean) would be
+  evaluated example by example and learn nothing. Compares embed_fn on a few rows at once
+  with the same rows one by one: on (params, x) themselves when they are concrete, under
+  jit on random stand-ins of their shapes. Also refuses params holding non-trainable flax
+  collections (they must be closed over by embed_fn, never differentiated or noised).
+  """
+  if isinstance(params, dict) or hasattr(params, "keys"):
+    keys = set(params.keys())
+    extra = keys & set(NON_TRAINABLE_COLLECTIONS) or (keys
+                                                      - {"params"} if "params" in keys else set())
+    if extra:
+      raise ValueError(
+          f"params holds the flax collection(s) {sorted(extra)}: pass only the trainable "
+          "parameters (e.g. variables['params']) and let embed_fn close over the rest, so "
+          "that non-trainable state is never differentiated or noised. Batch statistics "
+          "mix the examples of a batch and break per-pair clipping: use GroupNorm/LayerNorm "
+          "or no normalisation.")
+  if rows_lib.num_rows(x) < 1:
+    return
+  if rows_lib.is_traced((params, x)):
+    params, x = probe_inputs(params, x)
+  with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
+    rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
+    num = rows_lib.num_rows(rows)
+    batched = np.asarray(embed_fn(params, rows), np.float64)
+    if batched.ndim != 2 or batched.shape[0] != num:
+      raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
+                       f"{batched.shape} for {num} examples.")
+    if num < 2:
+      return
+    one_by_one = [jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], rows) for i in range(num)]
+    single = np.concatenate([np.asarray(embed_fn(params, r), np.float64) for r in one_by_one])
+  if not np.all(np.isfinite(batched)) or not np.all(np.isfinite(single)):
+    return  # non-finite embeddings are handled (dropped) by the gradient itself
+  tol = 1e-3 * max(float(np.max(np.abs(batched))), 1e-6)
+  if np.max(np.abs(batched - single)) > tol:
+    raise ValueError(
+        f"{name} mixes the examples of a batch: embedding rows together differs from "
+        f"embedding them one by one (max difference {np.max(np.abs(batched - single)):.3g}). "
+        "Logit-DP clips per-pair gradients and needs examples to be independent: no batch "
+        "norm in training mode, no batch statistics.")
+
+
+def check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1) -> tuple[Any, Any, Any]:
+  """`check_pairs`, and a ValueError when the global batch (num_shards shards of x) holds fewer
+  than min_batch_size pairs."""
+  x, x_prime, mask = check_pairs(x, x_prime, mask)
+  n = rows_lib.num_rows(x)
+  if n * num_shards < min_batch_size:  # the pair matrix spans the global batch
+    raise ValueError(
+        f"the loss needs at least {min_batch_size} pairs per batch, got {n * num_shards}.")
+  return x, x_prime, mask
+
+
+def check_towers(embed_fn: EmbedFn, positive_embed_fn: EmbedFn | None, params, x, x_prime) -> None:
+  """`check_embed_fn` on embed_fn with x and, for two towers, on positive_embed_fn with x_prime."""
+  check_embed_fn(embed_fn, params, x)
+  if positive_embed_fn is not None and positive_embed_fn is not embed_fn:
+    check_embed_fn(positive_embed_fn, params, x_prime, "positive_embed_fn")
+
+
+def check_positive_embed_fn(positive_embed_fn) -> None:
+  """ValueError unless positive_embed_fn is callable or None."""
+  if positive_embed_fn is not None and not callable(positive_embed_fn):
+    raise ValueError(f"positive_embed_fn must be callable or None, got {positive_embed_fn!r}.")
+
+
+def check_projection(method: str, reference_inputs, projection_rank, positive_embed_fn,
+                     embed_fn) -> tuple[Any, int] | None:
+  """(reference_inputs as float arrays, k) for "projected", None otherwise; ValueError when
+  "projected" has no (finite, non-empty) reference inputs, another method is given them, or
+  there are two towers (disjoint towers are exact at triangle's cost already)."""
+  if method != "projected":
+    if reference_inputs is not None:
+      raise ValueError(f"reference_inputs are used by method='projected' only, not {method!r}.")
+    return None
+  if reference_inputs is None:
+    raise ValueError("method='projected' needs reference_inputs: a few PUBLIC inputs (examples "
+                     "along axis 0) whose Jacobians span the subspace of its bound.")
+  if positive_embed_fn is not None and positive_embed_fn is not embed_fn:
+    raise ValueError("method='projected' supports one tower; with two towers use 'triangle' "
+                     "(exact for towers sharing no parameter) or 'ghost'.")
+  rank = projection.check_rank(projection_rank)
+  reference = as_inputs(reference_inputs, "reference_inputs", np)
+  if rows_lib.num_rows(reference) < 1:
+    raise ValueError("reference_inputs must hold at least one example.")
+  for leaf in jax.tree_util.tree_leaves(reference):
+    if not np.all(np.isfinite(leaf)):
+      raise ValueError("reference_inputs must be finite (they are public inputs, not masked).")
+  return jax.tree_util.tree_map(jnp.asarray, reference), rank
+
+
+def check_memory_budget(memory_budget) -> int | None:
+  """memory_budget if a positive integer (bytes) or None; ValueError otherwise."""
+  if memory_budget is not None and (isinstance(memory_budget, bool)
+                                    or not isinstance(memory_budget, int) or memory_budget < 1):
+    raise ValueError(
+        f"memory_budget must be a positive integer (bytes) or None, got {memory_budget!r}.")
+  return memory_budget
+
+
+def check_microbatch(microbatch_size) -> int | None:
+  """microbatch_size if a positive integer or None; ValueError otherwise."""
+  if microbatch_size is not None and (isinstance(microbatch_size, bool) or
+                                      not isinstance(microbatch_size, int) or microbatch_size < 1):
+    raise ValueError(
+        f"microbatch_size must be a positive integer or None, got {microbatch_size!r}.")
+  return microbatch_size

@@ -1,0 +1,104 @@
+"""The private gradient functions handed to users: `ClippedGradFn`, and the checked call of a
+jitted core that every builder shares (`CheckedCall`).
+
+A builder (`clipped_grad`, `naive_clipped_grad`, `grouped_clipped_grad`,
+`distributed.make_sharded_grad_fn`, `distributed.make_private_train_step`) supplies a jitted
+core and the checks of its inputs; the object runs the checks, checks the model once on first
+use, calls the core, and (for a gradient) refuses to release a result with dropped non-finite
+rows when called eagerly. A `ClippedGradFn` also says which mechanism it implements and its
+sensitivity, so that the noise can be calibrated from the object itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from logit_dp._src import checks
+from logit_dp._src import mechanisms
+from logit_dp._src import methods
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class CheckedCall:
+  """core(*check_inputs(...)) with check_model(*the core's arguments) run once, on first use.
+
+  Attributes:
+    core: the jitted body, called with what check_inputs returns.
+    check_inputs: (params, x, x_prime, mask=None, **kwargs) -> the core's arguments, after
+      validating them (ValueError on bad input).
+    check_model: called with the core's arguments of the first call, returns None (ValueError
+      if the model cannot be used, e.g. it mixes the examples of a batch).
+  """
+  core: Callable[..., Any]
+  check_inputs: Callable[..., tuple] = dataclasses.field(repr=False)
+  check_model: Callable[..., None] = dataclasses.field(repr=False)
+  _checked: list = dataclasses.field(default_factory=list, repr=False)
+
+  def _checked_core(self, *args, **kwargs):
+    core_args = self.check_inputs(*args, **kwargs)
+    if not self._checked:  # on first use
+      self.check_model(*core_args)
+      self._checked.append(True)
+    return self.core(*core_args)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class ClippedGradFn(CheckedCall):
+  """grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ): a private (clipped) gradient.
+
+  ḡ is a pytree like params with L2 sensitivity `sensitivity()` under adding or removing one
+  pair record; noise it with `logit_dp.transform(σ, grad_fn.sensitivity(), key)`. Called
+  eagerly, it raises ValueError when any valid pair has non-finite inputs or embeddings;
+  under jit such pairs are masked out (the same as removing them). grouped_clipped_grad's
+  functions also take record_ids=, group_key= and extra_views= keywords.
+
+  Attributes:
+    mechanism: the `Mechanism` (Logit-DP, Naive-DP or DP-GCL).
+    clip_norm: B (jnp.inf: unclipped, not private).
+    loss: the loss ℒ(Z, mask).
+    clip_method: the `methods.ClipMethod` of Logit-DP (None for the others).
+    num_groups: G of DP-GCL (None for the others).
+    description: the name its errors use, e.g. "clipped_grad(ghost)".
+    unit: what a dropped row is ("pair(s)" or "record(s)").
+    core: the jitted body without the input checks: core(params, x, x_prime, mask, ...)
+      -> (ℒ, ḡ, n_nonfinite), n_nonfinite the valid rows with non-finite inputs or
+      embeddings (masked out).
+  """
+  mechanism: mechanisms.Mechanism
+  clip_norm: float
+  loss: Any
+  clip_method: methods.ClipMethod | None = None
+  num_groups: int | None = None
+  description: str = ""
+  unit: str = "pair(s)"
+
+  @property
+  def method(self) -> str:
+    """The method name: the clip method's for Logit-DP, "naive" or "dp_gcl"."""
+    if self.clip_method is not None:
+      return self.clip_method.name
+    if self.mechanism is mechanisms.Mechanism.NAIVE_DP:
+      return mechanisms.NAIVE_METHOD
+    return mechanisms.GROUPED_METHOD
+
+  def sensitivity(self, batch_size: int | None = None) -> float:
+    """C of ḡ under add-or-remove-one pair record (batch_size None: any batch size, as under
+    Poisson sampling; `Mechanism.sensitivity`). ValueError for an unclipped function."""
+    return self.mechanism.sensitivity(self.loss, self.clip_norm, batch_size)
+
+  def with_num_dropped(self, params, x, x_prime, mask=None,
+                       **kwargs) -> tuple[jax.Array, Any, jax.Array]:
+    """(ℒ, ḡ, num_dropped): as grad_fn, never raising; num_dropped counts the valid rows
+    dropped for non-finite inputs or embeddings (ℒ is NaN when that is all of them)."""
+    return self._checked_core(params, x, x_prime, mask, **kwargs)
+
+  def __call__(self, params, x, x_prime, mask=None, **kwargs) -> tuple[jax.Array, Any]:
+    """(ℒ, ḡ) on the batch of pairs (x_i, x'_i) with mask_i true."""
+    loss_value, grads, num_dropped = self.with_num_dropped(params, x, x_prime, mask, **kwargs)
+    checks.raise_if_dropped(self.description, (params, x, x_prime, mask, kwargs), num_dropped,
+                            self.unit)
+    return loss_value, grads

@@ -1,0 +1,70 @@
+"""Which private mechanism a gradient function implements: `Mechanism`, and the method names.
+
+Three mechanisms release a clipped gradient ḡ, each with its own L2 sensitivity C under
+adding or removing one pair record (noise N(0, (σC)²) makes a step private):
+
+* Logit-DP (`clipped_grad`): every pair gradient ∇_w Z_ij clipped to B, weighted by
+  τ_ij = ∂ℒ/∂Z_ij; C = `sensitivity(loss, B)`. It takes a clip method (`methods.METHODS`:
+  how the pair norms are found).
+* Naive-DP (`naive_clipped_grad`): the whole batch gradient clipped to B; C = 2B.
+* DP-GCL (`grouped_clipped_grad`): each group's gradient clipped to B; C = 2B.
+
+The method names accepted by `make_private` (`PRIVATE_METHODS`: a clip method for Logit-DP, or
+"naive"), by the audits (`AUDITED_METHODS`: also "dp_gcl") and the experiments' names
+(`Mechanism` values: "logit_dp", "naive_dp", "dp_gcl") all map to a `Mechanism` here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from logit_dp._src import methods
+from logit_dp._src import sensitivity as sensitivity_lib
+
+NAIVE_METHOD = "naive"
+GROUPED_METHOD = "dp_gcl"
+
+
+class Mechanism(enum.Enum):
+  """A private mechanism: what is clipped, hence the sensitivity of ḡ."""
+  LOGIT_DP = "logit_dp"
+  NAIVE_DP = "naive_dp"
+  DP_GCL = "dp_gcl"
+
+  @property
+  def label(self) -> str:
+    """The name papers and tables use: "Logit-DP", "Naive-DP" or "DP-GCL"."""
+    return {"logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL"}[self.value]
+
+  def sensitivity(self, loss, clip_norm: float, batch_size: int | None = None) -> float:
+    """C of ḡ under add-or-remove-one: `sensitivity(loss, B, batch_size)` for Logit-DP, 2B for
+    Naive-DP and DP-GCL (batch_size None: any batch size, as under Poisson sampling)."""
+    if self is Mechanism.LOGIT_DP:
+      return sensitivity_lib.sensitivity(loss, clip_norm, batch_size)
+    if self is Mechanism.NAIVE_DP:
+      return sensitivity_lib.naive_sensitivity(clip_norm)
+    return sensitivity_lib.grouped_sensitivity(clip_norm)
+
+  @classmethod
+  def of_method(cls, method: str) -> Mechanism:
+    """The mechanism of a method name: a clip method (Logit-DP), "naive" or "dp_gcl"."""
+    if method in methods.REGISTRY:
+      return cls.LOGIT_DP
+    if method == NAIVE_METHOD:
+      return cls.NAIVE_DP
+    if method == GROUPED_METHOD:
+      return cls.DP_GCL
+    raise ValueError(f"method must be one of {AUDITED_METHODS}, got {method!r}.")
+
+
+#: Methods accepted by `make_private`: the Logit-DP clip methods and Naive-DP.
+PRIVATE_METHODS = methods.METHODS + (NAIVE_METHOD,)
+#: Methods the removal audits accept: those of `make_private` and DP-GCL.
+AUDITED_METHODS = PRIVATE_METHODS + (GROUPED_METHOD,)
+
+
+def check_method(method: str, allowed: tuple[str, ...]) -> str:
+  """method if it is one of `allowed`; ValueError otherwise."""
+  if not isinstance(method, str) or method not in allowed:
+    raise ValueError(f"method must be one of {allowed}, got {method!r}.")
+  return method

@@ -1,0 +1,149 @@
+""""ghost": exact pair norms from per-example Jacobian factors, in blocks of pairs.
+
+‖g_ij‖² = a + b + 2c (`pair_terms`), never n²·p floats: the cross term is an (nd)×(nd)
+cross-Gram over the flattened parameters plus per-layer pair terms of ghost layers, in row
+chunks. The rows' and columns' factors are held r and c examples at a time within a memory
+budget (`chunking.ghost_block_sizes`); under a shard_map axis the column blocks pass around the
+ring of devices. Two towers: `towers.pair_norms` (exact at triangle's cost for towers that
+share no parameter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from logit_dp._src import chunking
+from logit_dp._src import numerics
+from logit_dp._src import pair_batch
+from logit_dp._src import pair_terms
+from logit_dp._src.methods import base
+from logit_dp._src.methods import towers
+
+
+@dataclasses.dataclass(frozen=True)
+class Ghost(base.ClipMethod):
+  """Exact pair norms (min with the triangle bound, diagonal pairs from their vectors).
+
+  Attributes:
+    memory_budget: bytes of Jacobian factors held at once (None: `chunking.default_memory_budget`).
+  """
+  name: ClassVar[str] = "ghost"
+  memory_budget: int | None = None
+
+  def pair_norms_with_factors(self, batch, allowance) -> base.NormsAndFactors:
+    """See `base.ClipMethod.pair_norms_with_factors`."""
+    if batch.two_tower:
+      return towers.pair_norms(batch, cross_terms=True, allowance=allowance)
+    tau = jnp.zeros((batch.u_loc.shape[0], batch.u.shape[0]), batch.u_loc.dtype)
+    return ghost_blocks(batch, tau, math.inf, allowance, self.memory_budget,
+                        with_grads=False)[0], None
+
+  def clipped_grad(self, batch, tau_local, clip_norm) -> Any:
+    """See `base.ClipMethod.clipped_grad`."""
+    if batch.two_tower:
+      return super().clipped_grad(batch, tau_local, clip_norm)
+    return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget)[1]
+
+
+jax.tree_util.register_dataclass(Ghost, data_fields=[], meta_fields=["memory_budget"])
+
+
+def _loop(num: int, body, carry):
+  """body(i, carry) for i < num: a fori_loop, or one direct call when num == 1."""
+  if num == 1:
+    return body(0, carry)
+  return jax.lax.fori_loop(0, num, body, carry)
+
+
+def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: float,
+                 memory_budget: int | None, with_grads: bool = True) -> tuple[jax.Array, Any]:
+  """Exact pair norms and ḡ of "ghost" in blocks of r rows × c columns
+  (`chunking.ghost_block_sizes`).
+
+  For each row block the rows' factors f_u are computed once; for each column block of this
+  device's x_prime its factors f_v are computed (again for every row block) and passed around
+  the ring of devices (`collective.Collective.ring_shift`, k steps: it comes home last), so
+  that every device pairs its rows with every column. Per block: the norms
+  (`pair_terms.block_norms`, the diagonal
+  pairs from their vectors when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
+  cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
+  column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
+  and from f_v when it comes home (per row block: ḡ is linear in the cotangents).
+
+  Returns (norms (n_local, n), ḡ psum-ed over devices, or None without with_grads).
+  """
+  col = batch.c
+  n_local, d = batch.u_loc.shape
+  k = col.size()
+  leaves = jax.tree_util.tree_leaves(batch.params)
+  budget = chunking.default_memory_budget() if memory_budget is None else memory_budget
+  r, c = chunking.ghost_block_sizes(n_local, k,
+                                    chunking.factor_bytes_per_example(batch.plan, d, leaves),
+                                    budget, batch.microbatch_size or 1)
+  per_row_block = r // c
+  num_row_blocks, num_column_blocks = -(-n_local // r), -(-n_local // c)
+  single = num_row_blocks == 1 and num_column_blocks == 1 and k == 1
+  # One block: the user's microbatches; blocks: at most a column block at a time.
+  chunk = batch.microbatch_size if single else min(batch.microbatch_size or c, c)
+
+  def pad(a, size):
+    extra = size - a.shape[0]
+    return jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)]) if extra else a
+
+  n_rows, n_columns = num_row_blocks * r, num_column_blocks * c
+  x, u = pad(batch.x, n_rows), pad(batch.u_loc, n_rows)
+  x_prime, v_local = pad(batch.x_prime, n_columns), pad(batch.v_loc, n_columns)
+  tau = tau_local.reshape(n_local, k, n_local)  # columns: (device, local example)
+  tau = jnp.pad(tau, ((0, n_rows - n_local), (0, 0), (0, n_columns - n_local)))
+  me = col.index()
+  zero_grads = col.varying(jax.tree_util.tree_map(jnp.zeros_like, batch.params))
+
+  def row_block(a, carry):
+    norms, grads = carry
+    f_u = batch.factors(jax.lax.dynamic_slice_in_dim(x, a * r, r), chunk=chunk)
+    u_rows = jax.lax.dynamic_slice_in_dim(u, a * r, r)
+    tau_rows = jax.lax.dynamic_slice_in_dim(tau, a * r, r)
+
+    def column_block(b, carry):
+      norms_rows, cot_u, grads = carry
+      start = b * c
+      f_v = batch.factors(jax.lax.dynamic_slice_in_dim(x_prime, start, c), chunk=chunk)
+      v_columns = jax.lax.dynamic_slice_in_dim(v_local, start, c)
+      home = b // per_row_block == a  # its examples are rows start - a·r ... of this row block
+
+      def ring_step(s, carry):
+        norms_rows, cot_u, (f_v, v_columns, cot_v) = carry
+        owner = (me - s) % k  # the device whose columns are passing
+        block = pair_terms.block_norms(f_u, u_rows, f_v, v_columns, allowance)
+        block = pair_terms.with_diagonal(batch, block, f_u, f_v, u_rows, v_columns, start - a * r,
+                                         home & (s == 0), allowance)
+        norms_rows = jax.lax.dynamic_update_slice(norms_rows, block[:, None, :], (0, owner, start))
+        if with_grads:
+          tau_block = jax.lax.dynamic_slice(tau_rows, (0, owner, start), (r, 1, c))[:, 0, :]
+          lam = tau_block * numerics.clip_factor(block, clip_norm)
+          cot_u = cot_u + jnp.matmul(lam, v_columns, precision=numerics.HIGHEST)
+          cot_v = cot_v + jnp.matmul(lam.T, u_rows, precision=numerics.HIGHEST)
+        return norms_rows, cot_u, col.ring_shift((f_v, v_columns, cot_v))
+
+      travelling = col.varying((f_v, v_columns, jnp.zeros((c, d), u.dtype)))
+      norms_rows, cot_u, (f_v, _, cot_v) = _loop(k, ring_step, (norms_rows, cot_u, travelling))
+      if with_grads:  # home again, with Σ_i λ_ij û_i over every device's rows of this row block
+        grads = jax.tree_util.tree_map(jnp.add, grads, batch.factor_backward(f_v, cot_v))
+      return norms_rows, cot_u, grads
+
+    norms_rows = col.varying(jnp.zeros((r, k, n_columns), u.dtype))
+    cot_u = col.varying(jnp.zeros((r, d), u.dtype))
+    norms_rows, cot_u, grads = _loop(num_column_blocks, column_block, (norms_rows, cot_u, grads))
+    if with_grads:
+      grads = jax.tree_util.tree_map(jnp.add, grads, batch.factor_backward(f_u, cot_u))
+    return jax.lax.dynamic_update_slice_in_dim(norms, norms_rows, a * r, axis=0), grads
+
+  norms = col.varying(jnp.zeros((n_rows, k, n_columns), u.dtype))
+  norms, grads = _loop(num_row_blocks, row_block, (norms, zero_grads))
+  norms = norms[:n_local, :, :n_local].reshape(n_local, k * n_local)
+  return norms, (col.psum(grads) if with_grads else None)

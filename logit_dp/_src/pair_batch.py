@@ -1,0 +1,222 @@
+"""The forward state of one gradient computation: `PairBatch`.
+
+Embeddings are normalised, û_i = n(Φ_w(x_i)), v̂_j = n(Φ'_w(x'_j)) (Φ' = Φ with one tower),
+Z_ij = ⟨û_i, v̂_j⟩ spans the global batch (gathered over the devices of a shard_map axis), and
+the batch provides what every clip method builds on: the per-example Jacobian factors
+(`layerwise`), backward passes Σ_e J_eᵀc_e, and ḡ = ∇_w Σ_ij λ_ij Z_ij(w) for fixed λ.
+
+Requirement: embed_fn must treat examples independently (no batch norm); the
+per-example Jacobians and pair gradients assume it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from logit_dp._src import chunking
+from logit_dp._src import layerwise
+from logit_dp._src import numerics
+from logit_dp._src import rows as rows_lib
+from logit_dp._src import two_tower
+
+
+class PairBatch:
+  """The shared forward state of one gradient computation.
+
+  Methods taking `positive=True` act on the tower of x_prime (`positive_embed_fn`); with one
+  tower that is embed_fn itself.
+  """
+  def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective,
+               positive_embed_fn=None):
+    self.embed_fn, self.params, self.eps = embed_fn, params, eps
+    self.two_tower = positive_embed_fn is not None and positive_embed_fn is not embed_fn
+    self.positive_embed_fn = positive_embed_fn if self.two_tower else embed_fn
+    # The same function, with recognised convolutions differentiated into channels-last
+    # convolutions: JAX's own rule runs 4-50x slower inside the loops of microbatching and of
+    # materialize on XLA:CPU (layerwise.channels_last_conv). Factors intercept embed_fn themselves.
+    self._embed_fn = layerwise.with_recognised_layers(embed_fn)
+    self._positive_fn = (layerwise.with_recognised_layers(self.positive_embed_fn)
+                         if self.two_tower else self._embed_fn)
+    self.microbatch_size, self.c = microbatch_size, collective
+    n_local = rows_lib.num_rows(x)
+    inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
+    # Zero non-finite inputs so that their NaNs cannot reach the backward pass.
+    self.x, self.x_prime = rows_lib.where_rows(inputs_ok,
+                                               x), rows_lib.where_rows(inputs_ok, x_prime)
+    u_loc = self._embed(self.x)
+    v_loc = self._embed(self.x_prime, positive=True)
+    if u_loc.shape[-1] != v_loc.shape[-1]:
+      raise ValueError(f"the two towers must embed into the same dimension: embed_fn gives "
+                       f"{u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
+    ok = inputs_ok & rows_lib.finite_rows(u_loc) & rows_lib.finite_rows(v_loc)
+    self.u_loc, self.v_loc = rows_lib.where_rows(ok, u_loc), rows_lib.where_rows(ok, v_loc)
+    self.rows = collective.local_rows(n_local)
+    self.u, self.v = collective.gather(self.u_loc), collective.gather(self.v_loc)
+    self.valid = collective.gather(mask & ok)
+    self.num_nonfinite = jnp.sum(collective.gather(mask & ~ok))
+    self.z = jnp.matmul(self.u, self.v.T, precision=numerics.HIGHEST)
+
+  def normalized_embedding(self, params, x_one, positive: bool = False) -> jax.Array:
+    """n(Φ_w(x)) of one example x_one (no batch axis) at params, (d,)."""
+    fn = self._positive_fn if positive else self._embed_fn
+    return numerics.normalize(
+        fn(params, jax.tree_util.tree_map(lambda a: a[None], x_one))[0], self.eps)
+
+  def _embed(self, xs, positive: bool = False):
+    return rows_lib.map_rows(lambda xe: self.normalized_embedding(self.params, xe, positive), xs,
+                             self.microbatch_size)
+
+  @functools.cached_property
+  def plan(self) -> layerwise.Plan:
+    """Which parameters get per-layer factors and which generic per-example Jacobians."""
+    if self.two_tower:
+      return self.tower_plans.anchor
+    return layerwise.make_plan(self.embed_fn, self.params, self.x, self.u_loc.shape[-1])
+
+  @functools.cached_property
+  def tower_plans(self) -> two_tower.TowerPlans:
+    """The plans of both towers (the same plan twice with one tower)."""
+    if not self.two_tower:
+      return two_tower.TowerPlans(self.plan, self.plan,
+                                  tuple(sorted(two_tower.dependencies(self.plan))))
+    return two_tower.tower_plans(self.embed_fn, self.positive_embed_fn, self.params, self.x,
+                                 self.x_prime, self.u_loc.shape[-1])
+
+  def _plan_of(self, positive: bool) -> layerwise.Plan:
+    return self.tower_plans.positive if positive and self.two_tower else self.plan
+
+  def _generic_jacobian(self, indices, xs, positive: bool = False):
+    """Per-example Jacobians w.r.t. the leaves `indices` (jacrev per example): (m, d, q)."""
+    leaves, treedef = jax.tree_util.tree_flatten(self.params)
+
+    def one(x_one):
+      def embed(selected):
+        params = layerwise.replace_leaves(leaves, treedef, indices, selected)
+        return self.normalized_embedding(params, x_one, positive)
+
+      jac = jax.jacrev(embed)([leaves[i] for i in indices])
+      return jnp.concatenate([j.reshape(j.shape[0], -1) for j in jac], axis=1)
+
+    return jax.vmap(one)(xs)
+
+  def factors(self, xs, chunked: bool = True, positive: bool = False,
+              chunk: int | None = None) -> layerwise.Factors:
+    """Per-example Jacobian factors of one view (see layerwise), microbatch by microbatch
+    (chunk examples at a time if given; chunked=False: xs in one piece, for callers that
+    chunk themselves)."""
+    plan = self._plan_of(positive)
+    embed_fn = self.positive_embed_fn if positive else self.embed_fn
+
+    def chunk_factors(x_chunk):
+      return layerwise.layer_factors(
+          embed_fn, self.params, plan, x_chunk, lambda e: numerics.normalize(e, self.eps),
+          lambda indices: self._generic_jacobian(indices, x_chunk, positive), self.c.local_params)
+
+    m, n = chunk or self.microbatch_size, rows_lib.num_rows(xs)
+    if not chunked or m is None or m >= n:
+      return chunk_factors(xs)
+    return chunking.unchunk_rows(chunking.map_chunks(chunk_factors, (xs,), m), n)
+
+  def _selected_backward(self, xs, cot, positive: bool = False):
+    """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
+    def one(xe, ce):
+      _, vjp = jax.vjp(lambda p: self.normalized_embedding(p, xe, positive), self.params)
+      keep = jnp.any(ce != 0)
+      return jax.tree_util.tree_map(lambda g: jnp.where(keep, g, jnp.zeros_like(g)), vjp(ce)[0])
+
+    return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), jax.vmap(one)(xs, cot))
+
+  def _backward_pass(self, xs, cot, positive: bool = False):
+    """Σ_e J_eᵀ cot_e by backward passes, microbatch by microbatch.
+
+    Each microbatch is embedded in one call (examples are independent): a vmap over examples
+    would batch the convolutions' custom backward pass into grouped convolutions (~4x slower).
+    """
+    fn = self._positive_fn if positive else self._embed_fn
+
+    def chunk_grad(x_chunk, cot_chunk):
+      embed = lambda p: numerics.normalize(fn(p, x_chunk), self.eps)
+      _, vjp = jax.vjp(embed, self.params)
+      return finite_or(
+          vjp(cot_chunk)[0], lambda: self._selected_backward(x_chunk, cot_chunk, positive))
+
+    m = self.microbatch_size
+    if m is None or m >= rows_lib.num_rows(xs):
+      return chunk_grad(xs, cot)
+    # Padded examples have zero cotangents and add exactly 0.
+    return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0),
+                                  chunking.map_chunks(chunk_grad, (xs, cot), m))
+
+  def factor_backward(self, factors: layerwise.Factors, cot, positive: bool = False) -> Any:
+    """Σ_e J_eᵀ cot_e contracted from the examples' Jacobian factors.
+
+    The selecting recomputation goes example by example: selecting all of them at once would
+    hold a second copy of the factors (the largest buffer of "ghost").
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(self.params)
+    plan = self._plan_of(positive)
+
+    def transpose(f, c, keep=None):
+      return jax.tree_util.tree_unflatten(treedef,
+                                          layerwise.factors_transpose(plan, f, c, leaves, keep))
+
+    def selected():
+      def add_example(total, example):
+        f, c = jax.tree_util.tree_map(lambda a: a[None], example)
+        return jax.tree_util.tree_map(jnp.add, total, transpose(f, c, jnp.any(c != 0, -1))), None
+
+      zeros = self.c.varying(jax.tree_util.tree_map(jnp.zeros_like, self.params))
+      return jax.lax.scan(add_example, zeros, (factors, cot))[0]
+
+    return finite_or(transpose(factors, cot), selected)
+
+  def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array, factors=None) -> Any:
+    """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ, summed over devices.
+
+    = Σ_i J_iᵀ(Σ_j λ_ij v̂_j) + Σ_j J'_jᵀ(Σ_i λ_ij û_i): one backward pass per view, or, given
+    the Jacobian factors (f_u, f_v) of the local examples of both views (two towers), their
+    contraction. Either way an example whose cotangent is 0 contributes exactly 0. (One-tower
+    "ghost" contracts its factors block by block instead: `methods.ghost.ghost_blocks`.)
+    """
+    cot_u = jnp.matmul(lam_local_rows, self.v, precision=numerics.HIGHEST)
+    cot_v = jnp.matmul(lam_full[:, self.rows].T, self.u, precision=numerics.HIGHEST)
+    if factors is None:
+      anchor = self._backward_pass(self.x, cot_u)
+      positive = self._backward_pass(self.x_prime, cot_v, positive=True)
+    else:
+      anchor = self.factor_backward(factors[0], cot_u)
+      positive = self.factor_backward(factors[1], cot_v, positive=True)
+    grads = (anchor, positive)
+    return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
+
+
+def finite_or(grads, redo) -> Any:
+  """grads if all of it is finite, else redo(): the recomputation in which every example with
+  a zero cotangent is *selected* out.
+
+  A non-finite Jacobian times a zero cotangent is NaN, not 0: that would release whether a
+  dropped or masked example is present. Selecting inside the fast computation costs ~10x on
+  CPU, so it is redone only when something is not finite (the sums are otherwise the same).
+  """
+  leaves = jax.tree_util.tree_leaves(grads)
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
+  return jax.lax.cond(finite, lambda: grads, redo)
+
+
+def forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective,
+            positive_embed_fn=None) -> tuple[PairBatch, jax.Array, jax.Array]:
+  """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs)."""
+  params = collective.local_params(params)
+  batch = PairBatch(embed_fn, params, x, x_prime, mask, eps=eps, microbatch_size=microbatch_size,
+                    collective=collective, positive_embed_fn=positive_embed_fn)
+  loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
+  tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
+  # Every valid pair dropped as non-finite (e.g. NaN parameters): the loss is NaN, not the
+  # loss of an empty batch, so that a diverged run cannot log 0.0 forever.
+  all_dropped = (batch.num_nonfinite > 0) & ~jnp.any(batch.valid)
+  loss_value = jnp.where(all_dropped, jnp.nan, loss_value)
+  return batch, loss_value, tau
