@@ -124,8 +124,7 @@ def _resnet18(embedding_dim: int = 8):
 MODELS = {"embedding": _embedding_net, "resnet18": _resnet18}
 
 
-def build_problem(model_name: str, n: int, image_size: int, seed: int = 0,
-                  embedding_dim: int = 8):
+def build_problem(model_name: str, n: int, image_size: int, seed: int = 0, embedding_dim: int = 8):
   """(embed_fn, params, x, x_prime, num_params) for a batch of n CIFAR-shaped pairs."""
   model = MODELS[model_name](embedding_dim)
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
@@ -383,9 +382,8 @@ def child_main(config: dict) -> dict:
 def measure_in_child(model, n, spec, args) -> dict:
   config = {
       "model": model, "n": n, "spec": spec, "compile_cache": args.compile_cache, "args": {
-          k: getattr(args, k)
-          for k in ("image_size", "temperature", "clip_norm", "noise_multiplier", "learning_rate",
-                    "embedding_dim")
+          k: getattr(args, k) for k in ("image_size", "temperature", "clip_norm", "noise_multiplier",
+                                       "learning_rate", "embedding_dim")
       }
   }
   cmd = [sys.executable, "-m", "benchmarks.step_benchmark", "--child", json.dumps(config)]

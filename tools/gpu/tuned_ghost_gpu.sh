@@ -50,8 +50,9 @@
 #
 # Settings: TUNED_GHOST_QUEUE (the list), TUNED_GHOST_SEEDS ("0 1 2"), TUNED_GHOST_RUNS (runs),
 # TUNED_GHOST_RESULTS (docs/results), TUNED_GHOST_STATE (.gpu_state/tuned_ghost.tar.gz).
-# TUNED_GHOST_TINY=1 runs the same entries on experiments/configs/tiny.py (digits, an MLP; NPZ_DIR
-# is then ignored): the CPU test of this script in tests/test_tools.py.
+# TUNED_GHOST_TINY=1 runs the same entries on experiments/configs/tiny.py (digits, an MLP, each
+# image paired with its augmentation; NPZ_DIR is then ignored): the CPU test of this script in
+# tests/test_tools.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 QUEUE=${TUNED_GHOST_QUEUE:-tools/gpu/tuned_ghost_runs.txt}
@@ -142,8 +143,10 @@ SECONDS_LEFT=${2:-480}
 mkdir -p "$RUNS"
 if [[ ${TUNED_GHOST_TINY:-0} == 1 ]]; then
   tiny=$(mktemp)
-  sed 's#experiments/configs/cifar10_embedding_net_tuned.py#experiments/configs/tiny.py#' \
-    "$QUEUE" >"$tiny"
+  # Every seed pairs each image with its augmentation: the same number of records, hence the
+  # same σ, q and T, as every seed of the real runs has (all 25,000 same-class records).
+  sed -e 's#experiments/configs/cifar10_embedding_net_tuned.py#experiments/configs/tiny.py#' \
+    -e '/^[^#]/s/$/ --config.pair_mode=augment/' "$QUEUE" >"$tiny"
   QUEUE=$tiny
 fi
 if [[ -f $STATE ]]; then  # a state carried from an earlier session: only runs not here
