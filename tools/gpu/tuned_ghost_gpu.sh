@@ -170,4 +170,7 @@ rc=0
 timeout -k 10 "$SECONDS_LEFT" python3 -m tools.run_queue --queue="$only" --runs_dir="$RUNS" \
   --results_dir="$RESULTS" "${npz_flag[@]}" || rc=$?
 echo "run_queue rc=$rc (124: stopped after $SECONDS_LEFT s; the checkpoints resume it)"
+if ((rc != 0 && rc != 124)); then
+  for n in $names; do [[ -f $RUNS/$n/log.txt ]] && tail -20 "$RUNS/$n/log.txt"; done
+fi
 if [[ -n ${OUT:-} ]]; then collect; else progress $names; fi
