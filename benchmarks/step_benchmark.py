@@ -96,10 +96,10 @@ GB = 1e9
 # ----------------------------------------------------------------------------- models
 
 
-def _embedding_net():
+def _embedding_net(embedding_dim: int = 8):
   try:
     from logit_dp import models  # pylint: disable=g-import-not-at-top
-    return models.EmbeddingNet()
+    return models.EmbeddingNet(embedding_dim=embedding_dim)
   except (ImportError, AttributeError):  # fallback: the paper's net, defined here
     import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
@@ -110,22 +110,23 @@ def _embedding_net():
           x = nn.relu(
               nn.Conv(c, (3, 3), strides=(2, 2), padding="SAME",
                       kernel_init=nn.initializers.kaiming_normal())(x))
-        return nn.Dense(8, kernel_init=nn.initializers.xavier_normal())(x.mean(axis=(1, 2)))
+        return nn.Dense(embedding_dim,
+                        kernel_init=nn.initializers.xavier_normal())(x.mean(axis=(1, 2)))
 
     return EmbeddingNet()
 
 
-def _resnet18():
+def _resnet18(embedding_dim: int = 8):
   from logit_dp import models  # pylint: disable=g-import-not-at-top
-  return models.ResNet18(norm=None)
+  return models.ResNet18(embedding_dim=embedding_dim, norm=None)
 
 
 MODELS = {"embedding": _embedding_net, "resnet18": _resnet18}
 
 
-def build_problem(model_name: str, n: int, image_size: int, seed: int = 0):
+def build_problem(model_name: str, n: int, image_size: int, seed: int = 0, embedding_dim: int = 8):
   """(embed_fn, params, x, x_prime, num_params) for a batch of n CIFAR-shaped pairs."""
-  model = MODELS[model_name]()
+  model = MODELS[model_name](embedding_dim)
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   shape = (n, image_size, image_size, 3)
   x = jax.random.uniform(k1, shape)
@@ -361,7 +362,8 @@ def child_main(config: dict) -> dict:
   """One step in a fresh process: its peak memory (and one step's time, for reference)."""
   args = argparse.Namespace(**config["args"])
   enable_compile_cache(config.get("compile_cache"))
-  embed_fn, params, x, x_prime, _ = build_problem(config["model"], config["n"], args.image_size)
+  embed_fn, params, x, x_prime, _ = build_problem(config["model"], config["n"], args.image_size,
+                                                  embedding_dim=args.embedding_dim)
   jax.block_until_ready((params, x, x_prime))
   base = _rss()
   compiled, opt_state, info = compile_step(config["spec"], embed_fn, params, x, x_prime, args)
@@ -380,8 +382,8 @@ def child_main(config: dict) -> dict:
 def measure_in_child(model, n, spec, args) -> dict:
   config = {
       "model": model, "n": n, "spec": spec, "compile_cache": args.compile_cache, "args": {
-          k: getattr(args, k)
-          for k in ("image_size", "temperature", "clip_norm", "noise_multiplier", "learning_rate")
+          k: getattr(args, k) for k in ("image_size", "temperature", "clip_norm", "noise_multiplier",
+                                       "learning_rate", "embedding_dim")
       }
   }
   cmd = [sys.executable, "-m", "benchmarks.step_benchmark", "--child", json.dumps(config)]
@@ -460,7 +462,8 @@ def pre_gate(e: dict, n: int, p: int, d: int, t_np: float | None, args,
 
 def bench_config(model: str, n: int, specs: list[str], args, sampler: RssSampler) -> list[dict]:
   """All methods for one (model, n), timed interleaved in this process."""
-  embed_fn, params, x, x_prime, num_params = build_problem(model, n, args.image_size)
+  embed_fn, params, x, x_prime, num_params = build_problem(model, n, args.image_size,
+                                                           embedding_dim=args.embedding_dim)
   jax.block_until_ready((params, x, x_prime))
   d = int(jax.eval_shape(embed_fn, params, x[:1]).shape[-1])
   limit = args.memory_limit_gb * GB
@@ -902,6 +905,8 @@ def parse_args(argv):
       help="steps faster than this get one untimed run right before each timed "
       "run, so that every timed run follows a run of the same step")
   p.add_argument("--image-size", type=int, default=32)
+  p.add_argument("--embedding-dim", type=int, default=8,
+                 help="d, the models' embedding dimension (the paper's: 8)")
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--clip-norm", type=float, default=1.0)
   p.add_argument("--num-reference", type=int, default=64,

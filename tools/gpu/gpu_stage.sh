@@ -3,6 +3,9 @@
 # carry at most 64 MiB each (working tree included): here the data is cut into parts of at most
 # CHUNK bytes, one part per call; there each call adds its part to a staging folder, and the call
 # with the last part checks the SHA-256 of the whole, unpacks the data and installs the wheels.
+# CHUNK (GPU_STAGE_CHUNK, default 58,000,000 bytes) leaves the tracked working tree (~5.6 MB) and
+# a carried run state room under 64 MiB = 67,108,864 bytes: CIFAR-10's archive (170,498,071
+# bytes) and the wheels (~0.3 MB) travel in three parts (tests/test_tools.py checks the sum).
 #
 #   here:  bash tools/gpu/gpu_stage.sh prepare DATA_DIR [DATASETS]
 #            DATASETS: cifar10 (default) or cifar10,cifar100. DATA_DIR holds, for each data set,
@@ -19,7 +22,7 @@
 #            export PYTHONPATH=STAGE_DIR/site:$PWD.
 #   then, e.g., tools/gpu/resnet18_gpu.sh's call sequence.
 set -euo pipefail
-CHUNK=${GPU_STAGE_CHUNK:-55000000}
+CHUNK=${GPU_STAGE_CHUNK:-58000000}
 cd "$(dirname "$0")/../.."
 
 prepare() {

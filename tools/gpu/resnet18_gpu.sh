@@ -17,20 +17,38 @@
 #
 # On a remote accelerator host reached by calls of at most 10 minutes that carry at most 64 MiB
 # each way, the data travels in parts (tools/gpu/gpu_stage.sh) and the run must finish inside the
-# calls that follow: its checkpoints (~135 MB a method, and they hold the noise key) cannot come
-# back, so a run cut off there is lost. With DATA_DIR holding cifar-10-python.tar.gz or
-# cifar10.npz:
-#   here, once:  bash tools/gpu/gpu_stage.sh prepare DATA_DIR   # .gpu_stage/part00 … partKK
-#   one call per part but the last, back to back, carrying [".gpu_stage/partNN"]:
-#     bash tools/gpu/gpu_stage.sh receive .gpu_stage/partNN /tmp/stage /tmp/cifar
-#   the call with the last part, timeout_s 600:
-#     bash tools/gpu/gpu_stage.sh receive .gpu_stage/partKK /tmp/stage /tmp/cifar &&
-#     export PYTHONPATH=/tmp/stage/site:$PWD PYTHONUNBUFFERED=1 &&
-#     (setsid nohup bash tools/gpu/resnet18_gpu.sh /tmp/cifar 0 10 >/tmp/r18.log 2>&1 &) &&
-#     sleep 520; tail -3 /tmp/r18.log; bash tools/gpu/resnet18_gpu.sh --collect
-#   at once, if it has not finished:  sleep 150; bash tools/gpu/resnet18_gpu.sh --collect
-# --collect copies config.json, results.json and each method's metrics.csv of WORKDIR to $OUT.
+# calls that follow, on the machine kept warm by calling back to back: its checkpoints (~135 MB
+# a method, and they hold the secret noise key) cannot come back, so a run cut off there is
+# lost. STEPS = 50 trains each method in one piece (T = 50), so each compiles once. The call
+# sequence for one 15-minute budget is in tools/README.md; its last calls are
+#   bash tools/gpu/gpu_stage.sh receive .gpu_stage/part02 /tmp/stage /tmp/cifar &&
+#   export PYTHONPATH=/tmp/stage/site:$PWD PYTHONUNBUFFERED=1 &&
+#   (setsid nohup bash tools/gpu/resnet18_gpu.sh /tmp/cifar 0 50 >/tmp/r18.log 2>&1 &) &&
+#   bash tools/gpu/resnet18_gpu.sh --wait 480
+# and, at once if it has not finished:  bash tools/gpu/resnet18_gpu.sh --wait SECONDS
+# --wait SECONDS waits until every method of WORKDIR has finished or SECONDS have passed, prints
+# the log's last lines (R18_LOG, default /tmp/r18.log) and collects. --collect copies config.json,
+# results.json and each method's metrics.csv of WORKDIR (default runs/cifar10_resnet18_s0) to
+# $OUT: no checkpoint.
 set -euo pipefail
+finished() {  # finished WORKDIR: every method of its results.json has finished
+  python3 - "$1" <<'PY'
+import json, os, sys
+p = os.path.join(sys.argv[1], "results.json")
+ok = os.path.exists(p) and all(r.get("finished") for r in json.load(open(p)).values())
+sys.exit(0 if ok else 1)
+PY
+}
+if [[ "${1:-}" == "--wait" ]]; then
+  limit=${2:?usage: resnet18_gpu.sh --wait SECONDS}
+  cd "$(dirname "$0")/../.."
+  end=$(($(date +%s) + limit))
+  until finished "${WORKDIR:-runs/cifar10_resnet18_s0}" || (($(date +%s) >= end)); do
+    sleep 5
+  done
+  if [[ -f ${R18_LOG:-/tmp/r18.log} ]]; then tail -5 "${R18_LOG:-/tmp/r18.log}"; fi
+  set -- --collect
+fi
 if [[ "${1:-}" == "--collect" ]]; then
   W=${WORKDIR:-runs/cifar10_resnet18_s0}
   cd "$(dirname "$0")/../.."
@@ -47,17 +65,9 @@ STEPS=${3:-5}
 shift $(( $# < 3 ? $# : 3 ))
 WORKDIR=${WORKDIR:-runs/cifar10_resnet18_s${SEED}}
 cd "$(dirname "$0")/../.."
-finished() {
-  python - "$WORKDIR" <<'PY'
-import json, os, sys
-p = os.path.join(sys.argv[1], "results.json")
-ok = os.path.exists(p) and all(r.get("finished") for r in json.load(open(p)).values())
-sys.exit(0 if ok else 1)
-PY
-}
-until finished; do
+until finished "$WORKDIR"; do
   start=$(date +%s)
-  python experiments/pretrain.py --config=experiments/configs/cifar10_resnet18.py \
+  python3 experiments/pretrain.py --config=experiments/configs/cifar10_resnet18.py \
     --config.data.npz_dir="$DIR" --config.seed="$SEED" --config.stop_after_steps="$STEPS" \
     --workdir="$WORKDIR" "$@"
   echo "piece: $(( $(date +%s) - start )) s"
