@@ -25,12 +25,16 @@ from logit_dp._src.clipping import pair_grad_norms
 from logit_dp._src.grouped import assign_groups
 from logit_dp._src.grouped import grouped_clipped_grad
 from logit_dp._src.grouped import grouped_sensitivity
+from logit_dp._src.ledger import BudgetedSampler
 from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.noise import AddNoiseState
 from logit_dp._src.noise import transform
 from logit_dp._src.private_training import PRIVATE_METHODS
+from logit_dp._src.private_training import EmptyBatchWarning
+from logit_dp._src.private_training import NonFiniteRowsWarning
 from logit_dp._src.private_training import PrivateTraining
+from logit_dp._src.private_training import UnrecordedStepError
 from logit_dp._src.private_training import make_private
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sensitivity import naive_sensitivity
@@ -40,11 +44,15 @@ from logit_dp._src.two_tower import shared_parameters
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetedSampler",
+    "EmptyBatchWarning",
+    "NonFiniteRowsWarning",
     "PRIVATE_METHODS",
     "PoissonSampler",
     "PrivacyBudgetExceededError",
     "PrivacyLedger",
     "PrivateTraining",
+    "UnrecordedStepError",
     "accounting",
     "assign_groups",
     "audit",
