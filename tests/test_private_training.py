@@ -347,9 +347,13 @@ def test_train_step_releases_only_recorded_steps():
   with pytest.raises(logit_dp.UnrecordedStepError, match="0 step"):
     train_step(params, opt_state, x[:8], xp[:8])  # no step recorded for it
   for batch in pt.batches():
+    old_state = opt_state
     params, opt_state, loss_value = train_step(params, opt_state, x[batch.indices],
                                                xp[batch.indices], batch.mask)
     assert np.isfinite(float(loss_value))
+    if pt.ledger.steps == 2:  # the same noise again, on another batch: refused
+      with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
+        train_step(params, old_state, x[:8], xp[:8])
   assert int(opt_state[0].count) == pt.ledger.steps == 4
   with pytest.raises(logit_dp.UnrecordedStepError, match="update 5"):
     train_step(params, opt_state, x[:8], xp[:8])

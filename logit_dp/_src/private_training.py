@@ -160,7 +160,9 @@ class PrivateTraining(NamedTuple):
     * before the update: `UnrecordedStepError` unless the ledger has recorded more
       steps than the optimizer state has released noisy updates (its noise count),
       so no update leaves without its step in the ledger (draw the batches with
-      `batches`, or call ``ledger.record_steps(1)`` first on the low-level path);
+      `batches`, or call ``ledger.record_steps(1)`` first on the low-level path),
+      and when this train_step already released the update of that noise count
+      (an old optimizer state used again: the same noise twice);
     * after it: the number of valid pairs dropped for non-finite inputs or
       embeddings (``grad_fn.with_num_dropped``) and an empty batch (no valid
       pair: the update is pure noise) are reported per ``on_nonfinite`` and
@@ -193,8 +195,16 @@ class PrivateTraining(NamedTuple):
 
     update = jax.jit(update) if jit else update
 
+    released_counts = set()
+
     def train_step(params, opt_state, x, x_prime, mask=None):
       released = _noise_count(opt_state)
+      if released in released_counts:
+        raise UnrecordedStepError(
+            f"This train_step already released the update of noise count {released}: a second "
+            "update from the same optimizer state draws the same noise, and the difference of "
+            "the two updates would reveal the gradients without noise. Continue from the "
+            "optimizer state the last step returned.")
       if released >= ledger.steps:
         raise UnrecordedStepError(
             f"The optimizer state has released {released} noisy update(s) and the ledger has "
@@ -217,6 +227,7 @@ class PrivateTraining(NamedTuple):
             "valid pair(s) have non-finite inputs or embeddings (NaN/inf) and were dropped "
             "(masked out, still private). Check the data, or lower the learning rate if the "
             "model diverges.", NonFiniteRowsWarning, FloatingPointError)
+      released_counts.add(released)
       return params_out, state_out, loss_value
 
     return train_step
