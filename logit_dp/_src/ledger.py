@@ -30,7 +30,9 @@ and sets both budgets, so `record_steps` refuses any step after which
 The guarantee assumes the ledger's σ and q are those actually used and that
 every step that touched the data was recorded: call `record_steps` *before*
 releasing (applying) each noisy update, and checkpoint ledger and state
-together. A step is one noisy update: gradient accumulation over micro-batches
+together. This is the low-level path; `logit_dp.make_private`'s
+`PrivateTraining.batches` records every step itself, its `BudgetedSampler`
+refuses steps past the budget, and its checkpoints hold the sampler too. A step is one noisy update: gradient accumulation over micro-batches
 (`clipped_grad(..., microbatch_size=m)`) computes the same ḡ of the whole
 Poisson batch and adds noise once, so it is still one step.
 
