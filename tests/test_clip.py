@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from experiments import clip
+from experiments.configs import clip_cifar10
 from experiments.configs import clip_cifar100
 from experiments.configs import clip_tiny
 
@@ -57,6 +58,9 @@ def test_class_names_ship_with_the_repository():
                            cwd=REPO, capture_output=True, text=True)
   if tracked.returncode != 128 or "not a git repository" not in tracked.stderr:
     assert tracked.returncode == 0, tracked.stderr
+  cifar10 = clip_cifar10.get_config()
+  assert len(clip.load_label_names(cifar10.data.label_names, cifar10.data.label,
+                                   cifar10.data.name)) == 10
   config = clip_tiny.get_config()
   assert config.data.label_names is None
   ds = clip.load_images(config)  # synthetic images, the shipped names
