@@ -3,9 +3,12 @@
     python -m experiments.clip --config=experiments/configs/clip_cifar10.py \
         --config.data.npz_dir=/path/to/cifar --config.seed=S --workdir=runs/clip_cifar10_sS
 
-`clip_cifar100` on CIFAR-10's 10 classes (zero-shot chance 0.1), sized for a CPU: 10,000
-training records and large Poisson batches (Logit-DP's signal grows with n against a noise
-σ·C that does not). The setting is fixed a priori, not tuned on CIFAR-10.
+`clip_cifar100` on CIFAR-10's 10 classes (zero-shot chance 0.1), sized for a CPU: the 50,000
+training records, Poisson batches of 1,000 (q = 0.02) for 2 epochs (100 steps) at
+ε = 8, δ = 1e-5. Logit-DP's signal grows with the batch against a noise σ·C that does not,
+and at a fixed number of steps a smaller q needs a smaller σ, so the whole training set with
+large batches beats a subset. The Logit-DP learning rate was chosen on CIFAR-100's coarse
+labels (public with respect to CIFAR-10), not on CIFAR-10.
 """
 
 from experiments.configs import clip_cifar100
@@ -14,13 +17,15 @@ from experiments.configs import clip_cifar100
 def get_config():
   config = clip_cifar100.get_config()
   config.data.name = "cifar10"
-  config.data.train_subset = 10_000
+  config.data.train_subset = None
   config.data.test_subset = 2_000
   config.batch_size = 1000
   config.num_epochs = 2.0
   config.clip_norm = 1e-3
-  config.learning_rates.logit_dp = 3e-3
+  # Chosen on CIFAR-100 coarse labels (10,000 records, 100 steps of 1,000, ε = 8): zero-shot
+  # top-1 0.0615 at 1e-2, 0.0475 at 3e-3 (chance 0.05).
+  config.learning_rates.logit_dp = 1e-2
   config.learning_rates.non_private = 3e-3
   config.eval_batch_size = 1000
-  config.log_every = 1
+  config.log_every = 10
   return config
