@@ -226,7 +226,7 @@ def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, A
   train_step = private.make_train_step(on_nonfinite=config.get("on_nonfinite_rows", "warn"))
   start = time.time()
   log(f"logit_dp: {private.steps} steps; compiling the first one")
-  for batch in private.batches():  # each step recorded in the ledger before its batch exists
+  for batch in private.batches():  # each step recorded in the ledger before its batch is out
     x, texts = _pairs(ds, tokens, batch.indices)
     params, opt_state, _ = train_step(params, opt_state, x, texts, batch.mask)
     step = private.ledger.steps
