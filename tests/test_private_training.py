@@ -391,7 +391,7 @@ def test_train_step_reports_non_finite_rows_and_empty_batches():
   assert int(opt_state_1[0].count) == 1
   assert all(np.all(np.isfinite(a)) for a in jax.tree_util.tree_leaves(params_1))
   with pytest.warns(logit_dp.EmptyBatchWarning, match="no valid pair"):
-    warn_step(params, opt_state, x[:8], xp[:8], jnp.zeros((8,), bool))
+    warn_step(params_1, opt_state_1, x[:8], xp[:8], jnp.zeros((8,), bool))
   error_step = pt.make_train_step(on_nonfinite="error", on_empty="error", jit=False)
   with pytest.raises(FloatingPointError, match="1 of 8 valid pair"):
     error_step(params, opt_state, x[:8], xp[:8])
