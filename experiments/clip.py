@@ -1,9 +1,11 @@
 r"""CLIP-style two-tower training with Logit-DP: CIFAR-100 images and their class-name texts.
 
     python -m experiments.clip --config=experiments/configs/clip_cifar100.py \
-        --config.data.npz_dir=/path/to/cifar \
-        --config.data.label_names=/path/to/cifar100_label_names.json --workdir=runs/clip
+        --config.data.npz_dir=/path/to/cifar --workdir=runs/clip
     python -m experiments.clip --config=experiments/configs/clip_tiny.py     # synthetic, seconds
+
+The class names ship in experiments/label_names/ (CIFAR-10 and CIFAR-100);
+--config.data.label_names=FILE.json reads others.
 
 An image tower (the paper's embedding net) and a text tower (bag of words: token
 embeddings, masked mean, two dense layers) map into one d-dimensional space; one
@@ -57,17 +59,32 @@ from logit_dp import models
 METHOD_LABELS = {"logit_dp": "Logit-DP (two towers)", "non_private": "Non-private"}
 PADDING = "<pad>"
 
+#: The class names shipped with the repository: label_names/<data.name>.json.
+LABEL_NAMES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_names")
 
-def load_label_names(path: str, label: str = "fine") -> list[str]:
-  """Class names from a JSON file: {"fine_label_names": [...]} (or "<label>_label_names")."""
-  if not path:
-    raise ValueError("config.data.label_names must be the path of the class-names JSON file.")
-  with open(os.path.expanduser(path)) as f:
+
+def label_names_path(path: str | None, name: str) -> str:
+  """``path``, or the shipped file of data set ``name`` (label_names/<name>.json) if None."""
+  if path:
+    return os.path.expanduser(path)
+  shipped = os.path.join(LABEL_NAMES_DIR, f"{name}.json")
+  if not os.path.exists(shipped):
+    raise ValueError(f"No class names ship for data set {name!r} ({LABEL_NAMES_DIR} has "
+                     f"{sorted(os.listdir(LABEL_NAMES_DIR))}): set config.data.label_names to "
+                     "the path of a class-names JSON file.")
+  return shipped
+
+
+def load_label_names(path: str | None, label: str = "fine", name: str = "cifar100") -> list[str]:
+  """Class names from a JSON file: {"<label>_label_names": [...]}, {"label_names": [...]} or a
+  list; ``path`` None reads the file shipped for data set ``name`` (`label_names_path`)."""
+  path = label_names_path(path, name)
+  with open(path) as f:
     names = json.load(f)
-  key = f"{label}_label_names"
   if isinstance(names, dict):
-    if key not in names:
-      raise ValueError(f"{path} has no {key!r} (keys: {sorted(names)}).")
+    key = next((k for k in (f"{label}_label_names", "label_names") if k in names), None)
+    if key is None:
+      raise ValueError(f"{path} has no {label + '_label_names'!r} (keys: {sorted(names)}).")
     names = names[key]
   if not names or not all(isinstance(n, str) and n for n in names):
     raise ValueError(f"{path}: expected a non-empty list of class names.")
@@ -121,7 +138,7 @@ class TextTower(nn.Module):
 def load_images(config) -> dict[str, Any]:
   """x_train, y_train, x_test, y_test (uint8 NHWC images, int labels), subsets applied."""
   rng = np.random.default_rng(config.seed)
-  names = load_label_names(config.data.label_names, config.data.label)
+  names = load_label_names(config.data.label_names, config.data.label, config.data.name)
   if config.data.source == "synthetic":  # tests: class-coloured noise, learnable
     k, size = len(names), config.data.image_size
     colours = rng.uniform(0, 255, (k, 1, 1, 3))
@@ -206,19 +223,15 @@ def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, A
                                            positive_embed_fn=embed_texts)
   clipped_at_start = float(np.mean(np.asarray(initial_norms) > config.clip_norm))
   opt_state = private.optimizer.init(params)
-  update = jax.jit(lambda g, s, p: private.optimizer.update(g, s, p))
+  train_step = private.make_train_step(on_nonfinite=config.get("on_nonfinite_rows", "warn"))
   start = time.time()
-  for step in range(private.steps):
-    batch = private.sampler(step)
+  log(f"logit_dp: {private.steps} steps; compiling the first one")
+  for batch in private.batches():  # each step recorded in the ledger before its batch is out
     x, texts = _pairs(ds, tokens, batch.indices)
-    _, grads, dropped = private.grad_fn.with_num_dropped(params, x, texts, batch.mask)
-    if int(dropped):
-      raise FloatingPointError(f"step {step}: {int(dropped)} pair(s) with non-finite embeddings.")
-    private.ledger.record_steps(1)
-    updates, opt_state = update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    if (step + 1) % config.log_every == 0 or step + 1 == private.steps:
-      log(f"logit_dp step {step + 1}/{private.steps}  ε = {private.ledger.epsilon():.3f}  "
+    params, opt_state, _ = train_step(params, opt_state, x, texts, batch.mask)
+    step = private.ledger.steps
+    if step % config.log_every == 0 or step == private.steps:
+      log(f"logit_dp step {step}/{private.steps}  ε = {private.ledger.epsilon():.3f}  "
           f"{time.time() - start:.0f} s")
   epsilon, delta = private.ledger.guarantee()
   return dict(

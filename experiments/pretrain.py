@@ -18,7 +18,9 @@ two simulated CPU devices each, on one machine::
 
 Trains every method in ``config.methods`` with the same seed and data, prints the
 comparison table and writes the results folder (see ``experiments.train``).
-Re-running with the same ``--workdir`` resumes from the last checkpoint.
+Re-running with the same ``--workdir`` resumes from the last checkpoint, or says "finished,
+nothing to do" when every method has been trained and evaluated. Progress: a bar on a
+terminal, plain lines when the output goes to a file; the first step says it is compiling.
 """
 
 import os

@@ -45,7 +45,9 @@ import functools
 import json
 import os
 import secrets
+import sys
 import time
+import warnings
 from typing import Any
 
 import flax
@@ -168,7 +170,8 @@ def _freeze(x):
 # Fields that do not change what a training step computes (excluded from cache keys).
 _RUN_ONLY_FIELDS = ("log_every", "checkpoint_every", "stop_after_steps", "progress", "knn_k",
                     "knn_train_size", "f_beta", "linear_probe", "methods", "log_private_train_loss",
-                    "eval_batch_size", "eval_num_batches", "max_checkpoints_to_keep", "secrets_dir")
+                    "eval_batch_size", "eval_num_batches", "max_checkpoints_to_keep", "secrets_dir",
+                    "on_nonfinite_rows")
 
 
 def _step_key(config, method, num_records):
@@ -453,13 +456,20 @@ def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
   """One pure update: (clipped) summed gradient -> optimizer (noise for DP) -> params.
 
   ``metrics['train_loss']`` is computed on the (private) batch: not DP, see module doc.
+  ``metrics['num_dropped']`` counts the valid pairs the gradient dropped for non-finite
+  inputs or embeddings (``grad_fn.with_num_dropped``; 0 where the gradient has no count).
   """
-  loss_value, grads = grad_fn(state.params, x, x_prime, mask)
+  with_num_dropped = getattr(grad_fn, "with_num_dropped", None)
+  if with_num_dropped is None:
+    loss_value, grads = grad_fn(state.params, x, x_prime, mask)
+    num_dropped = jnp.zeros((), jnp.int32)
+  else:
+    loss_value, grads, num_dropped = with_num_dropped(state.params, x, x_prime, mask)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   n = jnp.maximum(jnp.sum(mask), 1)
   metrics = dict(train_loss=loss_value / n, batch_size=jnp.sum(mask),
-                 finite=jnp.isfinite(loss_value))
+                 finite=jnp.isfinite(loss_value), num_dropped=num_dropped)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -498,6 +508,8 @@ def get_step_fn(config, method: str, num_records: int):
           views = extra_views(config, x_train, pairs, idx, keys["augment"], state.step)
           grouped_fn = functools.partial(grad_fn, record_ids=idx, group_key=group_key,
                                          extra_views=views)
+          grouped_fn.with_num_dropped = functools.partial(  # type: ignore[attr-defined]
+              grad_fn.with_num_dropped, record_ids=idx, group_key=group_key, extra_views=views)
           return train_step(state, x, xp, mask, grad_fn=grouped_fn, tx=tx)
         if mesh is not None:  # masked rows so the global batch divides by the device count
           x, xp, mask = logit_dp.distributed.pad_to_multiple(x, xp, mask, mesh.size)
@@ -724,11 +736,65 @@ def logged_train_seconds(history) -> float:
   return seconds
 
 
+class Progress:
+  """Training progress: a tqdm bar on a terminal, plain lines when stderr is not one.
+
+  The first step compiles, often for longer than many steps take: the progress says so
+  ("compiling") and the bar (with its rate and ETA) starts only once that step is done.
+  Without a terminal (output piped to a file) it prints one line per `log` call instead
+  of a bar redrawn with carriage returns.
+  """
+  def __init__(self, label: str, total: int, start: int, enabled: bool = True, stream: Any = None):
+    self.label, self.total, self.start = label, int(total), int(start)
+    self.stream = sys.stderr if stream is None else stream
+    self.enabled = enabled and self.start < self.total
+    self.bar_mode = self.enabled and bool(getattr(self.stream, "isatty", lambda: False)())
+    self.bar = None
+    if self.enabled:
+      self.write(f"[{label}] step {self.start + 1}/{self.total}: compiling the training step "
+                 "(the first step also runs it)")
+
+  def write(self, line: str) -> None:
+    if not self.enabled:
+      return
+    if self.bar is not None:
+      self.bar.write(line, file=self.stream)
+    else:
+      print(line, file=self.stream, flush=True)
+
+  def update(self, step: int) -> None:
+    """Called after each step with the number of steps done."""
+    if not self.enabled:
+      return
+    if step == self.start + 1:
+      self.write(f"[{self.label}] step {step}/{self.total}: compiled and ran the first step")
+      if self.bar_mode:
+        from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+        self.bar = tqdm(total=self.total, initial=step, desc=self.label, file=self.stream,
+                        dynamic_ncols=True)
+      return
+    if self.bar is not None:
+      self.bar.update(1)
+
+  def log(self, step: int, values: dict[str, str]) -> None:
+    """The values of a logged step: the bar's postfix, or one plain line."""
+    if not self.enabled:
+      return
+    if self.bar is not None:
+      self.bar.set_postfix(values)
+    else:
+      fields = "  ".join(f"{k} {v}" for k, v in values.items())
+      self.write(f"[{self.label}] step {step}/{self.total}  {fields}")
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
 def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarray, workdir: str,
                  quiet: bool = False, eval_data=None) -> dict[str, Any]:
   """Trains one method (resuming from its checkpoints if any) and returns its record."""
   from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
   mdir = os.path.join(workdir, method)
   primary = is_primary()  # multi-process: only process 0 evaluates and writes files
@@ -828,8 +894,12 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
             f"[{method}] {e} Here: --config.allow_exceeding_budget=True.") from None
   eps_now = ledger.epsilon() if ledger else 0.0
   t_last, s_last, t_train = time.time(), start, 0.0
-  bar = tqdm(total=total_steps, initial=start, desc=METHOD_LABELS.get(method, method), disable=quiet
-             or not config.get("progress", True), dynamic_ncols=True)
+  progress = Progress(METHOD_LABELS.get(method, method), total_steps, start, enabled=not quiet
+                      and config.get("progress", True))
+  on_nonfinite = config.get("on_nonfinite_rows", "warn")
+  if on_nonfinite not in ("warn", "error"):
+    raise ValueError(f"config.on_nonfinite_rows must be 'warn' or 'error', got {on_nonfinite!r}.")
+  num_dropped = 0
   step = start
   while step < stop:
     t0 = time.time()
@@ -847,10 +917,21 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
           f"{method}: the training loss is not finite at step {int(state.step)} (the "
           "parameters have diverged or every pair of the batch was dropped as non-finite); "
           "stopping. Lower the learning rate or resume from an earlier checkpoint.")
+    dropped = int(metrics["num_dropped"])
+    if dropped:
+      num_dropped += dropped
+      message = (f"{method}: step {int(state.step)} dropped {dropped} pair(s) with non-finite "
+                 "inputs or embeddings (masked out, still private).")
+      if on_nonfinite == "error":
+        raise FloatingPointError(message + " Stopping (config.on_nonfinite_rows='error').")
+      warnings.warn(message, logit_dp.NonFiniteRowsWarning, stacklevel=2)
+    if primary and int(metrics["batch_size"]) == 0:
+      progress.write(f"[{method}] step {int(state.step)}: empty Poisson batch, the update is "
+                     "pure noise (as the accounting assumes)")
     jax.block_until_ready(state.params)
     step += 1
     t_train += time.time() - t0
-    bar.update(1)
+    progress.update(step)
     checkpoint_now = step % ckpt_every == 0 or step == stop
     if primary and (step % log_every == 0 or checkpoint_now):
       sps = (step - s_last) / max(time.time() - t_last, 1e-9)
@@ -862,12 +943,13 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
       if config.log_private_train_loss:
         row["train_loss_NONPRIVATE_diagnostic"] = float(metrics["train_loss"])
       write_row(row)
-      bar.set_postfix(
+      progress.log(
+          step,
           {"steps/s": f"{sps:.2f}", "ε": f"{eps_now:.3g}", "test_loss": f"{row['test_loss']:.4f}"})
       t_last, s_last = time.time(), step
     if checkpoint_now:
       save_checkpoint(ckpt_dir, state, ledger, max_to_keep=keep)
-  bar.close()
+  progress.close()
   if writer is not None:
     writer.close()
   if int(state.step) >= total_steps:
@@ -879,7 +961,7 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
               clip_norm=info.get("clip_norm"), sampling_rate=info["sampling_rate"],
               epsilon=eps_final, delta=ledger.delta() if ledger else 0.0,
               train_seconds=logged_train_seconds(history) if primary else t_train, history=history,
-              params=_local(state.params), apply_fn=apply_fn)
+              dropped_pairs=num_dropped, params=_local(state.params), apply_fn=apply_fn)
 
 
 def initial_params(config, example):
@@ -1086,7 +1168,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        quiet: bool = False) -> dict[str, dict[str, Any]]:
   """Trains and evaluates every method of ``config.methods``; returns per-method results.
 
-  Re-running with the same ``workdir`` resumes every method from its last checkpoint.
+  Re-running with the same ``workdir`` resumes every method from its last checkpoint; when
+  every method has finished and been evaluated, it says "finished, nothing to do" and
+  returns the stored results (without parameters) without touching the folder.
   Multi-process, every process calls it; process 0 returns the evaluated results and
   writes the folder, the others return their training records only.
   """
@@ -1097,6 +1181,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   previous = {} if _multiprocess() else _finished_results(config, workdir)
   primary = is_primary()  # multi-process: process 0 evaluates and writes; all train
   quiet = quiet or not primary
+  if previous and all(m in previous for m in config.methods):
+    if not quiet:
+      print(f"{workdir}: finished, nothing to do (every method of config.methods was trained "
+            f"and evaluated earlier; results in {os.path.join(workdir, 'results.md')})")
+    return {m: previous[m] for m in config.methods}
   if primary:
     os.makedirs(workdir, exist_ok=True)
     save_config(config, workdir)

@@ -24,6 +24,7 @@ from logit_dp._src.grad_fn import ClippedGradFn
 from logit_dp._src.grouped import assign_groups
 from logit_dp._src.grouped import grouped_clipped_grad
 from logit_dp._src.grouped import grouped_sensitivity
+from logit_dp._src.ledger import BudgetedSampler
 from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.mechanisms import PRIVATE_METHODS
@@ -35,7 +36,10 @@ from logit_dp._src.noise import transform
 from logit_dp._src.numerics import DEFAULT_COSINE_EPS
 from logit_dp._src.numerics import cosine_similarity
 from logit_dp._src.numerics import normalize
+from logit_dp._src.private_training import EmptyBatchWarning
+from logit_dp._src.private_training import NonFiniteRowsWarning
 from logit_dp._src.private_training import PrivateTraining
+from logit_dp._src.private_training import UnrecordedStepError
 from logit_dp._src.private_training import make_private
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sensitivity import naive_sensitivity
@@ -45,14 +49,18 @@ from logit_dp._src.two_tower import shared_parameters
 __version__ = "0.2.0"
 
 __all__ = [
+    "BudgetedSampler",
     "ClipMethod",
     "ClippedGradFn",
+    "EmptyBatchWarning",
     "Mechanism",
+    "NonFiniteRowsWarning",
     "PRIVATE_METHODS",
     "PoissonSampler",
     "PrivacyBudgetExceededError",
     "PrivacyLedger",
     "PrivateTraining",
+    "UnrecordedStepError",
     "accounting",
     "assign_groups",
     "audit",

@@ -1,19 +1,23 @@
 """Privacy ledger saved in every (orbax) checkpoint; see `logit_dp._src.ledger`."""
 
 from logit_dp._src.ledger import LEDGER_FORMAT_VERSION
+from logit_dp._src.ledger import BudgetedSampler
 from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.ledger import accountant_delta
 from logit_dp._src.ledger import latest_step
 from logit_dp._src.ledger import restore_checkpoint
+from logit_dp._src.ledger import restore_sampler
 from logit_dp._src.ledger import save_checkpoint
 
 __all__ = [
+    "BudgetedSampler",
     "LEDGER_FORMAT_VERSION",
     "PrivacyBudgetExceededError",
     "PrivacyLedger",
     "accountant_delta",
     "latest_step",
     "restore_checkpoint",
+    "restore_sampler",
     "save_checkpoint",
 ]

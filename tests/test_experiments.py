@@ -8,6 +8,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import csv
+import io
 import json
 import subprocess
 
@@ -510,3 +511,79 @@ def test_geometry_block_renders_every_method_of_every_report(tmp_path):
     json.dump(dict(workdir="b_s0", n=4, methods={"untrained": row}), f)
   with pytest.raises(ValueError, match="different numbers of test images"):
     render_results.render(text, {}, None, str(tmp_path))
+
+
+# -- Loud where it matters: finished workdirs, progress, non-finite rows. --------------------
+
+
+def test_rerunning_a_finished_workdir_says_nothing_to_do(pretrained, capsys):
+  workdir, results = pretrained
+  table = os.path.join(workdir, "results.md")
+  before = os.stat(table).st_mtime_ns
+  capsys.readouterr()
+  again = train.train_and_evaluate(tiny.get_config(), workdir)
+  out = capsys.readouterr().out
+  assert f"{workdir}: finished, nothing to do" in out
+  assert "resumed from step" not in out and os.stat(table).st_mtime_ns == before
+  assert set(again) == set(results)
+  for m in results:
+    assert again[m]["accuracy"] == results[m]["accuracy"]
+    assert again[m]["epsilon"] == results[m]["epsilon"]
+
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_progress_says_compiling_and_prints_plain_lines_without_a_terminal():
+  piped = io.StringIO()
+  progress = train.Progress("Logit-DP", total=6, start=2, stream=piped)
+  for step in range(3, 7):
+    progress.update(step)
+    if step % 2 == 0:
+      progress.log(step, {"ε": "1.5"})
+  progress.close()
+  lines = piped.getvalue().splitlines()
+  assert "\r" not in piped.getvalue()
+  assert lines == [
+      "[Logit-DP] step 3/6: compiling the training step (the first step also runs it)",
+      "[Logit-DP] step 3/6: compiled and ran the first step",
+      "[Logit-DP] step 4/6  ε 1.5",
+      "[Logit-DP] step 6/6  ε 1.5",
+  ]
+  # On a terminal: the same first line, then a tqdm bar that starts after the compiled step
+  # (so its rate and ETA do not include the compilation).
+  terminal = _Terminal()
+  progress = train.Progress("Logit-DP", total=6, start=2, stream=terminal)
+  assert progress.bar is None and "compiling" in terminal.getvalue()
+  progress.update(3)
+  assert progress.bar is not None and progress.bar.n == 3
+  progress.update(4)
+  assert progress.bar.n == 4
+  progress.close()
+  assert "\r" in terminal.getvalue()
+  # Quiet, or nothing left to train: silent.
+  silent = io.StringIO()
+  train.Progress("Logit-DP", total=6, start=6, stream=silent).update(7)
+  train.Progress("Logit-DP", total=6, start=0, enabled=False, stream=silent).update(1)
+  assert silent.getvalue() == ""
+
+
+@pytest.mark.parametrize("policy", ["warn", "error"])
+def test_non_finite_rows_are_reported(tmp_path, policy):
+  cfg = tiny.get_config()
+  cfg.methods = ("naive_dp",)
+  cfg.stop_after_steps = 2
+  cfg.on_nonfinite_rows = policy
+  ds = train.data_lib.load_dataset(cfg.data, seed=cfg.seed)
+  pairs = train.data_lib.make_pairs(ds["y_train"], cfg.pair_mode, cfg.seed)
+  ds["x_train"] = ds["x_train"].astype(np.float32)
+  ds["x_train"][pairs[1::2, 0]] = np.nan  # the anchors of every other record
+  if policy == "warn":
+    with pytest.warns(logit_dp.NonFiniteRowsWarning, match="non-finite"):
+      record = train.train_method(cfg, "naive_dp", ds, pairs, str(tmp_path), quiet=True)
+    assert record["dropped_pairs"] > 0 and record["steps"] == 2
+  else:
+    with pytest.raises(FloatingPointError, match="on_nonfinite_rows='error'"):
+      train.train_method(cfg, "naive_dp", ds, pairs, str(tmp_path), quiet=True)

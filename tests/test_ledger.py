@@ -250,3 +250,43 @@ def test_sigkilled_process_resumes_exactly(tmp_path):
     _assert_same_tree(noise_b[t], noise_a[t])
   for x, y in zip(jax.tree_util.tree_leaves(state_b), jax.tree_util.tree_leaves(state_a)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_checkpoint_keeps_the_sampler_with_the_ledger(tmp_path):
+  sampler = sampling.PoissonSampler(num_records=300, sampling_rate=0.05, seed=12345,
+                                    overflow="truncate")
+  led = PrivacyLedger.for_sampler(sampler, SIGMA, DELTA, steps=3)
+  state = {"w": jnp.arange(3.0)}
+  ledger_lib.save_checkpoint(str(tmp_path), 3, state, led)  # without a sampler
+  assert ledger_lib.restore_sampler(str(tmp_path)) is None
+  budgeted = logit_dp.BudgetedSampler.bind(sampler, led)
+  ledger_lib.save_checkpoint(str(tmp_path), 4, state, led, sampler=budgeted)
+  restored = ledger_lib.restore_sampler(str(tmp_path))
+  assert restored == sampler and type(restored) is sampling.PoissonSampler
+  np.testing.assert_array_equal(restored(7).indices, sampler(7).indices)
+  assert ledger_lib.restore_sampler(str(tmp_path), step=3) is None
+  _, restored_ledger, step = ledger_lib.restore_checkpoint(str(tmp_path), state)
+  assert step == 4 and restored_ledger == led
+  with pytest.raises(TypeError, match="PoissonSampler"):
+    ledger_lib.save_checkpoint(str(tmp_path), 5, state, led, sampler=object())
+  with pytest.raises(FileNotFoundError):
+    ledger_lib.restore_sampler(str(tmp_path / "missing"))
+
+
+def test_budgeted_sampler_refuses_past_the_budget_and_records_nothing():
+  sampler = sampling.PoissonSampler(num_records=300, sampling_rate=0.05, seed=3)
+  budget = accounting.epsilon(SIGMA, DELTA, 0.05, 4)
+  led = PrivacyLedger.for_sampler(sampler, SIGMA, DELTA, epsilon_budget=budget)
+  budgeted = logit_dp.BudgetedSampler.bind(sampler, led)
+  for t in range(4):
+    np.testing.assert_array_equal(budgeted(t).indices, sampler(t).indices)
+  with pytest.raises(PrivacyBudgetExceededError, match="step 5"):
+    budgeted(4)
+  assert led.steps == 0
+  unlimited = logit_dp.BudgetedSampler.bind(sampler,
+                                            PrivacyLedger.for_sampler(sampler, SIGMA, DELTA))
+  np.testing.assert_array_equal(unlimited(100).indices, sampler(100).indices)
+  with pytest.raises(TypeError, match="PrivacyLedger"):
+    logit_dp.BudgetedSampler(num_records=300, sampling_rate=0.05)
+  with pytest.raises(ValueError, match="step must be"):
+    budgeted(-1)

@@ -1,5 +1,6 @@
 """logit_dp.make_private: σ, C, q, T, noise placement, sampler and ledger agree."""
 
+import itertools
 import math
 import warnings
 
@@ -262,3 +263,203 @@ def test_end_to_end_training_run():
   assert int(opt_state[0].count) == 8  # the noise transform ran at every step
   moved = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, start)
   assert all(np.isfinite(v) and v > 0 for v in jax.tree_util.tree_leaves(moved))
+
+
+# -- Accounting by construction: batches(), the budgeted sampler, make_train_step. ----------
+
+
+def _data(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(N, 6)).astype(np.float32)
+  return jnp.asarray(x), jnp.asarray(x + 0.1 * rng.normal(size=(N, 6)).astype(np.float32))
+
+
+def _allowed_steps(pt):
+  """The most steps within the budget, from dp_accounting itself (not the ledger)."""
+  k = 0
+  while _dp_accounting_epsilon(pt.noise_multiplier, pt.sampling_rate, k + 1,
+                               pt.ledger.target_delta) <= EPS:
+    k += 1
+  return k
+
+
+def test_batches_record_each_step_first_and_stop_at_the_budget():
+  pt = _setup(steps=4)
+  allowed = _allowed_steps(pt)
+  assert 4 <= allowed < 12
+  seen = []
+  with pytest.raises(logit_dp.PrivacyBudgetExceededError, match="would spend"):
+    for batch in pt.batches(12):  # asks for 12 steps of a run calibrated for 4
+      seen.append(np.asarray(batch.indices))
+      # Recorded before the batch is handed out.
+      assert pt.ledger.steps == len(seen)
+  assert len(seen) == pt.ledger.steps == allowed
+  eps, delta = pt.ledger.guarantee()
+  assert eps == pytest.approx(
+      _dp_accounting_epsilon(pt.noise_multiplier, pt.sampling_rate, allowed,
+                             pt.ledger.target_delta), rel=1e-12)
+  assert eps <= EPS and delta <= DELTA
+  # The batches are the plain Poisson sampler's of steps 0, 1, …
+  for t, idx in enumerate(seen):
+    np.testing.assert_array_equal(idx, pt.sampler.unbudgeted()(t).indices)
+
+
+def test_batches_default_to_the_planned_steps_and_continue_where_the_ledger_stands():
+  pt = _setup(steps=4)
+  first = [b.indices for b in itertools.islice(pt.batches(), 2)]
+  assert pt.ledger.steps == 2
+  rest = [b.indices for b in pt.batches()]
+  assert len(first) + len(rest) == 4 and pt.ledger.steps == pt.steps == 4
+  np.testing.assert_array_equal(rest[0], pt.sampler(2).indices)
+  assert list(pt.batches()) == []  # the planned run is over
+  eps = _dp_accounting_epsilon(pt.noise_multiplier, pt.sampling_rate, 4, pt.ledger.target_delta)
+  assert pt.ledger.epsilon() == pytest.approx(eps, rel=1e-12)
+
+
+def test_sampler_refuses_steps_past_the_budget_even_unrecorded():
+  pt = _setup(steps=4)
+  allowed = _allowed_steps(pt)
+  drawn = 0
+  with pytest.raises(logit_dp.PrivacyBudgetExceededError):
+    for t in range(12):  # the by-hand loop that forgets ledger.record_steps
+      pt.sampler(t)
+      drawn += 1
+  assert drawn == allowed and pt.ledger.steps == 0
+  assert isinstance(pt.sampler, logit_dp.PoissonSampler)
+  unbudgeted = pt.sampler.unbudgeted()  # the low-level sampler: no budget
+  assert type(unbudgeted) is logit_dp.PoissonSampler and unbudgeted.seed == pt.sampler.seed
+  np.testing.assert_array_equal(unbudgeted(11).indices, unbudgeted(11).indices)
+
+
+def test_recording_inside_the_batches_loop_is_refused():
+  pt = _setup(steps=4)
+  with pytest.raises(RuntimeError, match="records every step itself"):
+    for _ in pt.batches():
+      pt.ledger.record_steps(1)
+
+
+def test_train_step_releases_only_recorded_steps():
+  embed_fn, params = _embed()
+  x, xp = _data()
+  pt = _setup(steps=4, noise_key=jax.random.key(0))
+  train_step = pt.make_train_step()
+  opt_state = pt.optimizer.init(params)
+  with pytest.raises(logit_dp.UnrecordedStepError, match="0 step"):
+    train_step(params, opt_state, x[:8], xp[:8])  # no step recorded for it
+  for batch in pt.batches():
+    old_state = opt_state
+    params, opt_state, loss_value = train_step(params, opt_state, x[batch.indices],
+                                               xp[batch.indices], batch.mask)
+    assert np.isfinite(float(loss_value))
+    if pt.ledger.steps == 2:  # the same noise again, on another batch: refused
+      with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
+        train_step(params, old_state, x[:8], xp[:8])
+  assert int(opt_state[0].count) == pt.ledger.steps == 4
+  with pytest.raises(logit_dp.UnrecordedStepError, match="update 5"):
+    train_step(params, opt_state, x[:8], xp[:8])
+  # The low-level path: a step recorded by hand may be released.
+  pt.ledger.record_steps(1, allow_exceeding_budget=True)
+  train_step(params, opt_state, x[:8], xp[:8])
+
+
+@pytest.mark.slow  # a third compilation; the loop tests above run the same update by default
+def test_train_step_is_the_update_of_grad_fn_and_optimizer():
+  embed_fn, params = _embed()
+  x, xp = _data()
+  pt = _setup(steps=4, noise_key=jax.random.key(1))
+  opt_state = pt.optimizer.init(params)
+  pt.ledger.record_steps(1)
+  mask = jnp.arange(10) < 7
+  got = pt.make_train_step(jit=False)(params, opt_state, x[:10], xp[:10], mask)
+  loss_value, grads = pt.grad_fn(params, x[:10], xp[:10], mask)
+  updates, state = pt.optimizer.update(grads, opt_state, params)
+  want = (optax.apply_updates(params, updates), state, loss_value)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got,
+                         want)
+
+
+def test_train_step_reports_non_finite_rows_and_empty_batches():
+  embed_fn, params = _embed()
+  x, xp = _data()
+  x = x.at[3].set(jnp.nan)
+  pt = _setup(steps=4, noise_key=jax.random.key(2))
+  opt_state = pt.optimizer.init(params)
+  pt.ledger.record_steps(3)
+  warn_step = pt.make_train_step()
+  with pytest.warns(logit_dp.NonFiniteRowsWarning, match="1 of 8 valid pair"):
+    params_1, opt_state_1, _ = warn_step(params, opt_state, x[:8], xp[:8])
+  assert int(opt_state_1[0].count) == 1
+  assert all(np.all(np.isfinite(a)) for a in jax.tree_util.tree_leaves(params_1))
+  with pytest.warns(logit_dp.EmptyBatchWarning, match="no valid pair"):
+    warn_step(params_1, opt_state_1, x[:8], xp[:8], jnp.zeros((8,), bool))
+  error_step = pt.make_train_step(on_nonfinite="error", on_empty="error", jit=False)
+  with pytest.raises(FloatingPointError, match="1 of 8 valid pair"):
+    error_step(params, opt_state, x[:8], xp[:8])
+  with pytest.raises(ValueError, match="no valid pair"):
+    error_step(params, opt_state, x[:8], xp[:8], jnp.zeros((8,), bool))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pt.make_train_step(on_nonfinite="ignore", jit=False)(params, opt_state, x[:8], xp[:8])
+  with pytest.raises(ValueError, match="on_empty must be one of"):
+    pt.make_train_step(on_empty="raise")
+
+
+def test_checkpoint_restores_ledger_and_sampler_position(tmp_path):
+  """A run stopped after 3 of 5 steps and restored into a fresh make_private (other secret
+  seeds) draws the batches and noise of the uninterrupted run and ends with its parameters."""
+  embed_fn, params0 = _embed()
+  x, xp = _data()
+
+  def run(pt, train_step, params, opt_state, stop=None):
+    indices = []
+    for batch in pt.batches():
+      indices.append(np.asarray(batch.indices))
+      params, opt_state, _ = train_step(params, opt_state, x[batch.indices], xp[batch.indices],
+                                        batch.mask)
+      if pt.ledger.steps == stop:
+        pt.save_checkpoint(tmp_path, (params, opt_state))
+        break
+    return params, opt_state, indices
+
+  first = _setup(steps=5)
+  first_step = first.make_train_step()
+  params, opt_state, idx_first = run(first, first_step, params0, first.optimizer.init(params0),
+                                     stop=3)
+  assert logit_dp.ledger.latest_step(tmp_path) == 3 and len(idx_first) == 3
+
+  fresh = _setup(steps=5)
+  assert fresh.sampler.seed != first.sampler.seed
+  template = (params0, fresh.optimizer.init(params0))
+  (params_r, opt_state_r), resumed = fresh.restore_checkpoint(tmp_path, template)
+  assert resumed.ledger.steps == 3 and resumed.sampler.seed == first.sampler.seed
+  assert resumed.ledger.epsilon_budget == EPS and resumed.sampler.ledger is resumed.ledger
+  assert int(opt_state_r[0].count) == 3
+  p_resumed, _, idx_resumed = run(resumed, resumed.make_train_step(), params_r, opt_state_r)
+  assert resumed.ledger.steps == 5 and len(idx_resumed) == 2
+  # The first run, continued without interruption: same batches, same noise, same parameters.
+  p_first, _, idx_continued = run(first, first_step, params, opt_state)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, p_resumed, p_first)
+  plain = first.sampler.unbudgeted()
+  for t, idx in enumerate(idx_first + idx_resumed):
+    np.testing.assert_array_equal(idx, plain(t).indices)
+  for got, want in zip(idx_resumed, idx_continued):
+    np.testing.assert_array_equal(got, want)
+  eps = _dp_accounting_epsilon(first.noise_multiplier, first.sampling_rate, 5,
+                               first.ledger.target_delta)
+  assert resumed.ledger.guarantee() == first.ledger.guarantee()
+  assert resumed.ledger.epsilon() == pytest.approx(eps, rel=1e-12)
+
+
+def test_restore_refuses_another_mechanism_or_a_missing_sampler(tmp_path):
+  _, params = _embed()
+  pt = _setup(steps=5)
+  state = (params, pt.optimizer.init(params))
+  assert pt.restore_checkpoint(tmp_path / "none", state) == (state, pt)  # nothing to resume
+  pt.ledger.record_steps(1)
+  pt.save_checkpoint(tmp_path / "a", state)
+  other = _setup(steps=50)  # another σ
+  with pytest.raises(ValueError, match="noise_multiplier"):
+    other.restore_checkpoint(tmp_path / "a", state)
+  logit_dp.ledger.save_checkpoint(tmp_path / "b", 1, state, pt.ledger)  # no sampler
+  with pytest.raises(ValueError, match="holds no sampler"):
+    _setup(steps=5).restore_checkpoint(tmp_path / "b", state)

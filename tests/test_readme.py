@@ -55,8 +55,8 @@ def executed():
 
 def test_readme_has_the_blocks_this_test_knows():
   blocks = _blocks()
-  assert len(blocks) == 5
-  assert sum("# -> " in b for b in blocks) == 3
+  assert len(blocks) == 6
+  assert sum("# -> " in b for b in blocks) == 4
 
 
 @_SLOW
@@ -141,3 +141,13 @@ def test_make_private_section_matches_its_parts(executed):
                                                                  q, private.steps)
   assert private.ledger.target_delta <= 1e-6 and private.ledger.delta_budget == 1e-6
   assert private.ledger.steps == private.steps
+
+
+@_SLOW
+def test_two_tower_section_trains_both_towers(executed):
+  namespace, _ = executed
+  clip = namespace["clip"]
+  assert clip.sensitivity == namespace["private"].sensitivity  # C of one tower
+  # The loop recorded every step itself and released exactly that many noisy updates.
+  assert clip.ledger.steps == clip.steps == int(namespace["clip_state"][0].count)
+  assert clip.ledger.guarantee() == namespace["private"].ledger.guarantee()

@@ -1,8 +1,7 @@
 """CLIP-style two-tower training on CIFAR-100 (images + "a photo of a <fine label>" texts).
 
     python -m experiments.clip --config=experiments/configs/clip_cifar100.py \
-        --config.data.npz_dir=/path/to/cifar \
-        --config.data.label_names=/path/to/cifar100_label_names.json
+        --config.data.npz_dir=/path/to/cifar
 
 Image tower: the paper's embedding net (widened to d = 16); text tower: bag of words over a
 word vocabulary built from the class names. Zero-shot accuracy on the test images.
@@ -26,7 +25,8 @@ def get_config():
   config.data.name = "cifar100"
   config.data.label = "fine"
   config.data.npz_dir = config_dict.placeholder(str)  # folder with cifar100.npz
-  config.data.label_names = config_dict.placeholder(str)  # JSON: {"fine_label_names": [...]}
+  # JSON {"fine_label_names": [...]}; None: experiments/label_names/<data.name>.json (shipped)
+  config.data.label_names = config_dict.placeholder(str)
   config.data.train_subset = config_dict.placeholder(int)  # None: all 50,000 training images
   config.data.test_subset = config_dict.placeholder(int)  # None: all 10,000 test images
   config.data.image_size = 32  # synthetic only
@@ -46,6 +46,9 @@ def get_config():
   config.clip_norm = 1e-3  # B (results.json reports the share of pairs above it at the start)
   config.clip_method = "ghost"  # disjoint towers: exact norms at triangle's cost either way
   config.microbatch_size = config_dict.placeholder(int)
+  # Valid pairs with non-finite inputs or embeddings are dropped (private); "warn" reports
+  # them, "error" stops the run.
+  config.on_nonfinite_rows = "warn"
 
   config.eval_batch_size = 1000
   config.log_every = 20

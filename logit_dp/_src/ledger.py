@@ -30,7 +30,9 @@ and sets both budgets, so `record_steps` refuses any step after which
 The guarantee assumes the ledger's σ and q are those actually used and that
 every step that touched the data was recorded: call `record_steps` *before*
 releasing (applying) each noisy update, and checkpoint ledger and state
-together. A step is one noisy update: gradient accumulation over micro-batches
+together. This is the low-level path; `logit_dp.make_private`'s
+`PrivateTraining.batches` records every step itself, its `BudgetedSampler`
+refuses steps past the budget, and its checkpoints hold the sampler too. A step is one noisy update: gradient accumulation over micro-batches
 (`clipped_grad(..., microbatch_size=m)`) computes the same ḡ of the whole
 Poisson batch and adds noise once, so it is still one step.
 
@@ -49,6 +51,8 @@ import os
 from typing import Any
 
 from logit_dp._src import accounting
+from logit_dp._src.sampling import PoissonBatch
+from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sampling import overflow_term
 
 LEDGER_FORMAT_VERSION = 1
@@ -256,16 +260,16 @@ class PrivacyLedger:
       raise PrivacyBudgetExceededError(
           f"Running to step {steps} would spend ε = {new_eps:.4g} > budget "
           f"{self.epsilon_budget:g} at δ = {self.target_delta:g} (currently ε = "
-          f"{self.epsilon():.4g} after {self.steps} steps). Stop training, or pass "
-          "allow_exceeding_budget=True to continue knowingly.")
+          f"{self.epsilon():.4g} after {self.steps} steps). Stop training, or call "
+          "ledger.record_steps(k, allow_exceeding_budget=True) to continue knowingly.")
     if self.delta_budget is not None:
       new_delta = self.delta(steps)
       if new_delta > self.delta_budget:
         raise PrivacyBudgetExceededError(
             f"Running to step {steps} would certify δ = {new_delta:.6g} > δ budget "
             f"{self.delta_budget:g} (accountant δ {self.target_delta:g} plus the overflow term "
-            "of the padded batches). Stop training, or pass allow_exceeding_budget=True to "
-            "continue knowingly.")
+            "of the padded batches). Stop training, or call ledger.record_steps(k, "
+            "allow_exceeding_budget=True) to continue knowingly.")
 
   def record_steps(self, k: int = 1, *, allow_exceeding_budget: bool = False) -> float:
     """Records k more noisy steps and returns the new ε.
@@ -304,12 +308,56 @@ class PrivacyLedger:
     return cls(**data)
 
 
+@dataclasses.dataclass(frozen=True)
+class BudgetedSampler(PoissonSampler):
+  """A `PoissonSampler` that refuses the steps its ledger's budget does not allow.
+
+  ``sampler(t)`` raises `PrivacyBudgetExceededError` when t + 1 steps in all would spend
+  more than the ledger's ε or δ budget (`PrivacyLedger.check_budgets`), before drawing
+  anything; otherwise it returns the batch of step t exactly as `PoissonSampler` does
+  (fold_in(PRNGKey(seed), t)). It records nothing: `logit_dp.PrivateTraining.batches`
+  records each step before handing its batch out, and by-hand loops call
+  ``ledger.record_steps(1)`` themselves. A ledger without budget allows every step.
+
+  Attributes:
+    ledger: the `PrivacyLedger` whose budgets bound the steps (not compared, not hashed).
+  """
+  ledger: PrivacyLedger | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not isinstance(self.ledger, PrivacyLedger):
+      raise TypeError(f"ledger must be a PrivacyLedger, got {type(self.ledger).__name__}.")
+
+  @classmethod
+  def bind(cls, sampler: PoissonSampler, ledger: PrivacyLedger) -> BudgetedSampler:
+    """The sampler ``sampler`` (same N, q, padded size, seed, overflow policy) bound to ledger."""
+    fields = {f.name: getattr(sampler, f.name) for f in dataclasses.fields(PoissonSampler)}
+    return cls(**fields, ledger=ledger)
+
+  def unbudgeted(self) -> PoissonSampler:
+    """The plain `PoissonSampler` with the same fields (low-level: checks no budget)."""
+    return PoissonSampler(
+        **{f.name: getattr(self, f.name) for f in dataclasses.fields(PoissonSampler)})
+
+  def __call__(self, step: int) -> PoissonBatch:
+    """The padded batch of step ``step``; raises past the ledger's budget or on overflow."""
+    if isinstance(step, bool) or int(step) != step or step < 0:
+      raise ValueError(f"step must be an integer ≥ 0, got {step!r}.")
+    assert self.ledger is not None  # checked in __post_init__
+    self.ledger.check_budgets(int(step) + 1)
+    return super().__call__(int(step))
+
+  sample = __call__
+
+
 # ----------------------------------------------------------------------------
 # Orbax integration.
 # ----------------------------------------------------------------------------
 
 _STATE_ITEM = "state"
 _LEDGER_ITEM = "privacy_ledger"
+_SAMPLER_ITEM = "poisson_sampler"
 
 
 def _manager(directory, max_to_keep: int | None = None, create: bool = True):
@@ -318,13 +366,18 @@ def _manager(directory, max_to_keep: int | None = None, create: bool = True):
   return ocp.CheckpointManager(os.fspath(os.path.abspath(directory)), options=options)
 
 
-def save_checkpoint(directory, step: int, state: Any, ledger: PrivacyLedger, *,
-                    max_to_keep: int | None = None) -> None:
-  """Saves ``state`` (any pytree of arrays) and the ledger as one orbax checkpoint.
+def _sampler_dict(sampler: PoissonSampler) -> dict[str, Any]:
+  return {f.name: getattr(sampler, f.name) for f in dataclasses.fields(PoissonSampler)}
 
-  Both go into the same checkpoint step (items "state" and "privacy_ledger"),
-  written atomically by `orbax.checkpoint.CheckpointManager`; the call blocks
-  until the checkpoint is on disk.
+
+def save_checkpoint(directory, step: int, state: Any, ledger: PrivacyLedger, *,
+                    sampler: PoissonSampler | None = None, max_to_keep: int | None = None) -> None:
+  """Saves ``state`` (any pytree of arrays), the ledger and the sampler as one orbax checkpoint.
+
+  All go into the same checkpoint step (items "state", "privacy_ledger" and, with a
+  sampler, "poisson_sampler"), written atomically by `orbax.checkpoint.CheckpointManager`;
+  the call blocks until the checkpoint is on disk. The sampler's fields include its seed,
+  a secret like the noise key in the optimizer state: keep the checkpoints private.
 
   Args:
     directory: checkpoint root directory (created if needed).
@@ -332,19 +385,24 @@ def save_checkpoint(directory, step: int, state: Any, ledger: PrivacyLedger, *,
     state: pytree with the params and the optimizer state (including the
       `logit_dp.AddNoiseState`, whose count keys the noise).
     ledger: the run's `PrivacyLedger`.
+    sampler: the run's `PoissonSampler` (or `BudgetedSampler`); `restore_sampler` reads it
+      back, so a resumed run draws the batches of an uninterrupted one.
     max_to_keep: keep only the newest checkpoints (None: keep all).
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   if not isinstance(ledger, PrivacyLedger):
     raise TypeError(f"ledger must be a PrivacyLedger, got {type(ledger).__name__}.")
+  if sampler is not None and not isinstance(sampler, PoissonSampler):
+    raise TypeError(f"sampler must be a PoissonSampler, got {type(sampler).__name__}.")
+  items = {
+      _STATE_ITEM: ocp.args.StandardSave(state),
+      _LEDGER_ITEM: ocp.args.JsonSave(ledger.to_dict()),
+  }
+  if sampler is not None:
+    items[_SAMPLER_ITEM] = ocp.args.JsonSave(_sampler_dict(sampler))
   mngr = _manager(directory, max_to_keep=max_to_keep)
   try:
-    mngr.save(
-        int(step), args=ocp.args.Composite(
-            **{
-                _STATE_ITEM: ocp.args.StandardSave(state),
-                _LEDGER_ITEM: ocp.args.JsonSave(ledger.to_dict()),
-            }), force=True)
+    mngr.save(int(step), args=ocp.args.Composite(**items), force=True)
     mngr.wait_until_finished()
   finally:
     mngr.close()
@@ -392,3 +450,28 @@ def restore_checkpoint(directory, template: Any,
     mngr.close()
   ledger = PrivacyLedger.from_dict(restored[_LEDGER_ITEM])
   return restored[_STATE_ITEM], ledger, int(step)
+
+
+def restore_sampler(directory, step: int | None = None) -> PoissonSampler | None:
+  """The `PoissonSampler` saved with checkpoint ``step`` (default: the newest) by
+  `save_checkpoint(..., sampler=)`; None if that checkpoint holds no sampler.
+
+  Raises:
+    FileNotFoundError: no checkpoint in ``directory``.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No checkpoint directory {directory!r}.")
+  mngr = _manager(directory, create=False)
+  try:
+    if step is None:
+      step = mngr.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"No checkpoint in {directory!r}.")
+    if not os.path.isdir(os.path.join(os.fspath(directory), str(int(step)), _SAMPLER_ITEM)):
+      return None
+    restored = mngr.restore(int(step),
+                            args=ocp.args.Composite(**{_SAMPLER_ITEM: ocp.args.JsonRestore()}))
+  finally:
+    mngr.close()
+  return PoissonSampler(**restored[_SAMPLER_ITEM])
