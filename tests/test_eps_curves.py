@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 
+import matplotlib.image
 import numpy as np
 import pytest
 
@@ -208,8 +209,7 @@ def test_curve_figure_with_one_panel_at_a_given_path(curve_runs, tmp_path):
   out = render_results.plot_curve(data, None, str(root), render_results.CURVE_METRICS[:1], path,
                                   "a title")
   assert out == path and os.path.getsize(path) > 0
-  from PIL import Image  # pylint: disable=g-import-not-at-top
-  width, height = Image.open(path).size
+  height, width = matplotlib.image.imread(path).shape[:2]
   assert width < 1.5 * height  # one panel (two are 9 × 3.6 inches)
   assert render_results.plot_curve(render_results.curve_data("cifar10_none:5=cifar10_none", {}),
                                    None, str(root), render_results.CURVE_METRICS[:1], path) is None
