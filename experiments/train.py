@@ -1135,8 +1135,8 @@ def check_resumable(config, workdir: str):
   for k, v in _ADDED_CONFIG_DEFAULTS.items():
     if k not in old:
       old[k] = v
-  # Where the data lies is not what it is (unpack.py verifies the pixels): another machine's
-  # folder resumes the run.
+  # Where the data lies is not what it is (the loader verifies the archives' checksums): a run
+  # resumes from another folder holding the same data.
   for c in (old, new):
     if "npz_dir" in c.get("data", {}):
       c.data.npz_dir = None
