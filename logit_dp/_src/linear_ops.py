@@ -236,7 +236,7 @@ def scan(closed: jex.ClosedJaxpr, num_leaves: int, leaf_shapes, with_bias: bool 
   """
   result = Scan([], set())
   env = {
-      var: (leaf, np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape),
+      var: (leaf, np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int32).reshape(shape),
             tuple(shape))
       for leaf, (var, shape) in enumerate(zip(closed.jaxpr.invars[:num_leaves], leaf_shapes))
   }
@@ -249,8 +249,8 @@ def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) ->
   (leaf, index array of leaf element numbers, leaf shape)."""
   uses = collections.Counter(v for eqn in jaxpr.eqns for v in eqn.invars if _is_var(v))
   uses.update(v for v in jaxpr.outvars if _is_var(v))
-  # Vars that are a reindexing of a recognised op's output, read by nothing else:
-  # var -> (op, canonical flat index of every element).
+  # Vars that are a bijective reindexing of a recognised op's output, read by nothing else:
+  # var -> (op, the canonical feature c of every element).
   outputs: dict = {}
   for k, eqn in enumerate(jaxpr.eqns):
     here = path + (k,)
@@ -258,10 +258,10 @@ def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) ->
     derived = [(pos, env[v]) for pos, v in enumerate(eqn.invars) if _is_var(v) and v in env]
     if not derived:
       if (with_bias and len(eqn.invars) == 1 and _is_var(eqn.invars[0])
-          and eqn.invars[0] in outputs and uses[eqn.invars[0]] == 1):
-        op, canonical = outputs[eqn.invars[0]]
+          and eqn.invars[0] in outputs):
+        op, canonical = outputs.pop(eqn.invars[0])
         moved = _reindex(eqn, canonical)
-        if moved is not None and moved.size == canonical.size:
+        if moved is not None and moved.size == canonical.size and uses[eqn.outvars[0]] == 1:
           outputs[eqn.outvars[0]] = (op, moved)
       continue
     leaves_here = {value[0] for _, value in derived}
@@ -288,10 +288,12 @@ def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) ->
       op = _conv_op(eqn, here, derived[0][1])
     if op is not None:
       result.ops.append(op)
-      if with_bias:
+      if with_bias and uses[eqn.outvars[0]] == 1:  # a bias add must be its only reader
         m = op.act_shape[0]
-        canonical = np.arange(m * op.positions * op.features).reshape((m,) + op.out_shape)
-        outputs[eqn.outvars[0]] = (op, np.transpose(canonical, np.argsort(op.raw_to_canonical)))
+        # The canonical feature c of every output element (bijectivity: sizes are checked).
+        features = np.broadcast_to(np.arange(op.features, dtype=np.int32),
+                                   (m,) + op.out_shape)
+        outputs[eqn.outvars[0]] = (op, np.transpose(features, np.argsort(op.raw_to_canonical)))
       continue
     if with_bias and len(derived) == 1 and name in ("add", "add_any") and _bias_add(
         eqn, derived[0], outputs):
@@ -309,16 +311,16 @@ def _bias_add(eqn, derived, outputs) -> bool:
   other = eqn.invars[1 - position]
   if not (_is_var(other) and other in outputs):
     return False
-  op, canonical = outputs[other]
+  op, features = outputs.pop(other)
   out_shape = tuple(eqn.outvars[0].aval.shape)
-  if (op.bias_leaf is not None or tuple(canonical.shape) != out_shape
+  if (op.bias_leaf is not None or tuple(features.shape) != out_shape
       or int(np.prod(leaf_shape, dtype=np.int64)) != op.features):
     return False
   try:
     bias_index = np.broadcast_to(index, out_shape)
   except ValueError:
     return False
-  if not np.array_equal(bias_index, canonical % op.features):
+  if not np.array_equal(bias_index, features):
     return False
   op.bias_leaf = leaf
   return True
