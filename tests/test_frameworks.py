@@ -236,3 +236,36 @@ def test_under_shard_map(framework):
   # As tests/test_distributed.py: the sum over devices runs in another order.
   np.testing.assert_allclose(sharded[0], single[0], rtol=1e-5, atol=1e-6)
   assert rel_err(sharded[1], single[1]) < 1e-5
+
+
+@jax.jit
+def _jitted_dense(params, h):
+  return jnp.dot(h, params["kernel"].T.T) + params["bias"]  # reindexed twice, inside a jit
+
+
+def _nested_embed(params, x):
+  """Dense layers inside jit sub-jaxprs, an activation with a custom JVP between them, and a
+  leaf that is also scaled outside any layer (so only it is generic)."""
+  h = jax.nn.relu(_jitted_dense(params["first"], x))
+  h = jax.jit(lambda p, h: h @ p["kernel"])(params["second"], h)
+  return h * params["scale"]
+
+
+def test_layers_inside_sub_jaxprs_are_found():
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {
+      "first": {"kernel": jax.random.normal(k1, (5, 4)), "bias": 0.1 * jnp.ones(4)},
+      "second": {"kernel": jax.random.normal(k2, (4, 3))},
+      "scale": 1.0 + 0.1 * jax.random.normal(k3, (3,)),
+  }
+  x = jax.random.normal(k4, (6, 5))
+  x_prime = x + 0.3 * jax.random.normal(k1, x.shape)
+  plan = _plan(_nested_embed, params, x)
+  leaves = jax.tree_util.tree_leaves(params)
+  scale = next(i for i, leaf in enumerate(leaves) if leaf is params["scale"])
+  assert plan.generic == (scale,)
+  assert [(layer.kind, len(layer.leaves)) for layer in plan.layers] == [("dense", 2), ("dense", 1)]
+  truth = _float64_pair_norms(_nested_embed, params, x, x_prime)
+  ghost = np.asarray(
+      logit_dp.pair_grad_norms(_nested_embed, params, x, x_prime, "ghost", float_allowance=False))
+  np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
