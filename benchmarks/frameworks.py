@@ -90,8 +90,8 @@ def architecture(arch: str, **sizes) -> tuple[nn.Module, Callable, tuple[int, ..
     stages, dim = tuple(sizes.get("stage_sizes", (2, 2, 2, 2))), sizes.get("dim", 8)
     side = sizes.get("side", 32)
     return (models.ResNet18(embedding_dim=dim, width=sizes.get("width", 64), stage_sizes=stages,
-                            norm=None), functools.partial(resnet18_forward, stage_sizes=stages),
-            (side, side, 3))
+                            norm=None), functools.partial(resnet18_forward,
+                                                          stage_sizes=stages), (side, side, 3))
   raise ValueError(f"unknown architecture {arch!r}")
 
 
@@ -211,8 +211,8 @@ def _eqx_model(forward, linen_params, strides: dict) -> _EqxModel:
       layer = eqx.nn.Conv2d(kernel.shape[-2], kernel.shape[-1], kernel.shape[:2], stride=stride,
                             padding="SAME", key=key)
       weight, bias = kernel.transpose(3, 2, 0, 1), np.asarray(p["bias"]).reshape(-1, 1, 1)
-    layer = eqx.tree_at(lambda l: (l.weight, l.bias), layer, (jnp.asarray(weight),
-                                                               jnp.asarray(bias)))
+    layer = eqx.tree_at(lambda m: (m.weight, m.bias), layer,
+                        (jnp.asarray(weight), jnp.asarray(bias)))
     layers[_key(path)] = layer
   return _EqxModel(layers, forward)
 
@@ -310,19 +310,20 @@ def measure(arch: str, n: int, frameworks, methods, repeats: int, **sizes) -> di
   for (framework, method), seconds in compile_s.items():
     rows.setdefault(framework, {})[method] = {
         "compile_s": seconds, "step_s": float(np.min(steps[framework, method])),
-        "step_median_s": float(np.median(steps[framework, method]))}
+        "step_median_s": float(np.median(steps[framework, method]))
+    }
     print(f"{arch:14s} {framework:8s} {method:10s} step {rows[framework][method]['step_s']:8.4f} s",
           flush=True)
   ratios = {}
   for framework, row in rows.items():
     ratios[framework] = {
-        f"{method}_compile_over_nonprivate": row[method]["compile_s"] / row["nonprivate"]["compile_s"]
-        for method in methods
+        f"{method}_compile_over_nonprivate":
+            row[method]["compile_s"] / row["nonprivate"]["compile_s"] for method in methods
     }
     if "linen" in rows:
       for method in ("nonprivate",) + tuple(methods):
-        ratios[framework][f"{method}_step_over_linen"] = (row[method]["step_s"] /
-                                                          rows["linen"][method]["step_s"])
+        ratios[framework][f"{method}_step_over_linen"] = (row[method]["step_s"]
+                                                          / rows["linen"][method]["step_s"])
   return {"arch": arch, "n": n, "sizes": sizes, "times": rows, "ratios": ratios}
 
 
@@ -341,16 +342,20 @@ def main():
   results = []
   for arch in args.models.split(","):
     if arch == "resnet18":
-      results.append(measure(arch, args.resnet_n, frameworks, methods, args.repeats,
-                             width=args.resnet_width))
+      results.append(
+          measure(arch, args.resnet_n, frameworks, methods, args.repeats, width=args.resnet_width))
     else:
       results.append(measure(arch, args.n, frameworks, methods, args.repeats))
   report = {
-      "command": "python -m benchmarks.frameworks " + " ".join(
-          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-      "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                  "jax": jax.__version__, "backend": jax.default_backend()},
-      "results": results,
+      "command":
+          "python -m benchmarks.frameworks " + " ".join(
+              f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+      "machine": {
+          "platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
+          "backend": jax.default_backend()
+      },
+      "results":
+          results,
   }
   for result in results:
     print(result["arch"], json.dumps(result["ratios"], indent=1))

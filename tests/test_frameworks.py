@@ -52,7 +52,7 @@ def _float64_pair_norms(embed_fn, params, x, x_prime, positive_embed_fn=None):
 
     def unit(fn, w, xe):
       e = fn(unravel(w), xe[None])[0]
-      return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.DEFAULT_COSINE_EPS**2)
+      return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.DEFAULT_COSINE_EPS ** 2)
 
     u = jax.vmap(lambda xe: unit(embed_fn, w, xe))(x64)
     v = jax.vmap(lambda xe: unit(positive_embed_fn, w, xe))(xp64)
@@ -74,7 +74,8 @@ def _float64_grad(embed_fn, params, x, x_prime, mask):
 def _expected_layers(model):
   """(kind, positions, fan_in, features) of the linen plan: what every framework must find."""
   embed_fn, params, x, _ = _problem("linen", model)
-  return [(l.kind, l.positions, l.fan_in, l.features) for l in _plan(embed_fn, params, x).layers]
+  return [(layer.kind, layer.positions, layer.fan_in, layer.features)
+          for layer in _plan(embed_fn, params, x).layers]
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -83,13 +84,12 @@ def test_every_framework_gets_the_linen_plan(framework, model):
   """Every dense / conv layer found, with its bias, and no parameter left generic."""
   embed_fn, params, x, _ = _problem(framework, model)
   linen_fn, linen_params, _, _ = _problem("linen", model)
-  np.testing.assert_allclose(embed_fn(params, x), linen_fn(linen_params, x), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(embed_fn(params, x), linen_fn(linen_params, x), rtol=1e-5, atol=1e-6)
   plan = _plan(embed_fn, params, x)
   assert plan.generic == ()
   assert plan.factored_leaves == frozenset(range(len(jax.tree_util.tree_leaves(params))))
   assert all(len(layer.leaves) == 2 for layer in plan.layers)  # kernel and bias
-  assert [(l.kind, l.positions, l.fan_in, l.features) for l in plan.layers
+  assert [(layer.kind, layer.positions, layer.fan_in, layer.features) for layer in plan.layers
          ] == _expected_layers(model)
   assert plan.ghost == _plan(linen_fn, linen_params, x).ghost
 
@@ -133,19 +133,19 @@ def test_clipped_grad_with_mask_and_microbatches(framework, model, no_float_allo
   norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
   clip = float(np.median(norms))
   _, exact = logit_dp.clipped_grad(embed_fn, LOSS, clip, "materialize")(params, x, x_prime, mask)
-  _, ghost = logit_dp.clipped_grad(embed_fn, LOSS, clip, "ghost", microbatch_size=4)(
-      params, x, x_prime, mask)
+  _, ghost = logit_dp.clipped_grad(embed_fn, LOSS, clip, "ghost", microbatch_size=4)(params, x,
+                                                                                     x_prime, mask)
   np.testing.assert_allclose(flat(ghost), flat(exact), rtol=1e-4, atol=1e-6)
   big = 10.0 * float(np.max(norms))
-  _, unclipped = logit_dp.clipped_grad(embed_fn, LOSS, big, "ghost", microbatch_size=4)(
-      params, x, x_prime, mask)
+  _, unclipped = logit_dp.clipped_grad(embed_fn, LOSS, big, "ghost",
+                                       microbatch_size=4)(params, x, x_prime, mask)
   truth = _float64_grad(embed_fn, params, x, x_prime, mask)
   np.testing.assert_allclose(flat(unclipped), truth, rtol=1e-4, atol=1e-6 * np.max(np.abs(truth)))
 
 
-@pytest.mark.parametrize("framework", [
-    f if f in ("nnx", "equinox") else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS
-])
+@pytest.mark.parametrize(
+    "framework",
+    [f if f in ("nnx", "equinox") else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS])
 def test_triangle_and_projected(framework, no_float_allowance):
   """triangle: the norms and ḡ of the same weights in linen. projected: an upper bound of the
   float64 truth, exact on the diagonal (its subspace comes from an eigendecomposition of
@@ -168,9 +168,9 @@ def test_triangle_and_projected(framework, no_float_allowance):
 
 
 @pytest.mark.parametrize("mode", ["ghost", "flat"])
-@pytest.mark.parametrize("framework,model", [("equinox", "conv"),
-                                             pytest.param("equinox", "mlp",
-                                                          marks=pytest.mark.slow)])
+@pytest.mark.parametrize("framework,model",
+                         [("equinox", "conv"),
+                          pytest.param("equinox", "mlp", marks=pytest.mark.slow)])
 def test_permuted_kernels_contract_like_jax(framework, model, mode, monkeypatch):
   """Kernels stored transposed (Equinox: (out, in), (O, I, H, W)): factors_transpose = jax.vjp
   and factors_times = jax.jvp of the normalised embeddings, leaf by leaf, in both layer modes."""
@@ -199,15 +199,17 @@ def test_permuted_kernels_contract_like_jax(framework, model, mode, monkeypatch)
                                atol=1e-5 * float(np.max(np.abs(expected))))
 
 
-@pytest.mark.parametrize("framework", [
-    f if f == "equinox" else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS
-])
+@pytest.mark.parametrize(
+    "framework",
+    [f if f == "equinox" else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS])
 def test_two_towers(framework):
   """positive_embed_fn: a second network of the same framework in the same params pytree."""
   anchor_fn, anchor_params, x, x_prime = _problem(framework, "mlp", seed=0)
   positive_fn, positive_params, _, _ = _problem(framework, "mlp", seed=1)
-  params = {"anchor": anchor_params, "positive": jax.tree_util.tree_map(lambda a: 0.9 * a,
-                                                                        positive_params)}
+  params = {
+      "anchor": anchor_params, "positive": jax.tree_util.tree_map(lambda a: 0.9 * a,
+                                                                  positive_params)
+  }
   embed_fn = lambda p, x: anchor_fn(p["anchor"], x)
   positive_embed_fn = lambda p, x: positive_fn(p["positive"], x)
   kwargs = dict(positive_embed_fn=positive_embed_fn, float_allowance=False)
@@ -220,9 +222,9 @@ def test_two_towers(framework):
   np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("framework", [
-    f if f in ("nnx", "equinox") else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS
-])
+@pytest.mark.parametrize(
+    "framework",
+    [f if f in ("nnx", "equinox") else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS])
 def test_under_shard_map(framework):
   """shard_map(clipped_grad(..., axis_name)) over 4 devices = the single-device ḡ."""
   embed_fn, params, x, x_prime = _problem(framework, "mlp", n=8)

@@ -295,9 +295,8 @@ def _leaf_names(params, indices):
         (ExamplesNotLeading(), (3, 5), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         # Slow: a conv + GroupNorm mix of the cases before and after it (44 s under load). The
         # circular conv is a convolution of the padded input: recognised like any other.
-        pytest.param(
-            MixedNet(), (6, 6, 2), {("GroupNorm_0", "bias"), ("GroupNorm_0", "scale"),
-                                    ("scale",)}, marks=pytest.mark.slow),
+        pytest.param(MixedNet(), (6, 6, 2), {("GroupNorm_0", "bias"), ("GroupNorm_0", "scale"),
+                                             ("scale",)}, marks=pytest.mark.slow),
         # Slow: a plain function's dots and bias add are layers; only log_scale is generic.
         pytest.param("pure_jax_scaled", (3, 2), {("log_scale",)}, marks=pytest.mark.slow),
     ],

@@ -239,9 +239,8 @@ def _op_patches(op: linear_ops.LinearOp, act) -> jax.Array:
 
 def _op_channels_last_conv(op: linear_ops.LinearOp, act, kernel) -> jax.Array:
   """A recognised convolution by `channels_last_conv`, in its equation's output layout."""
-  y = channels_last_conv(
-      jnp.transpose(act, op.conv_input_axes), jnp.transpose(kernel, op.conv_kernel_axes),
-      op.conv_config, op.precision)
+  y = channels_last_conv(jnp.transpose(act, op.conv_input_axes),
+                         jnp.transpose(kernel, op.conv_kernel_axes), op.conv_config, op.precision)
   return op.to_raw(y)
 
 
@@ -321,8 +320,8 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
   bad |= scans[0].other_uses | scans[1].other_uses
   owners = collections.Counter(i for op in ops for i in op.leaves)
   bad |= {i for i, count in owners.items() if count > 1}
-  if [(op.path, op.kind, op.leaves) for op in ops] != [(op.path, op.kind, op.leaves)
-                                                       for op in ops_plus]:
+  if [(op.path, op.kind, op.leaves) for op in ops
+     ] != [(op.path, op.kind, op.leaves) for op in ops_plus]:
     bad |= set(owners)
   else:
     for op, op_plus in zip(ops, ops_plus):
@@ -330,9 +329,8 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
               and op.act_shape[1:] == op_plus.act_shape[1:] and op.out_shape == op_plus.out_shape):
         bad |= set(op.leaves)  # the leading axis is not the example axis
   layers = tuple(
-      LayerCall(op.kind, op.leaves, op.out_shape, op.positions,
-                op.fan_in + (op.bias_leaf is not None), op.features, op.kernel_axes)
-      for op in ops
+      LayerCall(op.kind, op.leaves, op.out_shape, op.positions, op.fan_in
+                + (op.bias_leaf is not None), op.features, op.kernel_axes) for op in ops
       if not set(op.leaves) & bad)
   factored = {i for layer in layers for i in layer.leaves}
   generic = tuple(
@@ -410,7 +408,7 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   ]):  # never silently mis-factor (a missing ξ means δ = 0)
     raise RuntimeError("logit_dp: embed_fn's layer calls differ from its plan; "
                        "embed_fn must trace the same way on every call.")
-  position = {op.path: l for l, op in enumerate(selected)}
+  position = {op.path: index for index, op in enumerate(selected)}
   xis = [varying(jnp.zeros((m,) + layer.out_shape, jnp.float32)) for layer in plan.layers]
   args = leaves + jax.tree_util.tree_leaves(x)
 
@@ -419,15 +417,15 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
 
     def on_op(op, values, compute):
       y = _op_channels_last_conv(op, *values) if op.kind == "conv" else compute()
-      l = position.get(op.path)
-      if l is None:
+      index = position.get(op.path)
+      if index is None:
         return y
       if with_patches:
         a = _op_patches(op, values[op.act_position])
-        if len(plan.layers[l].leaves) > 1:
+        if len(plan.layers[index].leaves) > 1:
           a = jnp.concatenate([a, jnp.ones(a.shape[:-1] + (1,), a.dtype)], -1)
         patches.append(jax.lax.stop_gradient(a))
-      return y + op.to_raw(perturbations[l])
+      return y + op.to_raw(perturbations[index])
 
     out = linear_ops.evaluate(closed, args, on_op, found.ops)
     return normalize_fn(jax.tree_util.tree_unflatten(out_tree, out)), patches

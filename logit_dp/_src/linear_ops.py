@@ -79,10 +79,12 @@ class LinearOp:
 
   @property
   def positions(self) -> int:
+    """T: the output positions per example."""
     return int(np.prod(self.out_shape[:-1], dtype=np.int64))
 
   @property
   def leaves(self) -> tuple[int, ...]:
+    """(kernel,) or (kernel, bias) leaf indices."""
     return (self.kernel_leaf,) if self.bias_leaf is None else (self.kernel_leaf, self.bias_leaf)
 
   def to_raw(self, canonical) -> jax.Array:
@@ -185,17 +187,19 @@ def _dense_op(eqn, path, kernel_position, kernel) -> LinearOp | None:
   fan_in = int(np.prod([act_aval.shape[a] for a in act_contract], dtype=np.int64))
   features = int(np.prod([w_aval.shape[a] for a in w_free], dtype=np.int64))
   leaf, index, leaf_shape = kernel
-  axes, ok = _kernel_axes(np.transpose(index, w_contract + tuple(w_free)).reshape(fan_in, features),
-                          leaf_shape)
+  axes, ok = _kernel_axes(
+      np.transpose(index, w_contract + tuple(w_free)).reshape(fan_in, features), leaf_shape)
   if not ok:
     return None
   n_act, n_w = len(act_free), len(w_free)
-  raw_to_canonical = (tuple(range(n_act + n_w)) if act_position == 0 else
-                      tuple(range(n_w, n_w + n_act)) + tuple(range(n_w)))
-  out_shape = tuple(act_aval.shape[a] for a in act_free[1:]) + tuple(w_aval.shape[a]
-                                                                    for a in w_free)
-  return LinearOp(path, "dense", leaf, axes, act_position, tuple(act_aval.shape), out_shape,
-                  fan_in, features, tuple(act_free) + act_contract, raw_to_canonical,
+  raw_to_canonical = (tuple(range(n_act
+                                  + n_w)) if act_position == 0 else tuple(range(n_w, n_w + n_act))
+                      + tuple(range(n_w)))
+  out_shape = tuple(act_aval.shape[a] for a in act_free[1:]) + tuple(
+      w_aval.shape[a] for a in w_free)
+  return LinearOp(path, "dense", leaf, axes, act_position, tuple(act_aval.shape), out_shape, fan_in,
+                  features,
+                  tuple(act_free) + act_contract, raw_to_canonical,
                   precision=eqn.params.get("precision"))
 
 
@@ -223,9 +227,8 @@ def _conv_op(eqn, path, kernel) -> LinearOp | None:
   config = (window, tuple(params["window_strides"]), tuple(tuple(p) for p in params["padding"]),
             tuple(params["lhs_dilation"]), tuple(params["rhs_dilation"]))
   out_shape = tuple(int(out_aval.shape[a]) for a in raw_to_canonical[1:])
-  return LinearOp(path, "conv", leaf, axes, 0, tuple(act_aval.shape), out_shape, fan_in,
-                  features, (), raw_to_canonical, input_axes, kernel_axes, config,
-                  params.get("precision"))
+  return LinearOp(path, "conv", leaf, axes, 0, tuple(act_aval.shape), out_shape, fan_in, features,
+                  (), raw_to_canonical, input_axes, kernel_axes, config, params.get("precision"))
 
 
 def scan(closed: jex.ClosedJaxpr, num_leaves: int, leaf_shapes, with_bias: bool = True) -> Scan:
@@ -236,9 +239,9 @@ def scan(closed: jex.ClosedJaxpr, num_leaves: int, leaf_shapes, with_bias: bool 
   """
   result = Scan([], set())
   env = {
-      var: (leaf, np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int32).reshape(shape),
-            tuple(shape))
-      for leaf, (var, shape) in enumerate(zip(closed.jaxpr.invars[:num_leaves], leaf_shapes))
+      var: (leaf, np.arange(int(np.prod(shape, dtype=np.int64)),
+                            dtype=np.int32).reshape(shape), tuple(shape)
+           ) for leaf, (var, shape) in enumerate(zip(closed.jaxpr.invars[:num_leaves], leaf_shapes))
   }
   _scan_jaxpr(closed.jaxpr, env, (), result, with_bias)
   return result
@@ -291,8 +294,7 @@ def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) ->
       if with_bias and uses[eqn.outvars[0]] == 1:  # a bias add must be its only reader
         m = op.act_shape[0]
         # The canonical feature c of every output element (bijectivity: sizes are checked).
-        features = np.broadcast_to(np.arange(op.features, dtype=np.int32),
-                                   (m,) + op.out_shape)
+        features = np.broadcast_to(np.arange(op.features, dtype=np.int32), (m,) + op.out_shape)
         outputs[eqn.outvars[0]] = (op, np.transpose(features, np.argsort(op.raw_to_canonical)))
       continue
     if with_bias and len(derived) == 1 and name in ("add", "add_any") and _bias_add(
