@@ -1,16 +1,33 @@
-"""Per-layer factors of per-example Jacobians for flax Dense and Conv layers.
+"""Per-layer factors of per-example Jacobians, for the parameter-linear operations of any
+JAX embedding function.
 
-A flax ``nn.Dense`` or ``nn.Conv`` call y_t = W·a_t + b (t over the T output
-positions, a_t the input patch of position t, P = its size, C = the output
-features) has per-example weight gradient
+Contract: ``embed_fn(params, x)`` is a pure function of a params pytree and a batch x
+(an array or pytree of arrays, examples along axis 0) that embeds every example on its own
+(row e of the output depends on x[e] only). Any framework that gives such a function
+works; its parameter-linear operations are found in the traced jaxpr
+(`logit_dp._src.linear_ops`), so flax.linen, flax.nnx, Equinox, Haiku-style and
+plain-function models get the same factors:
+
+* flax.linen:  ``embed_fn = model.apply``; ``params = model.init(key, x[:1])``.
+* flax.nnx:    ``graphdef, params = nnx.split(model)``;
+               ``embed_fn = lambda p, x: nnx.merge(graphdef, p)(x)``.
+* Equinox (a per-example model, vmapped):
+               ``params, static = eqx.partition(model, eqx.is_inexact_array)``;
+               ``embed_fn = lambda p, x: jax.vmap(eqx.combine(p, static))(x)``.
+* Haiku-style: ``net = hk.without_apply_rng(hk.transform(f))``; ``embed_fn = net.apply``.
+* A function:  ``embed_fn = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]``.
+
+An operation y_t = W·a_t + b that is linear in a parameter leaf W (dense: t over the
+positions of the non-contracted input axes; convolution: t over the T output positions,
+a_t the input patch of position t; P = its size, C = the output features) has per-example
+weight gradient
 
     ∂û_k/∂(W, b) = Σ_t [a_t; 1] ⊗ δ_t^k,      δ_t^k = ∂û_k/∂y_t  (k = 1..d),
 
-so one batched backward pass with d cotangents w.r.t. a zero perturbation ξ added
-to every layer output gives all per-example Jacobians of these layers (δ), without
-per-example weight-gradient backward passes; the patches a_t are recorded on the
-way forward. With this factorisation the cross term of two pair gradients of a layer
-is
+so one batched backward pass with d cotangents w.r.t. a zero perturbation ξ added to every
+such output gives all per-example Jacobians of these layers (δ), without per-example
+weight-gradient backward passes; the inputs a_t are recorded on the way forward. With this
+factorisation the cross term of two pair gradients of a layer is
 
     ⟨J_iᵀv̂_j, J'_jᵀû_i⟩ = Σ_{t,s} ⟨a_it, a'_js⟩ ⟨α_ij,t, β_ij,s⟩,
     α_ij,t = Σ_k v̂_jk δ_it^k,   β_ij,s = Σ_l û_il δ'_js^l,
@@ -19,32 +36,28 @@ which costs T²(P + C) + 2TCd per pair instead of d²·P·C ("ghost" layers); la
 where that is not cheaper are flattened into ordinary per-example Jacobians ("flat").
 The same factors give ḡ = Σ_e J_eᵀc_e without a backward pass (`factors_transpose`).
 
-Soundness. `make_plan` traces ``embed_fn`` with every parameter leaf replaced by
-a placeholder and the recognised layers computed from the real leaves instead.
-A leaf is factored only if the traced embedding does not depend on its placeholder
-(a conservative data-flow check of the jaxpr: the layer is then the leaf's only
-use), it belongs to exactly one recognised call, and that call's leading axis is
-the example axis (checked at two batch sizes). Every other leaf the embedding
-depends on gets ordinary per-example Jacobians. Only layers whose semantics are
-reproduced exactly are recognised: ``nn.Dense`` (2-D kernel, last axis) and
-``nn.Conv`` (one batch axis, feature_group_count 1, no mask, zero padding), float32,
-default promotion and dot/conv functions; anything else falls back.
+Soundness. `make_plan` traces ``embed_fn`` at two batch sizes. A leaf is factored only if
+every use of it in the jaxpr is one recognised operation (a `dot_general` or
+`conv_general_dilated` of float32 operands, reached through pure reindexings of the leaf)
+or that operation's bias add, that operation's input has the example axis as its leading
+axis at both batch sizes, and the leaf belongs to no other operation. Every other leaf the
+embedding depends on (a conservative data-flow walk of the jaxpr) gets ordinary per-example
+Jacobians ("generic").
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen import dtypes as flax_dtypes
 from flax.linen import linear as flax_linear
+
+from logit_dp._src import linear_ops
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # A pair cost unit of a ghost layer's α/β/⟨α,β⟩ work is ~this many GEMM multiply-adds
@@ -60,10 +73,13 @@ class LayerCall(NamedTuple):
   """One recognised layer call: kind, parameter leaves and factor sizes."""
   kind: str  # "dense" or "conv"
   leaves: tuple[int, ...]  # flat indices of (kernel,) or (kernel, bias)
-  out_shape: tuple[int, ...]  # per-example shape of y
+  out_shape: tuple[int, ...]  # per-example shape of y, (*positions, C)
   positions: int  # T
   fan_in: int  # P (with the bias column)
   features: int  # C
+  # The kernel matrix (P without bias, C) is the kernel leaf with its axes in this order,
+  # reshaped; None: the leaf itself in row-major order.
+  kernel_axes: tuple[int, ...] | None = None
 
   def pair_cost(self, d: int, ghost: bool) -> float:
     """Cost model per pair: T²P + k·(2TCd + T²C) (k = _GHOST_OVERHEAD) if ghost, else d²PC."""
@@ -115,53 +131,6 @@ def _conv_config(module, x):
     return None  # CIRCULAR / REFLECT / CAUSAL pad the input themselves
   return (kernel_size, broadcast(module.strides), padding, broadcast(module.input_dilation),
           broadcast(module.kernel_dilation))
-
-
-def _layer_inputs(context, args, kwargs, placeholder_index):
-  """(kind, leaves, config) when this call is a recognised layer on placeholders."""
-  module = context.module
-  if (context.method_name != "__call__" or kwargs or len(args) != 1
-      or type(module) not in (nn.Dense, nn.Conv)):
-    return None
-  x = args[0]
-  if (not hasattr(x, "dtype") or x.dtype != jnp.float32 or x.ndim < 2
-      or module.dtype not in (None, jnp.float32) or module.param_dtype != jnp.float32 or getattr(
-          module, "promote_dtype", flax_dtypes.promote_dtype) is not flax_dtypes.promote_dtype):
-    return None
-  if not module.has_variable("params", "kernel"):
-    return None
-  leaves = [placeholder_index.get(id(module.get_variable("params", "kernel")))]
-  if module.use_bias:
-    if not module.has_variable("params", "bias"):
-      return None
-    leaves.append(placeholder_index.get(id(module.get_variable("params", "bias"))))
-  if any(i is None for i in leaves):
-    return None
-  if type(module) is nn.Dense:
-    if (not isinstance(module.features, int) or getattr(module, "dot_general", None) is not None
-        or getattr(module, "dot_general_cls", None) is not None):
-      return None
-    return "dense", tuple(leaves), None
-  config = _conv_config(module, x)
-  if config is None:
-    return None
-  return "conv", tuple(leaves), config
-
-
-def _apply_layer(kind, config, x, kernel, bias, precision, with_patches=True):
-  """(y, patches (N, T, P) or None) of a recognised layer, computed from the real leaves."""
-  if kind == "dense":
-    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
-    patches = x.reshape(x.shape[0], -1, x.shape[-1]) if with_patches else None
-  else:
-    # cast: a custom_vjp under functools.partial loses its return type in JAX's annotations.
-    y = cast(jax.Array, channels_last_conv(x, kernel, config, precision))
-    patches = conv_patches(x, *config) if with_patches else None
-  if bias is not None:
-    y = y + bias.reshape((1,) * (y.ndim - 1) + bias.shape)
-    if patches is not None:
-      patches = jnp.concatenate([patches, jnp.ones(patches.shape[:-1] + (1,), patches.dtype)], -1)
-  return y, None if patches is None else jax.lax.stop_gradient(patches)
 
 
 def _dilated(sizes, dilation):
@@ -260,50 +229,39 @@ def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation) -
   return patches.reshape(x.shape[0], int(np.prod(out)), -1)
 
 
-@dataclasses.dataclass
-class _Interceptor:
-  """Computes recognised layers from the real leaves (plus ξ), recording patches."""
-  placeholder_index: dict  # id(placeholder) -> leaf index
-  real_leaves: list
-  perturbations: Any = None  # list of ξ in call order (None while planning)
-  with_patches: bool = True  # False: only compute the layers (with_recognised_layers)
-  calls: list = dataclasses.field(default_factory=list)  # (kind, leaves) per call
-  records: list = dataclasses.field(default_factory=list)  # (x, y, patches) shapes per call
-  patches: list = dataclasses.field(default_factory=list)
+def _op_patches(op: linear_ops.LinearOp, act) -> jax.Array:
+  """(m, T, P) inputs of a recognised operation's canonical form (no bias column)."""
+  if op.kind == "dense":
+    rows = jnp.transpose(act, op.act_to_rows)
+    return rows.reshape(rows.shape[0], op.positions, op.fan_in)
+  return conv_patches(jnp.transpose(act, op.conv_input_axes), *op.conv_config)
 
-  def __call__(self, next_fun, args, kwargs, context):
-    found = _layer_inputs(context, args, kwargs, self.placeholder_index)
-    if found is None:
-      return next_fun(*args, **kwargs)
-    kind, leaves, config = found
-    position = len(self.calls)
-    x = args[0]
-    kernel = self.real_leaves[leaves[0]]
-    bias = self.real_leaves[leaves[1]] if len(leaves) > 1 else None
-    y, patches = _apply_layer(kind, config, x, kernel, bias, context.module.precision,
-                              self.with_patches)
-    if self.perturbations is not None and position < len(self.perturbations):
-      y = y + self.perturbations[position]  # a call beyond the plan fails layer_factors' check
-    self.calls.append((kind, leaves))
-    if patches is not None:  # self.with_patches
-      self.records.append((x.shape, y.shape, patches.shape))
-      self.patches.append(patches)
-    return y
+
+def _op_channels_last_conv(op: linear_ops.LinearOp, act, kernel) -> jax.Array:
+  """A recognised convolution by `channels_last_conv`, in its equation's output layout."""
+  y = channels_last_conv(jnp.transpose(act, op.conv_input_axes),
+                         jnp.transpose(kernel, op.conv_kernel_axes), op.conv_config, op.precision)
+  return op.to_raw(y)
 
 
 def with_recognised_layers(embed_fn) -> Callable[[Any, jax.Array], jax.Array]:
-  """embed_fn with every recognised nn.Dense / nn.Conv call computed by `_apply_layer`.
+  """embed_fn with every recognised convolution computed by `channels_last_conv`.
 
   Same values and gradients; the difference is that convolutions then differentiate into
-  channels-last convolutions only (`channels_last_conv`), which XLA:CPU runs at full speed
-  inside the loop bodies of microbatching.
+  channels-last convolutions only, which XLA:CPU runs at full speed inside the loop bodies
+  of microbatching.
   """
   def embed(params, x):
     leaves = jax.tree_util.tree_leaves(params)
-    interceptor = _Interceptor({id(leaf): i for i, leaf in enumerate(leaves)}, leaves,
-                               with_patches=False)
-    with nn.intercept_methods(interceptor):
+    closed, out_tree = linear_ops.trace(embed_fn, params, x)
+    found = linear_ops.scan(closed, len(leaves), [np.shape(leaf) for leaf in leaves],
+                            with_bias=False)
+    convs = [op for op in found.ops if op.kind == "conv"]
+    if not convs:
       return embed_fn(params, x)
+    out = linear_ops.evaluate(closed, leaves + jax.tree_util.tree_leaves(x),
+                              lambda op, values, _: _op_channels_last_conv(op, *values), convs)
+    return jax.tree_util.tree_unflatten(out_tree, out)
 
   return embed
 
@@ -337,79 +295,80 @@ def _dependent_inputs(closed_jaxpr) -> set:
   return result
 
 
-def _trace(embed_fn, leaves, treedef, candidates, x_struct):
-  """Traces embed_fn once with placeholders for `candidates`.
-
-  Returns (recognised calls, their shape records, candidates whose placeholder the output
-  depends on, leaves whose real value it depends on).
-  """
-  candidates = sorted(candidates)
-  interceptor_box = []
-
-  def fn(placeholders, reals, x):
-    index = {id(p): i for p, i in zip(placeholders, candidates)}
-    interceptor = _Interceptor(index, reals)
-    interceptor_box.append(interceptor)
-    params = replace_leaves(reals, treedef, candidates, placeholders)
-    with nn.intercept_methods(interceptor):
-      return embed_fn(params, x)
-
-  placeholders = [
-      jax.ShapeDtypeStruct(np.shape(leaves[i]), jnp.result_type(leaves[i])) for i in candidates
-  ]
-  reals = [jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf)) for leaf in leaves]
-  closed = jax.make_jaxpr(fn)(placeholders, reals, x_struct)
-  interceptor = interceptor_box[-1]
-  depends = _dependent_inputs(closed)
-  # Flat inputs: placeholders first, then every real leaf, then x.
-  num_placeholders = len(candidates)
-  placeholder_deps = {candidates[k] for k in depends if k < num_placeholders}
-  real_deps = {
-      k - num_placeholders for k in depends
-      if num_placeholders <= k < num_placeholders + len(leaves)
-  }
-  return interceptor.calls, interceptor.records, placeholder_deps, real_deps
+def _found_ops(embed_fn, leaves, treedef, x, with_bias: bool):
+  """(jaxpr, output treedef, linear_ops.Scan) of embed_fn at x's shapes."""
+  closed, out_tree = linear_ops.trace(embed_fn, jax.tree_util.tree_unflatten(treedef, leaves), x)
+  found = linear_ops.scan(closed, len(leaves), [np.shape(leaf) for leaf in leaves], with_bias)
+  return closed, out_tree, found
 
 
 def make_plan(embed_fn, params, x, d: int) -> Plan:
   """Finds the recognised layers of embed_fn and the leaves they fully own (see module doc)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
+  structs = [jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf)) for leaf in leaves]
   n = _num_rows(x)
-  structs = [
-      jax.tree_util.tree_map(
-          lambda a, m=m: jax.ShapeDtypeStruct((m,) + tuple(a.shape[1:]), a.dtype), x)
-      for m in (n, n + 1)
-  ]
-  candidates = {i for i, leaf in enumerate(leaves) if _is_float(leaf)}
-  while True:
-    calls, records, placeholder_deps, real_deps = _trace(embed_fn, leaves, treedef, candidates,
-                                                         structs[0])
-    owners = collections.Counter(i for _, ls in calls for i in ls)
-    _, records_plus, _, _ = _trace(embed_fn, leaves, treedef, candidates, structs[1])
-    bad = set(placeholder_deps) | {i for i, c in owners.items() if c > 1}
-    if len(records_plus) != len(records):
-      bad |= set(owners)
-    else:
-      for (_, ls), (xs, ys, _), (xs1, ys1, _) in zip(calls, records, records_plus):
-        if not (xs[0] == n and ys[0] == n and xs1[0] == n + 1 and ys1[0] == n + 1
-                and xs[1:] == xs1[1:] and ys[1:] == ys1[1:]):
-          bad |= set(ls)  # the leading axis is not the example axis
-    if not bad & candidates:
-      break
-    candidates -= bad
-  layers = []
-  for (kind, ls), (_, y_shape, p_shape) in zip(calls, records):
-    layers.append(
-        LayerCall(kind, ls, tuple(y_shape[1:]), int(p_shape[1]), int(p_shape[2]), int(y_shape[-1])))
+  scans = []
+  for m in (n, n + 1):
+    x_struct = jax.tree_util.tree_map(
+        lambda a, m=m: jax.ShapeDtypeStruct((m,) + tuple(a.shape[1:]), a.dtype), x)
+    closed, _, found = _found_ops(embed_fn, structs, treedef, x_struct, with_bias=True)
+    if m == n:
+      depends = _dependent_inputs(closed)
+    scans.append(found)
+  ops, ops_plus = scans[0].ops, scans[1].ops
+  bad = {i for i, leaf in enumerate(leaves) if not _is_float(leaf)}
+  bad |= scans[0].other_uses | scans[1].other_uses
+  owners = collections.Counter(i for op in ops for i in op.leaves)
+  bad |= {i for i, count in owners.items() if count > 1}
+  if [(op.path, op.kind, op.leaves) for op in ops
+     ] != [(op.path, op.kind, op.leaves) for op in ops_plus]:
+    bad |= set(owners)
+  else:
+    for op, op_plus in zip(ops, ops_plus):
+      if not (op.act_shape[0] == n and op_plus.act_shape[0] == n + 1
+              and op.act_shape[1:] == op_plus.act_shape[1:] and op.out_shape == op_plus.out_shape):
+        bad |= set(op.leaves)  # the leading axis is not the example axis
+  layers = tuple(
+      LayerCall(op.kind, op.leaves, op.out_shape, op.positions, op.fan_in
+                + (op.bias_leaf is not None), op.features, op.kernel_axes) for op in ops
+      if not set(op.leaves) & bad)
   factored = {i for layer in layers for i in layer.leaves}
   generic = tuple(
-      sorted(i for i in real_deps | placeholder_deps if i not in factored and _is_float(leaves[i])))
-  return Plan(tuple(layers), tuple(use_ghost(layer, d) for layer in layers), generic)
+      sorted(i for i in depends if i < len(leaves) and i not in factored and _is_float(leaves[i])))
+  return Plan(layers, tuple(use_ghost(layer, d) for layer in layers), generic)
 
 
 def use_ghost(layer: LayerCall, d: int) -> bool:
   """Cross terms from the layer's factors when that is cheaper per pair than flattening."""
   return layer.pair_cost(d, ghost=True) < layer.pair_cost(d, ghost=False)
+
+
+def _kernel_matrix(layer: LayerCall, kernel, lead: int = 0) -> jax.Array:
+  """(*lead, *kernel.shape) -> (*lead, P without bias, C): the layer's kernel matrix."""
+  if layer.kernel_axes is not None:
+    kernel = jnp.transpose(kernel, tuple(range(lead)) + tuple(lead + a for a in layer.kernel_axes))
+  return kernel.reshape(kernel.shape[:lead] + (-1, layer.features))
+
+
+def _matrix_kernel(layer: LayerCall, matrix, kernel_shape, lead: int = 0) -> jax.Array:
+  """The inverse of `_kernel_matrix`: (*lead, P without bias, C) -> (*lead, *kernel_shape)."""
+  batch = matrix.shape[:lead]
+  if layer.kernel_axes is None:
+    return matrix.reshape(batch + tuple(kernel_shape))
+  permuted = matrix.reshape(batch + tuple(kernel_shape[a] for a in layer.kernel_axes))
+  inverse = np.argsort(layer.kernel_axes)
+  return jnp.transpose(permuted, tuple(range(lead)) + tuple(lead + int(a) for a in inverse))
+
+
+def _flat_layer_columns(layer: LayerCall, grads, kernel_shape) -> jax.Array:
+  """(m, d, P, C) per-example Jacobians of a flattened layer -> (m, d, q) flat columns: the
+  kernel in its leaf's own element order, then the bias."""
+  m, d = grads.shape[:2]
+  if layer.kernel_axes is None:
+    return grads.reshape(m, d, -1)
+  rows = int(np.prod(kernel_shape, dtype=np.int64)) // layer.features
+  kernel = _matrix_kernel(layer, grads[:, :, :rows], kernel_shape, lead=2).reshape(m, d, -1)
+  return jnp.concatenate([kernel, grads[:, :, rows:].reshape(m, d, -1)], axis=-1)
 
 
 class Factors(NamedTuple):
@@ -437,23 +396,39 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   """(u, deltas, patches) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d);
   deltas[l] = ∂u_k/∂y_l for every coordinate k, (d, m, *out_shape) per planned layer
   call l (one backward pass per k; not stacked: a list over k where the passes are
-  unrolled); patches[l] as recorded by _Interceptor ([] if not with_patches)."""
+  unrolled); patches[l]: (m, T, P) inputs of layer l, with a ones column for a bias
+  ([] if not with_patches)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  factored = sorted(plan.factored_leaves)
-  planned = [(layer.kind, layer.leaves) for layer in plan.layers]
   m = _num_rows(x)
+  closed, out_tree, found = _found_ops(embed_fn, leaves, treedef, x, with_bias=False)
+  factored = plan.factored_leaves
+  selected = [op for op in found.ops if op.kernel_leaf in factored]
+  if ([(op.kind, op.kernel_leaf, op.out_shape, op.act_shape[0]) for op in selected] != [
+      (layer.kind, layer.leaves[0], layer.out_shape, m) for layer in plan.layers
+  ]):  # never silently mis-factor (a missing ξ means δ = 0)
+    raise RuntimeError("logit_dp: embed_fn's layer calls differ from its plan; "
+                       "embed_fn must trace the same way on every call.")
+  position = {op.path: index for index, op in enumerate(selected)}
   xis = [varying(jnp.zeros((m,) + layer.out_shape, jnp.float32)) for layer in plan.layers]
+  args = leaves + jax.tree_util.tree_leaves(x)
 
   def embed(perturbations):
-    placeholders = [jnp.zeros_like(leaves[i]) for i in factored]
-    index = {id(p): i for p, i in zip(placeholders, factored)}
-    interceptor = _Interceptor(index, leaves, perturbations, with_patches=with_patches)
-    with nn.intercept_methods(interceptor):
-      e = embed_fn(replace_leaves(leaves, treedef, factored, placeholders), x)
-    if interceptor.calls != planned:  # never silently mis-factor (a missing ξ means δ = 0)
-      raise RuntimeError("logit_dp: embed_fn's layer calls differ from its plan; "
-                         "embed_fn must trace the same way on every call.")
-    return normalize_fn(e), interceptor.patches
+    patches = []
+
+    def on_op(op, values, compute):
+      y = _op_channels_last_conv(op, *values) if op.kind == "conv" else compute()
+      index = position.get(op.path)
+      if index is None:
+        return y
+      if with_patches:
+        a = _op_patches(op, values[op.act_position])
+        if len(plan.layers[index].leaves) > 1:
+          a = jnp.concatenate([a, jnp.ones(a.shape[:-1] + (1,), a.dtype)], -1)
+        patches.append(jax.lax.stop_gradient(a))
+      return y + op.to_raw(perturbations[index])
+
+    out = linear_ops.evaluate(closed, args, on_op, found.ops)
+    return normalize_fn(jax.tree_util.tree_unflatten(out_tree, out)), patches
 
   u, vjp_fn, patches = jax.vjp(embed, xis, has_aux=True)
   d = u.shape[-1]
@@ -485,6 +460,7 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   perturbations stay local instead of being summed over devices).
   """
   m = _num_rows(x)
+  leaves = jax.tree_util.tree_leaves(params)
   u, deltas, patches = _deltas(embed_fn, params, plan, x, normalize_fn, varying, with_patches=True)
   d = u.shape[-1]
   flat, ghost_patches, ghost_deltas = [], [], []
@@ -498,8 +474,8 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
     else:
       grads = jnp.einsum("mtp,mtn->mpn", a, delta.reshape(m, layer.positions, d * layer.features),
                          precision=_HIGHEST)
-      grads = grads.reshape(m, layer.fan_in, d, layer.features)
-      flat.append(jnp.moveaxis(grads, 2, 1).reshape(m, d, -1))
+      grads = jnp.moveaxis(grads.reshape(m, layer.fan_in, d, layer.features), 2, 1)
+      flat.append(_flat_layer_columns(layer, grads, np.shape(leaves[layer.leaves[0]])))
   if plan.generic:
     flat.append(generic_jacobian(plan.generic))
   flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
@@ -539,12 +515,18 @@ def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=Non
           precision=_HIGHEST)
     else:
       size = layer.fan_in * layer.features
-      grad = flat[offset:offset + size].reshape(layer.fan_in, layer.features)
+      grad = flat[offset:offset + size]
       offset += size
     kernel = leaves[layer.leaves[0]]
-    grads[layer.leaves[0]] = grad[:kernel.size // layer.features].reshape(kernel.shape)
+    if is_ghost:
+      grads[layer.leaves[0]] = _matrix_kernel(layer, grad[:kernel.size // layer.features],
+                                              kernel.shape)
+      bias = grad[-1]
+    else:  # flat columns: the kernel in its own order, then the bias
+      grads[layer.leaves[0]] = grad[:kernel.size].reshape(kernel.shape)
+      bias = grad[kernel.size:]
     if len(layer.leaves) > 1:
-      grads[layer.leaves[1]] = grad[-1].reshape(leaves[layer.leaves[1]].shape)
+      grads[layer.leaves[1]] = bias.reshape(leaves[layer.leaves[1]].shape)
   for i in plan.generic:
     grads[i] = flat[offset:offset + leaves[i].size].reshape(leaves[i].shape)
     offset += leaves[i].size
@@ -566,7 +548,7 @@ def factors_times(plan: Plan, factors: Factors, tangent_leaves) -> jax.Array:
   k = tangent_leaves[0].shape[0] if tangent_leaves else 0
 
   def layer_matrix(layer):  # (k, P, C) in factors_transpose's (kernel rows, bias) layout
-    kernel = tangent_leaves[layer.leaves[0]].reshape(k, -1, layer.features)
+    kernel = _kernel_matrix(layer, tangent_leaves[layer.leaves[0]], lead=1)
     if len(layer.leaves) == 1:
       return kernel
     return jnp.concatenate([kernel, tangent_leaves[layer.leaves[1]].reshape(k, 1, -1)], axis=1)
@@ -574,10 +556,10 @@ def factors_times(plan: Plan, factors: Factors, tangent_leaves) -> jax.Array:
   flat_tangents, out = [], jnp.zeros((m, d, k), factors.flat.dtype)
   ghost = iter(zip(factors.ghost_patches, factors.ghost_deltas))
   for layer, is_ghost in zip(plan.layers, plan.ghost):
-    w = layer_matrix(layer)
-    if not is_ghost:
-      flat_tangents.append(w.reshape(k, -1))
+    if not is_ghost:  # flat columns: the kernel in its own order, then the bias
+      flat_tangents += [tangent_leaves[i].reshape(k, -1) for i in layer.leaves]
       continue
+    w = layer_matrix(layer)
     patches, deltas = next(ghost)  # (m, T, P), (m, T, d, C)
     t, c = layer.positions, layer.features
     applied = jnp.matmul(patches.reshape(m * t, layer.fan_in),

@@ -1,0 +1,374 @@
+"""The parameter-linear operations of a traced embedding function, and an evaluator that
+perturbs their outputs.
+
+An embedding function Φ(w, x) is traced to a jaxpr (`trace`), and `scan` finds in it the
+operations that are linear in one parameter leaf W and apply the same map to every example:
+
+* ``dot_general(A, W')`` (either operand order, no batch dimensions), A's leading axis the
+  example axis and not contracted:  y[e, t, c] = Σ_p A[e, t, p] K[p, c];
+* ``conv_general_dilated(A, W')`` with ``feature_group_count = batch_group_count = 1``: the
+  same with t the output positions and A[e, t] the input patch of position t;
+* optionally a bias add ``y' + B'`` with y' a reindexing of such an op's output (nothing else
+  reads it) and B' a reindexing of a leaf b with B'[e, t, c] = b[c];
+
+where W' (and B') is W (b) through reshape, transpose, broadcast_in_dim, squeeze,
+expand_dims, copy and float32 → float32 conversions, possibly across the boundaries of
+jit, closed_call, custom_jvp_call, custom_vjp_call and checkpoint sub-jaxprs. The matrix
+K (P × C) must be the leaf's elements with its axes permuted (`LinearOp.kernel_axes`), so
+its gradient maps back onto the leaf without a gather. Everything the scan tracks is
+computed on integer index arrays, so a reindexing is recognised by what it does, not by
+how it is spelt. Any other use of a leaf (or of a reindexing of it) is reported in
+`Scan.other_uses`; `layerwise.make_plan` decides from these which leaves are factored.
+
+`evaluate` runs a traced jaxpr primitive by primitive, like ``jax.core.eval_jaxpr``,
+calling a hook on the recognised operations instead (and inlining only the sub-jaxprs that
+contain one), so the caller can add a perturbation ξ to their outputs and record their
+inputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+# Sub-jaxpr parameter of the call-like primitives whose bodies are scanned and inlined.
+_SUBJAXPR_PARAM = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+}
+
+
+@dataclasses.dataclass
+class LinearOp:
+  """One parameter-linear operation found by `scan`.
+
+  Canonical form: y[e, t, c] = Σ_p A[e, t, p] K[p, c], K = the kernel leaf with its axes
+  permuted by `kernel_axes` and reshaped to (fan_in, features); for a convolution A[e, t]
+  is the input patch of output position t (`layerwise.conv_patches`).
+  """
+  path: tuple[int, ...]  # equation indices, outermost first
+  kind: str  # "dense" or "conv"
+  kernel_leaf: int
+  kernel_axes: tuple[int, ...] | None  # None: the leaf is K in row-major order
+  act_position: int  # operand index of A in the equation
+  act_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]  # canonical per-example output: (*positions, features)
+  fan_in: int  # P without the bias
+  features: int  # C
+  act_to_rows: tuple[int, ...]  # dense: A's axes as (example, positions, contracted)
+  raw_to_canonical: tuple[int, ...]  # the equation's output axes in the canonical order
+  conv_input_axes: tuple[int, ...] = ()  # conv: A's axes as (example, *spatial, channels)
+  conv_kernel_axes: tuple[int, ...] = ()  # conv: W' axes as (*window, in, out)
+  conv_config: tuple = ()  # conv: (window, strides, padding, lhs_dilation, rhs_dilation)
+  precision: Any = None
+  bias_leaf: int | None = None
+
+  @property
+  def positions(self) -> int:
+    """T: the output positions per example."""
+    return int(np.prod(self.out_shape[:-1], dtype=np.int64))
+
+  @property
+  def leaves(self) -> tuple[int, ...]:
+    """(kernel,) or (kernel, bias) leaf indices."""
+    return (self.kernel_leaf,) if self.bias_leaf is None else (self.kernel_leaf, self.bias_leaf)
+
+  def to_raw(self, canonical) -> jax.Array:
+    """An array in the canonical output layout (m, *out_shape), in the equation's layout."""
+    return jnp.transpose(canonical, np.argsort(self.raw_to_canonical))
+
+
+@dataclasses.dataclass
+class Scan:
+  """What `scan` found: the recognised operations in evaluation order, and every leaf with a
+  use that is not (a reindexing into) one of them."""
+  ops: list[LinearOp]
+  other_uses: set[int]
+
+
+def trace(embed_fn, params, x) -> tuple[jex.ClosedJaxpr, Any]:
+  """(jaxpr, output treedef): the jaxpr of (params leaves..., x leaves...) ↦ embed_fn(params, x).
+
+  params and x may be arrays, tracers or jax.ShapeDtypeStruct; only their types are used.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+
+  def fn(leaves, x):
+    return embed_fn(jax.tree_util.tree_unflatten(treedef, leaves), x)
+
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(leaves, x)
+  return closed, jax.tree_util.tree_structure(out_shape)
+
+
+def _is_var(atom) -> bool:
+  return isinstance(atom, jex.Var) and not isinstance(atom, jex.Literal)
+
+
+def _reindex(eqn, index: np.ndarray) -> np.ndarray | None:
+  """The index array after a reindexing equation, or None if it is not one."""
+  name, params = eqn.primitive.name, eqn.params
+  out_shape = tuple(eqn.outvars[0].aval.shape)
+  if name == "reshape":
+    if params.get("dimensions") is not None:
+      return None
+    return index.reshape(out_shape)
+  if name == "transpose":
+    return np.transpose(index, params["permutation"])
+  if name == "squeeze":
+    return np.squeeze(index, axis=tuple(params["dimensions"]))
+  if name == "expand_dims":
+    return np.expand_dims(index, tuple(params["dimensions"]))
+  if name == "broadcast_in_dim":
+    if len(eqn.invars) != 1:
+      return None
+    dims = tuple(int(d) for d in params["broadcast_dimensions"])
+    shape = [1] * len(out_shape)
+    for axis, size in zip(dims, index.shape):
+      shape[axis] = size
+    return np.broadcast_to(index.reshape(shape), out_shape)
+  if name in ("copy", "copy_p"):
+    return index
+  if name == "convert_element_type":
+    in_aval, out_aval = eqn.invars[0].aval, eqn.outvars[0].aval
+    if in_aval.dtype == jnp.float32 and out_aval.dtype == jnp.float32:
+      return index
+  return None
+
+
+def _kernel_axes(matrix_index: np.ndarray, leaf_shape) -> tuple[tuple[int, ...] | None, bool]:
+  """(axes, found): the leaf axis permutation whose row-major order is matrix_index."""
+  size = int(np.prod(leaf_shape, dtype=np.int64))
+  if matrix_index.size != size:
+    return None, False
+  flat = matrix_index.reshape(-1)
+  iota = np.arange(size).reshape(leaf_shape)
+  if np.array_equal(flat, iota.reshape(-1)):
+    return None, True
+  for axes in itertools.permutations(range(len(leaf_shape))):
+    if np.array_equal(flat, np.transpose(iota, axes).reshape(-1)):
+      return tuple(axes), True
+  return None, False
+
+
+def _float32(*avals) -> bool:
+  return all(getattr(a, "dtype", None) == jnp.float32 for a in avals)
+
+
+def _dense_op(eqn, path, kernel_position, kernel) -> LinearOp | None:
+  (contract_lhs, contract_rhs), (batch_lhs, batch_rhs) = eqn.params["dimension_numbers"]
+  if batch_lhs or batch_rhs:
+    return None
+  if eqn.params.get("preferred_element_type") not in (None, jnp.float32):
+    return None
+  act_position = 1 - kernel_position
+  act_aval, w_aval = eqn.invars[act_position].aval, eqn.invars[kernel_position].aval
+  if not _float32(act_aval, w_aval, eqn.outvars[0].aval) or act_aval.ndim < 2:
+    return None
+  act_contract = tuple(contract_lhs if act_position == 0 else contract_rhs)
+  w_contract = tuple(contract_rhs if act_position == 0 else contract_lhs)
+  if 0 in act_contract:
+    return None
+  act_free = [a for a in range(act_aval.ndim) if a not in act_contract]
+  w_free = [a for a in range(w_aval.ndim) if a not in w_contract]
+  fan_in = int(np.prod([act_aval.shape[a] for a in act_contract], dtype=np.int64))
+  features = int(np.prod([w_aval.shape[a] for a in w_free], dtype=np.int64))
+  leaf, index, leaf_shape = kernel
+  axes, ok = _kernel_axes(
+      np.transpose(index, w_contract + tuple(w_free)).reshape(fan_in, features), leaf_shape)
+  if not ok:
+    return None
+  n_act, n_w = len(act_free), len(w_free)
+  raw_to_canonical = (tuple(range(n_act
+                                  + n_w)) if act_position == 0 else tuple(range(n_w, n_w + n_act))
+                      + tuple(range(n_w)))
+  out_shape = tuple(act_aval.shape[a] for a in act_free[1:]) + tuple(
+      w_aval.shape[a] for a in w_free)
+  return LinearOp(path, "dense", leaf, axes, act_position, tuple(act_aval.shape), out_shape, fan_in,
+                  features,
+                  tuple(act_free) + act_contract, raw_to_canonical,
+                  precision=eqn.params.get("precision"))
+
+
+def _conv_op(eqn, path, kernel) -> LinearOp | None:
+  params = eqn.params
+  if (params["feature_group_count"] != 1 or params["batch_group_count"] != 1
+      or params.get("preferred_element_type") not in (None, jnp.float32)):
+    return None
+  act_aval, w_aval, out_aval = (eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval)
+  if not _float32(act_aval, w_aval, out_aval):
+    return None
+  lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+  if lhs_spec[0] != 0:
+    return None
+  input_axes = (lhs_spec[0],) + tuple(lhs_spec[2:]) + (lhs_spec[1],)
+  kernel_axes = tuple(rhs_spec[2:]) + (rhs_spec[1], rhs_spec[0])
+  raw_to_canonical = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
+  window = tuple(int(w_aval.shape[a]) for a in rhs_spec[2:])
+  features = int(w_aval.shape[rhs_spec[0]])
+  fan_in = int(np.prod(window, dtype=np.int64)) * int(w_aval.shape[rhs_spec[1]])
+  leaf, index, leaf_shape = kernel
+  axes, ok = _kernel_axes(np.transpose(index, kernel_axes).reshape(fan_in, features), leaf_shape)
+  if not ok:
+    return None
+  config = (window, tuple(params["window_strides"]), tuple(tuple(p) for p in params["padding"]),
+            tuple(params["lhs_dilation"]), tuple(params["rhs_dilation"]))
+  out_shape = tuple(int(out_aval.shape[a]) for a in raw_to_canonical[1:])
+  return LinearOp(path, "conv", leaf, axes, 0, tuple(act_aval.shape), out_shape, fan_in, features,
+                  (), raw_to_canonical, input_axes, kernel_axes, config, params.get("precision"))
+
+
+def scan(closed: jex.ClosedJaxpr, num_leaves: int, leaf_shapes, with_bias: bool = True) -> Scan:
+  """The recognised operations of a traced embedding (`trace`) and the leaves used otherwise.
+
+  with_bias: also recognise bias adds (needs an index array per element of the layer
+  outputs on the way to the add; callers that only evaluate can skip it).
+  """
+  result = Scan([], set())
+  env = {
+      var: (leaf, np.arange(int(np.prod(shape, dtype=np.int64)),
+                            dtype=np.int32).reshape(shape), tuple(shape)
+           ) for leaf, (var, shape) in enumerate(zip(closed.jaxpr.invars[:num_leaves], leaf_shapes))
+  }
+  _scan_jaxpr(closed.jaxpr, env, (), result, with_bias)
+  return result
+
+
+def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) -> None:
+  """Scans one (sub-)jaxpr; env maps its vars that are reindexings of a leaf to
+  (leaf, index array of leaf element numbers, leaf shape)."""
+  uses = collections.Counter(v for eqn in jaxpr.eqns for v in eqn.invars if _is_var(v))
+  uses.update(v for v in jaxpr.outvars if _is_var(v))
+  # Vars that are a bijective reindexing of a recognised op's output, read by nothing else:
+  # var -> (op, the canonical feature c of every element).
+  outputs: dict = {}
+  for k, eqn in enumerate(jaxpr.eqns):
+    here = path + (k,)
+    name = eqn.primitive.name
+    derived = [(pos, env[v]) for pos, v in enumerate(eqn.invars) if _is_var(v) and v in env]
+    if not derived:
+      if (with_bias and len(eqn.invars) == 1 and _is_var(eqn.invars[0])
+          and eqn.invars[0] in outputs):
+        op, canonical = outputs.pop(eqn.invars[0])
+        moved = _reindex(eqn, canonical)
+        if moved is not None and moved.size == canonical.size and uses[eqn.outvars[0]] == 1:
+          outputs[eqn.outvars[0]] = (op, moved)
+      continue
+    leaves_here = {value[0] for _, value in derived}
+    if name in _SUBJAXPR_PARAM:
+      sub = eqn.params[_SUBJAXPR_PARAM[name]]
+      sub_jaxpr = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
+      sub_env = {
+          sub_jaxpr.invars[pos]: value for pos, value in derived if pos < len(sub_jaxpr.invars)
+      }
+      _scan_jaxpr(sub_jaxpr, sub_env, here, result, with_bias)
+      continue
+    if len(eqn.invars) == 1:
+      leaf, index, leaf_shape = derived[0][1]
+      moved = _reindex(eqn, index)
+      if moved is None:
+        result.other_uses.add(leaf)
+      else:
+        env[eqn.outvars[0]] = (leaf, moved, leaf_shape)
+      continue
+    op = None
+    if len(derived) == 1 and name == "dot_general":
+      op = _dense_op(eqn, here, derived[0][0], derived[0][1])
+    elif len(derived) == 1 and name == "conv_general_dilated" and derived[0][0] == 1:
+      op = _conv_op(eqn, here, derived[0][1])
+    if op is not None:
+      result.ops.append(op)
+      if with_bias and uses[eqn.outvars[0]] == 1:  # a bias add must be its only reader
+        m = op.act_shape[0]
+        # The canonical feature c of every output element (bijectivity: sizes are checked).
+        features = np.broadcast_to(np.arange(op.features, dtype=np.int32), (m,) + op.out_shape)
+        outputs[eqn.outvars[0]] = (op, np.transpose(features, np.argsort(op.raw_to_canonical)))
+      continue
+    if with_bias and len(derived) == 1 and name in ("add", "add_any") and _bias_add(
+        eqn, derived[0], outputs):
+      continue
+    result.other_uses |= leaves_here
+  for v in jaxpr.outvars:
+    if _is_var(v) and v in env:
+      result.other_uses.add(env[v][0])
+
+
+def _bias_add(eqn, derived, outputs) -> bool:
+  """Attaches a derived bias to the op whose output the add's other operand is, if
+  B'[e, t, c] = b[c] and the add does not broadcast that operand."""
+  position, (leaf, index, leaf_shape) = derived
+  other = eqn.invars[1 - position]
+  if not (_is_var(other) and other in outputs):
+    return False
+  op, features = outputs.pop(other)
+  out_shape = tuple(eqn.outvars[0].aval.shape)
+  if (op.bias_leaf is not None or tuple(features.shape) != out_shape
+      or int(np.prod(leaf_shape, dtype=np.int64)) != op.features):
+    return False
+  try:
+    bias_index = np.broadcast_to(index, out_shape)
+  except ValueError:
+    return False
+  if not np.array_equal(bias_index, features):
+    return False
+  op.bias_leaf = leaf
+  return True
+
+
+def evaluate(closed: jex.ClosedJaxpr, args, on_op: Callable[[LinearOp, list, Callable], Any],
+             ops: list[LinearOp]) -> list:
+  """Evaluates the jaxpr on args (flat), returning its flat outputs; the equation of each op
+  in `ops` is replaced by on_op(op, its input values, a thunk computing the equation).
+  Sub-jaxprs that contain one of them are inlined."""
+  by_path = {op.path: op for op in ops}
+  inline = {op.path[:k] for op in ops for k in range(1, len(op.path))}
+  return _evaluate(closed.jaxpr, closed.consts, args, (), by_path, inline, on_op)
+
+
+def _evaluate(jaxpr, consts, args, path, by_path, inline, on_op):
+  env = {}
+
+  def read(atom):
+    return atom.val if isinstance(atom, jex.Literal) else env[atom]
+
+  for var, value in zip(jaxpr.constvars, consts):
+    env[var] = value
+  for var, value in zip(jaxpr.invars, args):
+    env[var] = value
+  for k, eqn in enumerate(jaxpr.eqns):
+    here = path + (k,)
+    values = [read(a) for a in eqn.invars]
+    if here in by_path:
+      outs = [on_op(by_path[here], values, lambda e=eqn, v=values: _bind(e, v))]
+    elif here in inline:
+      sub = eqn.params[_SUBJAXPR_PARAM[eqn.primitive.name]]
+      if isinstance(sub, jex.ClosedJaxpr):
+        outs = _evaluate(sub.jaxpr, sub.consts, values, here, by_path, inline, on_op)
+      else:
+        outs = _evaluate(sub, (), values, here, by_path, inline, on_op)
+    else:
+      outs = _bind(eqn, values)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    for var, value in zip(eqn.outvars, outs):
+      if not isinstance(var, jex.DropVar):
+        env[var] = value
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn, values):
+  with eqn.ctx.manager:
+    return eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
