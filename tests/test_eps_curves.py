@@ -216,7 +216,7 @@ def test_curve_figure_with_one_panel_at_a_given_path(curve_runs, tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# The curve runs' config and the proposed queue.
+# The curve runs' config and the published runs.
 
 
 def test_dpgcl_config_is_the_triangle_run_with_dp_gcl():
