@@ -380,11 +380,11 @@ def child_main(config: dict) -> dict:
 
 
 def measure_in_child(model, n, spec, args) -> dict:
+  settings = ("image_size", "temperature", "clip_norm", "noise_multiplier", "learning_rate",
+              "embedding_dim")
   config = {
-      "model": model, "n": n, "spec": spec, "compile_cache": args.compile_cache, "args": {
-          k: getattr(args, k) for k in ("image_size", "temperature", "clip_norm", "noise_multiplier",
-                                       "learning_rate", "embedding_dim")
-      }
+      "model": model, "n": n, "spec": spec, "compile_cache": args.compile_cache,
+      "args": {k: getattr(args, k) for k in settings}
   }
   cmd = [sys.executable, "-m", "benchmarks.step_benchmark", "--child", json.dumps(config)]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -54,7 +54,8 @@ autosummary_generate = True
 autosummary_ignore_module_all = False
 autosummary_imported_members = True
 # Names `logit_dp` re-exports from a submodule are described on the submodule's page only.
-API_SUBMODULES = ("clip_methods", "losses", "accounting", "sampling", "ledger", "audit", "distributed", "models")
+API_SUBMODULES = ("clip_methods", "losses", "accounting", "sampling", "ledger", "audit",
+                  "distributed", "models")
 autosummary_context = {
     "described_in_submodule": {
         name: f"logit_dp.{module}" for module in reversed(API_SUBMODULES)

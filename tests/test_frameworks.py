@@ -78,9 +78,10 @@ def _expected_layers(model):
           for layer in _plan(embed_fn, params, x).layers]
 
 
-@pytest.mark.parametrize("framework,model", [
-    (f, m) if m != "resnet18" or f == "equinox" else pytest.param(f, m, marks=pytest.mark.slow)
-    for m in sorted(SIZES) for f in FRAMEWORKS])
+@pytest.mark.parametrize(
+    "framework,model",
+    [(f, m) if m != "resnet18" or f == "equinox" else pytest.param(f, m, marks=pytest.mark.slow)
+     for m in sorted(SIZES) for f in FRAMEWORKS])
 def test_every_framework_gets_the_linen_plan(framework, model):
   """Every dense / conv layer found, with its bias, and no parameter left generic."""
   embed_fn, params, x, _ = _problem(framework, model)
@@ -181,8 +182,7 @@ def test_permuted_kernels_contract_like_jax(framework, model, mode, monkeypatch)
   assert all(layer.kernel_axes is not None for layer in batch.plan.layers)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   factors = batch.factors(x)
-  embed = lambda p: jax.vmap(lambda xe: logit_dp.normalize(
-      embed_fn(p, xe[None])[0], batch.eps))(x)
+  embed = lambda p: jax.vmap(lambda xe: logit_dp.normalize(embed_fn(p, xe[None])[0], batch.eps))(x)
   cotangents = jax.random.normal(jax.random.PRNGKey(7), (x.shape[0], batch.u.shape[-1]))
   grads = layerwise.factors_transpose(batch.plan, factors, cotangents, leaves)
   want = jax.tree_util.tree_leaves(jax.vjp(embed, params)[1](cotangents)[0])
@@ -223,8 +223,7 @@ def test_two_towers(framework):
 
 
 @pytest.mark.parametrize(
-    "framework",
-    [f if f == "nnx" else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS])
+    "framework", [f if f == "nnx" else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS])
 def test_under_shard_map(framework):
   """shard_map(clipped_grad(..., axis_name)) over 4 devices = the single-device ḡ."""
   embed_fn, params, x, x_prime = _problem(framework, "mlp", n=8)

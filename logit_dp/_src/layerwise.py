@@ -308,6 +308,7 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
   structs = [jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf)) for leaf in leaves]
   n = _num_rows(x)
   scans = []
+  depends: set = set()
   for m in (n, n + 1):
     x_struct = jax.tree_util.tree_map(
         lambda a, m=m: jax.ShapeDtypeStruct((m,) + tuple(a.shape[1:]), a.dtype), x)

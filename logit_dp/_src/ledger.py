@@ -32,7 +32,8 @@ every step that touched the data was recorded: call `record_steps` *before*
 releasing (applying) each noisy update, and checkpoint ledger and state
 together. This is the low-level path; `logit_dp.make_private`'s
 `PrivateTraining.batches` records every step itself, its `BudgetedSampler`
-refuses steps past the budget, and its checkpoints hold the sampler too. A step is one noisy update: gradient accumulation over micro-batches
+refuses steps past the budget, and its checkpoints hold the sampler too.
+A step is one noisy update: gradient accumulation over micro-batches
 (`clipped_grad(..., microbatch_size=m)`) computes the same ḡ of the whole
 Poisson batch and adds noise once, so it is still one step.
 
@@ -45,6 +46,7 @@ redone step would instead count as a second release.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -419,6 +421,22 @@ def latest_step(directory) -> int | None:
     mngr.close()
 
 
+@contextlib.contextmanager
+def _opened(directory, step: int | None):
+  """(checkpoint manager, step) of ``directory``; step None: the newest. Closes the manager."""
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No checkpoint directory {directory!r}.")
+  mngr = _manager(directory, create=False)
+  try:
+    if step is None:
+      step = mngr.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"No checkpoint in {directory!r}.")
+    yield mngr, int(step)
+  finally:
+    mngr.close()
+
+
 def restore_checkpoint(directory, template: Any,
                        step: int | None = None) -> tuple[Any, PrivacyLedger, int]:
   """Restores (state, ledger, step) saved by `save_checkpoint`.
@@ -433,21 +451,12 @@ def restore_checkpoint(directory, template: Any,
     FileNotFoundError: no checkpoint in ``directory``.
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"No checkpoint directory {directory!r}.")
-  mngr = _manager(directory, create=False)
-  try:
-    if step is None:
-      step = mngr.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"No checkpoint in {directory!r}.")
+  with _opened(directory, step) as (mngr, step):
     restored = mngr.restore(
-        int(step), args=ocp.args.Composite(**{
+        step, args=ocp.args.Composite(**{
             _STATE_ITEM: ocp.args.StandardRestore(template),
             _LEDGER_ITEM: ocp.args.JsonRestore(),
         }))
-  finally:
-    mngr.close()
   ledger = PrivacyLedger.from_dict(restored[_LEDGER_ITEM])
   return restored[_STATE_ITEM], ledger, int(step)
 
@@ -460,18 +469,9 @@ def restore_sampler(directory, step: int | None = None) -> PoissonSampler | None
     FileNotFoundError: no checkpoint in ``directory``.
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"No checkpoint directory {directory!r}.")
-  mngr = _manager(directory, create=False)
-  try:
-    if step is None:
-      step = mngr.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"No checkpoint in {directory!r}.")
-    if not os.path.isdir(os.path.join(os.fspath(directory), str(int(step)), _SAMPLER_ITEM)):
+  with _opened(directory, step) as (mngr, step):
+    if not os.path.isdir(os.path.join(os.fspath(directory), str(step), _SAMPLER_ITEM)):
       return None
-    restored = mngr.restore(int(step),
+    restored = mngr.restore(step,
                             args=ocp.args.Composite(**{_SAMPLER_ITEM: ocp.args.JsonRestore()}))
-  finally:
-    mngr.close()
   return PoissonSampler(**restored[_SAMPLER_ITEM])

@@ -89,7 +89,7 @@ class LinearOp:
 
   def to_raw(self, canonical) -> jax.Array:
     """An array in the canonical output layout (m, *out_shape), in the equation's layout."""
-    return jnp.transpose(canonical, np.argsort(self.raw_to_canonical))
+    return jnp.transpose(canonical, tuple(int(a) for a in np.argsort(self.raw_to_canonical)))
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ towers as of one, and "projected" takes one tower only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from logit_dp._src import checks
 from logit_dp._src.methods.base import ClipMethod
@@ -59,7 +59,9 @@ def resolve(method: str | ClipMethod, *, memory_budget: int | None = None,
     if extra:
       raise ValueError(f"method is a {type(method).__name__} object: set {extra} in it, not as "
                        "keywords.")
-    options = {field.name: getattr(method, field.name) for field in dataclasses.fields(method)}
+    options = {
+        field.name: getattr(method, field.name) for field in dataclasses.fields(cast(Any, method))
+    }
     if "rank" in options:
       options["projection_rank"] = options.pop("rank")
     return resolve(method.name, **options, embed_fn=embed_fn, positive_embed_fn=positive_embed_fn)
