@@ -19,7 +19,8 @@ def _embed(params, x):
   return jnp.tanh(x @ params["w1"]) @ params["w2"]
 
 
-@pytest.mark.parametrize("clip_norm", [jnp.inf, pytest.param(1e-5, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip_norm", [jnp.inf, 1e-5])
 def test_positive_and_negative_parts_add_up_and_match_jax_grad(clip_norm):
   k = jax.random.split(jax.random.PRNGKey(0), 4)
   params = dict(w1=jax.random.normal(k[0], (5, 7)), w2=jax.random.normal(k[1], (7, 3)))
@@ -71,6 +72,7 @@ def test_clip_bias_table_renders_the_report():
   assert "| ∞ (∇ℒ) |" in text
 
 
+@pytest.mark.slow
 def test_signal_to_noise_measures_against_the_library_and_jax_grad():
   from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
   k = jax.random.split(jax.random.PRNGKey(1), 4)

@@ -78,10 +78,9 @@ def _expected_layers(model):
           for layer in _plan(embed_fn, params, x).layers]
 
 
-@pytest.mark.parametrize(
-    "framework,model",
-    [(f, m) if m != "resnet18" or f == "equinox" else pytest.param(f, m, marks=pytest.mark.slow)
-     for m in sorted(SIZES) for f in FRAMEWORKS])
+@pytest.mark.parametrize("framework,model",
+                         [(f, m) if m != "resnet18" else pytest.param(f, m, marks=pytest.mark.slow)
+                          for m in sorted(SIZES) for f in FRAMEWORKS])
 def test_every_framework_gets_the_linen_plan(framework, model):
   """Every dense / conv layer found, with its bias, and no parameter left generic."""
   embed_fn, params, x, _ = _problem(framework, model)
@@ -170,8 +169,8 @@ def test_triangle_and_projected(framework, no_float_allowance):
 
 @pytest.mark.parametrize("mode", ["ghost", "flat"])
 @pytest.mark.parametrize("framework,model",
-                         [("equinox", "conv"),
-                          pytest.param("equinox", "mlp", marks=pytest.mark.slow)])
+                         [("equinox", "mlp"),
+                          pytest.param("equinox", "conv", marks=pytest.mark.slow)])
 def test_permuted_kernels_contract_like_jax(framework, model, mode, monkeypatch):
   """Kernels stored transposed (Equinox: (out, in), (O, I, H, W)): factors_transpose = jax.vjp
   and factors_times = jax.jvp of the normalised embeddings, leaf by leaf, in both layer modes."""

@@ -324,6 +324,7 @@ def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix(no_float_
   np.testing.assert_allclose(flat(ghost), flat(exact), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_unrolled_and_vmapped_backward_passes_give_the_same_factors(monkeypatch):
   embed_fn, params, x, _ = _problem(ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3))
   plan = _plan(embed_fn, params, x)

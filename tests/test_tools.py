@@ -69,6 +69,7 @@ def test_run_queue_without_workdirs_trusts_the_published_runs(tmp_path):
   assert not (tmp_path / "runs" / "tiny_s0").exists()
 
 
+@pytest.mark.slow
 def test_run_queue_waits_for_a_config_that_is_not_ready(tmp_path):
   """A config file's ready(arg) holds its entry back; later entries run meanwhile."""
   flag = tmp_path / "go"
@@ -378,6 +379,7 @@ def test_tuned_ghost_collect_keeps_a_run_with_secret_seeds_here(tmp_path):
 # Step times on one GPU (tools/gpu/step_times_gpu.sh).
 
 
+@pytest.mark.slow
 def test_step_benchmark_embedding_dim_sets_the_nets_output():
   """--embedding-dim d: the embedding net ends in a dense layer 32 → d, so p = 6,296 at the
   paper's d = 8 and 6,296 + 24·33 at d = 32."""
