@@ -14,15 +14,20 @@ a batch (examples along axis 0) that embeds every example on its own. Its dense 
 convolution layers (``dot_general`` / ``conv_general_dilated`` with a parameter as one
 operand, and their bias adds) are found in the traced computation and get per-layer
 Jacobian factors whatever framework wrote them; other parameters get per-example
-Jacobians. For example:
+Jacobians. For example::
 
-  flax.linen   embed_fn = model.apply;  params = model.init(key, x[:1])
-  flax.nnx     graphdef, params = nnx.split(model)
-               embed_fn = lambda p, x: nnx.merge(graphdef, p)(x)
-  Equinox      params, static = eqx.partition(model, eqx.is_inexact_array)
-               embed_fn = lambda p, x: jax.vmap(eqx.combine(p, static))(x)
-  Haiku        net = hk.without_apply_rng(hk.transform(f));  embed_fn = net.apply
-  plain JAX    embed_fn = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+  # flax.linen
+  embed_fn = model.apply;  params = model.init(key, x[:1])
+  # flax.nnx
+  graphdef, params = nnx.split(model)
+  embed_fn = lambda p, x: nnx.merge(graphdef, p)(x)
+  # Equinox (a per-example model)
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  embed_fn = lambda p, x: jax.vmap(eqx.combine(p, static))(x)
+  # Haiku
+  net = hk.without_apply_rng(hk.transform(f));  embed_fn = net.apply
+  # plain JAX
+  embed_fn = lambda p, x: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
 """
 
 from logit_dp import accounting
