@@ -364,11 +364,14 @@ def _evaluate(jaxpr, consts, args, path, by_path, inline, on_op):
       if not eqn.primitive.multiple_results:
         outs = [outs]
     for var, value in zip(eqn.outvars, outs):
-      if not isinstance(var, jex.DropVar):
-        env[var] = value
+      env[var] = value  # a dropped output's entry is never read
   return [read(v) for v in jaxpr.outvars]
 
 
 def _bind(eqn, values):
   with eqn.ctx.manager:
-    return eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(bind_params, tuple):  # older jax: (sub-functions, params)
+      subfuns, bind_params = bind_params
+      return eqn.primitive.bind(*subfuns, *values, **bind_params)
+    return eqn.primitive.bind(*values, **bind_params)
