@@ -306,12 +306,12 @@ def test_tuned_ghost_runs_pair_with_the_committed_tuned_runs():
   assert len(set(derived)) == 6
 
 
-def _tuned_ghost(tmp_path, session: str, *args, seeds="0", **env):
-  """Runs tuned_ghost_gpu.sh in tiny mode, with runs/ and $OUT of its own per session."""
-  out = tmp_path / session / "out"
+def _tuned_ghost(tmp_path, allotment: str, *args, seeds="0", **env):
+  """Runs tuned_ghost_gpu.sh in tiny mode, with runs/ and $OUT of its own per allotment."""
+  out = tmp_path / allotment / "out"
   out.mkdir(parents=True, exist_ok=True)
   env = dict(os.environ, TUNED_GHOST_TINY="1", TUNED_GHOST_SEEDS=seeds,
-             TUNED_GHOST_RUNS=str(tmp_path / session / "runs"),
+             TUNED_GHOST_RUNS=str(tmp_path / allotment / "runs"),
              TUNED_GHOST_RESULTS=str(tmp_path / "results"),
              TUNED_GHOST_STATE=str(tmp_path / "state.tar.gz"), OUT=str(out), **env)
   r = subprocess.run(["bash", TUNED_SCRIPT, *args], env=env, cwd=REPO, capture_output=True,
@@ -321,10 +321,10 @@ def _tuned_ghost(tmp_path, session: str, *args, seeds="0", **env):
 
 
 @pytest.mark.slow
-def test_tuned_ghost_gpu_trains_collects_and_files_across_sessions(tmp_path):
-  """Session 1 trains seed 0 and packs it; filed here, it is published and its state kept. Session
-  2, on a bare runs/, carries that state, skips seed 0 and trains seed 1; filed, both render in
-  the paired tables against the committed tuned runs."""
+def test_tuned_ghost_gpu_trains_collects_and_files_across_allotments(tmp_path):
+  """Allotment 1 trains seed 0 and packs it; filed here, it is published and its state kept.
+  Allotment 2, on a bare runs/, carries that state, skips seed 0 and trains seed 1; filed, both
+  render in the paired tables against the committed tuned runs."""
   r, out1 = _tuned_ghost(tmp_path, "device1", "none", "600")
   assert sorted(os.listdir(out1)) == ["tuned_ghost_progress.txt", "tuned_ghost_state.tar.gz"]
   progress = (out1 / "tuned_ghost_progress.txt").read_text()

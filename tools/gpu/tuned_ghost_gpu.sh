@@ -8,7 +8,7 @@
 #            trains the unfinished seeds in order for at most SECONDS (default 480), every step
 #            checkpointed, then packs every seed's workdir into $OUT (--collect). A state carried
 #            in .gpu_state/tuned_ghost.tar.gz is unpacked first (seeds absent from runs/ only),
-#            so a seed cut off in one session resumes in the next.
+#            so a seed cut off in one allotment resumes in the next.
 #   there: bash tools/gpu/tuned_ghost_gpu.sh --collect
 #            writes $OUT/tuned_ghost_state.tar.gz (each seed's runs/<name>: config, results,
 #            wallclock, metrics.csv, log, checkpoints; no tensorboard events) and
@@ -16,7 +16,7 @@
 #   here:  bash tools/gpu/tuned_ghost_gpu.sh --file FILES_DIR
 #            unpacks FILES_DIR/tuned_ghost_state.tar.gz into runs/, copies each finished seed's
 #            config.json, results.json and wallclock.json to docs/results/<name>/ and keeps the
-#            state in .gpu_state/ (git-excluded) for the next session to carry. Then
+#            state in .gpu_state/ (git-excluded) for the next allotment to carry. Then
 #            `python -m experiments.render_results` renders, once docs/RESULTS.md holds them,
 #              <!-- generated:group:cifar10_embnet_tuned_ghost -->
 #              <!-- generated:bound:cifar10_embnet_tuned_ghost:cifar10_embnet_tuned -->
@@ -149,7 +149,7 @@ if [[ ${TUNED_GHOST_TINY:-0} == 1 ]]; then
     -e '/^[^#]/s/$/ --config.pair_mode=augment/' "$QUEUE" >"$tiny"
   QUEUE=$tiny
 fi
-if [[ -f $STATE ]]; then  # a state carried from an earlier session: only runs not here
+if [[ -f $STATE ]]; then  # a state carried from an earlier allotment: only runs not here
   unpack=$(mktemp -d)
   tar -C "$unpack" -xzf "$STATE"
   for n in "$unpack"/*; do
