@@ -37,6 +37,8 @@ from logit_dp import distributed
 from logit_dp import ledger
 from logit_dp import losses
 from logit_dp import sampling
+from logit_dp._src.clip_stats import QUANTILE_LEVELS
+from logit_dp._src.clip_stats import ClipStats
 from logit_dp._src.clipping import clipped_grad
 from logit_dp._src.clipping import naive_clipped_grad
 from logit_dp._src.clipping import pair_grad_norms
@@ -71,6 +73,7 @@ __version__ = "0.2.0"
 __all__ = [
     "BudgetedSampler",
     "ClipMethod",
+    "ClipStats",
     "ClippedGradFn",
     "EmptyBatchWarning",
     "Mechanism",
@@ -91,6 +94,7 @@ __all__ = [
     "AddNoiseState",
     "DEFAULT_COSINE_EPS",
     "METHODS",
+    "QUANTILE_LEVELS",
     "clipped_grad",
     "cosine_similarity",
     "grouped_clipped_grad",
