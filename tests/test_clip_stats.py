@@ -23,14 +23,13 @@ def _pair_norms(embed_fn, params, x, x_prime, positive_embed_fn=None):
     v = logit_dp.normalize(positive_embed_fn(p, xj[None]))[0]
     return jnp.dot(u, v)
 
-  grad = jax.grad(z)
   n = x.shape[0]
-  out = np.zeros((n, n))
-  for i in range(n):
-    for j in range(n):
-      leaves = jax.tree_util.tree_leaves(grad(params, x[i], x_prime[j]))
-      out[i, j] = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in leaves))
-  return out
+  rows, cols = np.divmod(np.arange(n * n), n)
+  grads = jax.jit(jax.vmap(jax.grad(z), in_axes=(None, 0, 0)))(params, x[rows], x_prime[cols])
+  sq = sum(
+      np.sum(np.asarray(g, np.float64).reshape(n * n, -1) ** 2, axis=1)
+      for g in jax.tree_util.tree_leaves(grads))
+  return np.sqrt(sq).reshape(n, n)
 
 
 def _clip_norm_in_a_gap(norms: np.ndarray) -> float:
@@ -66,7 +65,13 @@ def _grad_fns(method, embed_fn, x, **kwargs):
                                **method_kwargs(method, x), **kwargs)
 
 
-@pytest.mark.parametrize("method", logit_dp.METHODS)
+_SLOW = pytest.mark.slow
+# The default run keeps ghost (one block and blocked), materialize, shared two towers with
+# ghost and Naive-DP; the rest of the grid is slow.
+
+
+@pytest.mark.parametrize(
+    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
 def test_stats_are_those_of_the_norms_clipping_used(method):
   # The norms clipping uses (allowances and bounds included) are `pair_grad_norms`.
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
@@ -79,11 +84,13 @@ def test_stats_are_those_of_the_norms_clipping_used(method):
   _check(stats, used, np.asarray(MASK), clip_norm, rtol=1e-5)
   plain_loss, plain_grads = fn(params, x, x_prime, MASK)  # the default call: the same (ℒ, ḡ)
   np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                         grads, plain_grads)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads,
+                         plain_grads)
 
 
-@pytest.mark.parametrize("method,budget", [("ghost", None), ("ghost", 1), ("materialize", None)])
+@pytest.mark.parametrize(
+    "method,budget",
+    [pytest.param("ghost", None, marks=_SLOW), ("ghost", 1), ("materialize", None)])
 def test_exact_methods_match_brute_force_pair_norms(method, budget, no_float_allowance):
   # budget=1 byte: "ghost" in blocks of one row and one column.
   embed_fn, params, x, x_prime = make_model("mlp", n=6, seed=2)
@@ -95,6 +102,7 @@ def test_exact_methods_match_brute_force_pair_norms(method, budget, no_float_all
   _check(stats, norms, np.asarray(MASK), clip_norm, rtol=1e-5)
 
 
+@_SLOW
 @pytest.mark.parametrize("method", ["triangle", "projected"])
 def test_bound_methods_clip_at_least_the_brute_force_count(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=6, seed=2)
@@ -119,8 +127,10 @@ def _two_towers(shared: bool):
   return f, g, params, x, x_prime
 
 
-@pytest.mark.parametrize("method", ["ghost", "triangle", "materialize"])
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("method,shared", [
+    pytest.param(method, shared, marks=() if (method, shared) == ("ghost", True) else _SLOW)
+    for method in ("ghost", "triangle", "materialize") for shared in (False, True)
+])
 def test_two_towers(method, shared, no_float_allowance):
   f, g, params, x, x_prime = _two_towers(shared)
   norms = _pair_norms(f, params, x, x_prime, positive_embed_fn=g)
@@ -135,6 +145,7 @@ def test_two_towers(method, shared, no_float_allowance):
     _check(stats, norms, np.asarray(MASK), clip_norm, rtol=1e-5)
 
 
+@_SLOW
 def test_infinite_clip_norm_clips_nothing():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   _, _, stats = logit_dp.clipped_grad(embed_fn, LOSS, jnp.inf).with_stats(params, x, x_prime)
@@ -151,6 +162,7 @@ def test_empty_batch_reports_no_valid_pair():
   assert np.isnan(float(stats.fraction_clipped)) and np.all(np.isnan(stats.quantiles))
 
 
+@_SLOW
 def test_dropped_rows_are_counted_and_not_in_the_norms():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   bad = x.at[1].set(jnp.nan)
@@ -167,11 +179,12 @@ def test_dropped_rows_are_counted_and_not_in_the_norms():
   np.testing.assert_allclose(np.asarray(stats.quantiles), quantiles, rtol=1e-5)
 
 
-@pytest.mark.parametrize("clip_norm", [1e-3, 1e3])
+@pytest.mark.parametrize("clip_norm", [1e-3, pytest.param(1e3, marks=_SLOW)])
 def test_naive_dp_reports_its_one_norm(clip_norm):
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   _, ref = reference_grad(embed_fn, LOSS, params, x, x_prime, MASK)
-  norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree_util.tree_leaves(ref)))
+  norm = np.sqrt(sum(
+      np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree_util.tree_leaves(ref)))
   fn = logit_dp.naive_clipped_grad(embed_fn, LOSS, clip_norm)
   _, _, stats = fn.with_stats(params, x, x_prime, MASK)
   assert int(stats.num_norms) == 1 and int(stats.num_valid) == 5
