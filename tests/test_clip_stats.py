@@ -7,6 +7,7 @@ import pytest
 
 import logit_dp
 from conftest import make_model
+from helpers import clip_norm_in_a_gap
 from helpers import method_kwargs
 from helpers import reference_grad
 
@@ -30,17 +31,6 @@ def _pair_norms(embed_fn, params, x, x_prime, positive_embed_fn=None):
       np.sum(np.asarray(g, np.float64).reshape(n * n, -1) ** 2, axis=1)
       for g in jax.tree_util.tree_leaves(grads))
   return np.sqrt(sq).reshape(n, n)
-
-
-def _clip_norm_in_a_gap(norms: np.ndarray) -> float:
-  """A B about the median, halfway between two neighbouring norms far enough apart that the
-  float32 allowances cannot move a norm across it."""
-  values = np.sort(norms.ravel())
-  gaps = np.diff(values) / values[1:]
-  quarter = len(gaps) // 4
-  best = quarter + np.argmax(gaps[quarter:-quarter])
-  assert gaps[best] > 1e-3
-  return float((values[best] + values[best + 1]) / 2)
 
 
 def _expected(norms: np.ndarray, valid: np.ndarray, clip_norm: float):
@@ -78,7 +68,7 @@ def test_stats_are_those_of_the_norms_clipping_used(method):
   used = np.asarray(
       logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, **method_kwargs(method, x)),
       np.float64)
-  clip_norm = _clip_norm_in_a_gap(used)
+  clip_norm = clip_norm_in_a_gap(used)
   fn = _grad_fns(method, embed_fn, x, clip_norm=clip_norm)
   loss, grads, stats = fn.with_stats(params, x, x_prime, MASK)
   _check(stats, used, np.asarray(MASK), clip_norm, rtol=1e-5)
@@ -95,7 +85,7 @@ def test_exact_methods_match_brute_force_pair_norms(method, budget, no_float_all
   # budget=1 byte: "ghost" in blocks of one row and one column.
   embed_fn, params, x, x_prime = make_model("mlp", n=6, seed=2)
   norms = _pair_norms(embed_fn, params, x, x_prime)
-  clip_norm = _clip_norm_in_a_gap(norms)
+  clip_norm = clip_norm_in_a_gap(norms)
   kwargs = {} if budget is None else {"memory_budget": budget}
   fn = _grad_fns(method, embed_fn, x, clip_norm=clip_norm, **kwargs)
   _, _, stats = jax.jit(fn.with_stats)(params, x, x_prime, MASK)
@@ -107,7 +97,7 @@ def test_exact_methods_match_brute_force_pair_norms(method, budget, no_float_all
 def test_bound_methods_clip_at_least_the_brute_force_count(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=6, seed=2)
   norms = _pair_norms(embed_fn, params, x, x_prime)
-  clip_norm = _clip_norm_in_a_gap(norms)
+  clip_norm = clip_norm_in_a_gap(norms)
   _, _, stats = _grad_fns(method, embed_fn, x, clip_norm=clip_norm).with_stats(params, x, x_prime)
   num, clipped, quantiles = _expected(norms, np.ones(6, bool), clip_norm)
   assert int(stats.num_norms) == num and int(stats.num_clipped) >= clipped
@@ -134,7 +124,7 @@ def _two_towers(shared: bool):
 def test_two_towers(method, shared, no_float_allowance):
   f, g, params, x, x_prime = _two_towers(shared)
   norms = _pair_norms(f, params, x, x_prime, positive_embed_fn=g)
-  clip_norm = _clip_norm_in_a_gap(norms)
+  clip_norm = clip_norm_in_a_gap(norms)
   fn = logit_dp.clipped_grad(f, LOSS, clip_norm, method, positive_embed_fn=g)
   _, _, stats = fn.with_stats(params, x, x_prime, MASK)
   if method == "triangle" and shared:  # the bound √a + √b: clips at least as much
@@ -167,7 +157,7 @@ def test_dropped_rows_are_counted_and_not_in_the_norms():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   bad = x.at[1].set(jnp.nan)
   used = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime), np.float64)
-  clip_norm = _clip_norm_in_a_gap(used)
+  clip_norm = clip_norm_in_a_gap(used)
   fn = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm)
   _, _, stats = fn.with_stats(params, bad, x_prime, MASK)
   valid = np.asarray(MASK).copy()

@@ -27,9 +27,10 @@ def warn_if_empty(what: str, mask) -> None:
   """Eager calls only: `EmptyBatchWarning` when ``mask`` is given and all False."""
   if mask is None or rows_lib.is_traced(mask) or bool(np.any(np.asarray(mask))):
     return
-  warnings.warn(f"{what}: the batch has no valid pair (mask all False), so ℒ = 0 and ḡ = 0; "
-                "a Poisson batch is empty by chance, anything else is a masking error.",
-                EmptyBatchWarning, stacklevel=3)
+  warnings.warn(
+      f"{what}: the batch has no valid pair (mask all False), so ℒ = 0 and ḡ = 0; "
+      "a Poisson batch is empty by chance, anything else is a masking error.", EmptyBatchWarning,
+      stacklevel=3)
 
 
 def raise_if_dropped(what: str, tree, num_dropped, unit: str = "pair(s)") -> None:

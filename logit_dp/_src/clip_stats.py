@@ -55,8 +55,7 @@ class ClipStats:
   @property
   def fraction_clipped(self) -> jax.Array:
     """num_clipped / num_norms (NaN when num_norms is 0)."""
-    return jnp.where(self.num_norms > 0, self.num_clipped / jnp.maximum(self.num_norms, 1),
-                     jnp.nan)
+    return jnp.where(self.num_norms > 0, self.num_clipped / jnp.maximum(self.num_norms, 1), jnp.nan)
 
   @property
   def median_norm(self) -> jax.Array:
@@ -81,8 +80,7 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
-def summarize(norms: jax.Array, counted: jax.Array, clip_norm, num_valid,
-              num_dropped) -> ClipStats:
+def summarize(norms: jax.Array, counted: jax.Array, clip_norm, num_valid, num_dropped) -> ClipStats:
   """`ClipStats` of the entries of ``norms`` where ``counted`` (same shape) is true.
 
   clipped: ¬(norm ≤ B), as `numerics.clip_factor` (non-finite norms are clipped to 0);
