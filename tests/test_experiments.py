@@ -290,6 +290,21 @@ def test_private_train_loss_only_as_labelled_diagnostic(tmp_path):
   assert "train_loss_NONPRIVATE_diagnostic" in header
 
 
+def test_clip_stats_only_as_labelled_diagnostics(tmp_path):
+  cfg = tiny.get_config()
+  cfg.methods = ("logit_dp",)
+  cfg.log_clip_stats = True
+  cfg.log_every, cfg.stop_after_steps = 1, 2
+  record = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)["logit_dp"]
+  assert record["steps"] == 2
+  with open(os.path.join(tmp_path, "logit_dp", "metrics.csv")) as f:
+    rows = list(csv.DictReader(f))
+  assert [int(r["step"]) for r in rows] == [0, 1, 2]
+  for row in rows[1:]:
+    assert 0.0 <= float(row["fraction_clipped_NONPRIVATE_diagnostic"]) <= 1.0
+    assert float(row["median_norm_NONPRIVATE_diagnostic"]) > 0.0
+
+
 @pytest.mark.slow  # a second pipeline run; train_head and standardize are tested by default below
 def test_finetune_on_frozen_encoders(pretrained, tmp_path):
   workdir, _ = pretrained
