@@ -35,9 +35,10 @@ config.dp_gcl.group_size) groups by record id, regrouped every step, with
 config.dp_gcl.extra_views augmented views of each record as extra negatives).
 The training loss of a DP run is computed on private data and is not differentially
 private: it is only logged when ``config.log_private_train_loss`` is True, in a column named
-``train_loss_NONPRIVATE_diagnostic``. Likewise the clip statistics (`logit_dp.ClipStats`: the
-fraction of valid pairs, records or groups whose norm exceeded B, and the median norm, for
-tuning B) are logged only when ``config.log_clip_stats`` is True, in the columns
+``train_loss_NONPRIVATE_diagnostic``. Likewise the clip statistics (`logit_dp.ClipStats`:
+the fraction of the norms compared with B that exceeded it and their median, for tuning B;
+pair norms for Logit-DP, the batch gradient's for Naive-DP, the groups' for DP-GCL) are
+logged only when ``config.log_clip_stats`` is True, in the columns
 ``fraction_clipped_NONPRIVATE_diagnostic`` and ``median_norm_NONPRIVATE_diagnostic``.
 The curves and tables use the test set.
 """
@@ -955,10 +956,11 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     # update leaves unaccounted. The update itself is step_fn: it gathers and augments the
     # batch on the device and reports the metrics.
     private_training = logit_dp.PrivateTraining(
-        grad_fn=step_fn, optimizer=tx, sampler=logit_dp.BudgetedSampler.bind(
-            batcher.sampler, ledger), ledger=ledger, noise_multiplier=info["noise_multiplier"],
-        sensitivity=info["sensitivity"], clip_norm=info.get("clip_norm"),
-        sampling_rate=info["sampling_rate"], steps=total_steps, method=method)
+        grad_fn=step_fn, optimizer=tx,
+        sampler=logit_dp.BudgetedSampler.bind(batcher.sampler, ledger), ledger=ledger,
+        noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
+        clip_norm=info.get("clip_norm"), sampling_rate=info["sampling_rate"], steps=total_steps,
+        method=method)
   eps_now = ledger.epsilon() if ledger else 0.0
   t_last, s_last, t_train = time.time(), start, 0.0
   progress = Progress(METHOD_LABELS.get(method, method), total_steps, start, enabled=not quiet
