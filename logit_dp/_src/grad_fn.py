@@ -104,12 +104,13 @@ class ClippedGradFn(CheckedCall):
 
   def with_stats(self, params, x, x_prime, mask=None,
                  **kwargs) -> tuple[jax.Array, Any, clip_stats.ClipStats]:
-    """(ℒ, ḡ, stats): as `with_num_dropped`, with the `ClipStats` of the norms ḡ was clipped
-    by (stats.num_dropped the count of with_num_dropped), from the same jitted computation.
+    """(ℒ, ḡ, stats): (ℒ, ḡ) as `with_num_dropped`, never raising, and the `ClipStats` of the
+    norms ḡ was clipped by (stats.num_dropped is with_num_dropped's count), all from one
+    jitted computation.
 
     The statistics are NON-PRIVATE: they depend on the batch without noise (`ClipStats`).
-    They come from a separately compiled computation that keeps every norm; the plain call
-    does not compute them.
+    That computation is compiled separately and keeps every norm; the plain call does not
+    compute them. TypeError for a function without statistics.
     """
     if self.stats_core is None:
       raise TypeError(f"{self.description} does not compute clip statistics.")
