@@ -6,6 +6,8 @@ per-pair clipped gradients (`clipped_grad`, a `ClippedGradFn` carrying its `Mech
 sensitivity; the clip methods `METHODS`, each a `ClipMethod`), their sensitivity
 (`sensitivity`), and the Gaussian noise as an optax transformation (`transform`);
 `make_private` sets all of it up (with sampler and ledger) in one call.
+``grad_fn.with_stats`` adds the clip statistics (`ClipStats`: the fraction of pairs clipped,
+quantiles of their norms; non-private diagnostics for tuning B).
 The grouped baseline DP-GCL (`grouped_clipped_grad`, `grouped_sensitivity`,
 `assign_groups`) clips each group's gradient instead of each pair's.
 
