@@ -1,6 +1,7 @@
 """grad_fn.with_stats against brute force: pair norms from jax.grad, counts and numpy quantiles."""
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core.jaxprs_in_params)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -191,3 +192,22 @@ def test_stats_are_a_pytree_and_log_as_numbers():
   assert logged["norm_median"] == float(stats.median_norm)
   assert logged["fraction_clipped"] == float(stats.fraction_clipped)
   assert len(jax.tree_util.tree_leaves(stats)) == 5
+
+
+def _primitives(jaxpr) -> set:
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= _primitives(sub)
+  return names
+
+
+def test_the_plain_call_does_not_compute_the_statistics():
+  # The quantiles sort the norms: only the statistics' computation holds a sort.
+  embed_fn, params, x, x_prime = make_model("mlp", n=6)
+  fn = logit_dp.clipped_grad(embed_fn, LOSS, 1.0)
+  mask = jnp.ones((6,), bool)
+  plain = _primitives(jax.make_jaxpr(fn.core)(params, x, x_prime, mask).jaxpr)
+  stats = _primitives(jax.make_jaxpr(fn.stats_core)(params, x, x_prime, mask).jaxpr)
+  assert "sort" in stats and "sort" not in plain
