@@ -369,7 +369,9 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   batch, replicated on every device. Called eagerly it raises ValueError on
   non-finite valid pairs, like `clipped_grad`; `grad_fn.shard_mapped` is the
   un-jitted shard_map (returning (ℒ, ḡ, num_nonfinite)) for use inside your
-  own jitted step.
+  own jitted step. ``grad_fn.with_num_dropped`` and ``grad_fn.with_stats`` are those of
+  `clipped_grad` on the global batch: the `ClipStats` are aggregated over the devices
+  (NON-PRIVATE diagnostics).
 
   Args:
     embed_fn, loss, clip_norm: as in `logit_dp.clipped_grad`.
@@ -385,8 +387,10 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   k = _axis_size(mesh, axis_name)
   shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
   batch_spec = P(axis_name)
-  shard_mapped = _shard_map(shard_fn.core, mesh, (P(), batch_spec, batch_spec, batch_spec),
-                            (P(), P(), P()))
+  in_specs = (P(), batch_spec, batch_spec, batch_spec)
+  shard_mapped = _shard_map(shard_fn.core, mesh, in_specs, (P(), P(), P()))
+  # (ℒ, ḡ, ClipStats): the statistics of the global batch, the same on every device.
+  stats_mapped = _shard_map(shard_fn.stats_core, mesh, in_specs, (P(), P(), P()))
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
   check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
 
@@ -400,7 +404,8 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   return ShardedGradFn(core=jax.jit(shard_mapped), check_inputs=check_inputs,
                        check_model=check_model, mechanism=shard_fn.mechanism,
                        clip_norm=shard_fn.clip_norm, loss=loss, clip_method=shard_fn.clip_method,
-                       description=shard_fn.description, shard_mapped=shard_mapped, mesh=mesh)
+                       description=shard_fn.description, shard_mapped=shard_mapped, mesh=mesh,
+                       stats_core=jax.jit(stats_mapped))
 
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
