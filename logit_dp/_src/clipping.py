@@ -38,6 +38,7 @@ from logit_dp._src import mechanisms
 from logit_dp._src import methods
 from logit_dp._src import numerics
 from logit_dp._src import pair_batch
+from logit_dp._src import precision
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
 
@@ -163,6 +164,7 @@ def clipped_grad(
 
   @numerics.full_float32
   def core(params, x, x_prime, mask):
+    params, x, x_prime = precision.widen((params, x, x_prime))
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
                                                 positive_embed_fn)
@@ -210,6 +212,7 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
 def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine_eps, allowance,
                      positive_embed_fn):
   mask = jnp.ones((rows_lib.num_rows(x),), dtype=bool)
+  params, x, x_prime = precision.widen((params, x, x_prime))
   batch = pair_batch.PairBatch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                                microbatch_size=microbatch_size,
                                collective=collective_lib.Collective(None),
@@ -232,6 +235,7 @@ def naive_clipped_grad(
   collective = collective_lib.Collective(axis_name)
 
   def core(params, x, x_prime, mask):
+    params, x, x_prime = precision.widen((params, x, x_prime))
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
                                                 positive_embed_fn)
