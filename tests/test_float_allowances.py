@@ -51,7 +51,8 @@ def _float64_reference(embed_fn, params, x, x_prime, clip_norm, eps=logit_dp.DEF
 
   rows, cols = jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij")
   grads = jax.vmap(jax.vmap(pair_grad))(rows, cols)
-  norms = jnp.sqrt(sum(jnp.sum(g.reshape(N, N, -1) ** 2, -1) for g in jax.tree_util.tree_leaves(grads)))
+  norms = jnp.sqrt(
+      sum(jnp.sum(g.reshape(N, N, -1) ** 2, -1) for g in jax.tree_util.tree_leaves(grads)))
   z = jax.vmap(lambda a: unit(p64, a))(x64) @ jax.vmap(lambda a: unit(p64, a))(xp64).T
   tau = jax.grad(LOSS)(z, jnp.ones((N,), bool))
   lam = tau * jnp.minimum(1.0, clip_norm / norms)
@@ -140,14 +141,16 @@ def near_identical_truth():
     unit = lambda p, xe: (lambda u: u / jnp.sqrt(jnp.sum(u * u) + 1e-12))(embed_fn(p, xe[None])[0])
     pair_grad = lambda ab: jax.grad(lambda p: jnp.dot(unit(p, ab[0]), unit(p, ab[1])))(p64)
     g = jax.lax.map(pair_grad, (x64, xp64))  # a vmap would batch the convolutions: slower
-    return np.sqrt(sum(np.sum(np.asarray(l).reshape(N, -1) ** 2, -1)
-                       for l in jax.tree_util.tree_leaves(g)))
+    return np.sqrt(
+        sum(
+            np.sum(np.asarray(leaf).reshape(N, -1) ** 2, -1)
+            for leaf in jax.tree_util.tree_leaves(g)))
 
 
-@pytest.mark.parametrize(
-    "method",
-    [m if m in ("ghost", "triangle") else pytest.param(m, marks=pytest.mark.slow)
-     for m in logit_dp.METHODS])
+@pytest.mark.parametrize("method", [
+    m if m in ("ghost", "triangle") else pytest.param(m, marks=pytest.mark.slow)
+    for m in logit_dp.METHODS
+])
 def test_float32_diagonal_norms_of_near_identical_pairs_are_within_10_percent(
     method, near_identical_truth):
   """The positives' float32 clip norms: ≥ the float64 truth and ≤ 1.10× it (a float32
@@ -173,14 +176,19 @@ def test_two_tower_diagonal_norms_of_near_identical_pairs_are_within_10_percent(
   params = model.init(k3, x[:1])
   scale = lambda p: jax.tree_util.tree_map(lambda a: a * 1.01, p)
   tower = lambda p, xs: model.apply(scale(p), xs)
-  got = np.diag(np.asarray(logit_dp.pair_grad_norms(model.apply, params, x, x_prime, "ghost",
-                                                    positive_embed_fn=tower), np.float64))
+  got = np.diag(
+      np.asarray(
+          logit_dp.pair_grad_norms(model.apply, params, x, x_prime, "ghost",
+                                   positive_embed_fn=tower), np.float64))
   with jax.enable_x64(True):
     p64, x64, xp64 = _as64((params, x, x_prime))
     unit = lambda f, p, xe: (lambda u: u / jnp.sqrt(jnp.sum(u * u) + 1e-12))(f(p, xe[None])[0])
-    g = jax.vmap(lambda a, b: jax.grad(lambda p: jnp.dot(unit(model.apply, p, a),
-                                                         unit(tower, p, b)))(p64))(x64, xp64)
-    truth = np.sqrt(sum(np.sum(np.asarray(l).reshape(N, -1) ** 2, -1)
-                        for l in jax.tree_util.tree_leaves(g)))
+    g = jax.vmap(
+        lambda a, b: jax.grad(lambda p: jnp.dot(unit(model.apply, p, a), unit(tower, p, b)))(p64))(
+            x64, xp64)
+    truth = np.sqrt(
+        sum(
+            np.sum(np.asarray(leaf).reshape(N, -1) ** 2, -1)
+            for leaf in jax.tree_util.tree_leaves(g)))
   assert np.all(got >= truth), np.min(got / truth)
   assert np.all(got <= 1.10 * truth), np.max(got / truth)

@@ -59,8 +59,8 @@ def test_low_precision_inputs_are_accepted_and_widened():
   for dtype in (jnp.bfloat16, jnp.float16):
     x, _, _ = checks.check_pairs(jnp.ones((3, 2), dtype), jnp.ones((3, 2), dtype))
     assert x.dtype == dtype
-    widened = precision.widen({"a": jnp.ones(2, dtype), "b": jnp.ones(2, jnp.int32),
-                               "c": jnp.ones(2, jnp.float32)})
+    widened = precision.widen(
+        {"a": jnp.ones(2, dtype), "b": jnp.ones(2, jnp.int32), "c": jnp.ones(2, jnp.float32)})
     assert widened["a"].dtype == jnp.float32 and widened["b"].dtype == jnp.int32
   with pytest.raises(ValueError, match="must hold numbers"):
     checks.check_pairs(jnp.ones((3, 2), jnp.complex64), jnp.ones((3, 2)))
@@ -68,10 +68,12 @@ def test_low_precision_inputs_are_accepted_and_widened():
 
 # The default run keeps ghost in bfloat16 and projected in float16; the rest is slow.
 @pytest.mark.parametrize("method,dtype", [
-    pytest.param(method, dtype, marks=() if (method, dtype) in (
-        ("ghost", jnp.bfloat16), ("projected", jnp.float16)) else pytest.mark.slow,
-                 id=f"{method}-{jnp.dtype(dtype).name}")
-    for method in logit_dp.METHODS for dtype in (jnp.bfloat16, jnp.float16)
+    pytest.param(
+        method, dtype, marks=() if
+        (method, dtype) in (("ghost", jnp.bfloat16),
+                            ("projected", jnp.float16)) else pytest.mark.slow,
+        id=f"{method}-{jnp.dtype(dtype).name}") for method in logit_dp.METHODS
+    for dtype in (jnp.bfloat16, jnp.float16)
 ])
 def test_low_precision_model_is_clipped_in_float32_against_float64(method, dtype):
   """Every pair's clip norm is ≥ its float64 norm (so each clipped pair gradient has norm ≤ B),
@@ -80,8 +82,8 @@ def test_low_precision_model_is_clipped_in_float32_against_float64(method, dtype
   kwargs = dict(reference_inputs=reference, projection_rank=16) if method == "projected" else {}
   norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, **kwargs),
                      np.float64)
-  loss_value, grads = logit_dp.clipped_grad(embed_fn, LOSS, CLIP_NORM, method, **kwargs)(
-      params, x, x_prime)
+  loss_value, grads = logit_dp.clipped_grad(embed_fn, LOSS, CLIP_NORM, method, **kwargs)(params, x,
+                                                                                         x_prime)
   with jax.enable_x64(True):
     truth, reference_grads = _float64_reference(embed_fn, params, x, x_prime, norms)
   assert np.mean(truth > CLIP_NORM) > 0.5  # clipping is active

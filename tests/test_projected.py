@@ -352,27 +352,30 @@ def _one_mlp_two_ways():
   return x, x_prime, reference, (model.apply, params), (plain_fn, plain)
 
 
-@pytest.mark.parametrize("x64,tolerance", [(False, 1e-6), (True, 1e-12)], ids=["float32", "float64"])
+@pytest.mark.parametrize("x64,tolerance", [(False, 1e-6), (True, 1e-12)],
+                         ids=["float32", "float64"])
 def test_the_basis_stops_at_the_numerical_rank(x64, tolerance):
   """Rank 32 > the 24 directions of the references: the same model written two ways gives the
   same norms (keeping the 8 rounding directions put them 2.4% apart), never below the exact
   norms of materialize."""
   x, x_prime, reference, *models = _one_mlp_two_ways()
   with jax.enable_x64(x64):
-    cast = lambda t: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64 if x64 else
-                                                                  jnp.float32), t)
+    cast = lambda t: jax.tree_util.tree_map(
+        lambda a: jnp.asarray(a, jnp.float64 if x64 else jnp.float32), t)
     x, x_prime, reference = cast((x, x_prime, reference))
     norms = []
     for embed_fn, params in models:
       fresh = lambda p, xs, f=embed_fn: f(p, xs)
-      norms.append(np.asarray(logit_dp.pair_grad_norms(fresh, cast(params), x, x_prime, "projected",
-                                                       reference_inputs=reference,
-                                                       projection_rank=32), np.float64))
+      norms.append(
+          np.asarray(
+              logit_dp.pair_grad_norms(fresh, cast(params), x, x_prime, "projected",
+                                       reference_inputs=reference, projection_rank=32), np.float64))
       batch = make_batch(fresh, cast(params), reference, reference)
       q, eta = bounds.projection_tangents(batch, reference, 32)
       column_mass = sum(np.sum(np.abs(np.asarray(t).reshape(32, -1)), axis=1) for t in q)
       assert np.count_nonzero(column_mass) == 24 and float(eta) < 1e-3
-    exact = np.asarray(logit_dp.pair_grad_norms(models[0][0], cast(models[0][1]), x, x_prime,
-                                                "materialize", float_allowance=False), np.float64)
+    exact = np.asarray(
+        logit_dp.pair_grad_norms(models[0][0], cast(models[0][1]), x, x_prime, "materialize",
+                                 float_allowance=False), np.float64)
   assert np.max(np.abs(norms[0] / norms[1] - 1)) < tolerance
   assert np.all(norms[0] >= exact) and np.all(norms[1] >= exact)

@@ -1,4 +1,4 @@
-"""Cosine similarities, clip factors and the float32 allowances of the pair norms.
+"""Cosine similarities, clip factors and the float allowances of the pair norms.
 
 Embeddings are normalised as n(u) = u/√(‖u‖² + ε²) (ε = `DEFAULT_COSINE_EPS` keeps zero
 embeddings finite: |Z_ij| < 1 still holds and the gradient at u = 0 is I/ε, large but finite

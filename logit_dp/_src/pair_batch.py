@@ -70,8 +70,8 @@ class PairBatch:
   def pair_grad(self, params, x_one, x_prime_one) -> Any:
     """g = ∇_w Z(w) = ∇_w⟨n(Φ_w(x)), n(Φ'_w(x'))⟩ of one pair (no batch axes), like params."""
     z = lambda p: jnp.dot(self.normalized_embedding(p, x_one),
-                          self.normalized_embedding(p, x_prime_one, positive=True),
-                          precision=numerics.HIGHEST)
+                          self.normalized_embedding(p, x_prime_one, positive=True), precision=
+                          numerics.HIGHEST)
     return jax.grad(z)(params)
 
   @functools.cached_property
@@ -81,8 +81,7 @@ class PairBatch:
     first = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
     return numerics.lowest_precision([
         self.u_loc.dtype,
-        numerics.computation_dtype(self.pair_grad, self.params, first(self.x),
-                                   first(self.x_prime))
+        numerics.computation_dtype(self.pair_grad, self.params, first(self.x), first(self.x_prime))
     ])
 
   def _embed(self, xs, positive: bool = False):

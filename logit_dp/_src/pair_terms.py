@@ -111,7 +111,5 @@ def block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_column
   anchor, positive, cross = ghost_terms(f_u, u_rows, f_v, v_columns)
   s_rows, s_columns = jacobian_norms(f_u.gram), jacobian_norms(f_v.gram)
   scale = s_rows[:, None] + s_columns[None, :]
-  gram_norms = jnp.sqrt(
-      jnp.maximum(anchor + positive + 2.0 * cross, 0.0)
-      + gram_error * scale ** 2)
+  gram_norms = jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0) + gram_error * scale ** 2)
   return jnp.minimum(gram_norms, triangle_bound(anchor, positive, s_rows, s_columns, gram_error))

@@ -60,8 +60,9 @@ def pair_norms(pair_grad: Callable, params, x, x_prime, out_dtype,
   @norms.def_vmap
   def _batched(axis_size, in_batched, p, a, b):
     args = jax.tree_util.tree_map(
-        lambda t, batched: t if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)),
-        (p, a, b), tuple(in_batched))
+        lambda t, batched: t
+        if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)), (p, a, b),
+        tuple(in_batched))
     return jax.lax.map(lambda one: norms(*one), args), True
 
   @jax.custom_jvp
@@ -76,6 +77,7 @@ def pair_norms(pair_grad: Callable, params, x, x_prime, out_dtype,
 
   with jax.enable_x64(True):
     one = lambda t: t[0]
-    dtype = numerics.computation_dtype(pair_grad, *widen(
-        (params, jax.tree_util.tree_map(one, x), jax.tree_util.tree_map(one, x_prime))))
+    dtype = numerics.computation_dtype(
+        pair_grad,
+        *widen((params, jax.tree_util.tree_map(one, x), jax.tree_util.tree_map(one, x_prime))))
   return differentiable(params, x, x_prime), dtype

@@ -109,9 +109,9 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   def diagonal_values(f_u, f_v, start, offset):
     """The float64 diagonal norms of columns start..start+c-1 with their allowance."""
     s_rows = jax.lax.dynamic_slice_in_dim(pair_terms.jacobian_norms(f_u.gram), offset, c)
-    return pair_terms.with_allowance(jax.lax.dynamic_slice_in_dim(diagonal, start, c),
-                                     diagonal_error, s_rows + pair_terms.jacobian_norms(f_v.gram),
-                                     allowance)
+    return pair_terms.with_allowance(jax.lax.dynamic_slice_in_dim(diagonal, start,
+                                                                  c), diagonal_error,
+                                     s_rows + pair_terms.jacobian_norms(f_v.gram), allowance)
 
   def row_block(a, carry):
     norms, grads = carry
@@ -130,9 +130,9 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
         norms_rows, cot_u, (f_v, v_columns, cot_v) = carry
         owner = (me - s) % k  # the device whose columns are passing
         block = pair_terms.block_norms(f_u, u_rows, f_v, v_columns, gram_error)
-        block = pair_terms.with_diagonal(
-            batch, block, diagonal_values(f_u, f_v, start, start - a * r), start - a * r,
-            home & (s == 0))
+        block = pair_terms.with_diagonal(batch, block,
+                                         diagonal_values(f_u, f_v, start, start - a * r),
+                                         start - a * r, home & (s == 0))
         norms_rows = jax.lax.dynamic_update_slice(norms_rows, block[:, None, :], (0, owner, start))
         if with_grads:
           tau_block = jax.lax.dynamic_slice(tau_rows, (0, owner, start), (r, 1, c))[:, 0, :]
