@@ -50,8 +50,8 @@ def pair_norms(pair_grad: Callable, params, x, x_prime, out_dtype,
   """
   def in_float64(p, a, b):
     with jax.enable_x64(True):
-      sq = _sq_norms(pair_grad, *widen((p, a, b)), chunk)
-      return round_up(jnp.sqrt(sq), out_dtype)
+      p, a, b = widen((p, a, b))
+      return round_up(jnp.sqrt(_sq_norms(pair_grad, p, a, b, chunk)), out_dtype)
 
   @jax.custom_batching.custom_vmap
   def norms(p, a, b):
@@ -71,7 +71,7 @@ def pair_norms(pair_grad: Callable, params, x, x_prime, out_dtype,
 
   @differentiable.defjvp
   def _jvp(primals, tangents):
-    native = lambda *args: jnp.sqrt(_sq_norms(pair_grad, *args, chunk)).astype(out_dtype)
+    native = lambda p, a, b: jnp.sqrt(_sq_norms(pair_grad, p, a, b, chunk)).astype(out_dtype)
     _, tangent = jax.jvp(native, primals, tangents)
     return norms(*primals), tangent
 
