@@ -3,8 +3,8 @@ r"""What the float32-safe clip norms cost: ghost / triangle gradients with and w
     python -m benchmarks.diagonal_cost --sizes 256,1000 --repeats 5 --out results/diag.json
 
 In one process, for the paper's embedding net on random CIFAR-sized inputs, it times the
-jitted `clipped_grad` of "ghost" and "triangle" as shipped (diagonal pairs formed as vectors,
-float32 allowances) and with both switched off (the norms of the previous release), the
+jitted `clipped_grad` of "ghost" and "triangle" as shipped (diagonal pairs formed as float64
+vectors, float allowances) and with both switched off (the norms of the previous release), the
 runs interleaved, and reports the ratio of the medians. Ratios, not absolute times: these
 machines are shared and noisy.
 """
@@ -21,14 +21,13 @@ import jax.numpy as jnp
 
 import logit_dp
 from logit_dp import models
-from logit_dp._src import layerwise
 from logit_dp._src import numerics
 from logit_dp._src import pair_terms
 
 # (module, name) of what the previous release did not have: the diagonal pairs from their
 # vectors and the float32 allowances.
-_SWITCHES = ((pair_terms, "with_diagonal"), (numerics, "GRAM_FLOAT_ERROR"), (numerics,
-                                                                             "VECTOR_FLOAT_ERROR"))
+_SWITCHES = ((pair_terms, "with_diagonal"), (pair_terms, "diagonal_norms"),
+             (numerics, "GRAM_FLOAT_ERROR"), (numerics, "VECTOR_FLOAT_ERROR"))
 
 
 def _compiled(method: str, safe: bool, microbatch_size: int, params, x, x_prime, mask):
@@ -39,19 +38,17 @@ def _compiled(method: str, safe: bool, microbatch_size: int, params, x, x_prime,
   fresh = lambda p, xs: model.apply(p, xs)  # a new function: nothing compiled is shared
   grad_fn = logit_dp.clipped_grad(fresh, loss, 1.0, method, microbatch_size=microbatch_size)
   saved = [getattr(module, name) for module, name in _SWITCHES]
-  saved_diagonal = layerwise.diagonal_sq_norms
   if not safe:
     pair_terms.with_diagonal = lambda batch, norms, *args: norms
     numerics.GRAM_FLOAT_ERROR = numerics.VECTOR_FLOAT_ERROR = 0.0
-    # triangle's diagonal not computed (its values then differ: only the time is compared)
-    layerwise.diagonal_sq_norms = (lambda plan, f_u, f_v, u, v, chunk=1: jnp.full(
-        (u.shape[0],), jnp.inf))
+    # the diagonal not computed (its values then differ: only the time is compared)
+    pair_terms.diagonal_norms = lambda batch: (jnp.full(
+        (batch.u_loc.shape[0],), jnp.inf, batch.u_loc.dtype), 0.0)
   try:
     return jax.jit(grad_fn.core).lower(params, x, x_prime, mask).compile()
   finally:
     for (module, name), value in zip(_SWITCHES, saved):
       setattr(module, name, value)
-    layerwise.diagonal_sq_norms = saved_diagonal
 
 
 def main(argv=None) -> list:

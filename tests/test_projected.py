@@ -331,3 +331,51 @@ def test_make_private_trains_with_projected():
   assert private.sensitivity == logit_dp.sensitivity(logit_dp.losses.contrastive(temperature=1.0),
                                                      1.0, batch_size=None)
   assert logit_dp.METHODS[-1] == "projected"
+
+
+def _one_mlp_two_ways():
+  """(x, x', reference, (embed_fn, params) as a flax MLP, the same maths as a plain function of
+  a dict of its leaves): d = 4, 8 reference inputs, so 24 directions."""
+  from conftest import MLP
+  model = MLP(features=(16, 4))
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+  x = jax.random.normal(k1, (N, 7))
+  x_prime = x + 0.5 * jax.random.normal(k2, (N, 7))
+  reference = jax.random.normal(k4, (8, 7))
+  params = model.init(k3, x[:1])
+  first, second = params["params"]["Dense_0"], params["params"]["Dense_1"]
+  plain = {"w1": first["kernel"], "b1": first["bias"], "w2": second["kernel"], "b2": second["bias"]}
+
+  def plain_fn(p, xs):
+    return jnp.tanh(xs @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+  return x, x_prime, reference, (model.apply, params), (plain_fn, plain)
+
+
+@pytest.mark.parametrize("x64,tolerance", [(False, 1e-6), (True, 1e-12)],
+                         ids=["float32", "float64"])
+def test_the_basis_stops_at_the_numerical_rank(x64, tolerance):
+  """Rank 32 > the 24 directions of the references: the same model written two ways gives the
+  same norms (keeping the 8 rounding directions put them 2.4% apart), never below the exact
+  norms of materialize."""
+  x, x_prime, reference, *models = _one_mlp_two_ways()
+  with jax.enable_x64(x64):
+    cast = lambda t: jax.tree_util.tree_map(
+        lambda a: jnp.asarray(a, jnp.float64 if x64 else jnp.float32), t)
+    x, x_prime, reference = cast((x, x_prime, reference))
+    norms = []
+    for embed_fn, params in models:
+      fresh = lambda p, xs, f=embed_fn: f(p, xs)
+      norms.append(
+          np.asarray(
+              logit_dp.pair_grad_norms(fresh, cast(params), x, x_prime, "projected",
+                                       reference_inputs=reference, projection_rank=32), np.float64))
+      batch = make_batch(fresh, cast(params), reference, reference)
+      q, eta = bounds.projection_tangents(batch, reference, 32)
+      column_mass = sum(np.sum(np.abs(np.asarray(t).reshape(32, -1)), axis=1) for t in q)
+      assert np.count_nonzero(column_mass) == 24 and float(eta) < 1e-3
+    exact = np.asarray(
+        logit_dp.pair_grad_norms(models[0][0], cast(models[0][1]), x, x_prime, "materialize",
+                                 float_allowance=False), np.float64)
+  assert np.max(np.abs(norms[0] / norms[1] - 1)) < tolerance
+  assert np.all(norms[0] >= exact) and np.all(norms[1] >= exact)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logit_dp._src import precision
 from logit_dp._src import projection
 from logit_dp._src import rows as rows_lib
 
@@ -57,7 +58,7 @@ def as_inputs(a, name: str, xp) -> Any:
       raise ValueError(f"{where} must be an array with the examples along axis 0, got "
                        f"{type(leaf).__name__}.")
     dtype = np.dtype(getattr(leaf, "dtype", type(leaf)))
-    if dtype.kind not in "biuf":
+    if dtype.kind not in "biuf" and not jnp.issubdtype(dtype, jnp.floating):  # bfloat16 is "V"
       raise ValueError(f"{where} must hold numbers (bool, int or float), got dtype {dtype}.")
     leaf = xp.asarray(leaf)
     if leaf.ndim < 1:
@@ -224,7 +225,7 @@ def check_projection(method: str, reference_inputs, projection_rank, positive_em
   for leaf in jax.tree_util.tree_leaves(reference):
     if not np.all(np.isfinite(leaf)):
       raise ValueError("reference_inputs must be finite (they are public inputs, not masked).")
-  return jax.tree_util.tree_map(jnp.asarray, reference), rank
+  return precision.widen(jax.tree_util.tree_map(jnp.asarray, reference)), rank
 
 
 def check_memory_budget(memory_budget) -> int | None:

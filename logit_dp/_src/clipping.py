@@ -39,6 +39,7 @@ from logit_dp._src import mechanisms
 from logit_dp._src import methods
 from logit_dp._src import numerics
 from logit_dp._src import pair_batch
+from logit_dp._src import precision
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
 
@@ -159,6 +160,15 @@ def clipped_grad(
   the clip factors and ḡ come from different passes and TF32 (the GPU default for
   float32) would put each clipped pair gradient's norm off B by ~1e-3 relative.
   Layers constructed with an explicit `precision=` keep theirs.
+
+  Mixed precision: bfloat16 or float16 params and inputs are widened to float32
+  first (`precision.widen`); the pair gradients clipped, their norms and ḡ all come
+  from that float32 evaluation of embed_fn, so every clipped term has norm ≤ B and
+  ḡ has the sensitivity above. ḡ is returned in float32: add the noise to it
+  there and cast the noisy update to the params' dtype afterwards (post-processing;
+  `optax.apply_updates` does). Clip norms carry float allowances scaled to the
+  unit roundoff of the lowest precision embed_fn computes in (float64 runs get
+  float64's), and the positive pairs' norms are formed in float64 (docs/PRIVACY.md).
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
@@ -171,6 +181,7 @@ def clipped_grad(
   collective = collective_lib.Collective(axis_name)
 
   def body(params, x, x_prime, mask, with_stats):
+    params, x, x_prime = precision.widen((params, x, x_prime))
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
                                                 positive_embed_fn)
@@ -211,10 +222,12 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
   microbatch_size and memory_budget ("ghost": bytes of Jacobian factors held at once) as in
   `clipped_grad`.
 
-  With float_allowance (the default, what clipping uses) every norm includes the float32
-  allowance that keeps it at or above the true norm (docs/PRIVACY.md): relative ~1e-4 on
-  ordinary pairs, more on pairs whose gradient nearly cancels. float_allowance=False
-  returns the computed values without it (for comparing methods; never clip by them).
+  With float_allowance (the default, what clipping uses) every norm includes the float
+  allowance that keeps it at or above the true norm (docs/PRIVACY.md), scaled to the unit
+  roundoff of the dtype the norms are computed in: relative ~1e-4 on ordinary float32 pairs,
+  more on pairs whose gradient nearly cancels (the positive pairs are formed in float64).
+  float_allowance=False returns the computed values without it (for comparing methods; never
+  clip by them).
   positive_embed_fn: the tower of x_prime, and reference_inputs, projection_rank
   ("projected"), as in `clipped_grad`.
   """
@@ -235,6 +248,7 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
 def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine_eps, allowance,
                      positive_embed_fn):
   mask = jnp.ones((rows_lib.num_rows(x),), dtype=bool)
+  params, x, x_prime = precision.widen((params, x, x_prime))
   batch = pair_batch.PairBatch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                                microbatch_size=microbatch_size,
                                collective=collective_lib.Collective(None),
@@ -260,6 +274,7 @@ def naive_clipped_grad(
   collective = collective_lib.Collective(axis_name)
 
   def body(params, x, x_prime, mask, with_stats):
+    params, x, x_prime = precision.widen((params, x, x_prime))
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
                                                 positive_embed_fn)

@@ -575,34 +575,6 @@ def factors_times(plan: Plan, factors: Factors, tangent_leaves) -> jax.Array:
   return out
 
 
-def diagonal_sq_norms(plan: Plan, f_u: Factors, f_v: Factors, u, v, chunk: int = 1) -> jax.Array:
-  """‖J_iᵀv̂_i + J'_iᵀû_i‖² of the pairs (x_i, x'_i), from both views' factors: (m,).
-
-  The pair gradient is formed as a vector (per layer Σ_t a_it ⊗ α_it + Σ_s a'_is ⊗ β_is, with
-  α_it = Σ_k v̂_ik δ_it^k and β_is = Σ_l û_il δ'_is^l; flattened parameters flat_iᵀv̂_i +
-  flat'_iᵀû_i) before its norm is taken, so no Gram form a + b + 2c loses the small norms of
-  near-identical views to cancellation. Rows are processed `chunk` at a time (memory: chunk
-  times the number of parameters).
-  """
-  del plan  # the factors' layout is all that is needed
-
-  def one(fu, fv, ui, vi):
-    flat = (jnp.matmul(vi, fu.flat, precision=_HIGHEST)
-            + jnp.matmul(ui, fv.flat, precision=_HIGHEST))
-    sq = jnp.sum(flat * flat)
-    for a_u, d_u, a_v, d_v in zip(fu.ghost_patches, fu.ghost_deltas, fv.ghost_patches,
-                                  fv.ghost_deltas):
-      alpha = jnp.einsum("tkc,k->tc", d_u, vi, precision=_HIGHEST)
-      beta = jnp.einsum("tkc,k->tc", d_v, ui, precision=_HIGHEST)
-      grad = (jnp.matmul(a_u.T, alpha, precision=_HIGHEST)
-              + jnp.matmul(a_v.T, beta, precision=_HIGHEST))
-      sq = sq + jnp.sum(grad * grad)
-    return sq
-
-  rows = (f_u._replace(gram=None), f_v._replace(gram=None), u, v)
-  return jax.lax.map(lambda r: one(*r), rows, batch_size=max(1, int(chunk)))
-
-
 def flat_cross(flat_rows, u_rows, flat_all, v_all) -> jax.Array:
   """v̂_jᵀ J_i J'_jᵀ û_i over the flattened parameters, rows i × all columns j: (I, n).
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from logit_dp._src import chunking
 from logit_dp._src import layerwise
@@ -65,6 +66,23 @@ class PairBatch:
     fn = self._positive_fn if positive else self._embed_fn
     return numerics.normalize(
         fn(params, jax.tree_util.tree_map(lambda a: a[None], x_one))[0], self.eps)
+
+  def pair_grad(self, params, x_one, x_prime_one) -> Any:
+    """g = ∇_w Z(w) = ∇_w⟨n(Φ_w(x)), n(Φ'_w(x'))⟩ of one pair (no batch axes), like params."""
+    z = lambda p: jnp.dot(self.normalized_embedding(p, x_one),
+                          self.normalized_embedding(p, x_prime_one, positive=True), precision=
+                          numerics.HIGHEST)
+    return jax.grad(z)(params)
+
+  @functools.cached_property
+  def norm_dtype(self) -> np.dtype:
+    """The dtype the float allowances are scaled to (`numerics.vector_error`): the lowest
+    precision among the embeddings and the values of a pair gradient's computation."""
+    first = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
+    return numerics.lowest_precision([
+        self.u_loc.dtype,
+        numerics.computation_dtype(self.pair_grad, self.params, first(self.x), first(self.x_prime))
+    ])
 
   def _embed(self, xs, positive: bool = False):
     return rows_lib.map_rows(lambda xe: self.normalized_embedding(self.params, xe, positive), xs,

@@ -1,4 +1,4 @@
-"""The pair terms the clip methods build their norms from, and their float32 allowances.
+"""The pair terms the clip methods build their norms from, and their float allowances.
 
 With J_i = ∂û_i/∂w and J'_j = ∂v̂_j/∂w (d×p per-example Jacobians) and g_ij = J_iᵀv̂_j + J'_jᵀû_i,
 
@@ -8,7 +8,7 @@ K_i = J_i J_iᵀ. The per-example Jacobians come as per-layer factors (`layerwis
 the cross term c is a cross-Gram over the flattened parameters plus per-layer pair terms of
 ghost layers (`chunking.flat_cross_terms`, `chunking.ghost_layer_cross_terms`). The triangle
 bound √a + √b ≥ ‖g_ij‖ needs only the Grams K_i. Diagonal pairs (x_i, x'_i) are formed as
-vectors and normed directly (`diagonal_norms`).
+vectors in float64 and normed directly (`diagonal_norms`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from logit_dp._src import chunking
 from logit_dp._src import layerwise
 from logit_dp._src import numerics
+from logit_dp._src import rows as rows_lib
+from logit_dp._src import widened
 
 if TYPE_CHECKING:
   from logit_dp._src import pair_batch
@@ -52,61 +54,62 @@ def jacobian_norms(gram: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.maximum(jnp.trace(gram, axis1=1, axis2=2), 0.0))
 
 
-def triangle_bound(anchor, positive, s_local, s_all, allowance: float) -> jax.Array:
-  """√(a + ε_G s_i²) + √(b + ε_G s'_j²) ≥ ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ in float32
-  (ε_G = allowance·numerics.GRAM_FLOAT_ERROR)."""
-  eps = allowance * numerics.GRAM_FLOAT_ERROR
+def triangle_bound(anchor, positive, s_local, s_all, gram_error: float) -> jax.Array:
+  """√(a + ε_G s_i²) + √(b + ε_G s'_j²) ≥ ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ in float arithmetic
+  (ε_G = gram_error: `numerics.gram_error` of the computation's dtype, or 0 for none)."""
+  eps = gram_error
   return (jnp.sqrt(jnp.maximum(anchor, 0.0) + eps * s_local[:, None] ** 2)
           + jnp.sqrt(jnp.maximum(positive, 0.0) + eps * s_all[None, :] ** 2))
 
 
-def diagonal_norms(batch: pair_batch.PairBatch, f_u: layerwise.Factors, f_v: layerwise.Factors, u,
-                   v, allowance: float) -> jax.Array:
-  """‖g_ii‖ of the pairs (x_i, x'_i) whose two views' factors are f_u, f_v, from their vectors
-  (`layerwise.diagonal_sq_norms`), plus the vector allowance allowance·numerics.VECTOR_FLOAT_ERROR·
-  (s_i + s'_i)."""
-  chunk = chunking.vectors_per_block(batch.params, u.shape[0])
-  sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v, u, v, chunk)
-  scale = jacobian_norms(f_u.gram) + jacobian_norms(f_v.gram)
-  return jnp.sqrt(jnp.maximum(sq, 0.0)) + allowance * numerics.VECTOR_FLOAT_ERROR * scale
+def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
+  """(‖g_ii‖ (n_local,), e): the norms of this device's pairs (x_i, x'_i), formed in float64
+  and rounded up to the embeddings' dtype, and e, the vector allowance per unit of
+  s_i + s'_i of the dtype they were computed in (`with_allowance` adds it).
+
+  Near-identical views (the usual positive pair) have pair gradients whose halves J_iᵀv̂_i and
+  J'_iᵀû_i cancel to a few 1e-6 of ‖J_i‖_F: float32 rounding of the forward pass alone moves
+  the result by ~1%, an allowance in terms of ‖J_i‖_F more than doubles it, and Gram forms
+  lose it entirely (ghost returned 0 for true norms of ~3e-3). They are only n vectors, so
+  each is formed by its own backward pass of the model with params and float inputs widened
+  to float64 (`widened.pair_norms`) and normed; e is that of the lowest precision the
+  computation actually ran in (float64 unless the model casts down internally).
+  """
+  chunk = max(1, chunking.vectors_per_block(batch.params, rows_lib.num_rows(batch.x)) // 2)
+  norms, dtype = widened.pair_norms(batch.pair_grad, batch.params, batch.x, batch.x_prime,
+                                    batch.u_loc.dtype, chunk)
+  return norms, numerics.vector_error(dtype)
 
 
-def with_diagonal(batch: pair_batch.PairBatch, norms, f_u: layerwise.Factors,
-                  f_v: layerwise.Factors, u_rows, v_columns, offset, at_home,
-                  allowance: float) -> jax.Array:
-  """A block's norms (r, c) with each diagonal pair (x_i, x'_i) replaced by its vector-form norm.
+def with_allowance(norms: jax.Array, error: float, scale: jax.Array, allowance: float) -> jax.Array:
+  """norms + allowance·error·scale, never below it after rounding (of `diagonal_norms`)."""
+  if not allowance:
+    return norms
+  raised = norms + allowance * error * scale
+  fixed = jax.lax.stop_gradient(raised)
+  return raised + (jnp.nextafter(fixed, jnp.inf) - fixed)  # one ulp up
+
+
+def with_diagonal(batch: pair_batch.PairBatch, norms, values, offset, at_home) -> jax.Array:
+  """A block's norms (r, c) with each diagonal pair (x_i, x'_i) replaced by its value in
+  `values` (c,), the float64 norms of `diagonal_norms` for the block's columns.
 
   The block's columns are the examples offset..offset+c-1 of its rows when `at_home` (a bool
   or a traced bool); otherwise it holds no diagonal pair and is returned as it is.
-  Positive pairs of near-identical views have small pair gradients whose two halves
-  J_iᵀv̂_i and J'_iᵀû_i nearly cancel: Gram forms lose them in float32 (ghost returned 0
-  for true norms of ~3e-3; triangle over-estimates them up to 60×). They are only n
-  vectors, so they are formed and normed directly (`diagonal_norms`).
   """
+  del batch
   if at_home is False:
     return norms
   r, c = norms.shape
-
-  def diagonal():
-    rows = lambda a: jax.lax.dynamic_slice_in_dim(a, offset, c, axis=0)
-    return diagonal_norms(batch, jax.tree_util.tree_map(rows, f_u), f_v, rows(u_rows), v_columns,
-                          allowance)
-
-  if at_home is True:
-    values = diagonal()
-  else:
-    values = jax.lax.cond(at_home, diagonal, lambda: batch.c.varying(jnp.zeros((c,), norms.dtype)))
   on_diagonal = jnp.arange(r)[:, None] == offset + jnp.arange(c)[None, :]
   return jnp.where(on_diagonal & at_home, values[None, :], norms)
 
 
 def block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns,
-                allowance: float) -> jax.Array:
+                gram_error: float) -> jax.Array:
   """min(√(a + b + 2c + ε_G S_ij²), triangle bound) for the rows of f_u and columns of f_v."""
   anchor, positive, cross = ghost_terms(f_u, u_rows, f_v, v_columns)
   s_rows, s_columns = jacobian_norms(f_u.gram), jacobian_norms(f_v.gram)
   scale = s_rows[:, None] + s_columns[None, :]
-  gram_norms = jnp.sqrt(
-      jnp.maximum(anchor + positive + 2.0 * cross, 0.0)
-      + allowance * numerics.GRAM_FLOAT_ERROR * scale ** 2)
-  return jnp.minimum(gram_norms, triangle_bound(anchor, positive, s_rows, s_columns, allowance))
+  gram_norms = jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0) + gram_error * scale ** 2)
+  return jnp.minimum(gram_norms, triangle_bound(anchor, positive, s_rows, s_columns, gram_error))

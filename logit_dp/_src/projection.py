@@ -31,17 +31,25 @@ squared norms carry the Gram allowance on top).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logit_dp._src import numerics
+
 _HIGHEST = jax.lax.Precision.HIGHEST
-# Eigenvalues of the reference Gram below this fraction of the largest are dropped (their
-# directions are numerical noise); QR then completes the basis with arbitrary orthonormal
-# columns, which is still a valid (if less useful) subspace.
-_RELATIVE_EIGENVALUE_FLOOR = 1e-6
-# Added to the measured ‖Q̃ᵀQ̃ − I‖_F for the float32 error of forming Q̃ᵀQ̃ itself (per column).
-_GRAM_IDENTITY_MARGIN = 2.0 ** -20
+# The numerical rank of the reference rows M (r, p): eigenvalues of G = MMᵀ at or below
+# RANK_TOLERANCE·max(r, √p)·u·λ_max (u the unit roundoff of M's dtype) are rounding, not
+# directions of M, and their columns are dropped. E.g. each normalised embedding's Jacobian
+# has rank ≤ d − 1, so 8 reference inputs of d = 4 give 24 directions: the 8 other
+# eigenvalues of G are ~0.3u·λ_max in float32 (~5e-17 in float64), and keeping them made
+# the same model written two ways give norms 2.4% apart (2e-7 after dropping them).
+RANK_TOLERANCE = 16.0
+# Added to the measured ‖Q̃ᵀQ̃ − I‖_F per column for the error of forming Q̃ᵀQ̃ itself, in units
+# of the unit roundoff (2⁻²⁰ in float32).
+_GRAM_IDENTITY_UNITS = 16.0
 # Above this η the basis is not trusted and the bound falls back to the triangle bound.
 MAX_ORTHONORMALITY_ERROR = 0.25
 
@@ -55,22 +63,28 @@ def check_rank(rank) -> int:
 
 def basis(reference_rows: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
   """(Q̃, η): Q̃ (p, k) an orthonormal basis (up to float error η) of the top-``rank`` right
-  singular subspace of ``reference_rows`` (r, p), the stacked Jacobian rows of the reference
-  inputs; k = min(rank, r, p).
+  singular subspace of ``reference_rows`` M (r, p), the stacked Jacobian rows of the reference
+  inputs, truncated at M's numerical rank; k = min(rank, r, p) columns.
 
   Top singular vectors from the eigenvectors of the small (r, r) Gram G = MMᵀ:
-  q_l = Mᵀu_l/√λ_l, re-orthonormalised by QR. η = ‖Q̃ᵀQ̃ − I‖_F + k·2⁻²⁰ ≥ ‖Q̃ᵀQ̃ − I‖₂.
+  q_l = Mᵀu_l/√λ_l, re-orthonormalised by QR, for λ_l > RANK_TOLERANCE·max(r, √p)·u·λ_max;
+  the columns of the other λ_l are 0 (the subspace is that of the kept columns; QR's first
+  columns do not depend on later ones). With D = diag(kept),
+  η = ‖Q̃ᵀQ̃ − D‖_F + 16k·u ≥ ‖Q̃_keptᵀQ̃_kept − I‖₂.
   """
   rows, num_params = reference_rows.shape
   k = min(rank, rows, num_params)
+  u = numerics.unit_roundoff(reference_rows.dtype)
   gram = jnp.matmul(reference_rows, reference_rows.T, precision=_HIGHEST)
   eigenvalues, eigenvectors = jnp.linalg.eigh(gram)
   top_values, top_vectors = eigenvalues[::-1][:k], eigenvectors[:, ::-1][:, :k]
-  keep = top_values > _RELATIVE_EIGENVALUE_FLOOR * jnp.maximum(top_values[0], 0.0)
+  floor = RANK_TOLERANCE * max(rows, math.sqrt(num_params)) * u
+  keep = top_values > floor * jnp.maximum(top_values[0], 0.0)
   scale = jnp.where(keep, jax.lax.rsqrt(jnp.where(keep, top_values, 1.0)), 0.0)
   q, _ = jnp.linalg.qr(jnp.matmul(reference_rows.T, top_vectors, precision=_HIGHEST) * scale)
-  deviation = jnp.matmul(q.T, q, precision=_HIGHEST) - jnp.eye(k, dtype=q.dtype)
-  eta = jnp.sqrt(jnp.sum(deviation * deviation)) + k * _GRAM_IDENTITY_MARGIN
+  q = jnp.where(keep[None, :], q, 0.0)
+  deviation = jnp.matmul(q.T, q, precision=_HIGHEST) - jnp.diag(keep.astype(q.dtype))
+  eta = jnp.sqrt(jnp.sum(deviation * deviation)) + k * _GRAM_IDENTITY_UNITS * u
   return q, eta
 
 

@@ -27,7 +27,7 @@ class ClipMethod(abc.ABC):
   * `clipped_grad`: ḡ = Σ_ij τ_ij·min(1, B/‖g_ij‖)·g_ij, summed over devices;
   * `clipped_grad_and_norms`: ḡ and the norms it was clipped by (for `ClipStats`).
 
-  Every norm is at or above the true ‖g_ij‖ (with the float32 allowances of `numerics`), so
+  Every norm is at or above the true ‖g_ij‖ (with the float allowances of `numerics`), so
   each clipped pair gradient has norm ≤ B and ḡ has the sensitivity `logit_dp.sensitivity`.
   """
 
@@ -38,7 +38,7 @@ class ClipMethod(abc.ABC):
                               allowance: float) -> NormsAndFactors:
     """(norms (n_local, n), factors of the local rows of both views, or None).
 
-    allowance scales the float32 allowances (1: what clipping uses; 0: none). The factors
+    allowance scales the float allowances (1: what clipping uses; 0: none). The factors
     are returned when computing the norms produced them, so that ḡ is contracted from them
     instead of backward passes.
     """

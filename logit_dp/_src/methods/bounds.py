@@ -3,7 +3,7 @@
 "triangle" clips with ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖, which only needs the per-example
 Grams K_i: clipping by a larger norm is still private (each term has norm ≤ B), just less
 accurate. "projected" tightens it on the subspace spanned by the Jacobians of public reference
-inputs (`projection.bound`). Both form the diagonal pairs from their vectors.
+inputs (`projection.bound`). Both form the diagonal pairs from their float64 vectors.
 """
 
 from __future__ import annotations
@@ -54,15 +54,16 @@ def projected_jacobians(batch: pair_batch.PairBatch, factors: layerwise.Factors,
 
 def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
                 projection_spec=None) -> jax.Array:
-  """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ from per-example Grams (with float32
-  allowances), and the diagonal pairs from their vectors (`pair_terms.diagonal_norms`).
+  """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ from per-example Grams (with the float
+  allowances of `numerics`), and the diagonal pairs from their float64 vectors
+  (`pair_terms.diagonal_norms`).
 
   projection_spec = (reference_inputs, rank): "projected", the tighter bound exact on the
   reference inputs' Jacobian subspace (`projection.bound`); it needs the per-example
   projections J_iQ̃ (n·d·k floats) on top, and the pair terms go in row chunks.
 
-  Memory stays at the Grams plus one microbatch of factors: the diagonal pairs are
-  formed microbatch by microbatch from both views' factors of the same rows.
+  Memory stays at the Grams plus one microbatch of factors (the diagonal pairs' float64
+  gradients go in chunks of `chunking.vectors_per_block`).
   """
   tangents = eta = None
   if projection_spec is not None:
@@ -70,8 +71,7 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
 
   def chunk_terms(x_chunk, x_prime_chunk, u_chunk, v_chunk) -> tuple[jax.Array, ...]:
     f_u, f_v = batch.factors(x_chunk, chunked=False), batch.factors(x_prime_chunk, chunked=False)
-    terms = (f_u.gram, f_v.gram,
-             pair_terms.diagonal_norms(batch, f_u, f_v, u_chunk, v_chunk, allowance))
+    terms = (f_u.gram, f_v.gram)
     if tangents is None:
       return terms
     return terms + (projected_jacobians(batch, f_u,
@@ -80,18 +80,18 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
   xs = (batch.x, batch.x_prime, batch.u_loc, batch.v_loc)
   n_local = rows_lib.num_rows(batch.x)
   terms: tuple[jax.Array, ...] = chunking.map_row_chunks(chunk_terms, xs, batch.microbatch_size)
-  k_local, k_prime_local, diagonal = terms[:3]
+  k_local, k_prime_local = terms[:2]
   k_prime = batch.c.gather(k_prime_local)
   s_local, s_prime_local = pair_terms.jacobian_norms(k_local), pair_terms.jacobian_norms(
       k_prime_local)
   s_all = batch.c.gather(s_prime_local)
   anchor, positive = pair_terms.quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
-  norms = pair_terms.triangle_bound(anchor, positive, s_local, s_all, allowance)
+  gram_error = allowance * numerics.gram_error(batch.norm_dtype)
+  norms = pair_terms.triangle_bound(anchor, positive, s_local, s_all, gram_error)
   if tangents is not None:
-    proj_local, proj_prime = terms[3], batch.c.gather(terms[4])
+    proj_local, proj_prime = terms[2], batch.c.gather(terms[3])
     n, d, k = proj_prime.shape
-    vector_error = allowance * numerics.VECTOR_FLOAT_ERROR * math.sqrt(k)
-    gram_error = allowance * numerics.GRAM_FLOAT_ERROR
+    vector_error = allowance * numerics.vector_error(batch.norm_dtype) * math.sqrt(k)
     if projection.uses_gram_form(d):
       columns = projection.gram_columns(proj_prime, batch.v)
       subspace_norms = lambda proj_rows, u_rows, s_rows: projection.gram_norms(
@@ -109,4 +109,6 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
     norms = chunking.row_chunks(rows_bound,
                                 (proj_local, batch.u_loc, anchor, positive, s_local, norms),
                                 row_floats, chunking.CROSS_GRAM_CHUNK_FLOATS)
+  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
+  diagonal = pair_terms.with_allowance(diagonal, diagonal_error, s_local + s_prime_local, allowance)
   return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)

@@ -27,7 +27,7 @@ from logit_dp._src.methods import towers
 
 @dataclasses.dataclass(frozen=True)
 class Ghost(base.ClipMethod):
-  """Exact pair norms (min with the triangle bound, diagonal pairs from their vectors).
+  """Exact pair norms (min with the triangle bound, diagonal pairs from float64 vectors).
 
   Attributes:
     memory_budget: bytes of Jacobian factors held at once (None: `chunking.default_memory_budget`).
@@ -76,8 +76,8 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   device's x_prime its factors f_v are computed (again for every row block) and passed around
   the ring of devices (`collective.Collective.ring_shift`, k steps: it comes home last), so
   that every device pairs its rows with every column. Per block: the norms
-  (`pair_terms.block_norms`, the diagonal
-  pairs from their vectors when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
+  (`pair_terms.block_norms`, the diagonal pairs from their float64 vectors,
+  `pair_terms.diagonal_norms`, when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
   cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
   column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
   and from f_v when it comes home (per row block: ḡ is linear in the cotangents).
@@ -105,10 +105,20 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   n_rows, n_columns = num_row_blocks * r, num_column_blocks * c
   x, u = pad(batch.x, n_rows), pad(batch.u_loc, n_rows)
   x_prime, v_local = pad(batch.x_prime, n_columns), pad(batch.v_loc, n_columns)
+  gram_error = allowance * numerics.gram_error(batch.norm_dtype)
+  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
+  diagonal = pad(diagonal, n_columns)
   tau = tau_local.reshape(n_local, k, n_local)  # columns: (device, local example)
   tau = jnp.pad(tau, ((0, n_rows - n_local), (0, 0), (0, n_columns - n_local)))
   me = col.index()
   zero_grads = col.varying(jax.tree_util.tree_map(jnp.zeros_like, batch.params))
+
+  def diagonal_values(f_u, f_v, start, offset):
+    """The float64 diagonal norms of columns start..start+c-1 with their allowance."""
+    s_rows = jax.lax.dynamic_slice_in_dim(pair_terms.jacobian_norms(f_u.gram), offset, c)
+    return pair_terms.with_allowance(jax.lax.dynamic_slice_in_dim(diagonal, start,
+                                                                  c), diagonal_error,
+                                     s_rows + pair_terms.jacobian_norms(f_v.gram), allowance)
 
   def row_block(a, carry):
     norms, grads = carry
@@ -126,9 +136,10 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
       def ring_step(s, carry):
         norms_rows, cot_u, (f_v, v_columns, cot_v) = carry
         owner = (me - s) % k  # the device whose columns are passing
-        block = pair_terms.block_norms(f_u, u_rows, f_v, v_columns, allowance)
-        block = pair_terms.with_diagonal(batch, block, f_u, f_v, u_rows, v_columns, start - a * r,
-                                         home & (s == 0), allowance)
+        block = pair_terms.block_norms(f_u, u_rows, f_v, v_columns, gram_error)
+        block = pair_terms.with_diagonal(batch, block,
+                                         diagonal_values(f_u, f_v, start, start - a * r),
+                                         start - a * r, home & (s == 0))
         norms_rows = jax.lax.dynamic_update_slice(norms_rows, block[:, None, :], (0, owner, start))
         if with_grads:
           tau_block = jax.lax.dynamic_slice(tau_rows, (0, owner, start), (r, 1, c))[:, 0, :]

@@ -52,15 +52,22 @@ def materialize(batch: pair_batch.PairBatch, tau_local_rows, clip_norm, pair_blo
                 allowance: float = 1.0) -> tuple[Any, jax.Array]:
   """Algorithm 1: every pair gradient by its own backward pass, in blocks of pairs.
 
-  Each norm is raised by the vector allowance numerics.VECTOR_FLOAT_ERROR·(‖J_i‖_F + ‖J'_j‖_F).
+  Each norm is raised by the vector allowance allowance·`numerics.vector_error`·(‖J_i‖_F +
+  ‖J'_j‖_F); the diagonal pairs (x_i, x'_i) take their float64 norms instead
+  (`pair_terms.diagonal_norms`), the gradients ḡ is summed from stay those of the blocks.
   Returns (ḡ summed over local rows and psum-ed over devices, norms (n_local, n)).
   """
   x_prime_all = batch.c.gather(batch.x_prime)
   s_local = pair_terms.jacobian_norms(batch.factors(batch.x).gram)
   s_all = batch.c.gather(pair_terms.jacobian_norms(
       batch.factors(batch.x_prime, positive=True).gram))
-  slack = allowance * numerics.VECTOR_FLOAT_ERROR * (s_local[:, None] + s_all[None, :])
+  slack = allowance * numerics.vector_error(batch.norm_dtype) * (s_local[:, None] + s_all[None, :])
   n_local, n = tau_local_rows.shape
+  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
+  diagonal = pair_terms.with_allowance(diagonal, diagonal_error, s_local + s_all[batch.rows],
+                                       allowance)
+  on_diagonal = jnp.zeros((n_local, n), bool).at[jnp.arange(n_local), batch.rows].set(True)
+  exact = jnp.zeros((n_local, n), diagonal.dtype).at[jnp.arange(n_local), batch.rows].set(diagonal)
   block = pair_block_size or chunking.vectors_per_block(batch.params, n_local * n)
   num_pairs = n_local * n
   num_blocks = -(-num_pairs // block)
@@ -78,11 +85,11 @@ def materialize(batch: pair_batch.PairBatch, tau_local_rows, clip_norm, pair_blo
     return jax.grad(z)(batch.params)
 
   def step(acc, blk):
-    i, j, w, slack = blk
+    i, j, w, slack, on_diagonal, exact = blk
     grads = jax.vmap(pair_grad)(i, j)
     sq = sum(
         jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in jax.tree_util.tree_leaves(grads))
-    norms = jnp.sqrt(sq) + slack
+    norms = jnp.where(on_diagonal, exact, jnp.sqrt(sq) + slack)
     coef = w * numerics.clip_factor(norms, clip_norm)
     finite = jnp.isfinite(norms)  # dropped pairs must add exactly 0, not 0·inf = NaN
 
@@ -96,7 +103,9 @@ def materialize(batch: pair_batch.PairBatch, tau_local_rows, clip_norm, pair_blo
 
   zeros = jax.tree_util.tree_map(jnp.zeros_like, batch.params)
   blocks = tuple(
-      a.reshape(num_blocks, block) for a in (rows, cols, weights, slack.reshape(-1)[flat]))
+      a.reshape(num_blocks, block)
+      for a in (rows, cols, weights, slack.reshape(-1)[flat], on_diagonal.reshape(-1)[flat] & real,
+                exact.reshape(-1)[flat]))
   grads, norms = jax.lax.scan(step, zeros, blocks)
   norms = norms.reshape(-1)[:num_pairs].reshape(n_local, n)
   return batch.c.psum(grads), norms

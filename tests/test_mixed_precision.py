@@ -1,0 +1,114 @@
+"""bfloat16 and float16 params and inputs: clipped in float32, checked against float64.
+
+The model is evaluated with its params and inputs widened to float32 (`precision.widen`); the
+float64 reference evaluates the same model from the same (exactly widened) values, forms every
+pair gradient by jax.grad and clips it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import logit_dp
+from conftest import MLP
+from helpers import rel_err
+from logit_dp._src import checks
+from logit_dp._src import precision
+
+N = 8
+LOSS = logit_dp.losses.contrastive(temperature=1.0)
+CLIP_NORM = 0.05
+
+
+def _problem(dtype):
+  model = MLP(features=(16, 6))
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
+  x = jax.random.normal(k1, (N, 7))
+  x_prime = x + 0.3 * jax.random.normal(k2, (N, 7))
+  reference = jax.random.normal(k4, (4, 7))
+  low = lambda t: jax.tree_util.tree_map(lambda a: a.astype(dtype), t)
+  return model.apply, low(model.init(k3, x[:1])), low(x), low(x_prime), low(reference)
+
+
+def _float64_reference(embed_fn, params, x, x_prime, clip_norms, eps=logit_dp.DEFAULT_COSINE_EPS):
+  """(‖∇_w Z_ij‖ (n, n), Σ_ij τ_ij·min(1, B/n_ij)·∇_w Z_ij with n = clip_norms) in float64 from
+  the low-precision values widened exactly (call under x64)."""
+  p64, x64, xp64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64),
+                                          (params, x, x_prime))
+
+  def unit(p, xe):
+    u = embed_fn(p, xe[None])[0]
+    return u / jnp.sqrt(jnp.sum(u * u) + eps * eps)
+
+  def pair_grad(i, j):
+    return jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
+
+  rows, cols = jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij")
+  grads = jax.vmap(jax.vmap(pair_grad))(rows, cols)
+  norms = jnp.sqrt(
+      sum(jnp.sum(g.reshape(N, N, -1) ** 2, -1) for g in jax.tree_util.tree_leaves(grads)))
+  z = jax.vmap(lambda a: unit(p64, a))(x64) @ jax.vmap(lambda a: unit(p64, a))(xp64).T
+  tau = jax.grad(LOSS)(z, jnp.ones((N,), bool))
+  lam = tau * jnp.minimum(1.0, CLIP_NORM / jnp.asarray(clip_norms, jnp.float64))
+  return np.asarray(norms), jax.tree_util.tree_map(lambda g: jnp.tensordot(lam, g, axes=2), grads)
+
+
+def test_low_precision_inputs_are_accepted_and_widened():
+  for dtype in (jnp.bfloat16, jnp.float16):
+    x, _, _ = checks.check_pairs(jnp.ones((3, 2), dtype), jnp.ones((3, 2), dtype))
+    assert x.dtype == dtype
+    widened = precision.widen(
+        {"a": jnp.ones(2, dtype), "b": jnp.ones(2, jnp.int32), "c": jnp.ones(2, jnp.float32)})
+    assert widened["a"].dtype == jnp.float32 and widened["b"].dtype == jnp.int32
+  with pytest.raises(ValueError, match="must hold numbers"):
+    checks.check_pairs(jnp.ones((3, 2), jnp.complex64), jnp.ones((3, 2)))
+
+
+# The default run keeps ghost in bfloat16 and projected in float16; the rest is slow.
+@pytest.mark.parametrize("method,dtype", [
+    pytest.param(
+        method, dtype, marks=() if
+        (method, dtype) in (("ghost", jnp.bfloat16),
+                            ("projected", jnp.float16)) else pytest.mark.slow,
+        id=f"{method}-{jnp.dtype(dtype).name}") for method in logit_dp.METHODS
+    for dtype in (jnp.bfloat16, jnp.float16)
+])
+def test_low_precision_model_is_clipped_in_float32_against_float64(method, dtype):
+  """Every pair's clip norm is ≥ its float64 norm (so each clipped pair gradient has norm ≤ B),
+  and ḡ is the float64 sum clipped by those norms to float32 accuracy, returned in float32."""
+  embed_fn, params, x, x_prime, reference = _problem(dtype)
+  kwargs = dict(reference_inputs=reference, projection_rank=16) if method == "projected" else {}
+  norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, **kwargs),
+                     np.float64)
+  loss_value, grads = logit_dp.clipped_grad(embed_fn, LOSS, CLIP_NORM, method, **kwargs)(params, x,
+                                                                                         x_prime)
+  with jax.enable_x64(True):
+    truth, reference_grads = _float64_reference(embed_fn, params, x, x_prime, norms)
+  assert np.mean(truth > CLIP_NORM) > 0.5  # clipping is active
+  assert np.all(norms >= truth * (1 - 2.0 ** -23)), np.min(norms / truth)
+  assert np.all(np.minimum(1.0, CLIP_NORM / norms) * truth <= CLIP_NORM * (1 + 2.0 ** -23))
+  assert loss_value.dtype == jnp.float32
+  assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
+  assert rel_err(grads, reference_grads) < 1e-5
+
+
+@pytest.mark.slow  # two jitted private steps; clipped_grad's dtypes are tested by default above
+def test_make_private_trains_bfloat16_params_and_returns_them_in_bfloat16():
+  """The noise is added to the float32 ḡ; the update is cast to bfloat16 by optax.apply_updates
+  after it (post-processing)."""
+  embed_fn, params, x, x_prime, _ = _problem(jnp.bfloat16)
+  pt = logit_dp.make_private(embed_fn, LOSS, 1.0, target_epsilon=4.0, target_delta=1e-5,
+                             num_records=1000, expected_batch_size=N, optimizer=optax.adam(1e-2),
+                             steps=10, noise_key=jax.random.key(0), sampler_seed=0)
+  step = pt.make_train_step()
+  opt_state = pt.optimizer.init(params)
+  new = params
+  for _ in range(2):
+    pt.ledger.record_steps(1)
+    new, opt_state, loss_value = step(new, opt_state, x, x_prime)
+  assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(new))
+  assert all(np.all(np.isfinite(np.asarray(a, np.float32))) for a in jax.tree_util.tree_leaves(new))
+  assert rel_err(new, params) > 0
+  assert np.isfinite(float(loss_value))
