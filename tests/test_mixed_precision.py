@@ -112,3 +112,19 @@ def test_make_private_trains_bfloat16_params_and_returns_them_in_bfloat16():
   assert all(np.all(np.isfinite(np.asarray(a, np.float32))) for a in jax.tree_util.tree_leaves(new))
   assert rel_err(new, params) > 0
   assert np.isfinite(float(loss_value))
+
+
+def test_dp_gcl_evaluates_a_bfloat16_model_in_float32():
+  """DP-GCL widens like clipped_grad: bfloat16 params and inputs give exactly the result of the
+  same values cast to float32 first (the cast is exact), in float32."""
+  embed_fn, params, x, x_prime, _ = _problem(jnp.bfloat16)
+  grad_fn = logit_dp.grouped_clipped_grad(embed_fn, logit_dp.losses.contrastive(1.0), 0.1,
+                                          num_groups=2)
+  kwargs = dict(record_ids=jnp.arange(N), group_key=jax.random.PRNGKey(1))
+  loss_low, grads_low = grad_fn(params, x, x_prime, **kwargs)
+  wide = lambda t: jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), t)
+  loss_wide, grads_wide = grad_fn(wide(params), wide(x), wide(x_prime), **kwargs)
+  assert loss_low.dtype == jnp.float32 and loss_low == loss_wide
+  for low, ref in zip(jax.tree_util.tree_leaves(grads_low), jax.tree_util.tree_leaves(grads_wide)):
+    assert low.dtype == jnp.float32
+    np.testing.assert_array_equal(low, ref)

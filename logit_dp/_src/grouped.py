@@ -47,6 +47,7 @@ from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import losses as losses_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import numerics
+from logit_dp._src import precision
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
 
@@ -206,6 +207,8 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   temperature = float(loss.temperature)
 
   def body(params, x, x_prime, mask, group_ids, extra_views, with_stats):
+    # Low-precision models are evaluated in float32, as in clipped_grad (`precision`).
+    params, x, x_prime, extra_views = precision.widen((params, x, x_prime, extra_views))
     n = x.shape[0]
     k = 0 if extra_views is None else extra_views.shape[1]
     views = jnp.zeros((n, 0) + x.shape[1:], x.dtype) if extra_views is None else extra_views
