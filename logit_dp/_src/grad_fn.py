@@ -67,6 +67,8 @@ class ClippedGradFn(CheckedCall):
     core: the jitted body without the input checks: core(params, x, x_prime, mask, ...)
       -> (ℒ, ḡ, n_nonfinite), n_nonfinite the valid rows with non-finite inputs or
       embeddings (masked out).
+    stochastic: embed_fn is embed_fn(params, x, key) and every call takes key= (a fresh key
+      per step, independent of the noise key); the core then takes the key after the mask.
   """
   mechanism: mechanisms.Mechanism
   clip_norm: float
@@ -75,6 +77,7 @@ class ClippedGradFn(CheckedCall):
   num_groups: int | None = None
   description: str = ""
   unit: str = "pair(s)"
+  stochastic: bool = False
 
   @property
   def method(self) -> str:
