@@ -184,9 +184,9 @@ def _check_stochastic_embed_fn(embed_fn, params, x, key, name: str) -> None:
   the same in both calls, while a batch statistic changes when rows 1.. are replaced by copies
   of row 0.
   """
-  if rows_lib.is_traced(key):
-    key = _probe_key(key)
-  with jax.ensure_compile_time_eval():
+  with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
+    if rows_lib.is_traced(key):
+      key = _probe_key(key)
     rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
     num = rows_lib.num_rows(rows)
     batched = np.asarray(embed_fn(params, rows, key), np.float64)
