@@ -84,14 +84,13 @@ def check_stochastic(stochastic) -> bool:
   return stochastic
 
 
-def clipped_grad(
-    embed_fn: checks.EmbedFn, loss, clip_norm: float, method: str | methods.ClipMethod = "ghost", *,
-    microbatch_size: int | None = None, pair_block_size: int | None = None,
-    memory_budget: int | None = None, axis_name: str | None = None,
-    cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-    positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
-    projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
-    stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
+def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
+                 method: str | methods.ClipMethod = "ghost", *, microbatch_size: int | None = None,
+                 pair_block_size: int | None = None, memory_budget: int | None = None,
+                 axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                 positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
+                 projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
+                 stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
   ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
@@ -237,8 +236,8 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
 def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine_eps, allowance,
                      positive_embed_fn, key):
   rows = jnp.arange(rows_lib.num_rows(x))
-  embed_fn, positive_embed_fn, x, x_prime = stochastic_lib.bind(embed_fn, positive_embed_fn, key,
-                                                                x, x_prime, rows)
+  embed_fn, positive_embed_fn, x, x_prime = stochastic_lib.bind(embed_fn, positive_embed_fn, key, x,
+                                                                x_prime, rows)
   mask = jnp.ones((rows_lib.num_rows(x),), dtype=bool)
   batch = pair_batch.PairBatch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                                microbatch_size=microbatch_size,
@@ -247,11 +246,11 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine
   return methods.with_key(clip, key).pair_norms(batch, allowance)
 
 
-def naive_clipped_grad(
-    embed_fn: checks.EmbedFn, loss, clip_norm: float, *, microbatch_size: int | None = None,
-    axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-    positive_embed_fn: checks.EmbedFn | None = None,
-    stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
+def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
+                       microbatch_size: int | None = None, axis_name: str | None = None,
+                       cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                       positive_embed_fn: checks.EmbedFn | None = None,
+                       stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
   Sensitivity 2B under add-or-remove-one (`logit_dp.naive_sensitivity`). Same

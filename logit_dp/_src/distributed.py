@@ -390,9 +390,9 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
   stochastic = shard_fn.stochastic
   batch_spec = P(axis_name)
+  key_spec = (P(),) if stochastic else ()  # the model's key, replicated
   shard_mapped = _shard_map(shard_fn.core, mesh,
-                            (P(), batch_spec, batch_spec, batch_spec) + ((P(),) if stochastic else ()),
-                            (P(), P(), P()))
+                            (P(), batch_spec, batch_spec, batch_spec) + key_spec, (P(), P(), P()))
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
   check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
 
@@ -486,8 +486,8 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
     return optax.apply_updates(params, updates), opt_state, loss_value
 
   batch_spec = P(axis_name)
-  shard_mapped = _shard_map(body, mesh,
-                            (P(), P(), batch_spec, batch_spec, batch_spec) + ((P(),) if stochastic else ()),
+  key_spec = (P(),) if stochastic else ()  # the model's key, replicated
+  shard_mapped = _shard_map(body, mesh, (P(), P(), batch_spec, batch_spec, batch_spec) + key_spec,
                             (P(), P(), P()))
   jitted = jax.jit(shard_mapped, donate_argnums=(0, 1) if donate else ())
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())

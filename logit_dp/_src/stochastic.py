@@ -103,6 +103,7 @@ class PerExample:
   key_impl: Any = None
 
   def __call__(self, params, keyed: Keyed) -> jax.Array:
+    """(n, d): row e embedded alone with key e."""
     def one(x_one, k):
       if self.key_impl is not None:
         k = jax.random.wrap_key_data(k, impl=self.key_impl)
@@ -129,8 +130,7 @@ def bind(embed_fn, positive_embed_fn, key, x, x_prime, rows: jax.Array) -> tuple
   anchor = PerExample(embed_fn, impl)
   positive = None if positive_embed_fn is None else (
       anchor if positive_embed_fn is embed_fn else PerExample(positive_embed_fn, impl))
-  return (anchor, positive, attach(x, key, VIEW_X, rows), attach(x_prime, key, VIEW_X_PRIME,
-                                                                 rows))
+  return (anchor, positive, attach(x, key, VIEW_X, rows), attach(x_prime, key, VIEW_X_PRIME, rows))
 
 
 def reference_inputs(inputs, key) -> Any:

@@ -86,8 +86,8 @@ def with_key(method: ClipMethod, key) -> ClipMethod:
   its bound valid)."""
   if key is None or not isinstance(method, Projected):
     return method
-  return dataclasses.replace(method, reference_inputs=stochastic.reference_inputs(
-      method.reference_inputs, key))
+  return dataclasses.replace(
+      method, reference_inputs=stochastic.reference_inputs(method.reference_inputs, key))
 
 
 __all__ = [
