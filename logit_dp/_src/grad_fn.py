@@ -48,13 +48,14 @@ class CheckedCall:
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class ClippedGradFn(CheckedCall):
-  """grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ): a private (clipped) gradient.
+  """grad_fn(params, x, x_prime, mask=None[, key=]) -> (ℒ, ḡ): a private (clipped) gradient.
 
   ḡ is a pytree like params with L2 sensitivity `sensitivity()` under adding or removing one
   pair record; noise it with `logit_dp.transform(σ, grad_fn.sensitivity(), key)`. Called
   eagerly, it raises ValueError when any valid pair has non-finite inputs or embeddings;
   under jit such pairs are masked out (the same as removing them). grouped_clipped_grad's
-  functions also take record_ids=, group_key= and extra_views= keywords.
+  functions also take record_ids=, group_key= and extra_views= keywords; a stochastic one
+  (built with stochastic=True) takes key=, the model's randomness.
 
   Attributes:
     mechanism: the `Mechanism` (Logit-DP, Naive-DP or DP-GCL).
