@@ -382,6 +382,30 @@ def test_naive_dp_with_dropout_is_the_clipped_brute_force_gradient():
                              atol=1e-6 * clip)
 
 
+def test_dp_gcl_with_dropout():
+  """One group, no extra views: the clipped float64 brute-force gradient (DP-GCL is Naive-DP
+  there); with extra views, microbatches embed every view with its own key."""
+  embed_fn, params = _model("plain")
+  x, x_prime = _data()
+  key = jax.random.key(15)
+  ids = jnp.arange(6)
+  _, unclipped, _ = _brute_force(embed_fn, params, x, x_prime, key, np.inf, float64=True)
+  clip = 0.5 * float(np.linalg.norm(unclipped))
+  one_group = logit_dp.grouped_clipped_grad(embed_fn, LOSS, clip, 1, stochastic=True)
+  _, got = one_group(params, x, x_prime, record_ids=ids, group_key=jax.random.key(0), key=key)
+  # DP-GCL clips by the norm raised by its float allowance of 2⁻¹².
+  scale = clip / (np.linalg.norm(unclipped) * (1 + 2.0 ** -12))
+  np.testing.assert_allclose(flat(got), unclipped * scale, rtol=1e-4, atol=1e-6 * clip)
+  views = jnp.stack([x + 0.1, x - 0.1], axis=1)
+  args = dict(record_ids=ids, group_key=jax.random.key(0), extra_views=views, key=key)
+  whole = logit_dp.grouped_clipped_grad(embed_fn, LOSS, 0.5, 2, stochastic=True)
+  chunked = logit_dp.grouped_clipped_grad(embed_fn, LOSS, 0.5, 2, stochastic=True,
+                                          microbatch_size=4)
+  want = flat(whole(params, x, x_prime, **args)[1])
+  np.testing.assert_allclose(flat(chunked(params, x, x_prime, **args)[1]), want, rtol=1e-5,
+                             atol=1e-7 * np.max(np.abs(want)))
+
+
 @pytest.mark.parametrize(
     "method",
     ["ghost"] + [pytest.param(m, marks=pytest.mark.slow) for m in ("materialize", "naive")])

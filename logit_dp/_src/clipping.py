@@ -59,7 +59,7 @@ def build_grad_fn(core, embed_fn: checks.EmbedFn, loss, clip_norm: float,
   shard of axis_name; key= required exactly when stochastic, `stochastic.check_key`) and the
   towers checked on first use (`checks.check_towers`)."""
   min_batch_size = getattr(loss, "min_batch_size", 1)
-  stochastic = check_stochastic(stochastic)
+  stochastic = stochastic_lib.check_stochastic(stochastic)
 
   def check_inputs(params, x, x_prime, mask=None, *, key=None):
     key = stochastic_lib.check_key(key, stochastic, description)
@@ -75,13 +75,6 @@ def build_grad_fn(core, embed_fn: checks.EmbedFn, loss, clip_norm: float,
                                    check_model=check_model, mechanism=mechanism,
                                    clip_norm=clip_norm, loss=loss, clip_method=clip_method,
                                    description=description, stochastic=stochastic)
-
-
-def check_stochastic(stochastic) -> bool:
-  """stochastic if True or False; ValueError otherwise."""
-  if not isinstance(stochastic, bool):
-    raise ValueError(f"stochastic must be True or False, got {stochastic!r}.")
-  return stochastic
 
 
 def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
@@ -177,7 +170,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)
-  check_stochastic(stochastic)
+  stochastic_lib.check_stochastic(stochastic)
   clip = methods.resolve(method, memory_budget=memory_budget, pair_block_size=pair_block_size,
                          reference_inputs=reference_inputs, projection_rank=projection_rank,
                          embed_fn=embed_fn, positive_embed_fn=positive_embed_fn)
@@ -259,7 +252,7 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)
-  check_stochastic(stochastic)
+  stochastic_lib.check_stochastic(stochastic)
   collective = collective_lib.Collective(axis_name)
 
   def core(params, x, x_prime, mask, key=None):

@@ -52,6 +52,13 @@ def is_typed_key(key) -> bool:
   return jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key)
 
 
+def check_stochastic(stochastic) -> bool:
+  """stochastic if True or False; ValueError otherwise."""
+  if not isinstance(stochastic, bool):
+    raise ValueError(f"stochastic must be True or False, got {stochastic!r}.")
+  return stochastic
+
+
 def check_key(key, stochastic: bool, what: str) -> Any:
   """key for a stochastic function (None for a deterministic one).
 
