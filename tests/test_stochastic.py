@@ -494,3 +494,13 @@ def test_audit_with_dropout_stays_within_the_sensitivity(method):
     result = audit.max_removal_ratio(embed_fn, params, LOSS, clip, scale * x, scale * x_prime,
                                      method=method, model_key=jax.random.key(14))
     assert 0 < result.ratio <= 1 + 1e-4
+
+
+@pytest.mark.slow
+def test_worst_case_search_with_dropout_stays_within_the_sensitivity():
+  embed_fn, params = _model("plain")
+  x, x_prime = _data(n=4, seed=3)
+  result = audit.search_worst_case(embed_fn, params, LOSS, 0.05, x, x_prime,
+                                   key=jax.random.PRNGKey(0), num_restarts=2, num_steps=5,
+                                   model_key=jax.random.key(16))
+  assert 0 < result.ratio <= 1 + 1e-4

@@ -281,14 +281,15 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x_prime, mask):
+def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x_prime, mask,
+            keys=()):
   """Adam ascent on (x, x′[, w]); returns the best max_k gap_k² seen and its arguments, or +inf
   and the first point where a gap was not finite."""
   opt = optax.adam(learning_rate)
 
   def objective(variables):
     p = variables["params"] if optimize_params else params
-    sq = _gaps_fn(core, p, variables["x"], variables["x_prime"], mask, chunk)
+    sq = _gaps_fn(core, p, variables["x"], variables["x_prime"], mask, chunk, keys)
     surrogate = jax.nn.logsumexp(jnp.where(mask, jnp.log(sq + _TINY), -jnp.inf))
     return surrogate, jnp.max(sq)
 
@@ -352,9 +353,9 @@ def _restart_points(params, x, x_prime, key, num_restarts, init_scale, optimize_
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
-def _evaluate_many(core, params, xs, xps, mask, chunk):
+def _evaluate_many(core, params, xs, xps, mask, chunk, keys=()):
   """gap_k for a stack of batches (the same params): (restarts, n)."""
-  return jnp.sqrt(jax.vmap(lambda a, b: _gaps_fn(core, params, a, b, mask, chunk))(xs, xps))
+  return jnp.sqrt(jax.vmap(lambda a, b: _gaps_fn(core, params, a, b, mask, chunk, keys))(xs, xps))
 
 
 def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime) -> RemovalAudit:
@@ -372,7 +373,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       chunk: int | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None, reference_inputs: Any = None,
-                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
+                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
+                      model_key: Any = None) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
 
   Restart 0 starts from (x, x′, params); restart r ≥ 1 from inputs drawn
@@ -404,6 +406,7 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     cosine_eps: as for `logit_dp.clipped_grad`.
     num_groups, group_seed, extra_views_fn: the DP-GCL configuration (method="dp_gcl").
     reference_inputs, projection_rank: method="projected"'s public reference (kept fixed).
+    model_key: a stochastic model's key, held fixed during the search (`removal_gaps`).
 
   Returns:
     The `RemovalAudit` of the worst (x, x′, params) found.
@@ -417,13 +420,15 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, None)
   reference = _reference(method, reference_inputs, projection_rank, embed_fn)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, None, reference)
+  keys = _model_keys(model_key)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, None, reference,
+                    bool(keys))
   points = _restart_points(params, x, x_prime, key, int(num_restarts), float(init_scale),
                            bool(optimize_params))
   if num_steps == 0 and not optimize_params:
     gaps = np.asarray(
         _evaluate_many(core, params, jnp.stack([p[1] for p in points]),
-                       jnp.stack([p[2] for p in points]), mask, chunk))
+                       jnp.stack([p[2] for p in points]), mask, chunk, keys))
     # A restart with a non-finite gap is the result (+inf): its ratio is NaN and fails.
     values = np.where(np.all(np.isfinite(gaps), axis=1), np.max(gaps, axis=1), np.inf)
     r = int(np.argmax(values))
@@ -432,11 +437,11 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     best, best_args = -1.0, points[0]
     for p0, x0, xp0 in points:
       if num_steps == 0:
-        value, v = float(jnp.max(_gaps_jit(core, p0, x0, xp0, mask,
-                                           chunk))) ** 2, dict(params=p0, x=x0, x_prime=xp0)
+        value, v = float(jnp.max(_gaps_jit(core, p0, x0, xp0, mask, chunk,
+                                           keys))) ** 2, dict(params=p0, x=x0, x_prime=xp0)
       else:
         value, v = _ascent(core, int(num_steps), float(learning_rate), bool(optimize_params), chunk,
-                           p0, x0, xp0, mask)
+                           p0, x0, xp0, mask, keys)
       value = float(value)
       if not math.isfinite(value) or value > best:
         best = value
@@ -447,4 +452,4 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   return max_removal_ratio(embed_fn, p, loss, clip_norm, bx, bxp, method=method, chunk=chunk,
                            cosine_eps=cosine_eps, num_groups=num_groups, group_seed=group_seed,
                            extra_views_fn=extra_views_fn, reference_inputs=reference_inputs,
-                           projection_rank=projection_rank)
+                           projection_rank=projection_rank, model_key=model_key)
