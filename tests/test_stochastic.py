@@ -382,6 +382,7 @@ def test_naive_dp_with_dropout_is_the_clipped_brute_force_gradient():
                              atol=1e-6 * clip)
 
 
+@pytest.mark.slow
 def test_dp_gcl_with_dropout():
   """One group, no extra views: the clipped float64 brute-force gradient (DP-GCL is Naive-DP
   there); with extra views, microbatches embed every view with its own key."""
