@@ -11,7 +11,7 @@ bound and the projected upper bound (its subspace from ``--num_reference`` image
 exact norm off the diagonal (median and 90% quantile of bound/exact), and the fraction of
 pairs that B clips (norm > B) for B = 1 (ours) and 1e-5 (the paper's
 Logit-DP B); and ‖∇_θ ℒ‖ of the whole batch of n pairs, the norm Naive-DP clips to B.
-docs/RESULTS.md renders the JSON (``experiments.render_results``).
+docs/results_in_detail.md renders the JSON (``experiments.render_results``).
 """
 
 import json

@@ -1,7 +1,8 @@
-r"""Renders every table of docs/RESULTS.md from committed run results and the paper's numbers.
+r"""Renders every table of the results pages (docs/RESULTS.md, docs/results_in_detail.md) from
+committed run results and the paper's numbers.
 
     python -m experiments.render_results            # rewrites the generated blocks in place
-    python -m experiments.render_results --check    # exit 1 if docs/RESULTS.md is out of date
+    python -m experiments.render_results --check    # exit 1 if a page is out of date
 
 Inputs: ``docs/results/<run-name>/{config,results,wallclock}.json`` (copied there from a
 finished run's folder) and ``experiments/paper_results.json`` (the paper's tables, with
@@ -11,7 +12,7 @@ each relative metric is m_seed / m_seed(non-private) averaged over seeds. Differ
 between methods are paired by seed: Δ_s = m_s(A) − m_s(B), reported as mean ± std with the
 paired t statistic t = mean(Δ) / (std(Δ) / √n) and its two-sided p-value.
 
-In docs/RESULTS.md a block ``<!-- generated:NAME -->`` … ``<!-- /generated:NAME -->`` is
+In those pages a block ``<!-- generated:NAME -->`` … ``<!-- /generated:NAME -->`` is
 replaced by the table NAME: ``runs`` (every run with its wall-clock), ``verdict``,
 ``group:<group>`` (ours beside the paper's), ``compare:<group a>:<group b>`` (same method and
 seeds, two configurations), ``versus:<group a>:<group b>`` (every method of a against every
@@ -23,6 +24,7 @@ every pair does to ḡ, from experiments/clip_bias.py), ``signal_to_noise:<file 
 ``signal_to_noise_summary:<file>,<file>…`` (its SNR per method over several reports),
 ``geometry:<file>,<file>…`` (how spread out the runs' test embeddings are, from
 experiments/embedding_geometry.py),
+``zero_shot:<group>`` (the two-tower runs of experiments/clip.py),
 ``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
@@ -399,15 +401,22 @@ def compare_table(a_runs, b_runs, a_name: str, b_name: str) -> str:
       f"| method | metric | {a_name} | {b_name} | Δ paired by seed | n | t | p |",
       "|---|---|---|---|---|---|---|---|"
   ]
+  shared = []
   for m in METHODS:
     for k, lab in zip(METRICS, METRIC_LABELS):
       va, vb = paired_by_seed(a_runs, m, b_runs, m, k)
       if not va:
         continue
+      if va == vb:  # the same runs in both groups: nothing to compare
+        if LABELS[m] not in shared:
+          shared.append(LABELS[m])
+        continue
       d = paired_difference(va, vb)
       t, p = _fmt_t_p(d)
       lines.append(f"| {LABELS[m]} | {lab} | {fmt_ms(*mean_std(va))} | {fmt_ms(*mean_std(vb))} | "
                    f"{fmt_ms(d['mean'], d['std'], 4)} | {d['n']} | {t} | {p} |")
+  if shared:
+    lines += ["", f"{', '.join(shared)}: the same runs in both groups, left out."]
   return "\n".join(lines)
 
 
@@ -942,6 +951,45 @@ def plot_curve(data: dict, paper, out_dir: str, metrics=CURVE_METRICS, path: str
 _BLOCK_RE = re.compile(
     r"(<!-- generated:(?P<name>[^ ]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
+ZERO_SHOT_LABELS = {"logit_dp": "Logit-DP, two towers", "non_private": "Non-private"}
+
+
+def zero_shot_table(group_runs) -> str:
+  """The two-tower runs of experiments/clip.py: zero-shot accuracy per method, mean ± std over
+  seeds, beside chance (1/classes for top-1, 5/classes for top-5)."""
+  classes = {r["results"]["num_classes"] for r in group_runs}
+  if len(classes) != 1:
+    raise ValueError(f"runs of one group with different class counts: {sorted(classes)}")
+  (k,) = classes
+  seeds = ", ".join(str(r["seed"]) for r in group_runs)
+  lines = [
+      f"{len(group_runs)} seed{'s' if len(group_runs) > 1 else ''} ({seeds}); "
+      f"{group_runs[0]['results']['num_records']:,} records, {k} classes, zero-shot accuracy on "
+      f"{group_runs[0]['results']['num_test']:,} test images; chance {1 / k:.3g} (top-1), "
+      f"{min(5, k) / k:.3g} (top-5).", "",
+      "| method | ε | δ | steps | σ | B | zero-shot top-1 | zero-shot top-5 | train s |",
+      "|---|---|---|---|---|---|---|---|---|"
+  ]
+  for method, label in ZERO_SHOT_LABELS.items():
+    res = [r["results"]["methods"][method] for r in group_runs if method in r["results"]["methods"]]
+    if not res:
+      continue
+    private = "epsilon" in res[0]
+    for key in ("noise_multiplier", "clip_norm", "steps") if private else ():
+      if len({x[key] for x in res}) != 1:
+        raise ValueError(f"{label}: seeds of one group differ in {key}")
+    eps = f"{max(x['epsilon'] for x in res):.2f}" if private else "∞"
+    delta = f"{max(x['delta'] for x in res):.3g}" if private else "–"
+    sigma = f"{res[0]['noise_multiplier']:.3g}" if private else "–"
+    clip = f"{res[0]['clip_norm']:g}" if private else "–"
+    steps = "/".join(sorted({str(x["steps"]) for x in res}))
+    top1 = fmt_ms(*mean_std([x["zero_shot_top1"] for x in res]))
+    top5 = fmt_ms(*mean_std([x["zero_shot_top5"] for x in res]))
+    secs = max(x["train_seconds"] for x in res)
+    lines.append(f"| {label} | {eps} | {delta} | {steps} | {sigma} | {clip} | {top1} | {top5} | "
+                 f"≤ {secs:,.0f} |")
+  return "\n".join(lines)
+
 
 def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
   if name == "runs":
@@ -987,6 +1035,10 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
       return f"(no seed of `{a}` with a `{b}` run of the same seed yet)"
     acc = "head acc" if a.startswith("cifar100_ft") else "3-NN acc"
     return versus_table(groups[a], groups[b], a, b, acc)
+  if kind == "zero_shot":
+    if arg not in groups:
+      return f"(no finished run of `{arg}` yet)"
+    return zero_shot_table(groups[arg])
   if kind == "bound":
     a, b = arg.split(":")
     if a not in groups or b not in groups:
@@ -1066,44 +1118,55 @@ def plot_group(group: str, group_runs, out_dir: str) -> list[str]:
   return written
 
 
+#: The pages whose generated blocks are rendered, under docs/.
+PAGES = ("RESULTS.md", "results_in_detail.md")
+
+
 def main(argv):
   del argv
   runs = load_runs(flags.FLAGS.results_dir)
   paper = load_paper(flags.FLAGS.paper)
-  with open(flags.FLAGS.out) as f:
-    old = f.read()
+  pages = {}
+  for out in flags.FLAGS.out:
+    with open(out) as f:
+      pages[out] = f.read()
   if flags.FLAGS.figures:
     figures = os.path.join(flags.FLAGS.results_dir, "figures")
     groups = groups_of(runs)
     for g, group_runs in groups.items():
       for path in plot_group(g, group_runs, figures):
         print("wrote", path)
-    for m in _BLOCK_RE.finditer(old):
-      if m["name"].startswith("curve:"):
-        path = plot_curve(curve_data(m["name"].partition(":")[2], groups), paper, figures)
-        if path:
-          print("wrote", path)
+    for old in pages.values():
+      for m in _BLOCK_RE.finditer(old):
+        if m["name"].startswith("curve:"):
+          path = plot_curve(curve_data(m["name"].partition(":")[2], groups), paper, figures)
+          if path:
+            print("wrote", path)
     path = plot_curve(curve_data(FRONT_CURVE, groups), paper, figures, CURVE_METRICS[:1],
                       os.path.join(figures, FRONT_FIGURE), FRONT_TITLE)
     if path:
       print("wrote", path)
-  new = render(old, runs, paper, flags.FLAGS.results_dir)
-  if flags.FLAGS.check:
-    if new != old:
-      print(f"{flags.FLAGS.out} is out of date: run python -m experiments.render_results")
-      sys.exit(1)
-    return
-  with open(flags.FLAGS.out, "w") as f:
-    f.write(new)
-  print(
-      f"rendered {len(_BLOCK_RE.findall(old))} blocks from {len(runs)} runs into {flags.FLAGS.out}")
+  stale = []
+  for out, old in pages.items():
+    new = render(old, runs, paper, flags.FLAGS.results_dir)
+    if flags.FLAGS.check:
+      if new != old:
+        print(f"{out} is out of date: run python -m experiments.render_results")
+        stale.append(out)
+      continue
+    with open(out, "w") as f:
+      f.write(new)
+    print(f"rendered {len(_BLOCK_RE.findall(old))} blocks from {len(runs)} runs into {out}")
+  if stale:
+    sys.exit(1)
 
 
 def _define_flags():
   flags.DEFINE_string("results_dir", os.path.join(_REPO, "docs", "results"), "Run results.")
   flags.DEFINE_string("paper", os.path.join(_REPO, "experiments", "paper_results.json"),
                       "The paper's numbers.")
-  flags.DEFINE_string("out", os.path.join(_REPO, "docs", "RESULTS.md"), "File with the blocks.")
+  flags.DEFINE_list("out", [os.path.join(_REPO, "docs", page) for page in PAGES],
+                    "The pages with the blocks (comma-separated).")
   flags.DEFINE_bool("check", False, "Do not write; exit 1 if the file would change.")
   flags.DEFINE_bool("figures", False, "Also draw each group's figures into results_dir/figures/.")
 

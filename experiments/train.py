@@ -35,7 +35,12 @@ config.dp_gcl.group_size) groups by record id, regrouped every step, with
 config.dp_gcl.extra_views augmented views of each record as extra negatives).
 The training loss of a DP run is computed on private data and is not differentially
 private: it is only logged when ``config.log_private_train_loss`` is True, in a column named
-``train_loss_NONPRIVATE_diagnostic``.  The curves and tables use the test set.
+``train_loss_NONPRIVATE_diagnostic``. Likewise the clip statistics (`logit_dp.ClipStats`:
+the fraction of the norms compared with B that exceeded it and their median, for tuning B;
+pair norms for Logit-DP, the batch gradient's for Naive-DP, the groups' for DP-GCL) are
+logged only when ``config.log_clip_stats`` is True, in the columns
+``fraction_clipped_NONPRIVATE_diagnostic`` and ``median_norm_NONPRIVATE_diagnostic``.
+The curves and tables use the test set.
 """
 
 from __future__ import annotations
@@ -171,12 +176,18 @@ def _freeze(x):
 _RUN_ONLY_FIELDS = ("log_every", "checkpoint_every", "stop_after_steps", "progress", "knn_k",
                     "knn_train_size", "f_beta", "linear_probe", "methods", "log_private_train_loss",
                     "eval_batch_size", "eval_num_batches", "max_checkpoints_to_keep", "secrets_dir",
-                    "on_nonfinite_rows")
+                    "on_nonfinite_rows", "log_clip_stats")
 
 
 def _step_key(config, method, num_records):
   d = {k: v for k, v in config.items() if k not in _RUN_ONLY_FIELDS and k != "data"}
-  return (method, num_records, _freeze(d))
+  # The clip statistics change the compiled step (not the update it computes).
+  return (method, num_records, _freeze(d), _logs_clip_stats(config, method))
+
+
+def _logs_clip_stats(config, method: str) -> bool:
+  """Whether the steps of ``method`` compute the NON-PRIVATE clip statistics to log."""
+  return bool(config.get("log_clip_stats", False)) and method in PRIVATE_METHODS
 
 
 _MODEL_CACHE: dict[Any, Any] = {}
@@ -452,15 +463,21 @@ def local_batch(config, x_train: np.ndarray, pairs: np.ndarray, idx, mask, mesh)
   return logit_dp.distributed.shard_batch(mesh, xa, xb, local_mask)
 
 
-def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
+def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx, clip_stats: bool = False):
   """One pure update: (clipped) summed gradient -> optimizer (noise for DP) -> params.
 
   ``metrics['train_loss']`` is computed on the (private) batch: not DP, see module doc.
   ``metrics['num_dropped']`` counts the valid pairs the gradient dropped for non-finite
   inputs or embeddings (``grad_fn.with_num_dropped``; 0 where the gradient has no count).
+  With clip_stats, ``metrics['fraction_clipped']`` and ``metrics['median_norm']`` are those of
+  ``grad_fn.with_stats`` (`logit_dp.ClipStats`): NON-PRIVATE, like the training loss.
   """
   with_num_dropped = getattr(grad_fn, "with_num_dropped", None)
-  if with_num_dropped is None:
+  stats = None
+  if clip_stats:
+    loss_value, grads, stats = grad_fn.with_stats(state.params, x, x_prime, mask)
+    num_dropped = stats.num_dropped
+  elif with_num_dropped is None:
     loss_value, grads = grad_fn(state.params, x, x_prime, mask)
     num_dropped = jnp.zeros((), jnp.int32)
   else:
@@ -470,10 +487,18 @@ def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
   n = jnp.maximum(jnp.sum(mask), 1)
   metrics = dict(train_loss=loss_value / n, batch_size=jnp.sum(mask),
                  finite=jnp.isfinite(loss_value), num_dropped=num_dropped)
+  if stats is not None:
+    metrics.update(fraction_clipped=stats.fraction_clipped, median_norm=stats.median_norm)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 _STEP_CACHE: dict[Any, Any] = {}
+
+#: The metrics.csv columns of the clip statistics (config.log_clip_stats): NON-PRIVATE.
+CLIP_STATS_COLUMNS = {
+    "fraction_clipped": "fraction_clipped_NONPRIVATE_diagnostic",
+    "median_norm": "median_norm_NONPRIVATE_diagnostic",
+}
 
 
 def get_step_fn(config, method: str, num_records: int):
@@ -490,13 +515,14 @@ def get_step_fn(config, method: str, num_records: int):
     grad_fn, tx, info = make_method(config, method, apply_fn, num_records, keys["noise"])
 
     mesh = make_mesh(config)
+    train_step_fn = functools.partial(train_step, clip_stats=_logs_clip_stats(config, method))
     if _multiprocess():
       num_rows = int(info["max_batch"])  # the batcher's rows; then padding to the mesh
 
       @jax.jit
       def step_fn(state, x, xp, mask):  # the global batch of `local_batch`
         x, xp = augment_rows(config, x, xp, keys["augment"], state.step, num_rows)
-        return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
+        return train_step_fn(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
     else:
 
       @jax.jit
@@ -510,10 +536,12 @@ def get_step_fn(config, method: str, num_records: int):
                                          extra_views=views)
           grouped_fn.with_num_dropped = functools.partial(  # type: ignore[attr-defined]
               grad_fn.with_num_dropped, record_ids=idx, group_key=group_key, extra_views=views)
-          return train_step(state, x, xp, mask, grad_fn=grouped_fn, tx=tx)
+          grouped_fn.with_stats = functools.partial(  # type: ignore[attr-defined]
+              grad_fn.with_stats, record_ids=idx, group_key=group_key, extra_views=views)
+          return train_step_fn(state, x, xp, mask, grad_fn=grouped_fn, tx=tx)
         if mesh is not None:  # masked rows so the global batch divides by the device count
           x, xp, mask = logit_dp.distributed.pad_to_multiple(x, xp, mask, mesh.size)
-        return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
+        return train_step_fn(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
 
     _STEP_CACHE[key] = (step_fn, tx, info)
   return _STEP_CACHE[key]
@@ -566,10 +594,15 @@ def _plain_manager(directory: str, max_to_keep: int | None):
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
 
-def save_checkpoint(directory: str, state: TrainState, ledger, max_to_keep: int | None = 2):
+def save_checkpoint(directory: str, state: TrainState, ledger, max_to_keep: int | None = 2,
+                    sampler=None):
+  """The state (with the ledger and the Poisson sampler of a DP run) as one checkpoint."""
   step = int(state.step)
   if ledger is not None:
-    logit_dp.ledger.save_checkpoint(directory, step, state, ledger, max_to_keep=max_to_keep)
+    if isinstance(sampler, logit_dp.BudgetedSampler):
+      sampler = sampler.unbudgeted()
+    logit_dp.ledger.save_checkpoint(directory, step, state, ledger, sampler=sampler,
+                                    max_to_keep=max_to_keep)
     return
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   mngr = _plain_manager(directory, max_to_keep)
@@ -707,6 +740,20 @@ class _Batcher:
     return self._batches[j]
 
 
+def _batches(private_training, batcher: _Batcher, start: int, stop: int):
+  """(step, (indices, mask)) for steps start, …, stop − 1.
+
+  DP methods: from ``private_training.batches`` (each step recorded in the ledger before its
+  batch is handed out, none past the budget); the non-private run: the shuffled epochs.
+  """
+  if private_training is None:
+    for step in range(start, stop):
+      yield step, batcher(step)
+    return
+  for batch in private_training.batches(stop):
+    yield private_training.ledger.steps - 1, (batch.indices, batch.mask)
+
+
 def _read_history(csv_path: str, upto: int):
   if not os.path.exists(csv_path):
     return []
@@ -832,6 +879,11 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   if restored is not None:
     state = restored
     ledger = restored_ledger if private else None
+    saved = logit_dp.ledger.restore_sampler(ckpt_dir) if private else None
+    if saved is not None and saved != batcher.sampler:
+      raise ValueError(f"[{method}] the checkpoint in {ckpt_dir} was made with another Poisson "
+                       "sampler (records, rate, padded size or seed): resuming would draw other "
+                       "batches than the run it continues.")
     if not quiet:
       done = " (finished)" if int(state.step) >= total_steps else ""
       print(f"[{method}] resumed from step {int(state.step)}{done}")
@@ -849,6 +901,8 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   fields = ["step", "epoch", "epsilon", "delta", "steps_per_sec", "test_loss"]
   if config.log_private_train_loss:
     fields.append("train_loss_NONPRIVATE_diagnostic")
+  if _logs_clip_stats(config, method):
+    fields += list(CLIP_STATS_COLUMNS.values())
   batch = int(config.batch_size)
   # Epochs seen: q per Poisson step; 1 / (batches per epoch) for shuffled epochs.
   epoch_per_step = (info["sampling_rate"] if private else 1.0 / -(-num_records // batch))
@@ -883,15 +937,30 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   log_every = max(1, int(config.log_every))
   ckpt_every = max(1, int(config.checkpoint_every))
   keep = config.get("max_checkpoints_to_keep", 2)
+  private_training = None
   if ledger is not None:
-    # A resumed run keeps today's budgets.
+    # A resumed run keeps today's budgets; allow_exceeding_budget runs without them.
     ledger.epsilon_budget, ledger.delta_budget = float(config.target_epsilon), _delta_budget(config)
-    if not config.get("allow_exceeding_budget", False):
-      try:
-        ledger.check_budgets(stop)
-      except logit_dp.PrivacyBudgetExceededError as e:
-        raise logit_dp.PrivacyBudgetExceededError(
-            f"[{method}] {e} Here: --config.allow_exceeding_budget=True.") from None
+    if config.get("allow_exceeding_budget", False):
+      ledger.epsilon_budget = ledger.delta_budget = None
+    try:
+      ledger.check_budgets(stop)
+    except logit_dp.PrivacyBudgetExceededError as e:
+      raise logit_dp.PrivacyBudgetExceededError(
+          f"[{method}] {e} Here: --config.allow_exceeding_budget=True.") from None
+    if ledger.steps != start:
+      raise ValueError(f"[{method}] the checkpoint's ledger holds {ledger.steps} step(s) and its "
+                       f"state {start}: they must agree.")
+    # Every batch is drawn by a sampler bound to the ledger (it refuses steps past the budget)
+    # and recorded in the ledger before it is handed out (PrivateTraining.batches), so no
+    # update leaves unaccounted. The update itself is step_fn: it gathers and augments the
+    # batch on the device and reports the metrics.
+    private_training = logit_dp.PrivateTraining(
+        grad_fn=step_fn, optimizer=tx,
+        sampler=logit_dp.BudgetedSampler.bind(batcher.sampler, ledger), ledger=ledger,
+        noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
+        clip_norm=info.get("clip_norm"), sampling_rate=info["sampling_rate"], steps=total_steps,
+        method=method)
   eps_now = ledger.epsilon() if ledger else 0.0
   t_last, s_last, t_train = time.time(), start, 0.0
   progress = Progress(METHOD_LABELS.get(method, method), total_steps, start, enabled=not quiet
@@ -901,13 +970,8 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     raise ValueError(f"config.on_nonfinite_rows must be 'warn' or 'error', got {on_nonfinite!r}.")
   num_dropped = 0
   step = start
-  while step < stop:
+  for index, (idx, mask) in _batches(private_training, batcher, start, stop):
     t0 = time.time()
-    idx, mask = batcher(step)
-    if ledger is not None:
-      # Record the step before its noisy update exists. The whole run's ε was checked
-      # against the budget above, so ε itself is computed lazily, at log time.
-      ledger.steps += 1
     if mesh is None:
       state, metrics = step_fn(state, x_train, pairs_d, idx, mask)
     else:
@@ -929,7 +993,7 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
       progress.write(f"[{method}] step {int(state.step)}: empty Poisson batch, the update is "
                      "pure noise (as the accounting assumes)")
     jax.block_until_ready(state.params)
-    step += 1
+    step = index + 1
     t_train += time.time() - t0
     progress.update(step)
     checkpoint_now = step % ckpt_every == 0 or step == stop
@@ -942,13 +1006,17 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
                  test_loss=test_loss(state.params))
       if config.log_private_train_loss:
         row["train_loss_NONPRIVATE_diagnostic"] = float(metrics["train_loss"])
+      for name, column in CLIP_STATS_COLUMNS.items():
+        if name in metrics:
+          row[column] = float(metrics[name])
       write_row(row)
       progress.log(
           step,
           {"steps/s": f"{sps:.2f}", "ε": f"{eps_now:.3g}", "test_loss": f"{row['test_loss']:.4f}"})
       t_last, s_last = time.time(), step
     if checkpoint_now:
-      save_checkpoint(ckpt_dir, state, ledger, max_to_keep=keep)
+      save_checkpoint(ckpt_dir, state, ledger, max_to_keep=keep,
+                      sampler=None if private_training is None else private_training.sampler)
   progress.close()
   if writer is not None:
     writer.close()

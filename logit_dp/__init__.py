@@ -6,6 +6,8 @@ per-pair clipped gradients (`clipped_grad`, a `ClippedGradFn` carrying its `Mech
 sensitivity; the clip methods `METHODS`, each a `ClipMethod`), their sensitivity
 (`sensitivity`), and the Gaussian noise as an optax transformation (`transform`);
 `make_private` sets all of it up (with sampler and ledger) in one call.
+``grad_fn.with_stats`` adds the clip statistics (`ClipStats`: the fraction of pairs clipped,
+quantiles of their norms; non-private diagnostics for tuning B).
 The grouped baseline DP-GCL (`grouped_clipped_grad`, `grouped_sensitivity`,
 `assign_groups`) clips each group's gradient instead of each pair's.
 
@@ -37,6 +39,8 @@ from logit_dp import distributed
 from logit_dp import ledger
 from logit_dp import losses
 from logit_dp import sampling
+from logit_dp._src.clip_stats import QUANTILE_LEVELS
+from logit_dp._src.clip_stats import ClipStats
 from logit_dp._src.clipping import clipped_grad
 from logit_dp._src.clipping import naive_clipped_grad
 from logit_dp._src.clipping import pair_grad_norms
@@ -71,6 +75,7 @@ __version__ = "0.2.0"
 __all__ = [
     "BudgetedSampler",
     "ClipMethod",
+    "ClipStats",
     "ClippedGradFn",
     "EmptyBatchWarning",
     "Mechanism",
@@ -91,6 +96,7 @@ __all__ = [
     "AddNoiseState",
     "DEFAULT_COSINE_EPS",
     "METHODS",
+    "QUANTILE_LEVELS",
     "clipped_grad",
     "cosine_similarity",
     "grouped_clipped_grad",

@@ -39,6 +39,17 @@ def method_kwargs(method: str, x, num_reference: int = 4, seed: int = 7) -> dict
   return dict(reference_inputs=reference, projection_rank=16)
 
 
+def clip_norm_in_a_gap(norms: np.ndarray) -> float:
+  """A B about the median, halfway between two neighbouring norms far enough apart that the
+  float32 allowances cannot move a norm across it."""
+  values = np.sort(norms.ravel())
+  gaps = np.diff(values) / values[1:]
+  quarter = len(gaps) // 4
+  best = quarter + np.argmax(gaps[quarter:-quarter])
+  assert gaps[best] > 1e-3
+  return float((values[best] + values[best + 1]) / 2)
+
+
 def make_batch(embed_fn, params, x, x_prime, positive_embed_fn=None):
   """The library's internal `pair_batch.PairBatch` for all-valid rows on one device, without
   microbatches (tests that check its factors, norms and projections directly)."""

@@ -1,4 +1,4 @@
-"""One process of the README's multi-host recipe, run by tests/test_multihost.py.
+"""One process of the distributed guide's multi-host recipe, run by tests/test_multihost.py.
 
     python tests/multihost_worker.py --coordinator=127.0.0.1:PORT --num_processes=2 \
         --process_id=I --local_devices=2 --out=DIR [--steps=T] [--checkpoint_dir=CKPT]

@@ -11,7 +11,7 @@ from scipy import stats
 
 from logit_dp import accounting
 
-# CIFAR-10-like setting of the README worked example.
+# The CIFAR-10 setting of the worked example in docs/guides/privacy_budget.md.
 N = 50_000
 Q = 1000 / N
 T = 1000
@@ -242,8 +242,8 @@ def test_reference_tf_privacy_mnist_tutorial(sigma, epochs, published_eps):
   assert accounting.epsilon(sigma, 1e-5, q, steps, "pld") <= classic_eps
 
 
-def test_readme_worked_example():
-  """The numbers quoted in the README: CIFAR-10, N = 50,000, expected batch
+def test_privacy_budget_guide_example():
+  """The σ of the privacy-budget guide's worked example: CIFAR-10, N = 50,000, expected batch
   1,000 (q = 0.02), 20 epochs (T = 1,000), ε = 5, δ = 1/N."""
   with pytest.warns(UserWarning, match="1/N"):
     sigma = accounting.noise_multiplier(5.0, 1 / N, Q, T, "pld", num_examples=N)

@@ -1,5 +1,7 @@
 """clipped_grad against independent computations: jax.grad and the materialised reference."""
 
+import warnings
+
 import jax
 import jax.extend  # noqa: F401  (jax.extend.core.jaxprs_in_params)
 import jax.numpy as jnp
@@ -158,6 +160,35 @@ def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precisi
   assert ambient and all(p != highest for p in ambient)  # the context does change the default
   assert len(precisions) > 10
   assert all(p == highest for p in precisions), set(map(str, precisions))
+
+
+def test_naive_dp_contracts_at_full_float32_whatever_the_ambient_precision():
+  # ‖∇ℒ‖ and the clipped gradient: every contraction of the core (and of the statistics' core)
+  # at "highest", whatever the ambient default.
+  embed_fn, params, x, x_prime = make_model("conv", n=4)
+  fn = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, microbatch_size=2)
+  mask = jnp.ones((4,), bool)
+  highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+  with jax.default_matmul_precision("bfloat16"):
+    ambient = _contraction_precisions(jax.make_jaxpr(embed_fn)(params, x).jaxpr)
+    for core in (fn.core, fn.stats_core):
+      precisions = _contraction_precisions(jax.make_jaxpr(core)(params, x, x_prime, mask).jaxpr)
+      assert len(precisions) > 5
+      assert all(p == highest for p in precisions), set(map(str, precisions))
+  assert ambient and all(p != highest for p in ambient)  # the context does change the default
+
+
+@pytest.mark.parametrize("builder", ["clipped_grad", "naive_clipped_grad"])
+def test_eager_call_on_an_empty_batch_warns(builder):
+  embed_fn, params, x, x_prime = make_model("mlp", n=4)
+  fn = getattr(logit_dp, builder)(embed_fn, LOSSES["contrastive"], 1.0)
+  with pytest.warns(logit_dp.EmptyBatchWarning, match="no valid pair"):
+    loss, grads = fn(params, x, x_prime, jnp.zeros((4,), bool))
+  assert float(loss) == 0.0 and tree_norm(grads) == 0.0
+  with warnings.catch_warnings():  # a batch with a valid pair, and any batch under jit: silent
+    warnings.simplefilter("error")
+    fn(params, x, x_prime, jnp.array([0, 0, 1, 0]))
+    jax.jit(fn)(params, x, x_prime, jnp.zeros((4,), bool))
 
 
 @pytest.mark.slow  # a tracing count; jit = eager is checked by the non-finite test below

@@ -20,9 +20,11 @@ from conftest import MLP
 from conftest import make_model
 from conftest import require_devices
 from helpers import assert_noise_std
+from helpers import clip_norm_in_a_gap
 from helpers import independence_threshold
 from helpers import max_abs_correlation_z
 from helpers import noise_std_is_rejected
+from helpers import reference_grad
 from helpers import rel_err
 from helpers import tree_norm
 from logit_dp import distributed
@@ -373,6 +375,35 @@ def test_data_mesh_and_padding_helpers():
   with pytest.raises(ValueError, match="axes"):
     distributed.make_sharded_grad_fn(lambda p, a: a, LOSSES["spreadout"], 1.0,
                                      distributed.data_mesh(2, axis_name="batch"))
+
+
+@pytest.mark.parametrize(
+    "method,naive", [("ghost", False), pytest.param("ghost", True, marks=_SLOW)])
+def test_sharded_stats_and_num_dropped_are_those_of_the_global_batch(method, naive):
+  embed_fn, params, x, x_prime, _ = _batch()
+  loss = LOSSES["contrastive"]
+  used = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method), np.float64)
+  clip_norm = clip_norm_in_a_gap(used)
+  sharded = distributed.make_sharded_grad_fn(embed_fn, loss, clip_norm, distributed.data_mesh(4),
+                                             method=method, naive=naive)
+  bad = x.at[5].set(jnp.nan)
+  value, grads, stats = sharded.with_stats(params, bad, x_prime, MASK)
+  _assert_same_on_every_device(stats)
+  valid = MASK & (np.arange(N) != 5)
+  assert int(stats.num_dropped) == 1 and int(stats.num_valid) == int(valid.sum())
+  if naive:  # one norm, ‖∇ℒ‖ of the batch without its dropped row
+    _, ref = reference_grad(embed_fn, loss, params, x, x_prime, valid)
+    counted = np.array([tree_norm(ref)])
+  else:
+    counted = used[np.ix_(valid, valid)].ravel()
+  assert int(stats.num_norms) == counted.size
+  assert int(stats.num_clipped) == int(np.sum(counted > clip_norm))
+  np.testing.assert_allclose(np.asarray(stats.quantiles),
+                             np.quantile(counted, logit_dp.QUANTILE_LEVELS), rtol=1e-5)
+  # with_num_dropped on the global batch: the same (ℒ, ḡ) and the dropped row.
+  plain_value, plain_grads, dropped = sharded.with_num_dropped(params, bad, x_prime, MASK)
+  assert int(dropped) == 1
+  _assert_matches((value, grads), (plain_value, plain_grads), tol=1e-6)
 
 
 def test_nonfinite_pairs_raise_eagerly_like_single_device():

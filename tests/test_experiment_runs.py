@@ -473,3 +473,38 @@ def test_renderer_figures(tmp_path):
   ]
   assert all(os.path.getsize(p) > 0 for p in written)
   assert sorted(os.listdir(tmp_path / "figures")) == sorted(os.path.basename(p) for p in written)
+
+
+def test_renderer_zero_shot_block_averages_the_two_tower_seeds(tmp_path):
+  """The zero_shot block of experiments/clip.py runs: mean ± std (ddof 1) over seeds of each
+  method, the largest ε and δ of the seeds, chance from the class count."""
+  rng = np.random.default_rng(0)
+  top1 = {}
+  for seed in (0, 1, 2):
+    top1[seed] = (float(rng.uniform(0.1, 0.3)), float(rng.uniform(0.2, 0.4)))
+    private = dict(epsilon=7.98 + 0.001 * seed, delta=1e-5, steps=100, noise_multiplier=0.61,
+                   clip_norm=1e-3, train_seconds=600.0 + seed, zero_shot_top1=top1[seed][0],
+                   zero_shot_top5=0.6)
+    results = dict(
+        num_classes=10, num_records=50_000, num_test=2_000, methods=dict(
+            logit_dp=private, non_private=dict(steps=100, train_seconds=30.0,
+                                               zero_shot_top1=top1[seed][1], zero_shot_top5=0.8)))
+    run_dir = tmp_path / f"clip_cifar10_s{seed}"
+    run_dir.mkdir()
+    (run_dir / "results.json").write_text(json.dumps(results))
+  runs = render_results.load_runs(str(tmp_path))
+  out = render_results.render(
+      "<!-- generated:zero_shot:clip_cifar10 -->\n"
+      "<!-- /generated:zero_shot:clip_cifar10 -->\n", runs, None)
+  assert "chance 0.1 (top-1), 0.5 (top-5)" in out
+  for column, label in ((0, "| Logit-DP, two towers"), (1, "| Non-private")):
+    values = [top1[s][column] for s in (0, 1, 2)]
+    cells = _cells(out, label)
+    assert cells[6] == f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
+  assert _cells(out, "| Logit-DP, two towers")[1:6] == ["7.98", "1e-05", "100", "0.61", "0.001"]
+  with pytest.raises(ValueError, match="differ in noise_multiplier"):
+    bad = json.loads((tmp_path / "clip_cifar10_s2" / "results.json").read_text())
+    bad["methods"]["logit_dp"]["noise_multiplier"] = 0.7
+    (tmp_path / "clip_cifar10_s2" / "results.json").write_text(json.dumps(bad))
+    render_results.zero_shot_table(
+        render_results.groups_of(render_results.load_runs(str(tmp_path)))["clip_cifar10"])

@@ -290,6 +290,26 @@ def test_private_train_loss_only_as_labelled_diagnostic(tmp_path):
   assert "train_loss_NONPRIVATE_diagnostic" in header
 
 
+# Slow: the sharded statistics are compared with the global batch's by test_distributed.
+@pytest.mark.parametrize(
+    "method,num_devices",
+    [("logit_dp", 1), pytest.param("naive_dp", 2, marks=pytest.mark.slow)])
+def test_clip_stats_only_as_labelled_diagnostics(tmp_path, method, num_devices):
+  cfg = tiny.get_config()
+  cfg.methods = (method,)
+  cfg.num_devices = num_devices
+  cfg.log_clip_stats = True
+  cfg.log_every, cfg.stop_after_steps = 1, 2
+  record = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)[method]
+  assert record["steps"] == 2
+  with open(os.path.join(tmp_path, method, "metrics.csv")) as f:
+    rows = list(csv.DictReader(f))
+  assert [int(r["step"]) for r in rows] == [0, 1, 2]
+  for row in rows[1:]:
+    assert 0.0 <= float(row["fraction_clipped_NONPRIVATE_diagnostic"]) <= 1.0
+    assert float(row["median_norm_NONPRIVATE_diagnostic"]) > 0.0
+
+
 @pytest.mark.slow  # a second pipeline run; train_head and standardize are tested by default below
 def test_finetune_on_frozen_encoders(pretrained, tmp_path):
   workdir, _ = pretrained

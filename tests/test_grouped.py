@@ -16,6 +16,7 @@ import scipy.stats
 import logit_dp
 from helpers import flat
 from helpers import rel_err
+from helpers import tree_norm
 from logit_dp import audit
 from logit_dp._src import grouped
 
@@ -318,6 +319,33 @@ def test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit():
   nan_params = jax.tree_util.tree_map(lambda a: jnp.full_like(a, jnp.nan), params)
   loss, grads, num = grad_fn.with_num_dropped(nan_params, x, x_prime, record_ids=ids, group_key=KEY)
   assert int(num) == 6 and np.isnan(float(loss)) and np.all(flat(grads) == 0)
+
+
+def test_stats_are_the_norms_of_the_groups_with_a_valid_record(no_norm_allowance):
+  fn, params, x, x_prime, views = make("linear", 11, seed=1, k=1)
+  mask = np.ones(11, bool)
+  mask[[2, 7]] = False
+  ids = jnp.asarray([5, 90, 3, 41, 17, 8, 66, 12, 30, 2, 77])
+  groups = np.asarray(logit_dp.assign_groups(ids, KEY, 4))
+  used = np.unique(groups[mask])
+  norms = np.array([
+      tree_norm(
+          reference(fn, params, x, x_prime, views, mask & (groups == g), groups, 0.7, np.inf)[1])
+      for g in used
+  ])
+  ordered = np.sort(norms)
+  clip_norm = float((ordered[0] + ordered[1]) / 2)
+  grad_fn = logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(0.7), clip_norm, 4)
+  loss, grads, stats = grad_fn.with_stats(params, x, x_prime, jnp.asarray(mask), record_ids=ids,
+                                          group_key=KEY, extra_views=views)
+  assert int(stats.num_valid) == 9 and int(stats.num_dropped) == 0
+  assert int(stats.num_norms) == len(used) and int(stats.num_clipped) == len(used) - 1
+  np.testing.assert_allclose(np.asarray(stats.quantiles),
+                             np.quantile(norms, logit_dp.QUANTILE_LEVELS), rtol=1e-5)
+  plain_loss, plain = grad_fn(params, x, x_prime, jnp.asarray(mask), record_ids=ids, group_key=KEY,
+                              extra_views=views)
+  np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-6)
+  assert rel_err(grads, plain) < 1e-6
 
 
 @pytest.mark.slow  # test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit jits by default

@@ -290,3 +290,30 @@ def test_budgeted_sampler_refuses_past_the_budget_and_records_nothing():
     logit_dp.BudgetedSampler(num_records=300, sampling_rate=0.05)
   with pytest.raises(ValueError, match="step must be"):
     budgeted(-1)
+
+
+def test_check_budgets_accounts_once_per_new_maximum(monkeypatch):
+  from logit_dp._src import ledger as ledger_src
+  calls = []
+  epsilon = ledger_src.accounting.epsilon
+
+  def counting(*args, **kwargs):
+    calls.append(args[3])  # the number of steps
+    return epsilon(*args, **kwargs)
+
+  monkeypatch.setattr(ledger_src.accounting, "epsilon", counting)
+  ledger = PrivacyLedger(noise_multiplier=1.2345, sampling_rate=0.01, target_delta=1e-5,
+                         accountant="rdp")
+  budget = accounting.epsilon(1.2345, 1e-5, 0.01, 50, "rdp")
+  ledger.epsilon_budget = budget
+  ledger.check_budgets(50)
+  for t in (1, 10, 49, 50):  # fewer steps than a count within the budget: within it too
+    ledger.check_budgets(t)
+  assert calls == [50]
+  with pytest.raises(PrivacyBudgetExceededError):
+    ledger.check_budgets(51)
+  ledger.epsilon_budget = accounting.epsilon(1.2345, 1e-5, 0.01, 20, "rdp")  # another budget
+  with pytest.raises(PrivacyBudgetExceededError):
+    ledger.check_budgets(30)
+  with pytest.raises(ValueError, match="steps"):
+    ledger.check_budgets(-1)

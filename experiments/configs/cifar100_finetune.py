@@ -3,7 +3,7 @@
 Batch 400, 10 epochs, Adam lr 1e-2, head 64-32-20, as the paper; unlike the paper, the frozen
 embeddings are standardised per feature with the CIFAR-100 train split's mean and std before
 the head (`standardize_embeddings`): without it the head collapsed to one class on a private
-encoder whose embeddings have norms around 10 (docs/RESULTS.md).
+encoder whose embeddings have norms around 10 (docs/results_in_detail.md).
 
     python experiments/finetune.py --config=experiments/configs/cifar100_finetune.py \
         --config.pretrain_workdir=runs/cifar10_embnet --config.data.npz_dir=DIR

@@ -14,7 +14,7 @@ steps.  Exact ghost clipping at n = 10,000 costs O(n^2 d p) per step: an acceler
 `cifar10_embedding_net_projected` (clip_method="projected": a bound exact on the span of public
 CIFAR-100 references' Jacobians, close to the exact norms), not clip_method="triangle": the
 triangle bound over-estimates the negative pairs' norms several-fold, so clipping biases the
-gradient towards collapsed embeddings (docs/RESULTS.md).
+gradient towards collapsed embeddings (docs/results_in_detail.md).
 """
 
 from experiments.configs import default

@@ -1,4 +1,4 @@
-"""The paper-size embedding-net run on a CPU: clip_method="triangle" (docs/RESULTS.md).
+"""The paper-size embedding-net run on a CPU: clip_method="triangle" (docs/results_in_detail.md).
 
 Everything as in `cifar10_embedding_net` (all 25,000 same-class pair records of the
 50,000 CIFAR-10 train images, expected batch 10,000, q = 0.4, T = 50, 20 epochs,

@@ -74,6 +74,9 @@ def get_config():
   config.clip_method = "ghost"
   config.microbatch_size = config_dict.placeholder(int)
   config.log_private_train_loss = False
+  # The fraction of pairs clipped and the median pair norm of each logged step (NON-PRIVATE
+  # diagnostics for tuning clip_norm: they are computed on the batch without noise).
+  config.log_clip_stats = False
   # DP-GCL (method "dp_gcl", the grouped baseline): records are hashed by id into
   # G = round(batch_size / group_size) groups every step; extra_views augmented views of
   # each record join its group's negatives. Not in `methods` by default.

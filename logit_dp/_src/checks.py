@@ -3,6 +3,7 @@ non-private result."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,21 @@ from logit_dp._src import rows as rows_lib
 
 # embed_fn(params, x) -> (n, d); x is an array or a pytree of arrays, examples along axis 0.
 EmbedFn = Callable[[Any, Any], jax.Array]
+
+
+class EmptyBatchWarning(UserWarning):
+  """A batch had no valid pair (mask all False): ℒ = 0 and ḡ = 0, and a private step
+  releases pure noise."""
+
+
+def warn_if_empty(what: str, mask) -> None:
+  """Eager calls only: `EmptyBatchWarning` when ``mask`` is given and all False."""
+  if mask is None or rows_lib.is_traced(mask) or bool(np.any(np.asarray(mask))):
+    return
+  warnings.warn(
+      f"{what}: the batch has no valid pair (mask all False), so ℒ = 0 and ḡ = 0; "
+      "a Poisson batch is empty by chance, anything else is a masking error.", EmptyBatchWarning,
+      stacklevel=3)
 
 
 def raise_if_dropped(what: str, tree, num_dropped, unit: str = "pair(s)") -> None:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from logit_dp._src import checks
+from logit_dp._src import clip_stats
 from logit_dp._src import collective as collective_lib
 from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import mechanisms
@@ -52,12 +53,13 @@ METHODS = methods.METHODS
 def build_grad_fn(core, embed_fn: checks.EmbedFn, loss, clip_norm: float,
                   mechanism: mechanisms.Mechanism, clip_method: methods.ClipMethod | None,
                   description: str, axis_name: str | None = None,
-                  positive_embed_fn: checks.EmbedFn | None = None,
+                  positive_embed_fn: checks.EmbedFn | None = None, stats_core=None,
                   stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
   """The `ClippedGradFn` of a (params, x, x_prime, mask[, key]) -> (ℒ, ḡ, n_nonfinite) core:
   jitted, with the pair inputs checked (`checks.check_pair_inputs`; the batch size over every
   shard of axis_name; key= required exactly when stochastic, `stochastic.check_key`) and the
-  towers checked on first use (`checks.check_towers`)."""
+  towers checked on first use (`checks.check_towers`). stats_core: the same arguments ->
+  (ℒ, ḡ, `ClipStats`), jitted separately (None: no statistics)."""
   min_batch_size = getattr(loss, "min_batch_size", 1)
   stochastic = stochastic_lib.check_stochastic(stochastic)
 
@@ -74,7 +76,9 @@ def build_grad_fn(core, embed_fn: checks.EmbedFn, loss, clip_norm: float,
   return grad_fn_lib.ClippedGradFn(core=jax.jit(core), check_inputs=check_inputs,
                                    check_model=check_model, mechanism=mechanism,
                                    clip_norm=clip_norm, loss=loss, clip_method=clip_method,
-                                   description=description, stochastic=stochastic)
+                                   description=description,
+                                   stats_core=None if stats_core is None else jax.jit(stats_core),
+                                   stochastic=stochastic)
 
 
 def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
@@ -154,7 +158,12 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   inputs or embeddings; under jit it masks those pairs out (still private: it is
   the same as removing them). `grad_fn.with_num_dropped(...)` returns
   (ℒ, ḡ, num_dropped) with their number, and ℒ is NaN when every valid pair was
-  dropped (e.g. NaN parameters), so a diverged run cannot look like loss 0.
+  dropped (e.g. NaN parameters), so a diverged run cannot look like loss 0. An eager call
+  with a mask that is all False warns `EmptyBatchWarning` (ℒ = 0, ḡ = 0).
+  `grad_fn.with_stats(...)` returns (ℒ, ḡ, `ClipStats`): the number and fraction of valid
+  pairs (i, j) whose norm exceeded B, quantiles of the norms clipping used (allowances
+  included), the valid and dropped rows. They are NON-PRIVATE diagnostics (computed from
+  the batch without noise), compiled separately from the plain call, which does not keep them.
   grad_fn is a `ClippedGradFn`: ``grad_fn.sensitivity()`` is the C to noise ḡ with,
   ``grad_fn.mechanism`` is `Mechanism.LOGIT_DP` and ``grad_fn.clip_method`` the resolved
   method.
@@ -176,16 +185,35 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                          embed_fn=embed_fn, positive_embed_fn=positive_embed_fn)
   collective = collective_lib.Collective(axis_name)
 
-  @numerics.full_float32
-  def core(params, x, x_prime, mask, key=None):
+  def body(params, x, x_prime, mask, with_stats, key):
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
                                                 positive_embed_fn, key)
-    grads = methods.with_key(clip, key).clipped_grad(batch, tau[batch.rows], clip_norm)
+    keyed_clip = methods.with_key(clip, key)
+    if with_stats:
+      grads, norms = keyed_clip.clipped_grad_and_norms(batch, tau[batch.rows], clip_norm)
+      return (collective.replicated(loss_value), grads,
+              clip_stats.pair_stats(batch, norms, clip_norm))
+    grads = keyed_clip.clipped_grad(batch, tau[batch.rows], clip_norm)
     return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
 
+  core, stats_core = _cores(body)
   return build_grad_fn(core, embed_fn, loss, clip_norm, mechanisms.Mechanism.LOGIT_DP, clip,
-                       f"clipped_grad({clip.name})", axis_name, positive_embed_fn, stochastic)
+                       f"clipped_grad({clip.name})", axis_name, positive_embed_fn, stats_core,
+                       stochastic)
+
+
+def _cores(body) -> tuple[Any, Any]:
+  """(core, stats_core): body(params, x, x_prime, mask, with_stats, key) without and with the
+  statistics, each traced at full float32 precision (`numerics.full_float32`); key: the
+  model's key of a stochastic embed_fn (None: deterministic)."""
+  def core(params, x, x_prime, mask, key=None):
+    return body(params, x, x_prime, mask, False, key)
+
+  def stats_core(params, x, x_prime, mask, key=None):
+    return body(params, x, x_prime, mask, True, key)
+
+  return numerics.full_float32(core), numerics.full_float32(stats_core)
 
 
 def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
@@ -247,7 +275,11 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
   Sensitivity 2B under add-or-remove-one (`logit_dp.naive_sensitivity`). Same
-  signature and mask/axis/two-tower/stochastic semantics as `clipped_grad`.
+  signature and mask/axis/two-tower/stochastic semantics as `clipped_grad`, and the same
+  precision: embed_fn and the backward pass are traced at
+  `jax.default_matmul_precision("highest")`, so that ‖∇ℒ‖ and the clipped gradient agree on
+  every backend. ``grad_fn.with_stats`` returns the `ClipStats` of its one norm ‖∇ℒ‖
+  (NON-PRIVATE).
   """
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   checks.check_microbatch(microbatch_size)
@@ -255,7 +287,7 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
   stochastic_lib.check_stochastic(stochastic)
   collective = collective_lib.Collective(axis_name)
 
-  def core(params, x, x_prime, mask, key=None):
+  def body(params, x, x_prime, mask, with_stats, key):
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
                                                 positive_embed_fn, key)
@@ -263,10 +295,16 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
     norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
     factor = numerics.clip_factor(norm, clip_norm)
     clipped = jax.tree_util.tree_map(lambda g: jnp.where(factor > 0, g * factor, 0.0), grads)
-    return (collective.replicated(loss_value), clipped, collective.replicated(batch.num_nonfinite))
+    loss_value = collective.replicated(loss_value)
+    if with_stats:  # one norm, ‖∇ℒ‖, counted when the batch has a valid pair
+      num_valid = jnp.sum(batch.valid, dtype=jnp.int32)
+      stats = clip_stats.summarize(norm, num_valid > 0, clip_norm, num_valid, batch.num_nonfinite)
+      return loss_value, clipped, jax.tree_util.tree_map(collective.replicated, stats)
+    return loss_value, clipped, collective.replicated(batch.num_nonfinite)
 
+  core, stats_core = _cores(body)
   return build_grad_fn(core, embed_fn, loss, clip_norm, mechanisms.Mechanism.NAIVE_DP, None,
-                       "naive_clipped_grad", axis_name, positive_embed_fn, stochastic)
+                       "naive_clipped_grad", axis_name, positive_embed_fn, stats_core, stochastic)
 
 
 def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, method: str = "ghost",

@@ -371,7 +371,9 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   batch, replicated on every device. Called eagerly it raises ValueError on
   non-finite valid pairs, like `clipped_grad`; `grad_fn.shard_mapped` is the
   un-jitted shard_map (returning (ℒ, ḡ, num_nonfinite)) for use inside your
-  own jitted step.
+  own jitted step. ``grad_fn.with_num_dropped`` and ``grad_fn.with_stats`` are those of
+  `clipped_grad` on the global batch: the `ClipStats` are aggregated over the devices
+  (NON-PRIVATE diagnostics).
 
   Args:
     embed_fn, loss, clip_norm: as in `logit_dp.clipped_grad`.
@@ -390,9 +392,11 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
   stochastic = shard_fn.stochastic
   batch_spec = P(axis_name)
-  key_spec = (P(),) if stochastic else ()  # the model's key, replicated
-  shard_mapped = _shard_map(shard_fn.core, mesh,
-                            (P(), batch_spec, batch_spec, batch_spec) + key_spec, (P(), P(), P()))
+  # The model's key of a stochastic embed_fn, replicated.
+  in_specs = (P(), batch_spec, batch_spec, batch_spec) + ((P(),) if stochastic else ())
+  shard_mapped = _shard_map(shard_fn.core, mesh, in_specs, (P(), P(), P()))
+  # (ℒ, ḡ, ClipStats): the statistics of the global batch, the same on every device.
+  stats_mapped = _shard_map(shard_fn.stats_core, mesh, in_specs, (P(), P(), P()))
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
   check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
 
@@ -408,7 +412,7 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
                        check_model=check_model, mechanism=shard_fn.mechanism,
                        clip_norm=shard_fn.clip_norm, loss=loss, clip_method=shard_fn.clip_method,
                        description=shard_fn.description, shard_mapped=shard_mapped, mesh=mesh,
-                       stochastic=stochastic)
+                       stats_core=jax.jit(stats_mapped), stochastic=stochastic)
 
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from logit_dp._src import checks
+from logit_dp._src import clip_stats
 from logit_dp._src import mechanisms
 from logit_dp._src import methods
 
@@ -38,12 +39,15 @@ class CheckedCall:
   check_model: Callable[..., None] = dataclasses.field(repr=False)
   _checked: list = dataclasses.field(default_factory=list, repr=False)
 
-  def _checked_core(self, *args, **kwargs):
+  def _checked_args(self, *args, **kwargs) -> tuple:
     core_args = self.check_inputs(*args, **kwargs)
     if not self._checked:  # on first use
       self.check_model(*core_args)
       self._checked.append(True)
-    return self.core(*core_args)
+    return core_args
+
+  def _checked_core(self, *args, **kwargs):
+    return self.core(*self._checked_args(*args, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -70,6 +74,7 @@ class ClippedGradFn(CheckedCall):
       embeddings (masked out).
     stochastic: embed_fn is embed_fn(params, x, key) and every call takes key= (a fresh key
       per step, independent of the noise key); the core then takes the key after the mask.
+    stats_core: the same computation returning (ℒ, ḡ, `ClipStats`) (None: no statistics).
   """
   mechanism: mechanisms.Mechanism
   clip_norm: float
@@ -79,6 +84,7 @@ class ClippedGradFn(CheckedCall):
   description: str = ""
   unit: str = "pair(s)"
   stochastic: bool = False
+  stats_core: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
 
   @property
   def method(self) -> str:
@@ -100,9 +106,28 @@ class ClippedGradFn(CheckedCall):
     dropped for non-finite inputs or embeddings (ℒ is NaN when that is all of them)."""
     return self._checked_core(params, x, x_prime, mask, **kwargs)
 
+  def with_stats(self, params, x, x_prime, mask=None,
+                 **kwargs) -> tuple[jax.Array, Any, clip_stats.ClipStats]:
+    """(ℒ, ḡ, stats): (ℒ, ḡ) as `with_num_dropped`, never raising, and the `ClipStats` of the
+    norms ḡ was clipped by (stats.num_dropped is with_num_dropped's count), all from one
+    jitted computation.
+
+    The statistics are NON-PRIVATE: they depend on the batch without noise (`ClipStats`).
+    That computation is compiled separately and keeps every norm; the plain call does not
+    compute them. TypeError for a function without statistics.
+    """
+    if self.stats_core is None:
+      raise TypeError(f"{self.description} does not compute clip statistics.")
+    return self.stats_core(*self._checked_args(params, x, x_prime, mask, **kwargs))
+
   def __call__(self, params, x, x_prime, mask=None, **kwargs) -> tuple[jax.Array, Any]:
-    """(ℒ, ḡ) on the batch of pairs (x_i, x'_i) with mask_i true."""
+    """(ℒ, ḡ) on the batch of pairs (x_i, x'_i) with mask_i true.
+
+    Called eagerly it raises ValueError when valid rows were dropped for non-finite inputs
+    or embeddings, and warns `EmptyBatchWarning` when the mask is all False (ℒ = 0, ḡ = 0).
+    """
     loss_value, grads, num_dropped = self.with_num_dropped(params, x, x_prime, mask, **kwargs)
     checks.raise_if_dropped(self.description, (params, x, x_prime, mask, kwargs), num_dropped,
                             self.unit)
+    checks.warn_if_empty(self.description, mask)
     return loss_value, grads

@@ -42,6 +42,7 @@ import numpy as np
 
 from logit_dp._src import checks
 from logit_dp._src import chunking
+from logit_dp._src import clip_stats
 from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import losses as losses_lib
 from logit_dp._src import mechanisms
@@ -199,6 +200,8 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   extra_views: optional (n, k, ...) extra augmented views of each record (same example
   shape as x). Called eagerly, grad_fn raises ValueError when a valid record has non-finite
   inputs or embeddings; under jit such records are dropped (the same as removing them).
+  ``grad_fn.with_stats`` returns (ℒ, ḡ, `ClipStats`) over the norms ‖∇_w L_g‖ of the groups
+  with a valid record (NON-PRIVATE diagnostics).
   """
   if not isinstance(loss, losses_lib.Contrastive):
     raise ValueError(f"grouped_clipped_grad needs logit_dp.losses.contrastive(τ), got {loss!r}: "
@@ -209,7 +212,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   stochastic = stochastic_lib.check_stochastic(stochastic)
   temperature = float(loss.temperature)
 
-  def core(params, x, x_prime, mask, group_ids, extra_views, key=None):
+  def body(params, x, x_prime, mask, group_ids, extra_views, with_stats, key):
     n = x.shape[0]
     k = 0 if extra_views is None else extra_views.shape[1]
     views = jnp.zeros((n, 0) + x.shape[1:], x.dtype) if extra_views is None else extra_views
@@ -268,7 +271,18 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
         lambda g: jnp.tensordot(factor.astype(g.dtype), _zero_rows(finite, g), axes=1, precision=
                                 _HIGHEST), group_grads)
     all_dropped = (num_nonfinite > 0) & ~jnp.any(valid)
-    return jnp.where(all_dropped, jnp.nan, loss_value), grads, num_nonfinite
+    loss_value = jnp.where(all_dropped, jnp.nan, loss_value)
+    if with_stats:  # the norms of the groups with a valid record
+      members = jax.ops.segment_sum(valid.astype(jnp.int32), group_ids, num_segments=num_groups)
+      return loss_value, grads, clip_stats.summarize(norms, members > 0, bound,
+                                                     jnp.sum(valid, dtype=jnp.int32), num_nonfinite)
+    return loss_value, grads, num_nonfinite
+
+  def core(params, x, x_prime, mask, group_ids, extra_views, key=None):
+    return body(params, x, x_prime, mask, group_ids, extra_views, False, key)
+
+  def stats_core(params, x, x_prime, mask, group_ids, extra_views, key=None):
+    return body(params, x, x_prime, mask, group_ids, extra_views, True, key)
 
   def check_inputs(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None,
                    key=None):
@@ -284,12 +298,11 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     del x_prime, mask, groups, extra_views  # the same model embeds every view
     checks.check_embed_fn(embed_fn, params, x, key=key)
 
-  return grad_fn_lib.ClippedGradFn(core=jax.jit(numerics.full_float32(core)),
-                                   check_inputs=check_inputs, check_model=check_model,
-                                   mechanism=mechanisms.Mechanism.DP_GCL, clip_norm=bound,
-                                   loss=loss, num_groups=num_groups,
-                                   description="grouped_clipped_grad", unit="record(s)",
-                                   stochastic=stochastic)
+  return grad_fn_lib.ClippedGradFn(
+      core=jax.jit(numerics.full_float32(core)), check_inputs=check_inputs, check_model=check_model,
+      mechanism=mechanisms.Mechanism.DP_GCL, clip_norm=bound, loss=loss, num_groups=num_groups,
+      description="grouped_clipped_grad", unit="record(s)",
+      stats_core=jax.jit(numerics.full_float32(stats_core)), stochastic=stochastic)
 
 
 def _check_record_ids(record_ids, mask, n: int) -> jax.Array:

@@ -91,6 +91,10 @@ def accountant_delta(target_epsilon: float, target_delta: float, steps: int,
   return math.nextafter(dlt - extra, 0.0) if extra else dlt
 
 
+#: Per mechanism and budgets: the most steps `PrivacyLedger.check_budgets` found within them.
+_WITHIN_BUDGET: dict[tuple, int] = {}
+
+
 @dataclasses.dataclass
 class PrivacyLedger:
   """Privacy state of a training run: parameters of the mechanism and steps taken.
@@ -256,7 +260,21 @@ class PrivacyLedger:
 
   def check_budgets(self, steps: int) -> None:
     """Raises `PrivacyBudgetExceededError` if running to ``steps`` steps (in all) would spend
-    ε(steps) > epsilon_budget or certify δ(steps) > delta_budget."""
+    ε(steps) > epsilon_budget or certify δ(steps) > delta_budget.
+
+    Releasing fewer steps is post-processing of releasing more, so a count at or below one
+    already found within the same budgets (same mechanism) passes without accounting again:
+    a loop that checks every step accounts once per new maximum, not once per step.
+    """
+    if isinstance(steps, bool) or int(steps) != steps or steps < 0:
+      raise ValueError(f"steps must be an integer ≥ 0, got {steps!r}.")
+    if self.epsilon_budget is None and self.delta_budget is None:
+      return
+    key = (self.noise_multiplier, self.sampling_rate, self.target_delta, self.accountant,
+           self.overflow_probability, self.pld_discretization, self.epsilon_budget,
+           self.delta_budget)
+    if int(steps) <= _WITHIN_BUDGET.get(key, 0):
+      return
     new_eps = self.epsilon(steps)
     if self.epsilon_budget is not None and new_eps > self.epsilon_budget:
       raise PrivacyBudgetExceededError(
@@ -272,6 +290,7 @@ class PrivacyLedger:
             f"{self.delta_budget:g} (accountant δ {self.target_delta:g} plus the overflow term "
             "of the padded batches). Stop training, or call ledger.record_steps(k, "
             "allow_exceeding_budget=True) to continue knowingly.")
+    _WITHIN_BUDGET[key] = max(_WITHIN_BUDGET.get(key, 0), int(steps))
 
   def record_steps(self, k: int = 1, *, allow_exceeding_budget: bool = False) -> float:
     """Records k more noisy steps and returns the new ε.

@@ -35,6 +35,7 @@ from logit_dp._src import distributed
 from logit_dp._src import ledger as ledger_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import sensitivity as sensitivity_lib
+from logit_dp._src.checks import EmptyBatchWarning
 from logit_dp._src.ledger import BudgetedSampler
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.noise import AddNoiseState
@@ -50,10 +51,6 @@ REPORT_POLICIES = ("warn", "error", "ignore")
 
 class NonFiniteRowsWarning(UserWarning):
   """Valid pairs with non-finite inputs or embeddings were dropped from a private step."""
-
-
-class EmptyBatchWarning(UserWarning):
-  """A private step had no valid pair: its released update is pure noise."""
 
 
 class UnrecordedStepError(RuntimeError):

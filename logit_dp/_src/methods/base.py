@@ -24,7 +24,8 @@ class ClipMethod(abc.ABC):
   batch's plans say which):
 
   * `pair_norms`: the (n_local, n) norms ‖g_ij‖, or upper bounds of them, that clipping uses;
-  * `clipped_grad`: ḡ = Σ_ij τ_ij·min(1, B/‖g_ij‖)·g_ij, summed over devices.
+  * `clipped_grad`: ḡ = Σ_ij τ_ij·min(1, B/‖g_ij‖)·g_ij, summed over devices;
+  * `clipped_grad_and_norms`: ḡ and the norms it was clipped by (for `ClipStats`).
 
   Every norm is at or above the true ‖g_ij‖ (with the float32 allowances of `numerics`), so
   each clipped pair gradient has norm ≤ B and ḡ has the sensitivity `logit_dp.sensitivity`.
@@ -55,3 +56,10 @@ class ClipMethod(abc.ABC):
     norms, factors = self.pair_norms_with_factors(batch, 1.0)
     lam_local = tau_local * numerics.clip_factor(norms, clip_norm)
     return batch.weighted_backward(lam_local, batch.c.gather(lam_local), factors)
+
+  def clipped_grad_and_norms(self, batch: pair_batch.PairBatch, tau_local: jax.Array,
+                             clip_norm: float) -> tuple[Any, jax.Array]:
+    """(ḡ of `clipped_grad`, the (n_local, n) norms it clipped by), from one computation."""
+    norms, factors = self.pair_norms_with_factors(batch, 1.0)
+    lam_local = tau_local * numerics.clip_factor(norms, clip_norm)
+    return batch.weighted_backward(lam_local, batch.c.gather(lam_local), factors), norms

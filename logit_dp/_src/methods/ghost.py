@@ -49,6 +49,13 @@ class Ghost(base.ClipMethod):
       return super().clipped_grad(batch, tau_local, clip_norm)
     return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget)[1]
 
+  def clipped_grad_and_norms(self, batch, tau_local, clip_norm) -> tuple[Any, jax.Array]:
+    """See `base.ClipMethod.clipped_grad_and_norms`."""
+    if batch.two_tower:
+      return super().clipped_grad_and_norms(batch, tau_local, clip_norm)
+    norms, grads = ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget)
+    return grads, norms
+
 
 jax.tree_util.register_dataclass(Ghost, data_fields=[], meta_fields=["memory_budget"])
 

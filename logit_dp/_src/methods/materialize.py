@@ -40,6 +40,10 @@ class Materialize(base.ClipMethod):
     """See `base.ClipMethod.clipped_grad`."""
     return materialize(batch, tau_local, clip_norm, self.pair_block_size)[0]
 
+  def clipped_grad_and_norms(self, batch, tau_local, clip_norm) -> tuple[Any, jax.Array]:
+    """See `base.ClipMethod.clipped_grad_and_norms`."""
+    return materialize(batch, tau_local, clip_norm, self.pair_block_size)
+
 
 jax.tree_util.register_dataclass(Materialize, data_fields=[], meta_fields=["pair_block_size"])
 
