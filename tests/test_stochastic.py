@@ -505,3 +505,18 @@ def test_worst_case_search_with_dropout_stays_within_the_sensitivity():
                                    key=jax.random.PRNGKey(0), num_restarts=2, num_steps=5,
                                    model_key=jax.random.key(16))
   assert 0 < result.ratio <= 1 + 1e-4
+
+
+@pytest.mark.slow
+def test_clip_statistics_of_a_dropout_model_are_those_of_its_norms(no_float_allowance):
+  embed_fn, params = _model("plain")
+  x, x_prime = _data()
+  key = jax.random.key(17)
+  truth, _, _ = _brute_force(embed_fn, params, x, x_prime, key, 1.0, float64=True)
+  clip = float(np.median(truth))
+  grad_fn = logit_dp.clipped_grad(embed_fn, LOSS, clip, stochastic=True)
+  _, grads, stats = grad_fn.with_stats(params, x, x_prime, key=key)
+  np.testing.assert_allclose(flat(grads), flat(grad_fn(params, x, x_prime, key=key)[1]), rtol=1e-6)
+  assert int(stats.num_norms) == truth.size
+  assert int(stats.num_clipped) == int(np.sum(truth > clip))
+  np.testing.assert_allclose(float(stats.quantiles[-1]), np.max(truth), rtol=1e-4)
