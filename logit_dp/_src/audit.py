@@ -57,6 +57,7 @@ from logit_dp._src import methods
 from logit_dp._src import numerics
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
+from logit_dp._src import stochastic as stochastic_lib
 
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
 _TINY = 1e-30
@@ -138,9 +139,13 @@ def _reference(method, reference_inputs, projection_rank, embed_fn,
 
 @functools.lru_cache(maxsize=64)
 def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, positive_embed_fn=None,
-               reference: _Reference | None = None):
-  """The jitted core of the audited grad_fn (cached: one compilation per configuration)."""
+               reference: _Reference | None = None, stochastic: bool = False):
+  """The jitted core of the audited grad_fn (cached: one compilation per configuration);
+  stochastic: it takes the model's key after the mask."""
   if mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL:
+    if stochastic:
+      raise ValueError("method='dp_gcl' audits deterministic models: model_key is not "
+                       "supported.")
     if grouping is None:
       raise ValueError("method='dp_gcl' needs num_groups.")
     if positive_embed_fn is not None:
@@ -159,7 +164,8 @@ def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, pos
   projected = {} if reference is None else dict(reference_inputs=reference.inputs,
                                                 projection_rank=reference.rank)
   fn = clipping.private_grad(embed_fn, loss, clip_norm, method, cosine_eps=cosine_eps,
-                             positive_embed_fn=positive_embed_fn, **projected)
+                             positive_embed_fn=positive_embed_fn, stochastic=stochastic,
+                             **projected)
   return fn.core
 
 
@@ -167,14 +173,15 @@ def _flat(tree) -> jax.Array:
   return jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
-def _gaps_fn(core, params, x, x_prime, mask, chunk):
-  """gap_k for every k: ḡ(X) against ḡ(X with pair k masked out)."""
+def _gaps_fn(core, params, x, x_prime, mask, chunk, keys=()):
+  """gap_k for every k: ḡ(X) against ḡ(X with pair k masked out); keys: (the model's key,) of a
+  stochastic core, the same for both (every other example keeps its randomness)."""
   n = rows_lib.num_rows(x)
-  _, full, _ = core(params, x, x_prime, mask)
+  _, full, _ = core(params, x, x_prime, mask, *keys)
   full = _flat(full)
 
   def one(k):
-    _, g, _ = core(params, x, x_prime, mask & (jnp.arange(n) != k))
+    _, g, _ = core(params, x, x_prime, mask & (jnp.arange(n) != k), *keys)
     d = _flat(g) - full
     return jnp.sum(d * d)
 
@@ -186,8 +193,8 @@ def _gaps_fn(core, params, x, x_prime, mask, chunk):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
-def _gaps_jit(core, params, x, x_prime, mask, chunk):
-  return jnp.sqrt(_gaps_fn(core, params, x, x_prime, mask, chunk))
+def _gaps_jit(core, params, x, x_prime, mask, chunk, keys=()):
+  return jnp.sqrt(_gaps_fn(core, params, x, x_prime, mask, chunk, keys))
 
 
 def _check_method(method: str) -> str:
@@ -208,7 +215,8 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
                  cosine_eps: float = numerics.DEFAULT_COSINE_EPS, num_groups: int | None = None,
                  group_seed: int = 0, extra_views_fn: Callable | None = None,
                  positive_embed_fn: EmbedFn | None = None, reference_inputs: Any = None,
-                 projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> np.ndarray:
+                 projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
+                 model_key: Any = None) -> np.ndarray:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, as an (n,) array.
 
   Args:
@@ -222,14 +230,26 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
       may be pytrees).
     reference_inputs, projection_rank: the public reference of method="projected", as for
       `logit_dp.clipped_grad`.
+    model_key: a stochastic embed_fn(params, x, key) (`clipped_grad(..., stochastic=True)`)
+      with this key in both ḡ(X) and ḡ(X∖k): the gaps conditioned on the model's randomness,
+      which the sensitivity bounds for every value of it. None: embed_fn(params, x).
   """
   method = _check_method(method)
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, mask)
+  keys = _model_keys(model_key)
   core = _make_core(
       embed_fn, loss, clip_norm, method, cosine_eps, grouping, positive_embed_fn,
-      _reference(method, reference_inputs, projection_rank, embed_fn, positive_embed_fn))
-  return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk), np.float64)
+      _reference(method, reference_inputs, projection_rank, embed_fn, positive_embed_fn),
+      bool(keys))
+  return np.asarray(_gaps_jit(core, params, x, x_prime, mask, chunk, keys), np.float64)
+
+
+def _model_keys(model_key) -> tuple:
+  """(model_key,) checked as a PRNG key, or () for a deterministic model."""
+  if model_key is None:
+    return ()
+  return (stochastic_lib.check_key(model_key, True, "the audit"),)
 
 
 def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, mask=None,
@@ -238,7 +258,8 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None,
                       positive_embed_fn: EmbedFn | None = None, reference_inputs: Any = None,
-                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
+                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
+                      model_key: Any = None) -> RemovalAudit:
   """max_k ‖ḡ(X) − ḡ(X∖k)‖₂ and its ratio to the sensitivity.
 
   Args: as for `removal_gaps`; method="naive" audits Naive-DP and "dp_gcl" DP-GCL against 2B.
@@ -254,20 +275,21 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       chunk=chunk, cosine_eps=cosine_eps, num_groups=num_groups,
                       group_seed=group_seed, extra_views_fn=extra_views_fn,
                       positive_embed_fn=positive_embed_fn, reference_inputs=reference_inputs,
-                      projection_rank=projection_rank)
+                      projection_rank=projection_rank, model_key=model_key)
   x, x_prime, mask_arr = _prepare(loss, x, x_prime, mask)
   return _result(gaps, loss, clip_norm, mask_arr, method, params, x, x_prime)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x_prime, mask):
+def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x_prime, mask,
+            keys=()):
   """Adam ascent on (x, x′[, w]); returns the best max_k gap_k² seen and its arguments, or +inf
   and the first point where a gap was not finite."""
   opt = optax.adam(learning_rate)
 
   def objective(variables):
     p = variables["params"] if optimize_params else params
-    sq = _gaps_fn(core, p, variables["x"], variables["x_prime"], mask, chunk)
+    sq = _gaps_fn(core, p, variables["x"], variables["x_prime"], mask, chunk, keys)
     surrogate = jax.nn.logsumexp(jnp.where(mask, jnp.log(sq + _TINY), -jnp.inf))
     return surrogate, jnp.max(sq)
 
@@ -331,9 +353,9 @@ def _restart_points(params, x, x_prime, key, num_restarts, init_scale, optimize_
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
-def _evaluate_many(core, params, xs, xps, mask, chunk):
+def _evaluate_many(core, params, xs, xps, mask, chunk, keys=()):
   """gap_k for a stack of batches (the same params): (restarts, n)."""
-  return jnp.sqrt(jax.vmap(lambda a, b: _gaps_fn(core, params, a, b, mask, chunk))(xs, xps))
+  return jnp.sqrt(jax.vmap(lambda a, b: _gaps_fn(core, params, a, b, mask, chunk, keys))(xs, xps))
 
 
 def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime) -> RemovalAudit:
@@ -351,7 +373,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       chunk: int | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None, reference_inputs: Any = None,
-                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> RemovalAudit:
+                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
+                      model_key: Any = None) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
 
   Restart 0 starts from (x, x′, params); restart r ≥ 1 from inputs drawn
@@ -383,6 +406,7 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     cosine_eps: as for `logit_dp.clipped_grad`.
     num_groups, group_seed, extra_views_fn: the DP-GCL configuration (method="dp_gcl").
     reference_inputs, projection_rank: method="projected"'s public reference (kept fixed).
+    model_key: a stochastic model's key, held fixed during the search (`removal_gaps`).
 
   Returns:
     The `RemovalAudit` of the worst (x, x′, params) found.
@@ -396,13 +420,15 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, None)
   reference = _reference(method, reference_inputs, projection_rank, embed_fn)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, None, reference)
+  keys = _model_keys(model_key)
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, None, reference,
+                    bool(keys))
   points = _restart_points(params, x, x_prime, key, int(num_restarts), float(init_scale),
                            bool(optimize_params))
   if num_steps == 0 and not optimize_params:
     gaps = np.asarray(
         _evaluate_many(core, params, jnp.stack([p[1] for p in points]),
-                       jnp.stack([p[2] for p in points]), mask, chunk))
+                       jnp.stack([p[2] for p in points]), mask, chunk, keys))
     # A restart with a non-finite gap is the result (+inf): its ratio is NaN and fails.
     values = np.where(np.all(np.isfinite(gaps), axis=1), np.max(gaps, axis=1), np.inf)
     r = int(np.argmax(values))
@@ -411,11 +437,11 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     best, best_args = -1.0, points[0]
     for p0, x0, xp0 in points:
       if num_steps == 0:
-        value, v = float(jnp.max(_gaps_jit(core, p0, x0, xp0, mask,
-                                           chunk))) ** 2, dict(params=p0, x=x0, x_prime=xp0)
+        value, v = float(jnp.max(_gaps_jit(core, p0, x0, xp0, mask, chunk,
+                                           keys))) ** 2, dict(params=p0, x=x0, x_prime=xp0)
       else:
         value, v = _ascent(core, int(num_steps), float(learning_rate), bool(optimize_params), chunk,
-                           p0, x0, xp0, mask)
+                           p0, x0, xp0, mask, keys)
       value = float(value)
       if not math.isfinite(value) or value > best:
         best = value
@@ -426,4 +452,4 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   return max_removal_ratio(embed_fn, p, loss, clip_norm, bx, bxp, method=method, chunk=chunk,
                            cosine_eps=cosine_eps, num_groups=num_groups, group_seed=group_seed,
                            extra_views_fn=extra_views_fn, reference_inputs=reference_inputs,
-                           projection_rank=projection_rank)
+                           projection_rank=projection_rank, model_key=model_key)

@@ -132,7 +132,7 @@ def probe_inputs(params, x) -> tuple[Any, Any]:
               lambda a: stand_in(jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype), 1.0), x))
 
 
-def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn") -> None:
+def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn", key=None) -> None:
   """ValueError unless embed_fn(params, x) is (n, d) and treats the examples independently.
 
   Per-pair clipping needs each embedding to depend on its own example only: a model that
@@ -141,6 +141,9 @@ def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn") -> None
   with the same rows one by one: on (params, x) themselves when they are concrete, under
   jit on random stand-ins of their shapes. Also refuses params holding non-trainable flax
   collections (they must be closed over by embed_fn, never differentiated or noised).
+
+  With a key, embed_fn is stochastic, embed_fn(params, x, key): see
+  `_check_stochastic_embed_fn`.
   """
   if isinstance(params, dict) or hasattr(params, "keys"):
     keys = set(params.keys())
@@ -157,6 +160,9 @@ def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn") -> None
     return
   if rows_lib.is_traced((params, x)):
     params, x = probe_inputs(params, x)
+  if key is not None:
+    _check_stochastic_embed_fn(embed_fn, params, x, key, name)
+    return
   with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
     rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
     num = rows_lib.num_rows(rows)
@@ -176,7 +182,52 @@ def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn") -> None
         f"{name} mixes the examples of a batch: embedding rows together differs from "
         f"embedding them one by one (max difference {np.max(np.abs(batched - single)):.3g}). "
         "Logit-DP clips per-pair gradients and needs examples to be independent: no batch "
-        "norm in training mode, no batch statistics.")
+        "norm in training mode, no batch statistics. A stochastic model (dropout) takes a "
+        "key: embed_fn(params, x, key), declared with stochastic=True.")
+
+
+def _probe_key(key) -> Any:
+  """A concrete key of the kind of key (fixed seed), for checks under jit."""
+  if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+    return jax.random.key(0, impl=jax.random.key_impl(key))
+  return jax.random.PRNGKey(0)
+
+
+def _check_stochastic_embed_fn(embed_fn, params, x, key, name: str) -> None:
+  """ValueError unless embed_fn(params, x, key) is (n, d), reproducible given the key, and row
+  0's embedding does not depend on the other rows of its batch.
+
+  The randomness is held fixed: the same key and the same batch shape, so a dropout mask is
+  the same in both calls, while a batch statistic changes when rows 1.. are replaced by copies
+  of row 0.
+  """
+  with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
+    if rows_lib.is_traced(key):
+      key = _probe_key(key)
+    rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
+    num = rows_lib.num_rows(rows)
+    batched = np.asarray(embed_fn(params, rows, key), np.float64)
+    if batched.ndim != 2 or batched.shape[0] != num:
+      raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
+                       f"{batched.shape} for {num} examples.")
+    again = np.asarray(embed_fn(params, rows, key), np.float64)
+    copies = jax.tree_util.tree_map(lambda a: jnp.repeat(a[:1], num, axis=0), rows)
+    alone = np.asarray(embed_fn(params, copies, key), np.float64)
+  if not all(np.all(np.isfinite(a)) for a in (batched, again, alone)):
+    return  # non-finite embeddings are handled (dropped) by the gradient itself
+  tol = 1e-3 * max(float(np.max(np.abs(batched))), 1e-6)
+  if np.max(np.abs(batched - again)) > tol:
+    raise ValueError(
+        f"{name} is not a function of (params, x, key): two calls with the same key differ "
+        f"(max difference {np.max(np.abs(batched - again)):.3g}). Draw all randomness from the "
+        "key argument (e.g. rngs={'dropout': key}), not from state kept between calls.")
+  if num >= 2 and np.max(np.abs(batched[0] - alone[0])) > tol:
+    raise ValueError(
+        f"{name} mixes the examples of a batch: with the same key, example 0's embedding "
+        "changes when the other examples of its batch change (max difference "
+        f"{np.max(np.abs(batched[0] - alone[0])):.3g}). Logit-DP clips per-pair gradients and "
+        "needs examples to be independent: no batch norm in training mode, no batch "
+        "statistics.")
 
 
 def check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1) -> tuple[Any, Any, Any]:
@@ -190,11 +241,13 @@ def check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards=1) -> tuple[A
   return x, x_prime, mask
 
 
-def check_towers(embed_fn: EmbedFn, positive_embed_fn: EmbedFn | None, params, x, x_prime) -> None:
-  """`check_embed_fn` on embed_fn with x and, for two towers, on positive_embed_fn with x_prime."""
-  check_embed_fn(embed_fn, params, x)
+def check_towers(embed_fn: EmbedFn, positive_embed_fn: EmbedFn | None, params, x, x_prime,
+                 key=None) -> None:
+  """`check_embed_fn` on embed_fn with x and, for two towers, on positive_embed_fn with x_prime
+  (stochastic ones with key)."""
+  check_embed_fn(embed_fn, params, x, key=key)
   if positive_embed_fn is not None and positive_embed_fn is not embed_fn:
-    check_embed_fn(positive_embed_fn, params, x_prime, "positive_embed_fn")
+    check_embed_fn(positive_embed_fn, params, x_prime, "positive_embed_fn", key=key)
 
 
 def check_positive_embed_fn(positive_embed_fn) -> None:

@@ -20,7 +20,9 @@ the batch's plans (`two_tower`) say which parameters both towers share, and each
 handles them.
 
 Requirement: embed_fn must treat examples independently (no batch norm); the
-per-example Jacobians and pair gradients assume it.
+per-example Jacobians and pair gradients assume it. A stochastic embed_fn(params, x, key)
+(dropout) is declared with stochastic=True: every example is embedded with its own key
+(`stochastic`), the same in every pass.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from logit_dp._src import pair_batch
 from logit_dp._src import precision
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
+from logit_dp._src import stochastic as stochastic_lib
 
 DEFAULT_COSINE_EPS = numerics.DEFAULT_COSINE_EPS
 DEFAULT_PROJECTION_RANK = methods.DEFAULT_PROJECTION_RANK
@@ -51,37 +54,41 @@ METHODS = methods.METHODS
 def build_grad_fn(core, embed_fn: checks.EmbedFn, loss, clip_norm: float,
                   mechanism: mechanisms.Mechanism, clip_method: methods.ClipMethod | None,
                   description: str, axis_name: str | None = None,
-                  positive_embed_fn: checks.EmbedFn | None = None,
-                  stats_core=None) -> grad_fn_lib.ClippedGradFn:
-  """The `ClippedGradFn` of a (params, x, x_prime, mask) -> (ℒ, ḡ, n_nonfinite) core: jitted,
-  with the pair inputs checked (`checks.check_pair_inputs`; the batch size over every shard
-  of axis_name) and the towers checked on first use (`checks.check_towers`). stats_core:
-  the same arguments -> (ℒ, ḡ, `ClipStats`), jitted separately (None: no statistics)."""
+                  positive_embed_fn: checks.EmbedFn | None = None, stats_core=None,
+                  stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
+  """The `ClippedGradFn` of a (params, x, x_prime, mask[, key]) -> (ℒ, ḡ, n_nonfinite) core:
+  jitted, with the pair inputs checked (`checks.check_pair_inputs`; the batch size over every
+  shard of axis_name; key= required exactly when stochastic, `stochastic.check_key`) and the
+  towers checked on first use (`checks.check_towers`). stats_core: the same arguments ->
+  (ℒ, ḡ, `ClipStats`), jitted separately (None: no statistics)."""
   min_batch_size = getattr(loss, "min_batch_size", 1)
+  stochastic = stochastic_lib.check_stochastic(stochastic)
 
-  def check_inputs(params, x, x_prime, mask=None):
+  def check_inputs(params, x, x_prime, mask=None, *, key=None):
+    key = stochastic_lib.check_key(key, stochastic, description)
     num_shards = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     x, x_prime, mask = checks.check_pair_inputs(x, x_prime, mask, min_batch_size, num_shards)
-    return params, x, x_prime, mask
+    return (params, x, x_prime, mask) + ((key,) if stochastic else ())
 
-  def check_model(params, x, x_prime, mask):
+  def check_model(params, x, x_prime, mask, key=None):
     del mask
-    checks.check_towers(embed_fn, positive_embed_fn, params, x, x_prime)
+    checks.check_towers(embed_fn, positive_embed_fn, params, x, x_prime, key)
 
   return grad_fn_lib.ClippedGradFn(core=jax.jit(core), check_inputs=check_inputs,
                                    check_model=check_model, mechanism=mechanism,
                                    clip_norm=clip_norm, loss=loss, clip_method=clip_method,
                                    description=description,
-                                   stats_core=None if stats_core is None else jax.jit(stats_core))
+                                   stats_core=None if stats_core is None else jax.jit(stats_core),
+                                   stochastic=stochastic)
 
 
-def clipped_grad(
-    embed_fn: checks.EmbedFn, loss, clip_norm: float, method: str | methods.ClipMethod = "ghost", *,
-    microbatch_size: int | None = None, pair_block_size: int | None = None,
-    memory_budget: int | None = None, axis_name: str | None = None,
-    cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-    positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
-    projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> grad_fn_lib.ClippedGradFn:
+def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
+                 method: str | methods.ClipMethod = "ghost", *, microbatch_size: int | None = None,
+                 pair_block_size: int | None = None, memory_budget: int | None = None,
+                 axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                 positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
+                 projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
+                 stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
   ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
@@ -136,6 +143,13 @@ def clipped_grad(
       m·d·p floats for their Jacobians (m examples, p parameters).
     projection_rank: "projected": k, the dimension of the subspace (at most m·d);
       the per-example projections hold n·d·k floats.
+    stochastic: embed_fn (and positive_embed_fn) is embed_fn(params, x, key) -> (n, d),
+      drawing its randomness (dropout, stochastic depth) from key; grad_fn then takes
+      key= (required): a fresh key at every step, independent of the noise key, never
+      released. Example i of view v (0: x, 1: x_prime) is embedded alone with
+      fold_in(fold_in(key, v), i), i its row in the global batch, in every pass
+      (`logit_dp._src.stochastic`); the sensitivity and the accounting are unchanged
+      (docs/PRIVACY.md).
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and
   contribute exactly nothing. x and x_prime are arrays or pytrees of arrays
@@ -175,36 +189,40 @@ def clipped_grad(
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)
+  stochastic_lib.check_stochastic(stochastic)
   clip = methods.resolve(method, memory_budget=memory_budget, pair_block_size=pair_block_size,
                          reference_inputs=reference_inputs, projection_rank=projection_rank,
                          embed_fn=embed_fn, positive_embed_fn=positive_embed_fn)
   collective = collective_lib.Collective(axis_name)
 
-  def body(params, x, x_prime, mask, with_stats):
+  def body(params, x, x_prime, mask, with_stats, key):
     params, x, x_prime = precision.widen((params, x, x_prime))
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
-                                                positive_embed_fn)
+                                                positive_embed_fn, key)
+    keyed_clip = methods.with_key(clip, key)
     if with_stats:
-      grads, norms = clip.clipped_grad_and_norms(batch, tau[batch.rows], clip_norm)
+      grads, norms = keyed_clip.clipped_grad_and_norms(batch, tau[batch.rows], clip_norm)
       return (collective.replicated(loss_value), grads,
               clip_stats.pair_stats(batch, norms, clip_norm))
-    grads = clip.clipped_grad(batch, tau[batch.rows], clip_norm)
+    grads = keyed_clip.clipped_grad(batch, tau[batch.rows], clip_norm)
     return collective.replicated(loss_value), grads, collective.replicated(batch.num_nonfinite)
 
   core, stats_core = _cores(body)
   return build_grad_fn(core, embed_fn, loss, clip_norm, mechanisms.Mechanism.LOGIT_DP, clip,
-                       f"clipped_grad({clip.name})", axis_name, positive_embed_fn, stats_core)
+                       f"clipped_grad({clip.name})", axis_name, positive_embed_fn, stats_core,
+                       stochastic)
 
 
 def _cores(body) -> tuple[Any, Any]:
-  """(core, stats_core): body(params, x, x_prime, mask, with_stats) without and with the
-  statistics, each traced at full float32 precision (`numerics.full_float32`)."""
-  def core(params, x, x_prime, mask):
-    return body(params, x, x_prime, mask, False)
+  """(core, stats_core): body(params, x, x_prime, mask, with_stats, key) without and with the
+  statistics, each traced at full float32 precision (`numerics.full_float32`); key: the
+  model's key of a stochastic embed_fn (None: deterministic)."""
+  def core(params, x, x_prime, mask, key=None):
+    return body(params, x, x_prime, mask, False, key)
 
-  def stats_core(params, x, x_prime, mask):
-    return body(params, x, x_prime, mask, True)
+  def stats_core(params, x, x_prime, mask, key=None):
+    return body(params, x, x_prime, mask, True, key)
 
   return numerics.full_float32(core), numerics.full_float32(stats_core)
 
@@ -215,7 +233,8 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
                     cosine_eps: float = numerics.DEFAULT_COSINE_EPS, float_allowance: bool = True,
                     memory_budget: int | None = None,
                     positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
-                    projection_rank: int = methods.DEFAULT_PROJECTION_RANK) -> jax.Array:
+                    projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
+                    key: Any = None) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 
@@ -229,7 +248,8 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
   float_allowance=False returns the computed values without it (for comparing methods; never
   clip by them).
   positive_embed_fn: the tower of x_prime, and reference_inputs, projection_rank
-  ("projected"), as in `clipped_grad`.
+  ("projected"), as in `clipped_grad`. key: a stochastic embed_fn(params, x, key) (as
+  `clipped_grad(..., stochastic=True)` with this key); None: embed_fn(params, x).
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
@@ -239,45 +259,53 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
                          projection_rank=projection_rank, embed_fn=embed_fn,
                          positive_embed_fn=positive_embed_fn)
   x, x_prime, _ = checks.check_pair_inputs(x, x_prime, None, 1)
+  if key is not None:
+    key = stochastic_lib.check_key(key, True, "pair_grad_norms")
   return _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine_eps,
-                          1.0 if float_allowance else 0.0, positive_embed_fn)
+                          1.0 if float_allowance else 0.0, positive_embed_fn, key)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8))
 @numerics.full_float32
 def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine_eps, allowance,
-                     positive_embed_fn):
+                     positive_embed_fn, key):
+  rows = jnp.arange(rows_lib.num_rows(x))
+  embed_fn, positive_embed_fn, x, x_prime = stochastic_lib.bind(embed_fn, positive_embed_fn, key, x,
+                                                                x_prime, rows)
   mask = jnp.ones((rows_lib.num_rows(x),), dtype=bool)
   params, x, x_prime = precision.widen((params, x, x_prime))
   batch = pair_batch.PairBatch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                                microbatch_size=microbatch_size,
                                collective=collective_lib.Collective(None),
                                positive_embed_fn=positive_embed_fn)
-  return clip.pair_norms(batch, allowance)
+  return methods.with_key(clip, key).pair_norms(batch, allowance)
 
 
-def naive_clipped_grad(
-    embed_fn: checks.EmbedFn, loss, clip_norm: float, *, microbatch_size: int | None = None,
-    axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-    positive_embed_fn: checks.EmbedFn | None = None) -> grad_fn_lib.ClippedGradFn:
+def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
+                       microbatch_size: int | None = None, axis_name: str | None = None,
+                       cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                       positive_embed_fn: checks.EmbedFn | None = None,
+                       stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
   Sensitivity 2B under add-or-remove-one (`logit_dp.naive_sensitivity`). Same
-  signature and mask/axis/two-tower semantics as `clipped_grad`, and the same precision:
-  embed_fn and the backward pass are traced at `jax.default_matmul_precision("highest")`, so
-  that ‖∇ℒ‖ and the clipped gradient agree on every backend. ``grad_fn.with_stats`` returns
-  the `ClipStats` of its one norm ‖∇ℒ‖ (NON-PRIVATE).
+  signature and mask/axis/two-tower/stochastic semantics as `clipped_grad`, and the same
+  precision: embed_fn and the backward pass are traced at
+  `jax.default_matmul_precision("highest")`, so that ‖∇ℒ‖ and the clipped gradient agree on
+  every backend. ``grad_fn.with_stats`` returns the `ClipStats` of its one norm ‖∇ℒ‖
+  (NON-PRIVATE).
   """
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)
+  stochastic_lib.check_stochastic(stochastic)
   collective = collective_lib.Collective(axis_name)
 
-  def body(params, x, x_prime, mask, with_stats):
+  def body(params, x, x_prime, mask, with_stats, key):
     params, x, x_prime = precision.widen((params, x, x_prime))
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
-                                                positive_embed_fn)
+                                                positive_embed_fn, key)
     grads = batch.weighted_backward(tau[batch.rows], tau)
     norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
     factor = numerics.clip_factor(norm, clip_norm)
@@ -291,7 +319,7 @@ def naive_clipped_grad(
 
   core, stats_core = _cores(body)
   return build_grad_fn(core, embed_fn, loss, clip_norm, mechanisms.Mechanism.NAIVE_DP, None,
-                       "naive_clipped_grad", axis_name, positive_embed_fn, stats_core)
+                       "naive_clipped_grad", axis_name, positive_embed_fn, stats_core, stochastic)
 
 
 def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, method: str = "ghost",

@@ -62,6 +62,7 @@ from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import noise as noise_lib
 from logit_dp._src import rows as rows_lib
+from logit_dp._src import stochastic as stochastic_lib
 
 DATA_AXIS = "data"
 
@@ -87,8 +88,8 @@ class ShardedGradFn(grad_fn_lib.ClippedGradFn):
   """grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) on the GLOBAL batch (`make_sharded_grad_fn`).
 
   A `ClippedGradFn` (mechanism, clip_norm, sensitivity()) whose ḡ is replicated on every
-  device. ``shard_mapped`` is its un-jitted shard_map, (params, x, x_prime, mask) -> (ℒ, ḡ,
-  n_nonfinite); ``mesh`` the mesh it runs on.
+  device. ``shard_mapped`` is its un-jitted shard_map, (params, x, x_prime, mask[, key]) ->
+  (ℒ, ḡ, n_nonfinite); ``mesh`` the mesh it runs on.
   """
   shard_mapped: Callable[..., tuple[jax.Array, Any, jax.Array]]
   mesh: Mesh
@@ -96,17 +97,18 @@ class ShardedGradFn(grad_fn_lib.ClippedGradFn):
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class TrainStep(grad_fn_lib.CheckedCall):
-  """step(params, opt_state, x, x_prime, mask=None) -> (params, opt_state, ℒ).
+  """step(params, opt_state, x, x_prime, mask=None, *, key=None) -> (params, opt_state, ℒ).
 
+  key: required for a stochastic model (stochastic=True), refused otherwise.
   ``shard_mapped`` is its un-jitted body; ``mesh`` the mesh it runs on.
   """
   shard_mapped: Callable[..., tuple[Any, Any, jax.Array]]
   mesh: Mesh
 
   def __call__(self, params: Any, opt_state: Any, x: jax.Array, x_prime: jax.Array,
-               mask: jax.Array | None = None) -> tuple[Any, Any, jax.Array]:
+               mask: jax.Array | None = None, *, key: Any = None) -> tuple[Any, Any, jax.Array]:
     """One private step on the batch of pairs (x_i, x'_i) with mask_i true."""
-    return self._checked_core(params, opt_state, x, x_prime, mask)
+    return self._checked_core(params, opt_state, x, x_prime, mask, key=key)
 
 
 def resolve_devices(devices: DevicesArg = None) -> list:
@@ -339,14 +341,14 @@ def _checked_global_inputs(k: int, min_batch_size: int, data, replicated):
   """check_inputs of the sharded functions: (params, [opt_state,] x, x_prime, mask) with the
   global batch checked (`_check_global_batch`, `checks.check_mask`) and, called eagerly, placed
   on the mesh (one placement whatever the caller's: no resharding inside, one jit cache entry)."""
-  def check_inputs(*state, x, x_prime, mask):
+  def check_inputs(*state, x, x_prime, mask, key=()):
     x, x_prime = _check_global_batch(x, x_prime, mask, k, min_batch_size)
     n = rows_lib.num_rows(x)
     mask = jnp.ones((n,), bool) if mask is None else checks.check_mask(mask, n, jnp)
-    if not rows_lib.is_traced((state, x, x_prime, mask)):
-      state = jax.device_put(state, replicated)
+    if not rows_lib.is_traced((state, x, x_prime, mask, key)):
+      state, key = jax.device_put((state, key), replicated)
       x, x_prime, mask = jax.device_put((x, x_prime, mask), data)
-    return (*state, x, x_prime, mask)
+    return (*state, x, x_prime, mask, *key)
 
   return check_inputs
 
@@ -380,32 +382,37 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
       `clipped_grad` (Logit-DP) or "naive" (`naive_clipped_grad`, Naive-DP).
     naive: True is the same as method="naive".
     axis_name: the mesh axis the batch is split along.
-    **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device), and
+    **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device),
       positive_embed_fn for two towers (x, x_prime may then be pytrees, split
-      along axis 0 of every leaf).
+      along axis 0 of every leaf), and stochastic=True for a model embed_fn(params, x, key)
+      (grad_fn then takes key=, replicated; example i of the global batch gets the key it
+      gets on one device, so ḡ is the single-device one).
   """
   k = _axis_size(mesh, axis_name)
   shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
+  stochastic = shard_fn.stochastic
   batch_spec = P(axis_name)
-  in_specs = (P(), batch_spec, batch_spec, batch_spec)
+  # The model's key of a stochastic embed_fn, replicated.
+  in_specs = (P(), batch_spec, batch_spec, batch_spec) + ((P(),) if stochastic else ())
   shard_mapped = _shard_map(shard_fn.core, mesh, in_specs, (P(), P(), P()))
   # (ℒ, ḡ, ClipStats): the statistics of the global batch, the same on every device.
   stats_mapped = _shard_map(shard_fn.stats_core, mesh, in_specs, (P(), P(), P()))
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
   check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
 
-  def check_inputs(params, x, x_prime, mask=None):
-    return check_global(params, x=x, x_prime=x_prime, mask=mask)
+  def check_inputs(params, x, x_prime, mask=None, *, key=None):
+    key = stochastic_lib.check_key(key, stochastic, shard_fn.description)
+    return check_global(params, x=x, x_prime=x_prime, mask=mask, key=(key,) if stochastic else ())
 
-  def check_model(params, x, x_prime, mask):
+  def check_model(params, x, x_prime, mask, key=None):
     del mask
-    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
+    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime, key)
 
   return ShardedGradFn(core=jax.jit(shard_mapped), check_inputs=check_inputs,
                        check_model=check_model, mechanism=shard_fn.mechanism,
                        clip_norm=shard_fn.clip_norm, loss=loss, clip_method=shard_fn.clip_method,
                        description=shard_fn.description, shard_mapped=shard_mapped, mesh=mesh,
-                       stats_core=jax.jit(stats_mapped))
+                       stats_core=jax.jit(stats_mapped), stochastic=stochastic)
 
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
@@ -474,28 +481,32 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
   per-device values typed replicated (out_specs=P()).
   """
   k = _axis_size(mesh, axis_name)
-  core = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs).core
+  shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
+  core, stochastic = shard_fn.core, shard_fn.stochastic
 
-  def body(params, opt_state, x, x_prime, mask):
-    loss_value, grads, _ = core(params, x, x_prime, mask)
+  def body(params, opt_state, x, x_prime, mask, *key):
+    loss_value, grads, _ = core(params, x, x_prime, mask, *key)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss_value
 
   batch_spec = P(axis_name)
-  shard_mapped = _shard_map(body, mesh, (P(), P(), batch_spec, batch_spec, batch_spec),
+  key_spec = (P(),) if stochastic else ()  # the model's key, replicated
+  shard_mapped = _shard_map(body, mesh, (P(), P(), batch_spec, batch_spec, batch_spec) + key_spec,
                             (P(), P(), P()))
   jitted = jax.jit(shard_mapped, donate_argnums=(0, 1) if donate else ())
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
   check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
 
-  def check_inputs(params, opt_state, x, x_prime, mask=None):
-    return check_global(params, opt_state, x=x, x_prime=x_prime, mask=mask)
+  def check_inputs(params, opt_state, x, x_prime, mask=None, *, key=None):
+    key = stochastic_lib.check_key(key, stochastic, "make_private_train_step")
+    return check_global(params, opt_state, x=x, x_prime=x_prime, mask=mask,
+                        key=(key,) if stochastic else ())
 
-  def check_model(params, opt_state, x, x_prime, mask):
+  def check_model(params, opt_state, x, x_prime, mask, key=None):
     del opt_state, mask
     if not non_private:
       check_adds_noise(optimizer, params)
-    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime)
+    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime, key)
 
   return TrainStep(core=jitted, check_inputs=check_inputs, check_model=check_model,
                    shard_mapped=shard_mapped, mesh=mesh)

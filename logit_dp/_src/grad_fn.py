@@ -52,13 +52,14 @@ class CheckedCall:
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class ClippedGradFn(CheckedCall):
-  """grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ): a private (clipped) gradient.
+  """grad_fn(params, x, x_prime, mask=None[, key=]) -> (ℒ, ḡ): a private (clipped) gradient.
 
   ḡ is a pytree like params with L2 sensitivity `sensitivity()` under adding or removing one
   pair record; noise it with `logit_dp.transform(σ, grad_fn.sensitivity(), key)`. Called
   eagerly, it raises ValueError when any valid pair has non-finite inputs or embeddings;
   under jit such pairs are masked out (the same as removing them). grouped_clipped_grad's
-  functions also take record_ids=, group_key= and extra_views= keywords.
+  functions also take record_ids=, group_key= and extra_views= keywords; a stochastic one
+  (built with stochastic=True) takes key=, the model's randomness.
 
   Attributes:
     mechanism: the `Mechanism` (Logit-DP, Naive-DP or DP-GCL).
@@ -71,6 +72,8 @@ class ClippedGradFn(CheckedCall):
     core: the jitted body without the input checks: core(params, x, x_prime, mask, ...)
       -> (ℒ, ḡ, n_nonfinite), n_nonfinite the valid rows with non-finite inputs or
       embeddings (masked out).
+    stochastic: embed_fn is embed_fn(params, x, key) and every call takes key= (a fresh key
+      per step, independent of the noise key); the core then takes the key after the mask.
     stats_core: the same computation returning (ℒ, ḡ, `ClipStats`) (None: no statistics).
   """
   mechanism: mechanisms.Mechanism
@@ -80,6 +83,7 @@ class ClippedGradFn(CheckedCall):
   num_groups: int | None = None
   description: str = ""
   unit: str = "pair(s)"
+  stochastic: bool = False
   stats_core: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
 
   @property

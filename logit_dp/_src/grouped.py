@@ -50,6 +50,7 @@ from logit_dp._src import numerics
 from logit_dp._src import precision
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
+from logit_dp._src import stochastic as stochastic_lib
 
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -138,7 +139,7 @@ def _zero_rows(ok, a):
 def _scan_chunks(fn, init, xs, chunk: int | None):
   """carry = fn(carry, rows) over the leading axis of xs (tuple) in chunks of `chunk` rows;
   the last chunk is zero-padded (its padded rows must contribute nothing)."""
-  n = xs[0].shape[0]
+  n = rows_lib.num_rows(xs[0])
   if chunk is None or chunk >= n:
     return fn(init, xs)
   num_chunks = -(-n // chunk)
@@ -148,13 +149,14 @@ def _scan_chunks(fn, init, xs, chunk: int | None):
     a = jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
     return a.reshape((num_chunks, chunk) + a.shape[1:])
 
-  carry, _ = jax.lax.scan(lambda c, rows: (fn(c, rows), None), init, tuple(split(a) for a in xs))
+  split_rows = tuple(jax.tree_util.tree_map(split, a) for a in xs)  # an input may be a pytree
+  carry, _ = jax.lax.scan(lambda c, rows: (fn(c, rows), None), init, split_rows)
   return carry
 
 
 def _embed_rows(embed_fn, params, xs, eps, chunk):
   """n(Φ(x)) for the rows of xs, microbatch by microbatch: (n, d)."""
-  n = xs.shape[0]
+  n = rows_lib.num_rows(xs)
   if chunk is None or chunk >= n:
     return numerics.normalize(embed_fn(params, xs), eps)
   return chunking.unchunk_rows(
@@ -164,7 +166,8 @@ def _embed_rows(embed_fn, params, xs, eps, chunk):
 
 def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: int, *,
                          microbatch_size: int | None = None,
-                         cosine_eps: float = numerics.DEFAULT_COSINE_EPS) -> GroupedGradFn:
+                         cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                         stochastic: bool = False) -> GroupedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
 
   grad_fn returns (ℒ, ḡ) with ℒ = Σ_g L_g and ḡ = Σ_g min(1, B/‖∇_w L_g‖)·∇_w L_g, a SUM
@@ -188,6 +191,9 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       group sizes are random (Binomial). G = 1 without extra views is Naive-DP.
     microbatch_size: records per chunk of the per-record gradients and embeddings.
     cosine_eps: ε of the cosine similarity n(u) = u/√(‖u‖² + ε²).
+    stochastic: embed_fn is embed_fn(params, x, key) (dropout) and grad_fn takes key=, as in
+      `logit_dp.clipped_grad`: x_r, x'_r and extra view m of record r (row r of the batch) are
+      embedded alone with fold_in(fold_in(key, v), r) for v = 0, 1 and 3 + m, in every pass.
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and contribute exactly
   nothing. record_ids: (n,) integer ids of the records (unique among valid rows; the
@@ -204,9 +210,10 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   bound = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
   num_groups = check_num_groups(num_groups)
   checks.check_microbatch(microbatch_size)
+  stochastic = stochastic_lib.check_stochastic(stochastic)
   temperature = float(loss.temperature)
 
-  def body(params, x, x_prime, mask, group_ids, extra_views, with_stats):
+  def body(params, x, x_prime, mask, group_ids, extra_views, with_stats, key):
     # Low-precision models are evaluated in float32, as in clipped_grad (`precision`).
     params, x, x_prime, extra_views = precision.widen((params, x, x_prime, extra_views))
     n = x.shape[0]
@@ -214,9 +221,19 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     views = jnp.zeros((n, 0) + x.shape[1:], x.dtype) if extra_views is None else extra_views
     inputs_ok = _finite_rows(x, x_prime, views)
     x, x_prime, views = (_zero_rows(inputs_ok, a) for a in (x, x_prime, views))
-    embed = lambda xs: _embed_rows(embed_fn, params, xs, cosine_eps, microbatch_size)
+    fn = embed_fn
+    if key is not None:  # every example with its own key (`stochastic`), in every pass
+      fn = stochastic_lib.PerExample(embed_fn, stochastic_lib.key_impl(key))
+      rows = jnp.arange(n)
+      x = stochastic_lib.attach(x, key, stochastic_lib.VIEW_X, rows)
+      x_prime = stochastic_lib.attach(x_prime, key, stochastic_lib.VIEW_X_PRIME, rows)
+      view_keys = jax.vmap(lambda m: stochastic_lib.example_keys(key, 3 + m, rows),
+                           out_axes=1)(jnp.arange(k))  # (n, k, *key_shape)
+      views = stochastic_lib.Keyed(views, view_keys)
+    embed = lambda xs: _embed_rows(fn, params, xs, cosine_eps, microbatch_size)
     u, v = embed(x), embed(x_prime)
-    w = embed(views.reshape((n * k,) + x.shape[1:])).reshape(n, k, -1) if k else None
+    flat_views = jax.tree_util.tree_map(lambda a: a.reshape((n * k,) + a.shape[2:]), views)
+    w = embed(flat_views).reshape(n, k, -1) if k else None
     ok = inputs_ok & _finite_rows(u, v, *(() if w is None else (w,)))
     valid = mask & ok
     num_nonfinite = jnp.sum(mask & ~ok)
@@ -231,8 +248,9 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     cot_w = cots[2] if k else jnp.zeros((n, 0, u.shape[1]), u.dtype)
 
     def record_grad(xr, xpr, viewsr, cur, cvr, cwr):
-      examples = jnp.concatenate([xr[None], xpr[None], viewsr])
-      _, vjp = jax.vjp(lambda p: numerics.normalize(embed_fn(p, examples), cosine_eps), params)
+      examples = jax.tree_util.tree_map(lambda a, b, c: jnp.concatenate([a[None], b[None], c]), xr,
+                                        xpr, viewsr)
+      _, vjp = jax.vjp(lambda p: numerics.normalize(fn(p, examples), cosine_eps), params)
       return vjp(jnp.concatenate([cur[None], cvr[None], cwr]))[0]
 
     def accumulate(acc, rows):
@@ -263,29 +281,31 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
                                                      jnp.sum(valid, dtype=jnp.int32), num_nonfinite)
     return loss_value, grads, num_nonfinite
 
-  def core(params, x, x_prime, mask, group_ids, extra_views):
-    return body(params, x, x_prime, mask, group_ids, extra_views, False)
+  def core(params, x, x_prime, mask, group_ids, extra_views, key=None):
+    return body(params, x, x_prime, mask, group_ids, extra_views, False, key)
 
-  def stats_core(params, x, x_prime, mask, group_ids, extra_views):
-    return body(params, x, x_prime, mask, group_ids, extra_views, True)
+  def stats_core(params, x, x_prime, mask, group_ids, extra_views, key=None):
+    return body(params, x, x_prime, mask, group_ids, extra_views, True, key)
 
-  def check_inputs(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None):
+  def check_inputs(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None,
+                   key=None):
+    key = stochastic_lib.check_key(key, stochastic, "grouped_clipped_grad")
     x, x_prime, mask = checks.check_pair_inputs(x, x_prime, mask, loss.min_batch_size)
     ids = _check_record_ids(record_ids, mask, x.shape[0])
     if extra_views is not None:
       extra_views = _check_extra_views(extra_views, x)
-    return params, x, x_prime, mask, assign_groups(ids, group_key, num_groups), extra_views
+    groups = assign_groups(ids, group_key, num_groups)
+    return (params, x, x_prime, mask, groups, extra_views) + ((key,) if stochastic else ())
 
-  def check_model(params, x, *views):
-    del views  # the same model embeds every view
-    checks.check_embed_fn(embed_fn, params, x)
+  def check_model(params, x, x_prime, mask, groups, extra_views, key=None):
+    del x_prime, mask, groups, extra_views  # the same model embeds every view
+    checks.check_embed_fn(embed_fn, params, x, key=key)
 
-  return grad_fn_lib.ClippedGradFn(core=jax.jit(numerics.full_float32(core)),
-                                   check_inputs=check_inputs, check_model=check_model,
-                                   mechanism=mechanisms.Mechanism.DP_GCL, clip_norm=bound,
-                                   loss=loss, num_groups=num_groups,
-                                   description="grouped_clipped_grad", unit="record(s)",
-                                   stats_core=jax.jit(numerics.full_float32(stats_core)))
+  return grad_fn_lib.ClippedGradFn(
+      core=jax.jit(numerics.full_float32(core)), check_inputs=check_inputs, check_model=check_model,
+      mechanism=mechanisms.Mechanism.DP_GCL, clip_norm=bound, loss=loss, num_groups=num_groups,
+      description="grouped_clipped_grad", unit="record(s)",
+      stats_core=jax.jit(numerics.full_float32(stats_core)), stochastic=stochastic)
 
 
 def _check_record_ids(record_ids, mask, n: int) -> jax.Array:

@@ -22,6 +22,7 @@ from logit_dp._src import chunking
 from logit_dp._src import layerwise
 from logit_dp._src import numerics
 from logit_dp._src import rows as rows_lib
+from logit_dp._src import stochastic
 from logit_dp._src import two_tower
 
 
@@ -226,9 +227,15 @@ def finite_or(grads, redo) -> Any:
 
 
 def forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective,
-            positive_embed_fn=None) -> tuple[PairBatch, jax.Array, jax.Array]:
-  """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs)."""
+            positive_embed_fn=None, key=None) -> tuple[PairBatch, jax.Array, jax.Array]:
+  """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs).
+
+  key: a stochastic embed_fn(params, x, key): the batch embeds every example with its own key
+  (`stochastic.bind`, rows numbered over the global batch); None: embed_fn(params, x).
+  """
   params = collective.local_params(params)
+  embed_fn, positive_embed_fn, x, x_prime = stochastic.bind(
+      embed_fn, positive_embed_fn, key, x, x_prime, collective.local_rows(rows_lib.num_rows(x)))
   batch = PairBatch(embed_fn, params, x, x_prime, mask, eps=eps, microbatch_size=microbatch_size,
                     collective=collective, positive_embed_fn=positive_embed_fn)
   loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)

@@ -97,6 +97,9 @@ class PrivateTraining(NamedTuple):
     sampling_rate: q = expected_batch_size / num_records.
     steps: T, the number of steps σ is calibrated for.
     method: the gradient method ("ghost", "triangle", "projected", "materialize", "naive").
+    model_key: a stochastic model (stochastic=True): the secret key its randomness is drawn
+      from, split from the training key apart from the noise key; step t's key is
+      fold_in(model_key, t), handed to grad_fn by `make_train_step`. None otherwise.
 
   The training loop (every released step recorded before it happens)::
 
@@ -116,6 +119,7 @@ class PrivateTraining(NamedTuple):
   sampling_rate: float
   steps: int
   method: str
+  model_key: Any = None
 
   def batches(self, steps: int | None = None) -> Iterator[PoissonBatch]:
     """Yields the Poisson batches of steps ledger.steps, …, T − 1, recording each first.
@@ -180,13 +184,16 @@ class PrivateTraining(NamedTuple):
         raise ValueError(f"{name} must be one of {REPORT_POLICIES}, got {value!r}.")
     grad_fn, optimizer, ledger = self.grad_fn, self.optimizer, self.ledger
     with_num_dropped = getattr(grad_fn, "with_num_dropped", None)
+    model_key = self.model_key
 
-    def update(params, opt_state, x, x_prime, mask):
+    def update(params, opt_state, x, x_prime, mask, step):
+      # A stochastic model: the randomness of step t, fold_in(model_key, t), never released.
+      key = {} if model_key is None else {"key": jax.random.fold_in(model_key, step)}
       if with_num_dropped is None:
-        loss_value, grads = grad_fn(params, x, x_prime, mask)
+        loss_value, grads = grad_fn(params, x, x_prime, mask, **key)
         num_dropped = jnp.zeros((), jnp.int32)
       else:
-        loss_value, grads, num_dropped = with_num_dropped(params, x, x_prime, mask)
+        loss_value, grads, num_dropped = with_num_dropped(params, x, x_prime, mask, **key)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       num_valid = jnp.sum(mask, dtype=jnp.int32)
       return optax.apply_updates(params, updates), opt_state, loss_value, num_dropped, num_valid
@@ -212,7 +219,7 @@ class PrivateTraining(NamedTuple):
       if mask is None:
         mask = jnp.ones((jax.tree_util.tree_leaves(x)[0].shape[0],), bool)
       params_out, state_out, loss_value, num_dropped, num_valid = update(
-          params, opt_state, x, x_prime, mask)
+          params, opt_state, x, x_prime, mask, released)
       if int(num_valid) == 0:
         _report(
             on_empty, f"Private step {released + 1}: the batch has no valid pair (mask all "
@@ -350,7 +357,10 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     max_batch_size, overflow: passed to `PoissonSampler`.
     **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps,
       reference_inputs and projection_rank for "projected";
-      positive_embed_fn for a two-tower model, with the same C).
+      positive_embed_fn for a two-tower model, with the same C; stochastic=True for a
+      model embed_fn(params, x, key) with dropout: the training key is then split into the
+      noise key and ``model_key``, and each step's model randomness is
+      fold_in(model_key, t), independent of the noise and never released; same C and σ).
 
   Returns:
     A `PrivateTraining`.
@@ -390,8 +400,11 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   sampler = BudgetedSampler.bind(poisson, ledger)
   sigma = ledger.noise_multiplier
   key = jax.random.key(_secret_seed()) if noise_key is None else noise_key
+  model_key = None
+  if grad_fn.stochastic:  # two independent keys: the noise's and the model's randomness
+    key, model_key = jax.random.split(key)
   scale_by = float(expected_batch_size) if mean else None
   tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
                          noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
-                         steps=t, method=method)
+                         steps=t, method=method, model_key=model_key)

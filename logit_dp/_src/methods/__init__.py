@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any, cast
 
 from logit_dp._src import checks
+from logit_dp._src import stochastic
 from logit_dp._src.methods.base import ClipMethod
 from logit_dp._src.methods.ghost import Ghost
 from logit_dp._src.methods.materialize import Materialize
@@ -79,6 +80,16 @@ def resolve(method: str | ClipMethod, *, memory_budget: int | None = None,
   return Projected(reference_inputs=spec[0], rank=spec[1])
 
 
+def with_key(method: ClipMethod, key) -> ClipMethod:
+  """method for a stochastic model embedded with key (None: method itself): "projected" with its
+  public reference inputs keyed as view 2 (`stochastic.reference_inputs`; any subspace keeps
+  its bound valid)."""
+  if key is None or not isinstance(method, Projected):
+    return method
+  return dataclasses.replace(
+      method, reference_inputs=stochastic.reference_inputs(method.reference_inputs, key))
+
+
 __all__ = [
     "ClipMethod",
     "DEFAULT_PROJECTION_RANK",
@@ -90,4 +101,5 @@ __all__ = [
     "Triangle",
     "check_name",
     "resolve",
+    "with_key",
 ]

@@ -98,9 +98,15 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   # One block: the user's microbatches; blocks: at most a column block at a time.
   chunk = batch.microbatch_size if single else min(batch.microbatch_size or c, c)
 
-  def pad(a, size):
-    extra = size - a.shape[0]
-    return jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)]) if extra else a
+  def pad(tree, size):  # inputs may be pytrees (e.g. with per-example keys)
+    def pad_leaf(a):
+      extra = size - a.shape[0]
+      return jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)]) if extra else a
+
+    return jax.tree_util.tree_map(pad_leaf, tree)
+
+  def rows_of(tree, start, size):
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), tree)
 
   n_rows, n_columns = num_row_blocks * r, num_column_blocks * c
   x, u = pad(batch.x, n_rows), pad(batch.u_loc, n_rows)
@@ -122,14 +128,14 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
 
   def row_block(a, carry):
     norms, grads = carry
-    f_u = batch.factors(jax.lax.dynamic_slice_in_dim(x, a * r, r), chunk=chunk)
+    f_u = batch.factors(rows_of(x, a * r, r), chunk=chunk)
     u_rows = jax.lax.dynamic_slice_in_dim(u, a * r, r)
     tau_rows = jax.lax.dynamic_slice_in_dim(tau, a * r, r)
 
     def column_block(b, carry):
       norms_rows, cot_u, grads = carry
       start = b * c
-      f_v = batch.factors(jax.lax.dynamic_slice_in_dim(x_prime, start, c), chunk=chunk)
+      f_v = batch.factors(rows_of(x_prime, start, c), chunk=chunk)
       v_columns = jax.lax.dynamic_slice_in_dim(v_local, start, c)
       home = b // per_row_block == a  # its examples are rows start - a·r ... of this row block
 
