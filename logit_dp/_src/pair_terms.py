@@ -22,6 +22,7 @@ from logit_dp._src import chunking
 from logit_dp._src import layerwise
 from logit_dp._src import numerics
 from logit_dp._src import rows as rows_lib
+from logit_dp._src import stochastic
 from logit_dp._src import widened
 
 if TYPE_CHECKING:
@@ -73,11 +74,15 @@ def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
   lose it entirely (ghost returned 0 for true norms of ~3e-3). They are only n vectors, so
   each is formed by its own backward pass of the model with params and float inputs widened
   to float64 (`widened.pair_norms`) and normed; e is that of the lowest precision the
-  computation actually ran in (float64 unless the model casts down internally).
+  computation actually ran in (float64 unless the model casts down internally). A stochastic
+  model's pairs are formed in its own dtype with that dtype's allowance: evaluated in float64,
+  its random draws (dropout masks) would not be those of the rest of the computation.
   """
   chunk = max(1, chunking.vectors_per_block(batch.params, rows_lib.num_rows(batch.x)) // 2)
   norms, dtype = widened.pair_norms(batch.pair_grad, batch.params, batch.x, batch.x_prime,
-                                    batch.u_loc.dtype, chunk)
+                                    batch.u_loc.dtype, chunk,
+                                    in_float64=not stochastic.is_stochastic(batch.embed_fn,
+                                                                            batch.positive_embed_fn))
   return norms, numerics.vector_error(dtype)
 
 

@@ -125,6 +125,11 @@ def key_impl(key) -> Any:
   return jax.random.key_impl(key) if is_typed_key(key) else None
 
 
+def is_stochastic(*embed_fns) -> bool:
+  """Whether any of the engine's embedding functions is a stochastic model's (`bind`)."""
+  return any(isinstance(fn, PerExample) for fn in embed_fns)
+
+
 def bind(embed_fn, positive_embed_fn, key, x, x_prime, rows: jax.Array) -> tuple:
   """(embed_fn, positive_embed_fn, x, x_prime) as the engine sees them.
 
