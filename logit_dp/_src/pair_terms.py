@@ -65,7 +65,10 @@ def diagonal_norms(batch: pair_batch.PairBatch, f_u: layerwise.Factors, f_v: lay
   """‖g_ii‖ of the pairs (x_i, x'_i) whose two views' factors are f_u, f_v, from their vectors
   (`layerwise.diagonal_sq_norms`), plus the vector allowance allowance·numerics.VECTOR_FLOAT_ERROR·
   (s_i + s'_i)."""
-  chunk = chunking.vectors_per_block(batch.params, u.shape[0])
+  m = u.shape[0]
+  chunk = chunking.vectors_per_block(batch.params, m)
+  # Equal chunks: a remainder would be a second copy of the computation, compiled again.
+  chunk = -(-m // -(-m // chunk))
   sq = layerwise.diagonal_sq_norms(batch.plan, f_u, f_v, u, v, chunk)
   scale = jacobian_norms(f_u.gram) + jacobian_norms(f_v.gram)
   return jnp.sqrt(jnp.maximum(sq, 0.0)) + allowance * numerics.VECTOR_FLOAT_ERROR * scale
