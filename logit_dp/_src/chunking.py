@@ -122,8 +122,8 @@ def row_chunks_together(specs) -> list:
 def flat_cross_spec(flat_rows, u_rows, flat_columns, v) -> tuple:
   """The `row_chunks` arguments of `flat_cross_terms`."""
   n, d, _ = flat_columns.shape
-  return (lambda f, u: layerwise.flat_cross(f, u, flat_columns, v), (flat_rows, u_rows),
-          n * d * d, CROSS_GRAM_CHUNK_FLOATS, None)
+  return (lambda f, u: layerwise.flat_cross(f, u, flat_columns, v), (flat_rows, u_rows), n * d * d,
+          CROSS_GRAM_CHUNK_FLOATS, None)
 
 
 def flat_cross_terms(flat_rows, u_rows, flat_columns, v) -> jax.Array:
@@ -135,8 +135,9 @@ def ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_column
   """The `row_chunks` arguments of `ghost_layer_cross_terms`."""
   deltas_rows, deltas_columns = layerwise.ghost_cross_layouts(deltas_rows, deltas_columns)
   d, n, t, c = deltas_columns.shape
-  return (lambda a, delta, u: layerwise.ghost_layer_cross(a, delta, u, a_columns, deltas_columns, v),
-          (a_rows, deltas_rows, u_rows), n * (t * t + 2 * t * c + d), GHOST_LAYER_CHUNK_FLOATS,
+  fn = lambda a, delta, u: layerwise.ghost_layer_cross(a, delta, u, a_columns, deltas_columns, v)
+  row_floats = n * (t * t + 2 * t * c + d)
+  return (fn, (a_rows, deltas_rows, u_rows), row_floats, GHOST_LAYER_CHUNK_FLOATS,
           GHOST_LAYER_CHUNK_ROWS)
 
 

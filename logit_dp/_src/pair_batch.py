@@ -50,9 +50,8 @@ class PairBatch:
     if self.two_tower:
       u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
     else:  # both views in one loop: the forward pass is compiled once
-      u_loc, v_loc = jax.lax.map(self._embed,
-                                 jax.tree_util.tree_map(lambda *a: jnp.stack(a), self.x,
-                                                        self.x_prime))
+      u_loc, v_loc = jax.lax.map(
+          self._embed, jax.tree_util.tree_map(lambda *a: jnp.stack(a), self.x, self.x_prime))
     if u_loc.shape[-1] != v_loc.shape[-1]:
       raise ValueError(f"the two towers must embed into the same dimension: embed_fn gives "
                        f"{u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
