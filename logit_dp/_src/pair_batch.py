@@ -47,7 +47,7 @@ class PairBatch:
     # Zero non-finite inputs so that their NaNs cannot reach the backward pass.
     self.x, self.x_prime = rows_lib.where_rows(inputs_ok,
                                                x), rows_lib.where_rows(inputs_ok, x_prime)
-    if self.two_tower:
+    if self.two_tower or not same_layout(self.x, self.x_prime):
       u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
     else:  # both views in one loop: the forward pass is compiled once
       u_loc, v_loc = jax.lax.map(
@@ -214,6 +214,15 @@ class PairBatch:
       positive = self.factor_backward(factors[1], cot_v, positive=True)
     grads = (anchor, positive)
     return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
+
+
+def same_layout(x, x_prime) -> bool:
+  """Whether two inputs have the same pytree structure, leaf shapes and dtypes (so that they
+  stack into one array per leaf)."""
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  leaves_prime, treedef_prime = jax.tree_util.tree_flatten(x_prime)
+  return treedef == treedef_prime and all(
+      a.shape == b.shape and a.dtype == b.dtype for a, b in zip(leaves, leaves_prime))
 
 
 def finite_or(grads, redo) -> Any:

@@ -91,7 +91,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   single = num_row_blocks == 1 and num_column_blocks == 1 and k == 1
   # One block: the user's microbatches; blocks: at most a column block at a time.
   chunk = batch.microbatch_size if single else min(batch.microbatch_size or c, c)
-  if single:
+  if single and pair_batch.same_layout(batch.x, batch.x_prime):
     return _one_block(batch, tau_local, clip_norm, allowance, chunk, with_grads)
 
   def pad(a, size):
@@ -154,9 +154,10 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
 
 def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, chunk: int | None,
                with_grads: bool) -> tuple[jax.Array, Any]:
-  """`ghost_blocks` when one block holds every pair of one device's batch: the factors of both
-  views come from one loop over the two views, and ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j with
-  c_i = Σ_j λ_ij v̂_j and c'_j = Σ_i λ_ij û_i from one contraction of them (each compiled once)."""
+  """`ghost_blocks` when one block holds every pair of one device's batch and both views stack
+  (`pair_batch.same_layout`): the factors of both views come from one loop over the two views,
+  and ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j with c_i = Σ_j λ_ij v̂_j and c'_j = Σ_i λ_ij û_i from one
+  contraction of them (each compiled once)."""
   factors = batch.stacked_factors((batch.x, batch.x_prime), chunk)
   f_u, f_v = (jax.tree_util.tree_map(lambda a, view=view: a[view], factors) for view in (0, 1))
   u, v = batch.u_loc, batch.v_loc
