@@ -10,7 +10,8 @@ the same norms and gradients.
 For each model and framework the benchmark times, in one process, the compile time (trace,
 lower and compile) and the step time after compilation of the non-private gradient
 (jax.grad of the loss) and of `clipped_grad` with "ghost", "triangle" and "projected", and
-records the ratios (framework / linen step time; ghost / non-private compile time):
+records the ratios (framework / linen step time; ghost / non-private compile time, wall-clock
+and CPU seconds of the process, the latter less sensitive to other jobs on shared cores):
 
   python -m benchmarks.frameworks --out benchmarks/results/frameworks.json
 """
@@ -256,23 +257,26 @@ def build(framework: str, arch: str, key=None, **sizes) -> tuple[Callable, Any, 
 
 
 def _compiled(fn, args):
-  """(executable, seconds to trace, lower and compile it)."""
-  start = time.perf_counter()
+  """(executable, seconds to trace, lower and compile it, CPU seconds of this process doing so)."""
+  start, start_cpu = time.perf_counter(), time.process_time()
   compiled = jax.jit(fn).lower(*args).compile()
-  seconds = time.perf_counter() - start
+  seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
   jax.block_until_ready(compiled(*args))
-  return compiled, seconds
+  return compiled, seconds, cpu_seconds
 
 
-def measure(arch: str, n: int, frameworks, methods, repeats: int, **sizes) -> dict:
+def measure(arch: str, n: int, frameworks, methods, repeats: int, compile_repeats: int = 1,
+            **sizes) -> dict:
   """Compile and step times of every framework and method on one architecture.
 
-  Everything is compiled first; then the steps are timed round-robin (every executable once
-  per round, `repeats` rounds), so that a change in the machine's load falls on all of them
-  alike. Step time: the minimum over the rounds (the median is recorded too).
+  Everything is compiled first, `compile_repeats` rounds of freshly built functions (compile
+  time: the minimum over the rounds, wall-clock and CPU seconds of this process); then the
+  steps are timed round-robin (every executable once per round, `repeats` rounds), so that a
+  change in the machine's load falls on all of them alike. Step time: the minimum over the
+  rounds (the median is recorded too).
   """
   loss = logit_dp.losses.contrastive(temperature=1.0)
-  executables, compile_s = {}, {}
+  executables, compile_s, compile_cpu_s = {}, {}, {}
   for framework in frameworks:
     embed_fn, params, shape = build(framework, arch, **sizes)
     k1, k2 = jax.random.split(jax.random.PRNGKey(1))
@@ -280,26 +284,36 @@ def measure(arch: str, n: int, frameworks, methods, repeats: int, **sizes) -> di
     x_prime = x + 0.1 * jax.random.normal(k2, x.shape)
     args = (params, x, x_prime, jnp.ones((n,), bool))
 
-    def nonprivate(p, x, x_prime, mask, embed_fn=embed_fn):
-      z = lambda w: loss(logit_dp.cosine_similarity(embed_fn(w, x), embed_fn(w, x_prime)), mask)
-      return jax.value_and_grad(z)(p)
+    def make_nonprivate(embed_fn=embed_fn):
+      """A new function (traced and compiled afresh): jax.value_and_grad of the loss."""
+      def nonprivate(p, anchors, positives, mask):
+        z = lambda w: loss(logit_dp.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)),
+                           mask)
+        return jax.value_and_grad(z)(p)
+
+      return nonprivate
 
     # Untimed: the first trace of a grad_fn in a process also runs its eager input checks
     # (and compiles what they call), a one-time cost that would fall on the first framework.
     jax.jit(logit_dp.clipped_grad(embed_fn, loss, 1.0, "ghost")).lower(*args)
-    for method in ("nonprivate",) + tuple(methods):
-      if method == "nonprivate":
-        fn = nonprivate
-      else:
-        extra = {}
-        if method == "projected":
-          extra = dict(reference_inputs=jax.random.uniform(jax.random.PRNGKey(7), (4,) + shape),
-                       projection_rank=16)
-        fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, method, **extra)
-      compiled, seconds = _compiled(fn, args)
-      executables[framework, method] = (compiled, args)
-      compile_s[framework, method] = seconds
-      print(f"{arch:14s} {framework:8s} {method:10s} compile {seconds:7.2f} s", flush=True)
+    for _ in range(compile_repeats):
+      for method in ("nonprivate",) + tuple(methods):
+        if method == "nonprivate":
+          fn = make_nonprivate()
+        else:
+          extra = {}
+          if method == "projected":
+            extra = dict(reference_inputs=jax.random.uniform(jax.random.PRNGKey(7), (4,) + shape),
+                         projection_rank=16)
+          fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, method, **extra)
+        compiled, seconds, cpu_seconds = _compiled(fn, args)
+        executables[framework, method] = (compiled, args)
+        key = framework, method
+        compile_s[key] = min(seconds, compile_s.get(key, seconds))
+        compile_cpu_s[key] = min(cpu_seconds, compile_cpu_s.get(key, cpu_seconds))
+        print(
+            f"{arch:14s} {framework:8s} {method:10s} compile {seconds:7.2f} s "
+            f"(CPU {cpu_seconds:7.2f} s)", flush=True)
   steps = {key: [] for key in executables}
   for _ in range(repeats):
     for key, (compiled, args) in executables.items():
@@ -309,17 +323,20 @@ def measure(arch: str, n: int, frameworks, methods, repeats: int, **sizes) -> di
   rows = {}
   for (framework, method), seconds in compile_s.items():
     rows.setdefault(framework, {})[method] = {
-        "compile_s": seconds, "step_s": float(np.min(steps[framework, method])),
+        "compile_s": seconds, "compile_cpu_s": compile_cpu_s[framework, method],
+        "step_s": float(np.min(steps[framework, method])),
         "step_median_s": float(np.median(steps[framework, method]))
     }
     print(f"{arch:14s} {framework:8s} {method:10s} step {rows[framework][method]['step_s']:8.4f} s",
           flush=True)
   ratios = {}
   for framework, row in rows.items():
-    ratios[framework] = {
-        f"{method}_compile_over_nonprivate":
-            row[method]["compile_s"] / row["nonprivate"]["compile_s"] for method in methods
-    }
+    ratios[framework] = {}
+    for method in methods:
+      ratios[framework][f"{method}_compile_over_nonprivate"] = (row[method]["compile_s"]
+                                                                / row["nonprivate"]["compile_s"])
+      ratios[framework][f"{method}_compile_cpu_over_nonprivate"] = (
+          row[method]["compile_cpu_s"] / row["nonprivate"]["compile_cpu_s"])
     if "linen" in rows:
       for method in ("nonprivate",) + tuple(methods):
         ratios[framework][f"{method}_step_over_linen"] = (row[method]["step_s"]
@@ -336,6 +353,8 @@ def main():
   p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
   p.add_argument("--methods", default=",".join(PRIVATE_METHODS))
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--compile-repeats", type=int, default=1,
+                 help="rounds of compiles (freshly built functions); the minimum is recorded")
   p.add_argument("--out", default=None)
   args = p.parse_args()
   frameworks, methods = args.frameworks.split(","), args.methods.split(",")
@@ -343,9 +362,10 @@ def main():
   for arch in args.models.split(","):
     if arch == "resnet18":
       results.append(
-          measure(arch, args.resnet_n, frameworks, methods, args.repeats, width=args.resnet_width))
+          measure(arch, args.resnet_n, frameworks, methods, args.repeats, args.compile_repeats,
+                  width=args.resnet_width))
     else:
-      results.append(measure(arch, args.n, frameworks, methods, args.repeats))
+      results.append(measure(arch, args.n, frameworks, methods, args.repeats, args.compile_repeats))
   report = {
       "command":
           "python -m benchmarks.frameworks " + " ".join(

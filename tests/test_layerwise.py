@@ -325,13 +325,13 @@ def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix(no_float_
 
 
 @pytest.mark.slow
-def test_unrolled_and_vmapped_backward_passes_give_the_same_factors(monkeypatch):
+def test_looped_and_vmapped_backward_passes_give_the_same_factors(monkeypatch):
   embed_fn, params, x, _ = _problem(ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3))
   plan = _plan(embed_fn, params, x)
   normalize = logit_dp.normalize
   factors = {}
   for min_batch in (1, 10 ** 9):
-    monkeypatch.setattr(layerwise, "_UNROLLED_MIN_BATCH", min_batch)
+    monkeypatch.setattr(layerwise, "_LOOPED_MIN_BATCH", min_batch)
     factors[min_batch] = layerwise.layer_factors(embed_fn, params, plan, x, normalize, None)
   for a, b in zip(jax.tree_util.tree_leaves(factors[1]),
                   jax.tree_util.tree_leaves(factors[10 ** 9])):

@@ -82,30 +82,69 @@ def map_row_chunks(fn, xs, chunk: int | None) -> Any:
   return unchunk_rows(map_chunks(fn, xs, chunk), n)
 
 
+def _chunk_rows(n_rows: int, row_floats: int, budget: int, max_rows: int | None) -> int:
+  """Rows per chunk of `row_chunks`."""
+  budget, max_rows = backend_chunk_limits(budget, max_rows)
+  return int(max(1, min(n_rows, max_rows or n_rows, budget // max(row_floats, 1))))
+
+
 def row_chunks(fn, rows, row_floats: int, budget: int, max_rows: int | None = None) -> jax.Array:
   """fn(chunk of rows) -> (chunk, n), over all rows in chunks holding about `budget` floats
   and at most `max_rows` rows (as `backend_chunk_limits` sets them for this backend)."""
-  budget, max_rows = backend_chunk_limits(budget, max_rows)
   n_rows = rows[0].shape[0]
-  chunk = int(max(1, min(n_rows, max_rows or n_rows, budget // max(row_floats, 1))))
+  chunk = _chunk_rows(n_rows, row_floats, budget, max_rows)
   return unchunk_rows(map_chunks(fn, rows, chunk), n_rows)
+
+
+def row_chunks_together(specs) -> list:
+  """`row_chunks` of several (fn, rows, row_floats, budget, max_rows) over the same rows, in
+  order; those with the same chunk size share one loop (its body compiled once)."""
+  n_rows = specs[0][1][0].shape[0]
+  chunks = [_chunk_rows(n_rows, *spec[2:]) for spec in specs]
+  out = [None] * len(specs)
+  for chunk in dict.fromkeys(chunks):
+    group = [i for i, c in enumerate(chunks) if c == chunk]
+
+    def fn(*rows, group=group):
+      results, offset = [], 0
+      for i in group:
+        size = len(specs[i][1])
+        results.append(specs[i][0](*rows[offset:offset + size]))
+        offset += size
+      return tuple(results)
+
+    rows = tuple(a for i in group for a in specs[i][1])
+    for i, result in zip(group, unchunk_rows(map_chunks(fn, rows, chunk), n_rows)):
+      out[i] = result
+  return out
+
+
+def flat_cross_spec(flat_rows, u_rows, flat_columns, v) -> tuple:
+  """The `row_chunks` arguments of `flat_cross_terms`."""
+  n, d, _ = flat_columns.shape
+  return (lambda f, u: layerwise.flat_cross(f, u, flat_columns, v), (flat_rows, u_rows), n * d * d,
+          CROSS_GRAM_CHUNK_FLOATS, None)
 
 
 def flat_cross_terms(flat_rows, u_rows, flat_columns, v) -> jax.Array:
   """`layerwise.flat_cross` for all local rows, in row chunks of about CROSS_GRAM_CHUNK_FLOATS."""
-  n, d, _ = flat_columns.shape
-  return row_chunks(lambda f, u: layerwise.flat_cross(f, u, flat_columns, v), (flat_rows, u_rows),
-                    n * d * d, CROSS_GRAM_CHUNK_FLOATS)
+  return row_chunks(*flat_cross_spec(flat_rows, u_rows, flat_columns, v))
+
+
+def ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v) -> tuple:
+  """The `row_chunks` arguments of `ghost_layer_cross_terms`."""
+  deltas_rows, deltas_columns = layerwise.ghost_cross_layouts(deltas_rows, deltas_columns)
+  d, n, t, c = deltas_columns.shape
+  fn = lambda a, delta, u: layerwise.ghost_layer_cross(a, delta, u, a_columns, deltas_columns, v)
+  row_floats = n * (t * t + 2 * t * c + d)
+  return (fn, (a_rows, deltas_rows, u_rows), row_floats, GHOST_LAYER_CHUNK_FLOATS,
+          GHOST_LAYER_CHUNK_ROWS)
 
 
 def ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v) -> jax.Array:
   """`layerwise.ghost_layer_cross` of one layer for all local rows, in small row chunks."""
-  deltas_rows, deltas_columns = layerwise.ghost_cross_layouts(deltas_rows, deltas_columns)
-  d, n, t, c = deltas_columns.shape
   return row_chunks(
-      lambda a, delta, u: layerwise.ghost_layer_cross(a, delta, u, a_columns, deltas_columns, v),
-      (a_rows, deltas_rows, u_rows), n * (t * t + 2 * t * c + d), GHOST_LAYER_CHUNK_FLOATS,
-      GHOST_LAYER_CHUNK_ROWS)
+      *ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v))
 
 
 def vectors_per_block(params, count: int) -> int:

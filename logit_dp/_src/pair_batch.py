@@ -49,8 +49,11 @@ class PairBatch:
     # Zero non-finite inputs so that their NaNs cannot reach the backward pass.
     self.x, self.x_prime = rows_lib.where_rows(inputs_ok,
                                                x), rows_lib.where_rows(inputs_ok, x_prime)
-    u_loc = self._embed(self.x)
-    v_loc = self._embed(self.x_prime, positive=True)
+    if self.two_tower or not same_layout(self.x, self.x_prime):
+      u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
+    else:  # both views in one loop: the forward pass is compiled once
+      u_loc, v_loc = jax.lax.map(
+          self._embed, jax.tree_util.tree_map(lambda *a: jnp.stack(a), self.x, self.x_prime))
     if u_loc.shape[-1] != v_loc.shape[-1]:
       raise ValueError(f"the two towers must embed into the same dimension: embed_fn gives "
                        f"{u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
@@ -140,6 +143,12 @@ class PairBatch:
       return chunk_factors(xs)
     return chunking.unchunk_rows(chunking.map_chunks(chunk_factors, (xs,), m), n)
 
+  def stacked_factors(self, views, chunk: int | None = None) -> layerwise.Factors:
+    """`factors` of equally many examples of several views of this tower (e.g. (x, x')), in
+    one loop over the views (compiled once), stacked along a leading axis: (views, m, ...)."""
+    xs = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *views)
+    return jax.lax.map(lambda x_view: self.factors(x_view, chunk=chunk), xs)
+
   def _selected_backward(self, xs, cot, positive: bool = False):
     """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
     def one(xe, ce):
@@ -170,9 +179,13 @@ class PairBatch:
     return jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0),
                                   chunking.map_chunks(chunk_grad, (xs, cot), m))
 
-  def factor_backward(self, factors: layerwise.Factors, cot, positive: bool = False) -> Any:
+  def factor_backward(self, factors: layerwise.Factors, cot, positive: bool = False,
+                      stacked: bool = False) -> Any:
     """Σ_e J_eᵀ cot_e contracted from the examples' Jacobian factors.
 
+    stacked: factors and cot hold several views of this tower along a leading axis,
+    (views, m, ...); the result is the sum over the views, with one check for non-finite
+    values and one selecting recomputation for all of them.
     The selecting recomputation goes example by example: selecting all of them at once would
     hold a second copy of the factors (the largest buffer of "ghost").
     """
@@ -183,6 +196,15 @@ class PairBatch:
       return jax.tree_util.tree_unflatten(treedef,
                                           layerwise.factors_transpose(plan, f, c, leaves, keep))
 
+    if stacked:
+      grads = functools.reduce(
+          lambda total, g: jax.tree_util.tree_map(jnp.add, total, g),
+          [transpose(rows_lib.take_row(factors, i), cot[i]) for i in range(cot.shape[0])])
+      factors, cot = jax.tree_util.tree_map(
+          lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), (factors, cot))
+    else:
+      grads = transpose(factors, cot)
+
     def selected():
       def add_example(total, example):
         f, c = jax.tree_util.tree_map(lambda a: a[None], example)
@@ -191,7 +213,7 @@ class PairBatch:
       zeros = self.c.varying(jax.tree_util.tree_map(jnp.zeros_like, self.params))
       return jax.lax.scan(add_example, zeros, (factors, cot))[0]
 
-    return finite_or(transpose(factors, cot), selected)
+    return finite_or(grads, selected)
 
   def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array, factors=None) -> Any:
     """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ, summed over devices.
@@ -211,6 +233,15 @@ class PairBatch:
       positive = self.factor_backward(factors[1], cot_v, positive=True)
     grads = (anchor, positive)
     return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
+
+
+def same_layout(x, x_prime) -> bool:
+  """Whether two inputs have the same pytree structure, leaf shapes and dtypes (so that they
+  stack into one array per leaf)."""
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  leaves_prime, treedef_prime = jax.tree_util.tree_flatten(x_prime)
+  return treedef == treedef_prime and all(
+      a.shape == b.shape and a.dtype == b.dtype for a, b in zip(leaves, leaves_prime))
 
 
 def finite_or(grads, redo) -> Any:

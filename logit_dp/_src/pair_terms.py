@@ -41,12 +41,15 @@ def ghost_terms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors,
   """(a, b, c) with ‖g_ij‖² = a + b + 2c for the rows i of f_u and the columns j of f_v,
   each (rows, columns): a = v̂_jᵀK_i v̂_j, b = û_iᵀK'_j û_i, c = v̂_jᵀ J_i J'_jᵀ û_i."""
   anchor, positive = quadratic_terms(f_u.gram, f_v.gram, u_rows, v_columns)
-  cross = jnp.zeros_like(anchor)
+  specs = []
   if f_v.flat.shape[-1]:
-    cross += chunking.flat_cross_terms(f_u.flat, u_rows, f_v.flat, v_columns)
+    specs.append(chunking.flat_cross_spec(f_u.flat, u_rows, f_v.flat, v_columns))
   for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas, f_v.ghost_patches,
                                         f_v.ghost_deltas):
-    cross += chunking.ghost_layer_cross_terms(a_u, delta_u, u_rows, a_v, delta_v, v_columns)
+    specs.append(chunking.ghost_layer_cross_spec(a_u, delta_u, u_rows, a_v, delta_v, v_columns))
+  cross = jnp.zeros_like(anchor)
+  for term in chunking.row_chunks_together(specs) if specs else ():
+    cross += term
   return anchor, positive, cross
 
 
@@ -78,7 +81,10 @@ def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
   model's pairs are formed in its own dtype with that dtype's allowance: evaluated in float64,
   its random draws (dropout masks) would not be those of the rest of the computation.
   """
-  chunk = max(1, chunking.vectors_per_block(batch.params, rows_lib.num_rows(batch.x)) // 2)
+  m = rows_lib.num_rows(batch.x)
+  chunk = max(1, chunking.vectors_per_block(batch.params, m) // 2)
+  # Equal chunks: a remainder would be a second copy of the computation, compiled again.
+  chunk = -(-m // -(-m // chunk))
   norms, dtype = widened.pair_norms(batch.pair_grad, batch.params, batch.x, batch.x_prime,
                                     batch.u_loc.dtype, chunk,
                                     in_float64=not stochastic.is_stochastic(batch.embed_fn,

@@ -80,7 +80,8 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   `pair_terms.diagonal_norms`, when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
   cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
   column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
-  and from f_v when it comes home (per row block: ḡ is linear in the cotangents).
+  and from f_v when it comes home (per row block: ḡ is linear in the cotangents). One block on
+  one device (the whole batch's factors fit the budget) takes the shorter route of `_one_block`.
 
   Returns (norms (n_local, n), ḡ psum-ed over devices, or None without with_grads).
   """
@@ -97,6 +98,8 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   single = num_row_blocks == 1 and num_column_blocks == 1 and k == 1
   # One block: the user's microbatches; blocks: at most a column block at a time.
   chunk = batch.microbatch_size if single else min(batch.microbatch_size or c, c)
+  if single and pair_batch.same_layout(batch.x, batch.x_prime):
+    return _one_block(batch, tau_local, clip_norm, allowance, chunk, with_grads)
 
   def pad(tree, size):  # inputs may be pytrees (e.g. with per-example keys)
     def pad_leaf(a):
@@ -171,3 +174,27 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   norms, grads = _loop(num_row_blocks, row_block, (norms, zero_grads))
   norms = norms[:n_local, :, :n_local].reshape(n_local, k * n_local)
   return norms, (col.psum(grads) if with_grads else None)
+
+
+def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, chunk: int | None,
+               with_grads: bool) -> tuple[jax.Array, Any]:
+  """`ghost_blocks` when one block holds every pair of one device's batch and both views stack
+  (`pair_batch.same_layout`): the factors of both views come from one loop over the two views,
+  and ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j with c_i = Σ_j λ_ij v̂_j and c'_j = Σ_i λ_ij û_i from one
+  contraction of them (each compiled once)."""
+  factors = batch.stacked_factors((batch.x, batch.x_prime), chunk)
+  f_u, f_v = (jax.tree_util.tree_map(lambda a, view=view: a[view], factors) for view in (0, 1))
+  u, v = batch.u_loc, batch.v_loc
+  norms = pair_terms.block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
+  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
+  scale = pair_terms.jacobian_norms(f_u.gram) + pair_terms.jacobian_norms(f_v.gram)
+  diagonal = pair_terms.with_allowance(diagonal, diagonal_error, scale, allowance)
+  norms = pair_terms.with_diagonal(batch, norms, diagonal, 0, True)
+  if not with_grads:
+    return norms, None
+  lam = tau * numerics.clip_factor(norms, clip_norm)
+  cot = jnp.stack([
+      jnp.matmul(lam, v, precision=numerics.HIGHEST),
+      jnp.matmul(lam.T, u, precision=numerics.HIGHEST)
+  ])
+  return norms, batch.c.psum(batch.factor_backward(factors, cot, stacked=True))
