@@ -88,7 +88,8 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                  axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                  positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
                  projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
-                 stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
+                 stochastic: bool = False,
+                 float64_positive_pairs: bool = False) -> grad_fn_lib.ClippedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
   ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
@@ -150,6 +151,13 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       fold_in(fold_in(key, v), i), i its row in the global batch, in every pass
       (`logit_dp._src.stochastic`); the sensitivity and the accounting are unchanged
       (docs/PRIVACY.md).
+    float64_positive_pairs: form the norms of the n positive pairs (x_i, x'_i) by one
+      backward pass each with params and inputs widened to float64, rounded up to
+      float32 (`pair_terms.diagonal_norms`). Near-identical views, whose pair gradients
+      nearly cancel, are then clipped by norms within 1e-6 of the truth instead of ones
+      that the float32 allowance can double; it costs a float64 backward pass per pair,
+      which XLA runs far slower than float32 for some layers (convolutions on a CPU:
+      100× and more). Ignored for stochastic models (their random draws would differ).
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and
   contribute exactly nothing. x and x_prime are arrays or pytrees of arrays
@@ -182,7 +190,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   there and cast the noisy update to the params' dtype afterwards (post-processing;
   `optax.apply_updates` does). Clip norms carry float allowances scaled to the
   unit roundoff of the lowest precision embed_fn computes in (float64 runs get
-  float64's), and the positive pairs' norms are formed in float64 (docs/PRIVACY.md).
+  float64's; docs/PRIVACY.md).
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
@@ -199,7 +207,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
     params, x, x_prime = precision.widen((params, x, x_prime))
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
-                                                positive_embed_fn, key)
+                                                positive_embed_fn, key, float64_positive_pairs)
     keyed_clip = methods.with_key(clip, key)
     if with_stats:
       grads, norms = keyed_clip.clipped_grad_and_norms(batch, tau[batch.rows], clip_norm)
@@ -234,7 +242,7 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
                     memory_budget: int | None = None,
                     positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
                     projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
-                    key: Any = None) -> jax.Array:
+                    key: Any = None, float64_positive_pairs: bool = False) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 
@@ -244,7 +252,7 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
   With float_allowance (the default, what clipping uses) every norm includes the float
   allowance that keeps it at or above the true norm (docs/PRIVACY.md), scaled to the unit
   roundoff of the dtype the norms are computed in: relative ~1e-4 on ordinary float32 pairs,
-  more on pairs whose gradient nearly cancels (the positive pairs are formed in float64).
+  more on pairs whose gradient nearly cancels (see `clipped_grad`'s float64_positive_pairs).
   float_allowance=False returns the computed values without it (for comparing methods; never
   clip by them).
   positive_embed_fn: the tower of x_prime, and reference_inputs, projection_rank
@@ -262,13 +270,14 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
   if key is not None:
     key = stochastic_lib.check_key(key, True, "pair_grad_norms")
   return _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine_eps,
-                          1.0 if float_allowance else 0.0, positive_embed_fn, key)
+                          1.0 if float_allowance else 0.0, positive_embed_fn, key,
+                          bool(float64_positive_pairs))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 10))
 @numerics.full_float32
 def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine_eps, allowance,
-                     positive_embed_fn, key):
+                     positive_embed_fn, key, float64_positive_pairs):
   rows = jnp.arange(rows_lib.num_rows(x))
   embed_fn, positive_embed_fn, x, x_prime = stochastic_lib.bind(embed_fn, positive_embed_fn, key, x,
                                                                 x_prime, rows)
@@ -277,7 +286,8 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine
   batch = pair_batch.PairBatch(embed_fn, params, x, x_prime, mask, eps=cosine_eps,
                                microbatch_size=microbatch_size,
                                collective=collective_lib.Collective(None),
-                               positive_embed_fn=positive_embed_fn)
+                               positive_embed_fn=positive_embed_fn,
+                               float64_positive_pairs=float64_positive_pairs)
   return methods.with_key(clip, key).pair_norms(batch, allowance)
 
 

@@ -33,8 +33,9 @@ class PairBatch:
   tower that is embed_fn itself.
   """
   def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective,
-               positive_embed_fn=None):
+               positive_embed_fn=None, float64_positive_pairs: bool = False):
     self.embed_fn, self.params, self.eps = embed_fn, params, eps
+    self.float64_positive_pairs = float64_positive_pairs
     self.two_tower = positive_embed_fn is not None and positive_embed_fn is not embed_fn
     self.positive_embed_fn = positive_embed_fn if self.two_tower else embed_fn
     # The same function, with recognised convolutions differentiated into channels-last
@@ -258,17 +259,20 @@ def finite_or(grads, redo) -> Any:
 
 
 def forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective,
-            positive_embed_fn=None, key=None) -> tuple[PairBatch, jax.Array, jax.Array]:
+            positive_embed_fn=None, key=None,
+            float64_positive_pairs: bool = False) -> tuple[PairBatch, jax.Array, jax.Array]:
   """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs).
 
   key: a stochastic embed_fn(params, x, key): the batch embeds every example with its own key
   (`stochastic.bind`, rows numbered over the global batch); None: embed_fn(params, x).
+  float64_positive_pairs: form the positive pairs' norms in float64 (`pair_terms.diagonal_norms`).
   """
   params = collective.local_params(params)
   embed_fn, positive_embed_fn, x, x_prime = stochastic.bind(
       embed_fn, positive_embed_fn, key, x, x_prime, collective.local_rows(rows_lib.num_rows(x)))
   batch = PairBatch(embed_fn, params, x, x_prime, mask, eps=eps, microbatch_size=microbatch_size,
-                    collective=collective, positive_embed_fn=positive_embed_fn)
+                    collective=collective, positive_embed_fn=positive_embed_fn,
+                    float64_positive_pairs=float64_positive_pairs)
   loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
   tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
   # Every valid pair dropped as non-finite (e.g. NaN parameters): the loss is NaN, not the

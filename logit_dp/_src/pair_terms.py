@@ -67,19 +67,19 @@ def triangle_bound(anchor, positive, s_local, s_all, gram_error: float) -> jax.A
 
 
 def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
-  """(‖g_ii‖ (n_local,), e): the norms of this device's pairs (x_i, x'_i), formed in float64
-  and rounded up to the embeddings' dtype, and e, the vector allowance per unit of
-  s_i + s'_i of the dtype they were computed in (`with_allowance` adds it).
+  """(‖g_ii‖ (n_local,), e): the norms of this device's pairs (x_i, x'_i), each formed as a
+  vector by its own backward pass of the model and normed, and e, the vector allowance per
+  unit of s_i + s'_i of the dtype they were computed in (`with_allowance` adds it).
 
   Near-identical views (the usual positive pair) have pair gradients whose halves J_iᵀv̂_i and
-  J'_iᵀû_i cancel to a few 1e-6 of ‖J_i‖_F: float32 rounding of the forward pass alone moves
-  the result by ~1%, an allowance in terms of ‖J_i‖_F more than doubles it, and Gram forms
-  lose it entirely (ghost returned 0 for true norms of ~3e-3). They are only n vectors, so
-  each is formed by its own backward pass of the model with params and float inputs widened
-  to float64 (`widened.pair_norms`) and normed; e is that of the lowest precision the
-  computation actually ran in (float64 unless the model casts down internally). A stochastic
-  model's pairs are formed in its own dtype with that dtype's allowance: evaluated in float64,
-  its random draws (dropout masks) would not be those of the rest of the computation.
+  J'_iᵀû_i cancel to a few 1e-6 of ‖J_i‖_F: Gram forms lose them entirely (ghost returned 0
+  for true norms of ~3e-3), so they are formed as vectors. In float32 the rounding of the
+  forward pass alone moves them by ~1% and the allowance in terms of ‖J_i‖_F can double them;
+  with `batch.float64_positive_pairs` the params and float inputs are widened to float64
+  (`widened.pair_norms`), the norms rounded up to the embeddings' dtype, and e is that of the
+  lowest precision the computation actually ran in (float64 unless the model casts down
+  internally). A stochastic model's pairs stay in its own dtype: evaluated in float64, its
+  random draws (dropout masks) would not be those of the rest of the computation.
   """
   m = rows_lib.num_rows(batch.x)
   chunk = max(1, chunking.vectors_per_block(batch.params, m) // 2)
@@ -87,8 +87,9 @@ def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
   chunk = -(-m // -(-m // chunk))
   norms, dtype = widened.pair_norms(batch.pair_grad, batch.params, batch.x, batch.x_prime,
                                     batch.u_loc.dtype, chunk,
-                                    in_float64=not stochastic.is_stochastic(batch.embed_fn,
-                                                                            batch.positive_embed_fn))
+                                    in_float64=batch.float64_positive_pairs
+                                    and not stochastic.is_stochastic(batch.embed_fn,
+                                                                     batch.positive_embed_fn))
   return norms, numerics.vector_error(dtype)
 
 

@@ -3,7 +3,7 @@
 "triangle" clips with ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖, which only needs the per-example
 Grams K_i: clipping by a larger norm is still private (each term has norm ≤ B), just less
 accurate. "projected" tightens it on the subspace spanned by the Jacobians of public reference
-inputs (`projection.bound`). Both form the diagonal pairs from their float64 vectors.
+inputs (`projection.bound`). Both form the diagonal pairs from their vectors.
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ def projected_jacobians(batch: pair_batch.PairBatch, factors: layerwise.Factors,
 def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
                 projection_spec=None) -> jax.Array:
   """Upper bound ‖J_iᵀv̂_j‖ + ‖J'_jᵀû_i‖ ≥ ‖g_ij‖ from per-example Grams (with the float
-  allowances of `numerics`), and the diagonal pairs from their float64 vectors
+  allowances of `numerics`), and the diagonal pairs from their vectors
   (`pair_terms.diagonal_norms`).
 
   projection_spec = (reference_inputs, rank): "projected", the tighter bound exact on the
   reference inputs' Jacobian subspace (`projection.bound`); it needs the per-example
   projections J_iQ̃ (n·d·k floats) on top, and the pair terms go in row chunks.
 
-  Memory stays at the Grams plus one microbatch of factors (the diagonal pairs' float64
+  Memory stays at the Grams plus one microbatch of factors (the diagonal pairs'
   gradients go in chunks of `chunking.vectors_per_block`).
   """
   tangents = eta = None

@@ -27,7 +27,7 @@ from logit_dp._src.methods import towers
 
 @dataclasses.dataclass(frozen=True)
 class Ghost(base.ClipMethod):
-  """Exact pair norms (min with the triangle bound, diagonal pairs from float64 vectors).
+  """Exact pair norms (min with the triangle bound, diagonal pairs from vectors).
 
   Attributes:
     memory_budget: bytes of Jacobian factors held at once (None: `chunking.default_memory_budget`).
@@ -76,7 +76,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   device's x_prime its factors f_v are computed (again for every row block) and passed around
   the ring of devices (`collective.Collective.ring_shift`, k steps: it comes home last), so
   that every device pairs its rows with every column. Per block: the norms
-  (`pair_terms.block_norms`, the diagonal pairs from their float64 vectors,
+  (`pair_terms.block_norms`, the diagonal pairs from their vectors,
   `pair_terms.diagonal_norms`, when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
   cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
   column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
@@ -123,7 +123,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   zero_grads = col.varying(jax.tree_util.tree_map(jnp.zeros_like, batch.params))
 
   def diagonal_values(f_u, f_v, start, offset):
-    """The float64 diagonal norms of columns start..start+c-1 with their allowance."""
+    """The diagonal norms of columns start..start+c-1 with their allowance."""
     s_rows = jax.lax.dynamic_slice_in_dim(pair_terms.jacobian_norms(f_u.gram), offset, c)
     return pair_terms.with_allowance(jax.lax.dynamic_slice_in_dim(diagonal, start,
                                                                   c), diagonal_error,

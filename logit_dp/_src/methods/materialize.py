@@ -53,7 +53,7 @@ def materialize(batch: pair_batch.PairBatch, tau_local_rows, clip_norm, pair_blo
   """Algorithm 1: every pair gradient by its own backward pass, in blocks of pairs.
 
   Each norm is raised by the vector allowance allowance·`numerics.vector_error`·(‖J_i‖_F +
-  ‖J'_j‖_F); the diagonal pairs (x_i, x'_i) take their float64 norms instead
+  ‖J'_j‖_F); the diagonal pairs (x_i, x'_i) take their vector-formed norms instead
   (`pair_terms.diagonal_norms`), the gradients ḡ is summed from stay those of the blocks.
   Returns (ḡ summed over local rows and psum-ed over devices, norms (n_local, n)).
   """

@@ -7,7 +7,7 @@ With S the parameters both towers share (`two_tower.tower_plans`):
 * S ≠ ∅: "ghost" adds the cross-Gram over the columns of S only
   (`chunking.flat_cross_terms`), "triangle" keeps its bound √a + √b.
 
-Diagonal pairs are formed as float64 vectors, as with one tower (`pair_terms.diagonal_norms`),
+Diagonal pairs are formed as vectors, as with one tower (`pair_terms.diagonal_norms`),
 so no Gram form loses a small positive-pair norm to cancellation.
 """
 
@@ -31,7 +31,7 @@ def pair_norms(batch, cross_terms: bool,
   Off the diagonal, disjoint towers: √(a + b + ε_G S_ij²) (exact up to the float
   allowance, ε_G = allowance·`numerics.gram_error`, S_ij = ‖J_i‖_F + ‖J'_j‖_F); shared
   leaves: with cross_terms ("ghost") min(√(a + b + 2c + ε_G S_ij²), triangle bound), without
-  ("triangle") the bound. Diagonal: ‖g_ii‖ from float64 vectors (`pair_terms.diagonal_norms`).
+  ("triangle") the bound. Diagonal: ‖g_ii‖ from vectors (`pair_terms.diagonal_norms`).
   factors (of the local rows of both towers) are returned when the cross terms computed them
   (shared leaves), for ḡ from the factors; None means ḡ by backward passes.
   batch: a `pair_batch.PairBatch` (which builds its plans with this module).
