@@ -1186,7 +1186,7 @@ _ADDED_CONFIG_GROUPS = ("dp_gcl", "projection")
 # Fields added after runs were started, with the value that reproduces those runs: a
 # config.json without them is compared as if it had these values.
 _ADDED_CONFIG_DEFAULTS = dict(lr_schedule="constant", lr_final_fraction=0.0, lr_warmup_steps=0,
-                              delta_includes_overflow=False)
+                              delta_includes_overflow=False, log_clip_stats=False)
 
 
 def check_resumable(config, workdir: str):

@@ -148,7 +148,7 @@ def near_identical_truth():
 
 
 @pytest.mark.parametrize("method", [
-    m if m in ("ghost", "triangle") else pytest.param(m, marks=pytest.mark.slow)
+    m if m == "ghost" else pytest.param(m, marks=pytest.mark.slow)
     for m in logit_dp.METHODS
 ])
 def test_float32_diagonal_norms_of_near_identical_pairs_are_within_10_percent(

@@ -121,7 +121,7 @@ def test_ghost_norms_are_materialize_and_float64_truth(framework, model):
   assert np.all(triangle >= truth * (1 - 1e-5))
 
 
-GRAD_CASES = _cases({("nnx", "mlp"), ("equinox", "mlp"), ("plain", "mlp")})
+GRAD_CASES = _cases({("nnx", "mlp"), ("plain", "mlp")})
 
 
 @pytest.mark.parametrize("framework,model", GRAD_CASES)
@@ -148,7 +148,7 @@ def test_clipped_grad_with_mask_and_microbatches(framework, model, no_float_allo
     [f if f == "equinox" else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS])
 def test_triangle_and_projected(framework, no_float_allowance):
   """triangle: the norms and ḡ of the same weights in linen. projected: an upper bound of the
-  float64 truth, exact on the diagonal (its subspace comes from an eigendecomposition of
+  float64 truth, exact on the diagonal (formed in float64: the allowances are off; its subspace comes from an eigendecomposition of
   near-singular Grams, so float rounding of another parameter layout moves the bound)."""
   embed_fn, params, x, x_prime = _problem(framework, "mlp")
   linen_fn, linen_params, _, _ = _problem("linen", "mlp")
@@ -162,7 +162,7 @@ def test_triangle_and_projected(framework, no_float_allowance):
   truth = _float64_pair_norms(embed_fn, params, x, x_prime)
   projected = np.asarray(
       logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
-                               **method_kwargs("projected", x)))
+                               float64_positive_pairs=True, **method_kwargs("projected", x)))
   assert np.all(projected >= truth * (1 - 1e-5))
   np.testing.assert_allclose(np.diag(projected), np.diag(truth), rtol=1e-4)
 

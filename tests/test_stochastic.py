@@ -200,7 +200,7 @@ def test_plain_clipped_grad_is_float64_brute_force(method, no_float_allowance):
   np.testing.assert_allclose(flat(got), want, rtol=1e-4, atol=1e-6 * np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("framework", ["linen", pytest.param("nnx", marks=pytest.mark.slow)])
 def test_flax_dropout_norms_and_grad_are_brute_force(framework, no_float_allowance):
   """flax's own Dropout (jax.random.bernoulli), with the key passed at call time."""
   embed_fn, params = _model(framework)
@@ -370,6 +370,7 @@ def test_two_towers_with_dropout(method, no_float_allowance):
   np.testing.assert_allclose(flat(got), want, rtol=1e-4, atol=1e-6 * np.max(np.abs(want)))
 
 
+@pytest.mark.slow  # the same per-example keys as clipped_grad, tested by default above
 def test_naive_dp_with_dropout_is_the_clipped_brute_force_gradient():
   embed_fn, params = _model("plain")
   x, x_prime = _data()
@@ -475,6 +476,7 @@ def test_make_private_trains_a_dropout_model():
   assert len(losses) == 3 and all(np.isfinite(losses))
 
 
+@pytest.mark.slow  # make_private with dropout runs by default
 def test_make_private_without_dropout_keeps_the_noise_key():
   private = logit_dp.make_private(lambda p, x: x @ p, LOSS, 0.5, target_epsilon=8.0,
                                   target_delta=1e-3, num_records=40, expected_batch_size=8,

@@ -26,7 +26,11 @@ class EmptyBatchWarning(UserWarning):
 
 def warn_if_empty(what: str, mask) -> None:
   """Eager calls only: `EmptyBatchWarning` when ``mask`` is given and all False."""
-  if mask is None or rows_lib.is_traced(mask) or bool(np.any(np.asarray(mask))):
+  if mask is None or rows_lib.is_traced(mask):
+    return
+  if isinstance(mask, jax.Array) and not mask.is_fully_addressable:
+    mask = jnp.any(mask)  # a global array over several processes: a value every one can read
+  if bool(np.any(np.asarray(mask))):
     return
   warnings.warn(
       f"{what}: the batch has no valid pair (mask all False), so ℒ = 0 and ḡ = 0; "
