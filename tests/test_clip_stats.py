@@ -119,8 +119,8 @@ def _two_towers(shared: bool):
 
 
 @pytest.mark.parametrize("method,shared", [
-    pytest.param(method, shared, marks=_SLOW)
-    for method in ("ghost", "triangle", "materialize") for shared in (False, True)
+    pytest.param(method, shared, marks=_SLOW) for method in ("ghost", "triangle", "materialize")
+    for shared in (False, True)
 ])
 def test_two_towers(method, shared, no_float_allowance):
   f, g, params, x, x_prime = _two_towers(shared)

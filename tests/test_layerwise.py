@@ -257,6 +257,7 @@ def test_ghost_norms_exact_for_conv_configs(name, monkeypatch):
   _check_norms(embed_fn, params, x, x_prime, monkeypatch)
 
 
+@pytest.mark.slow  # dense layers on (n, t, f) inputs; the conv nets run by default elsewhere
 def test_ghost_norms_exact_for_dense_on_sequences(monkeypatch):
   embed_fn, params, x, x_prime = _problem(SequenceNet(), (5, 3))
   plan = _plan(embed_fn, params, x)

@@ -68,10 +68,9 @@ def test_low_precision_inputs_are_accepted_and_widened():
 
 # The default run keeps ghost in bfloat16; the rest is slow.
 @pytest.mark.parametrize("method,dtype", [
-    pytest.param(
-        method, dtype, marks=() if
-        (method, dtype) == ("ghost", jnp.bfloat16) else pytest.mark.slow,
-        id=f"{method}-{jnp.dtype(dtype).name}") for method in logit_dp.METHODS
+    pytest.param(method, dtype, marks=() if
+                 (method, dtype) == ("ghost", jnp.bfloat16) else pytest.mark.slow,
+                 id=f"{method}-{jnp.dtype(dtype).name}") for method in logit_dp.METHODS
     for dtype in (jnp.bfloat16, jnp.float16)
 ])
 def test_low_precision_model_is_clipped_in_float32_against_float64(method, dtype):

@@ -243,10 +243,10 @@ def test_microbatches_and_jit_give_the_same_gradient():
   assert rel_err(micro, whole) < 1e-5
 
 
-# The vector form's sharded run is slow: both forms take the same gathered columns.
-@pytest.mark.parametrize("dim",
-                         [GRAM_FORM_DIM, pytest.param(VECTOR_FORM_DIM, marks=_SLOW)],
-                         ids=["gram_form", "vector_form"])
+# Slow: the sharded paths are tested by default in tests/test_distributed.py.
+@pytest.mark.parametrize(
+    "dim", [pytest.param(GRAM_FORM_DIM, marks=_SLOW),
+            pytest.param(VECTOR_FORM_DIM, marks=_SLOW)], ids=["gram_form", "vector_form"])
 def test_sharded_over_two_devices_equals_one_device(dim):
   from logit_dp import distributed
   embed_fn, params, x, x_prime, reference = _conv_problem(seed=8, dim=dim)
@@ -352,9 +352,9 @@ def _one_mlp_two_ways():
   return x, x_prime, reference, (model.apply, params), (plain_fn, plain)
 
 
-@pytest.mark.parametrize("x64,tolerance",
-                         [(False, 1e-6), pytest.param(True, 1e-12, marks=pytest.mark.slow)],
-                         ids=["float32", "float64"])
+@pytest.mark.parametrize(
+    "x64,tolerance",
+    [(False, 1e-6), pytest.param(True, 1e-12, marks=pytest.mark.slow)], ids=["float32", "float64"])
 def test_the_basis_stops_at_the_numerical_rank(x64, tolerance):
   """Rank 32 > the 24 directions of the references: the same model written two ways gives the
   same norms (keeping the 8 rounding directions put them 2.4% apart), never below the exact
