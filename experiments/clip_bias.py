@@ -1,7 +1,7 @@
 r"""Does clipping every pair (B far below the pair norms) by itself collapse the embeddings?
 
-Noise-free diagnostic for docs/results_in_detail.md, "Clip methods at the paper's size". It trains the
-embedding net on a random CIFAR-10 subset with Adam on the *noise-free* clipped sum
+Noise-free diagnostic for docs/results_in_detail.md, "Clip methods at the paper's size". It
+trains the embedding net on a random CIFAR-10 subset with Adam on the *noise-free* clipped sum
 ḡ = Σ_ij τ_ij·min(1, B/‖∇Z_ij‖)·∇Z_ij (no noise, no Poisson sampling, so not private) for
 several B, next to the true gradient (B = ∞). It records, on test pairs, the contrastive loss and
 the mean cosine similarity of non-matching test embeddings: a collapse shows as that mean → 1

@@ -5,8 +5,8 @@ expected batch 10,000, q = 0.4, T = 50, ε = 5, δ = 1e-5, B = 1, τ = 1), excep
 clips by the projected bound: exact on the top-32 singular subspace of the Jacobians of 64
 CIFAR-100 train images (public data, drawn with a fixed seed) at the current parameters, the
 triangle bound on the rest. The triangle bound over-estimates the negative pairs' norms ~5×
-and biases ḡ towards collapse (docs/results_in_detail.md, "Clip methods at the paper's size"); this one
-over-estimates them ~1.1×.
+and biases ḡ towards collapse (docs/results_in_detail.md, "Clip methods at the paper's size");
+this one over-estimates them ~1.1×.
 
     python experiments/pretrain.py --config=experiments/configs/cifar10_embedding_net_projected.py \
         --config.data.npz_dir=DIR --config.seed=0 --workdir=runs/cifar10_embnet_projected_s0

@@ -30,10 +30,10 @@ becomes the incumbent of the next stage. 17 candidates:
    (τ = 0.5), 16.8 (τ = 1), 7.4 (τ = 2). A larger τ is less noisy but contrasts less: the
    largest lever, searched first, on both sides of the base.
 3. Clip norm B ∈ {0.3, 3, 10}. With Adam only the fraction of clipped pairs changes with B (the
-   noise scales with B): the triangle bound clips 91 % of the pairs at B = 1 (docs/results_in_detail.md),
-   and clipping most pairs with it biases the gradient towards collapse (experiments/clip_bias.py,
-   results_in_detail.md, "Clip methods at the paper's size"): a larger B clips fewer pairs, so less bias for
-   more noise.
+   noise scales with B): the triangle bound clips 91 % of the pairs at B = 1
+   (docs/results_in_detail.md), and clipping most pairs with it biases the gradient towards
+   collapse (experiments/clip_bias.py; results_in_detail.md, "Clip methods at the paper's size"):
+   a larger B clips fewer pairs, so less bias for more noise.
 4. Embedding dimension d ∈ {16, 32}: 8 dimensions for 100 classes may limit the 3-NN accuracy;
    the extra parameters are in the last layer only.
 5. Pair mode "augment" (two augmentations of one image, one record per image: 50,000 records,

@@ -87,8 +87,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                  pair_block_size: int | None = None, memory_budget: int | None = None,
                  axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                  positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
-                 projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
-                 stochastic: bool = False,
+                 projection_rank: int = methods.DEFAULT_PROJECTION_RANK, stochastic: bool = False,
                  float64_positive_pairs: bool = False) -> grad_fn_lib.ClippedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
@@ -241,8 +240,8 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
                     cosine_eps: float = numerics.DEFAULT_COSINE_EPS, float_allowance: bool = True,
                     memory_budget: int | None = None,
                     positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
-                    projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
-                    key: Any = None, float64_positive_pairs: bool = False) -> jax.Array:
+                    projection_rank: int = methods.DEFAULT_PROJECTION_RANK, key: Any = None,
+                    float64_positive_pairs: bool = False) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 

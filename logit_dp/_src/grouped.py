@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -223,7 +223,8 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     x, x_prime, views = (_zero_rows(inputs_ok, a) for a in (x, x_prime, views))
     fn = embed_fn
     if key is not None:  # every example with its own key (`stochastic`), in every pass
-      fn = stochastic_lib.PerExample(embed_fn, stochastic_lib.key_impl(key))
+      fn = stochastic_lib.PerExample(cast(stochastic_lib.StochasticEmbedFn, embed_fn),
+                                     stochastic_lib.key_impl(key))
       rows = jnp.arange(n)
       x = stochastic_lib.attach(x, key, stochastic_lib.VIEW_X, rows)
       x_prime = stochastic_lib.attach(x_prime, key, stochastic_lib.VIEW_X_PRIME, rows)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -470,7 +470,9 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   flat, ghost_patches, ghost_deltas = [], [], []
   gram = jnp.zeros((m, d, d), u.dtype)
   for layer, is_ghost, a, delta in zip(plan.layers, plan.ghost, patches, deltas):
-    delta = jnp.moveaxis(delta.reshape(d, m, layer.positions, layer.features), 0, 2)  # (m,T,d,C)
+    delta = jnp.moveaxis(
+        jnp.reshape(cast(jax.Array, delta), (d, m, layer.positions, layer.features)), 0,
+        2)  # (m,T,d,C)
     if is_ghost:
       ghost_patches.append(a)
       ghost_deltas.append(delta)

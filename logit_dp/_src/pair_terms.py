@@ -85,11 +85,10 @@ def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
   chunk = max(1, chunking.vectors_per_block(batch.params, m) // 2)
   # Equal chunks: a remainder would be a second copy of the computation, compiled again.
   chunk = -(-m // -(-m // chunk))
-  norms, dtype = widened.pair_norms(batch.pair_grad, batch.params, batch.x, batch.x_prime,
-                                    batch.u_loc.dtype, chunk,
-                                    in_float64=batch.float64_positive_pairs
-                                    and not stochastic.is_stochastic(batch.embed_fn,
-                                                                     batch.positive_embed_fn))
+  norms, dtype = widened.pair_norms(
+      batch.pair_grad, batch.params, batch.x, batch.x_prime, batch.u_loc.dtype, chunk,
+      in_float64=batch.float64_positive_pairs
+      and not stochastic.is_stochastic(batch.embed_fn, batch.positive_embed_fn))
   return norms, numerics.vector_error(dtype)
 
 

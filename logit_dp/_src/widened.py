@@ -55,14 +55,15 @@ def pair_norms(pair_grad: Callable, params, x, x_prime, out_dtype, chunk: int,
     one = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
     dtype = numerics.computation_dtype(pair_grad, params, one(x), one(x_prime))
     return jnp.sqrt(_sq_norms(pair_grad, params, x, x_prime, chunk)).astype(out_dtype), dtype
-  def in_float64(p, a, b):
+
+  def norms_in_float64(p, a, b):
     with jax.enable_x64(True):
       p, a, b = widen((p, a, b))
       return round_up(jnp.sqrt(_sq_norms(pair_grad, p, a, b, chunk)), out_dtype)
 
   @jax.custom_batching.custom_vmap
   def norms(p, a, b):
-    return in_float64(p, a, b)
+    return norms_in_float64(p, a, b)
 
   @norms.def_vmap
   def _batched(axis_size, in_batched, p, a, b):
