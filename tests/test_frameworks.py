@@ -166,7 +166,7 @@ def test_triangle_and_projected(framework, no_float_allowance):
   np.testing.assert_allclose(np.diag(projected), np.diag(truth), rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["ghost", "flat"])
+@pytest.mark.parametrize("mode", [pytest.param("ghost", marks=pytest.mark.slow), "flat"])
 @pytest.mark.parametrize("framework,model",
                          [("equinox", "mlp"),
                           pytest.param("equinox", "conv", marks=pytest.mark.slow)])

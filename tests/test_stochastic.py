@@ -200,7 +200,8 @@ def test_plain_clipped_grad_is_float64_brute_force(method, no_float_allowance):
   np.testing.assert_allclose(flat(got), want, rtol=1e-4, atol=1e-6 * np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("framework", ["linen", pytest.param("nnx", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("framework",
+                         [pytest.param(f, marks=pytest.mark.slow) for f in ("linen", "nnx")])
 def test_flax_dropout_norms_and_grad_are_brute_force(framework, no_float_allowance):
   """flax's own Dropout (jax.random.bernoulli), with the key passed at call time."""
   embed_fn, params = _model(framework)
