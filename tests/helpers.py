@@ -1,6 +1,7 @@
 """Tree arithmetic used by the tests."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -141,3 +142,29 @@ def independence_threshold(num_pairs: int, level: float = 1e-6) -> float:
   every pair is independent."""
   from scipy import stats  # pylint: disable=g-import-not-at-top
   return float(stats.norm.isf(level / (2 * num_pairs)))
+
+
+def float64_clipped_reference(embed_fn, loss, params, x, x_prime, clip_norm, clip_by=None,
+                              eps: float = 1e-6):
+  """(‖∇_w Z_ij‖ (n, n), Σ_ij τ_ij·min(1, B/c_ij)·∇_w Z_ij) in float64 by jax.grad of each Z_ij,
+  all rows valid, with c = clip_by or the exact norms when None (call under x64)."""
+  p64, x64, xp64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64),
+                                          (params, x, x_prime))
+  n = x64.shape[0]
+
+  def unit(p, xe):
+    u = embed_fn(p, xe[None])[0]
+    return u / jnp.sqrt(jnp.sum(u * u) + eps * eps)
+
+  def pair_grad(i, j):
+    return jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
+
+  rows, cols = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
+  grads = jax.vmap(jax.vmap(pair_grad))(rows, cols)
+  norms = jnp.sqrt(
+      sum(jnp.sum(g.reshape(n, n, -1) ** 2, -1) for g in jax.tree_util.tree_leaves(grads)))
+  z = jax.vmap(lambda a: unit(p64, a))(x64) @ jax.vmap(lambda a: unit(p64, a))(xp64).T
+  tau = jax.grad(loss)(z, jnp.ones((n,), bool))
+  clip_by = norms if clip_by is None else jnp.asarray(clip_by, jnp.float64)
+  lam = tau * jnp.minimum(1.0, clip_norm / clip_by)
+  return np.asarray(norms), jax.tree_util.tree_map(lambda g: jnp.tensordot(lam, g, axes=2), grads)

@@ -16,6 +16,7 @@ import logit_dp
 from conftest import MLP
 from conftest import SmallConv
 from helpers import flat
+from helpers import float64_clipped_reference
 from helpers import method_kwargs
 from helpers import rel_err
 from logit_dp._src import numerics
@@ -35,29 +36,6 @@ def _problem(family: str, seed: int = 0, model=None):
 
 def _as64(tree):
   return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), tree)
-
-
-def _float64_reference(embed_fn, params, x, x_prime, clip_norm, eps=logit_dp.DEFAULT_COSINE_EPS):
-  """(‖∇_w Z_ij‖ (n, n), Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij) in float64 by jax.grad of each
-  Z_ij, with no allowance (call under x64)."""
-  p64, x64, xp64 = _as64((params, x, x_prime))
-
-  def unit(p, xe):
-    u = embed_fn(p, xe[None])[0]
-    return u / jnp.sqrt(jnp.sum(u * u) + eps * eps)
-
-  def pair_grad(i, j):
-    return jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
-
-  rows, cols = jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij")
-  grads = jax.vmap(jax.vmap(pair_grad))(rows, cols)
-  norms = jnp.sqrt(
-      sum(jnp.sum(g.reshape(N, N, -1) ** 2, -1) for g in jax.tree_util.tree_leaves(grads)))
-  z = jax.vmap(lambda a: unit(p64, a))(x64) @ jax.vmap(lambda a: unit(p64, a))(xp64).T
-  tau = jax.grad(LOSS)(z, jnp.ones((N,), bool))
-  lam = tau * jnp.minimum(1.0, clip_norm / norms)
-  clipped = jax.tree_util.tree_map(lambda g: jnp.tensordot(lam, g, axes=2), grads)
-  return np.asarray(norms), clipped
 
 
 def test_allowances_scale_with_the_unit_roundoff():
@@ -109,9 +87,9 @@ def test_float64_runs_clip_by_norms_within_the_float64_allowance(method):
   with jax.enable_x64(True):
     fresh = lambda p, xs: embed_fn(p, xs)
     p64, x64, xp64 = _as64((params, x, x_prime))
-    truth, _ = _float64_reference(fresh, params, x, x_prime, 1.0)
+    truth, _ = float64_clipped_reference(fresh, LOSS, params, x, x_prime, 1.0)
     clip_norm = 0.5 * float(np.min(truth))  # every pair is clipped
-    _, reference = _float64_reference(fresh, params, x, x_prime, clip_norm)
+    _, reference = float64_clipped_reference(fresh, LOSS, params, x, x_prime, clip_norm)
     got = np.asarray(logit_dp.pair_grad_norms(fresh, p64, x64, xp64, method))
     _, grads = logit_dp.clipped_grad(fresh, LOSS, clip_norm, method)(p64, x64, xp64)
     scale = (_float64_jacobian_norms(fresh, params, x)[:, None]

@@ -13,6 +13,7 @@ import pytest
 
 import logit_dp
 from conftest import MLP
+from helpers import float64_clipped_reference
 from helpers import rel_err
 from logit_dp._src import checks
 from logit_dp._src import precision
@@ -30,29 +31,6 @@ def _problem(dtype):
   reference = jax.random.normal(k4, (4, 7))
   low = lambda t: jax.tree_util.tree_map(lambda a: a.astype(dtype), t)
   return model.apply, low(model.init(k3, x[:1])), low(x), low(x_prime), low(reference)
-
-
-def _float64_reference(embed_fn, params, x, x_prime, clip_norms, eps=logit_dp.DEFAULT_COSINE_EPS):
-  """(‖∇_w Z_ij‖ (n, n), Σ_ij τ_ij·min(1, B/n_ij)·∇_w Z_ij with n = clip_norms) in float64 from
-  the low-precision values widened exactly (call under x64)."""
-  p64, x64, xp64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64),
-                                          (params, x, x_prime))
-
-  def unit(p, xe):
-    u = embed_fn(p, xe[None])[0]
-    return u / jnp.sqrt(jnp.sum(u * u) + eps * eps)
-
-  def pair_grad(i, j):
-    return jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
-
-  rows, cols = jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij")
-  grads = jax.vmap(jax.vmap(pair_grad))(rows, cols)
-  norms = jnp.sqrt(
-      sum(jnp.sum(g.reshape(N, N, -1) ** 2, -1) for g in jax.tree_util.tree_leaves(grads)))
-  z = jax.vmap(lambda a: unit(p64, a))(x64) @ jax.vmap(lambda a: unit(p64, a))(xp64).T
-  tau = jax.grad(LOSS)(z, jnp.ones((N,), bool))
-  lam = tau * jnp.minimum(1.0, CLIP_NORM / jnp.asarray(clip_norms, jnp.float64))
-  return np.asarray(norms), jax.tree_util.tree_map(lambda g: jnp.tensordot(lam, g, axes=2), grads)
 
 
 def test_low_precision_inputs_are_accepted_and_widened():
@@ -83,7 +61,8 @@ def test_low_precision_model_is_clipped_in_float32_against_float64(method, dtype
   loss_value, grads = logit_dp.clipped_grad(embed_fn, LOSS, CLIP_NORM, method, **kwargs)(params, x,
                                                                                          x_prime)
   with jax.enable_x64(True):
-    truth, reference_grads = _float64_reference(embed_fn, params, x, x_prime, norms)
+    truth, reference_grads = float64_clipped_reference(embed_fn, LOSS, params, x, x_prime,
+                                                       CLIP_NORM, clip_by=norms)
   assert np.mean(truth > CLIP_NORM) > 0.5  # clipping is active
   assert np.all(norms >= truth * (1 - 2.0 ** -23)), np.min(norms / truth)
   assert np.all(np.minimum(1.0, CLIP_NORM / norms) * truth <= CLIP_NORM * (1 + 2.0 ** -23))
