@@ -3,10 +3,11 @@ r"""What the float32-safe clip norms cost: ghost / triangle gradients with and w
     python -m benchmarks.diagonal_cost --sizes 256,1000 --repeats 5 --out results/diag.json
 
 In one process, for the paper's embedding net on random CIFAR-sized inputs, it times the
-jitted `clipped_grad` of "ghost" and "triangle" as shipped (diagonal pairs formed as float64
-vectors, float allowances) and with both switched off (the norms of the previous release), the
-runs interleaved, and reports the ratio of the medians. Ratios, not absolute times: these
-machines are shared and noisy.
+jitted `clipped_grad` of "ghost" and "triangle" in three variants, the runs interleaved:
+as shipped (positive pairs formed as float64 vectors, float allowances), with the positive
+pairs formed in float32 (`float64_positive_pairs=False`), and with the positive pairs and the
+allowances switched off (the norms of a release without them). It reports the medians and
+their ratios. Ratios, not absolute times: these machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ _SWITCHES = ((pair_terms, "with_diagonal"), (pair_terms, "diagonal_norms"),
              (numerics, "GRAM_FLOAT_ERROR"), (numerics, "VECTOR_FLOAT_ERROR"))
 
 
-def _compiled(method: str, safe: bool, microbatch_size: int, params, x, x_prime, mask):
-  """The compiled `clipped_grad` core of `method`, traced with (safe) or without the diagonal
-  vectors and the float32 allowances (the norms of the previous release)."""
+VARIANTS = ("shipped", "float32_pairs", "without")
+
+
+def _compiled(method: str, variant: str, microbatch_size: int, params, x, x_prime, mask):
+  """The compiled `clipped_grad` core of `method` in `variant` (one of VARIANTS)."""
   model = models.EmbeddingNet()
   loss = logit_dp.losses.contrastive(temperature=1.0)
   fresh = lambda p, xs: model.apply(p, xs)  # a new function: nothing compiled is shared
-  grad_fn = logit_dp.clipped_grad(fresh, loss, 1.0, method, microbatch_size=microbatch_size)
+  grad_fn = logit_dp.clipped_grad(fresh, loss, 1.0, method, microbatch_size=microbatch_size,
+                                  float64_positive_pairs=variant == "shipped")
+  safe = variant != "without"
   saved = [getattr(module, name) for module, name in _SWITCHES]
   if not safe:
     pair_terms.with_diagonal = lambda batch, norms, *args: norms
@@ -67,20 +72,21 @@ def main(argv=None) -> list:
     mask = jnp.ones((n,), bool)
     for method in ("ghost", "triangle"):
       steps = {
-          safe: _compiled(method, safe, args.microbatch, params, x, x_prime, mask)
-          for safe in (True, False)
+          variant: _compiled(method, variant, args.microbatch, params, x, x_prime, mask)
+          for variant in VARIANTS
       }
-      times = {True: [], False: []}
+      times = {variant: [] for variant in VARIANTS}
       for step in steps.values():
         jax.block_until_ready(step(params, x, x_prime, mask))  # warm-up
       for _ in range(args.repeats):
-        for safe, step in steps.items():
+        for variant, step in steps.items():
           t0 = time.perf_counter()
           jax.block_until_ready(step(params, x, x_prime, mask))
-          times[safe].append(time.perf_counter() - t0)
-      row = dict(n=n, method=method, safe_s=statistics.median(times[True]),
-                 previous_s=statistics.median(times[False]))
-      row["ratio"] = row["safe_s"] / row["previous_s"]
+          times[variant].append(time.perf_counter() - t0)
+      row = dict(n=n, method=method)
+      row.update({f"{variant}_s": statistics.median(times[variant]) for variant in VARIANTS})
+      row["ratio"] = row["shipped_s"] / row["without_s"]
+      row["float64_ratio"] = row["shipped_s"] / row["float32_pairs_s"]
       print(json.dumps(row))
       results.append(row)
   if args.out:

@@ -34,7 +34,7 @@ class EmbeddingNet(nn.Module):
 
   embedding_dim: int = 8
   channels: Sequence[int] = (8, 16, 32)
-  dtype: Any = jnp.float32
+  dtype: Any = None  # computation dtype; None: that of the params and inputs
 
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:

@@ -88,7 +88,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                  axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                  positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
                  projection_rank: int = methods.DEFAULT_PROJECTION_RANK, stochastic: bool = False,
-                 float64_positive_pairs: bool = False) -> grad_fn_lib.ClippedGradFn:
+                 float64_positive_pairs: bool = True) -> grad_fn_lib.ClippedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
   ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
@@ -152,11 +152,13 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       (docs/PRIVACY.md).
     float64_positive_pairs: form the norms of the n positive pairs (x_i, x'_i) by one
       backward pass each with params and inputs widened to float64, rounded up to
-      float32 (`pair_terms.diagonal_norms`). Near-identical views, whose pair gradients
-      nearly cancel, are then clipped by norms within 1e-6 of the truth instead of ones
-      that the float32 allowance can double; it costs a float64 backward pass per pair,
-      which XLA runs far slower than float32 for some layers (convolutions on a CPU:
-      100× and more). Ignored for stochastic models (their random draws would differ).
+      float32 (`pair_terms.diagonal_norms`; convolutions run as matrix products, which
+      XLA:CPU runs fast in float64). Near-identical views, whose pair gradients nearly
+      cancel, are clipped by norms within 1e-6 of the truth. False forms them in float32
+      with the float32 allowance, which can double them on such views. A model that fixes
+      its own computation dtype (e.g. flax's dtype=jnp.float32) keeps it, with the
+      allowance of that dtype; stochastic models keep theirs (their random draws would
+      differ).
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and
   contribute exactly nothing. x and x_prime are arrays or pytrees of arrays
@@ -241,7 +243,7 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
                     memory_budget: int | None = None,
                     positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
                     projection_rank: int = methods.DEFAULT_PROJECTION_RANK, key: Any = None,
-                    float64_positive_pairs: bool = False) -> jax.Array:
+                    float64_positive_pairs: bool = True) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 
@@ -251,7 +253,8 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
   With float_allowance (the default, what clipping uses) every norm includes the float
   allowance that keeps it at or above the true norm (docs/PRIVACY.md), scaled to the unit
   roundoff of the dtype the norms are computed in: relative ~1e-4 on ordinary float32 pairs,
-  more on pairs whose gradient nearly cancels (see `clipped_grad`'s float64_positive_pairs).
+  more on pairs whose gradient nearly cancels; the positive pairs are formed in float64 unless
+  float64_positive_pairs=False (see `clipped_grad`).
   float_allowance=False returns the computed values without it (for comparing methods; never
   clip by them).
   positive_embed_fn: the tower of x_prime, and reference_inputs, projection_rank

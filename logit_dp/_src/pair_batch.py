@@ -33,7 +33,7 @@ class PairBatch:
   tower that is embed_fn itself.
   """
   def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective,
-               positive_embed_fn=None, float64_positive_pairs: bool = False):
+               positive_embed_fn=None, float64_positive_pairs: bool = True):
     self.embed_fn, self.params, self.eps = embed_fn, params, eps
     self.float64_positive_pairs = float64_positive_pairs
     self.two_tower = positive_embed_fn is not None and positive_embed_fn is not embed_fn
@@ -260,7 +260,7 @@ def finite_or(grads, redo) -> Any:
 
 def forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective,
             positive_embed_fn=None, key=None,
-            float64_positive_pairs: bool = False) -> tuple[PairBatch, jax.Array, jax.Array]:
+            float64_positive_pairs: bool = True) -> tuple[PairBatch, jax.Array, jax.Array]:
   """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs).
 
   key: a stochastic embed_fn(params, x, key): the batch embeds every example with its own key

@@ -74,10 +74,10 @@ def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
   Near-identical views (the usual positive pair) have pair gradients whose halves J_iᵀv̂_i and
   J'_iᵀû_i cancel to a few 1e-6 of ‖J_i‖_F: Gram forms lose them entirely (ghost returned 0
   for true norms of ~3e-3), so they are formed as vectors. In float32 the rounding of the
-  forward pass alone moves them by ~1% and the allowance in terms of ‖J_i‖_F can double them;
-  with `batch.float64_positive_pairs` the params and float inputs are widened to float64
-  (`widened.pair_norms`), the norms rounded up to the embeddings' dtype, and e is that of the
-  lowest precision the computation actually ran in (float64 unless the model casts down
+  forward pass alone moves them by ~1% and the allowance in terms of ‖J_i‖_F can double them.
+  So (`batch.float64_positive_pairs`, the default) the params and float inputs are widened to
+  float64 (`widened.pair_norms`), the norms rounded up to the embeddings' dtype, and e is that
+  of the lowest precision the computation actually ran in (float64 unless the model casts down
   internally). A stochastic model's pairs stay in its own dtype: evaluated in float64, its
   random draws (dropout masks) would not be those of the rest of the computation.
   """
@@ -88,7 +88,8 @@ def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
   norms, dtype = widened.pair_norms(
       batch.pair_grad, batch.params, batch.x, batch.x_prime, batch.u_loc.dtype, chunk,
       in_float64=batch.float64_positive_pairs
-      and not stochastic.is_stochastic(batch.embed_fn, batch.positive_embed_fn))
+      and not stochastic.is_stochastic(batch.embed_fn, batch.positive_embed_fn),
+      native_dtype=batch.norm_dtype)
   return norms, numerics.vector_error(dtype)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logit_dp._src import dot_convolution
 from logit_dp._src import numerics
 
 
@@ -42,24 +43,26 @@ def _sq_norms(pair_grad: Callable, params, x, x_prime, chunk: int) -> jax.Array:
 
 
 def pair_norms(pair_grad: Callable, params, x, x_prime, out_dtype, chunk: int,
-               in_float64: bool = True) -> tuple[jax.Array, np.dtype]:
+               in_float64: bool = True, native_dtype=None) -> tuple[jax.Array, np.dtype]:
   """(‖g_e‖ (n,), dtype): the norms of g_e = pair_grad(params, x_e, x'_e) for the examples e
   of x and x_prime (axis 0), computed with params and float inputs widened to float64 and
   rounded up to out_dtype; dtype is the lowest precision that computation ran in
   (`numerics.computation_dtype`: float64 unless pair_grad casts down internally).
 
   in_float64=False computes them in the inputs' own dtype instead (a model that draws random
-  numbers: under float64 its draws would differ from those of the rest of the computation).
+  numbers: under float64 its draws would differ from those of the rest of the computation);
+  native_dtype is then that computation's dtype when the caller knows it.
   """
   if not in_float64:
     one = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
-    dtype = numerics.computation_dtype(pair_grad, params, one(x), one(x_prime))
+    dtype = native_dtype or numerics.computation_dtype(pair_grad, params, one(x), one(x_prime))
     return jnp.sqrt(_sq_norms(pair_grad, params, x, x_prime, chunk)).astype(out_dtype), dtype
 
   def norms_in_float64(p, a, b):
     with jax.enable_x64(True):
       p, a, b = widen((p, a, b))
-      return round_up(jnp.sqrt(_sq_norms(pair_grad, p, a, b, chunk)), out_dtype)
+      grad64 = dot_convolution.convolutions_as_dots(pair_grad)
+      return round_up(jnp.sqrt(_sq_norms(grad64, p, a, b, chunk)), out_dtype)
 
   @jax.custom_batching.custom_vmap
   def norms(p, a, b):
