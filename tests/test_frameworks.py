@@ -161,7 +161,7 @@ def test_triangle_and_projected(framework, no_float_allowance):
   truth = _float64_pair_norms(embed_fn, params, x, x_prime)
   projected = np.asarray(
       logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
-                               float64_positive_pairs=True, **method_kwargs("projected", x)))
+                               **method_kwargs("projected", x)))
   assert np.all(projected >= truth * (1 - 1e-5))
   np.testing.assert_allclose(np.diag(projected), np.diag(truth), rtol=1e-4)
 
