@@ -44,15 +44,16 @@ def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, *, window_strides, paddin
   of patches and one `lax.dot_general`."""
   del unused
   lhs_spec, rhs_spec, out_spec = dimension_numbers
-  x = jnp.transpose(lhs, lhs_spec)  # (N, C, *S)
+  # Channels last: each gathered patch entry is a contiguous row of channels.
+  x = jnp.transpose(lhs, (lhs_spec[0],) + tuple(lhs_spec[2:]) + (lhs_spec[1],))  # (N, *S, C)
   w = jnp.transpose(rhs, rhs_spec)  # (O, I, *K)
   zero = jnp.zeros((), x.dtype)
-  x = lax.pad(x, zero, [(0, 0, 0), (0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(
-      padding, lhs_dilation)])
-  n, c = x.shape[:2]
+  x = lax.pad(x, zero, [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(
+      padding, lhs_dilation)] + [(0, 0, 0)])
+  n, c = x.shape[0], x.shape[-1]
   o, i = w.shape[:2]
   kernel = w.shape[2:]
-  out = tuple((x.shape[2 + a] - (kernel[a] - 1) * rhs_dilation[a] - 1) // window_strides[a] + 1
+  out = tuple((x.shape[1 + a] - (kernel[a] - 1) * rhs_dilation[a] - 1) // window_strides[a] + 1
               for a in range(len(kernel)))
   taps, positions = int(np.prod(kernel)), int(np.prod(out))
   # Flat index into x_pad's spatial positions of s·stride + k·rhs_dilation, (taps, positions).
@@ -62,27 +63,26 @@ def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, *, window_strides, paddin
     shape = [1] * (2 * rank)
     shape[a], shape[rank + a] = k, m
     coords.append((np.arange(k)[:, None] * d + np.arange(m)[None, :] * t).reshape(shape))
-  coords = np.broadcast_arrays(*coords)
-  flat = np.ravel_multi_index(tuple(coords), x.shape[2:])
-  patches = x.reshape(n, c, -1).at[:, :, flat.reshape(taps, positions)].get(
-      mode="promise_in_bounds")  # (N, C, taps, positions)
+  flat = np.ravel_multi_index(tuple(np.broadcast_arrays(*coords)), x.shape[1:-1])
+  patches = x.reshape(n, -1, c).at[:, flat.reshape(taps, positions)].get(
+      mode="promise_in_bounds")  # (N, taps, positions, C)
   w = w.reshape(o, i, taps)
   dot = lambda a, b, dims: lax.dot_general(a, b, dims, precision=precision,
                                            preferred_element_type=preferred_element_type)
   if feature_group_count > 1:
     g = feature_group_count
-    patches = patches.reshape(n, g, c // g, taps, positions)
+    patches = patches.reshape(n, taps, positions, g, c // g)
     w = w.reshape(g, o // g, i, taps)
-    y = dot(patches, w, (((2, 3), (2, 3)), ((1,), (0,))))  # (G, N, positions, O/G)
+    y = dot(patches, w, (((1, 4), (3, 2)), ((3,), (0,))))  # (G, N, positions, O/G)
     y = jnp.moveaxis(y, 0, 2).reshape(n, positions, o)
   elif batch_group_count > 1:
     g = batch_group_count
-    patches = patches.reshape(g, n // g, c, taps, positions)
+    patches = patches.reshape(g, n // g, taps, positions, c)
     w = w.reshape(g, o // g, i, taps)
-    y = dot(patches, w, (((2, 3), (2, 3)), ((0,), (0,))))  # (G, N/G, positions, O/G)
+    y = dot(patches, w, (((2, 4), (3, 2)), ((0,), (0,))))  # (G, N/G, positions, O/G)
     y = jnp.moveaxis(y, 0, 2).reshape(n // g, positions, o)
   else:
-    y = dot(patches, w, (((1, 2), (1, 2)), ((), ())))  # (N, positions, O)
+    y = dot(patches, w, (((1, 3), (2, 1)), ((), ())))  # (N, positions, O)
   y = y.reshape((y.shape[0],) + out + (o,))
   y = jnp.moveaxis(y, -1, 1)  # (N, O, *out)
   return jnp.transpose(y, np.argsort(out_spec))
