@@ -113,9 +113,7 @@ def _evaluate(jaxpr: core.Jaxpr, consts, *args) -> list:
       with eqn.ctx.manager:
         result = eqn.primitive.bind(*subfuns, *inputs, **params)
       outputs = result if eqn.primitive.multiple_results else [result]
-    for var, value in zip(eqn.outvars, outputs):
-      if not isinstance(var, core.DropVar):
-        env[var] = value
+    env.update(zip(eqn.outvars, outputs))
   return [read(v) for v in jaxpr.outvars]
 
 
