@@ -30,7 +30,6 @@ from logit_dp._src import pair_terms
 _SWITCHES = ((pair_terms, "with_diagonal"), (pair_terms, "diagonal_norms"),
              (numerics, "GRAM_FLOAT_ERROR"), (numerics, "VECTOR_FLOAT_ERROR"))
 
-
 VARIANTS = ("shipped", "float32_pairs", "without")
 
 

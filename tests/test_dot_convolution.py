@@ -18,16 +18,22 @@ from logit_dp._src import numerics
 from logit_dp._src import widened
 
 CASES = {
-    "nhwc_same": dict(strides=(1, 1), padding="SAME", dims=("NHWC", "HWIO", "NHWC")),
-    "nhwc_stride2": dict(strides=(2, 2), padding="SAME", dims=("NHWC", "HWIO", "NHWC")),
-    "nchw_groups_dilated": dict(strides=(2, 1), padding=((1, 2), (0, 1)), rhs_dilation=(2, 1),
-                                dims=("NCHW", "OIHW", "NCHW"), groups=2),
-    "depthwise_valid": dict(strides=(2, 2), padding="VALID", dims=("NHWC", "HWIO", "NHWC"),
-                            groups=4),
-    "input_dilated": dict(strides=(1, 1), padding=((2, 1), (1, 1)), lhs_dilation=(2, 1),
-                          dims=("NHWC", "HWIO", "NHWC")),
-    "1d": dict(strides=(1,), padding="VALID", dims=("NWC", "WIO", "NWC")),
-    "3d": dict(strides=(1, 2, 1), padding="SAME", dims=("NDHWC", "DHWIO", "NDHWC")),
+    "nhwc_same":
+        dict(strides=(1, 1), padding="SAME", dims=("NHWC", "HWIO", "NHWC")),
+    "nhwc_stride2":
+        dict(strides=(2, 2), padding="SAME", dims=("NHWC", "HWIO", "NHWC")),
+    "nchw_groups_dilated":
+        dict(strides=(2, 1), padding=((1, 2), (0, 1)), rhs_dilation=(2, 1),
+             dims=("NCHW", "OIHW", "NCHW"), groups=2),
+    "depthwise_valid":
+        dict(strides=(2, 2), padding="VALID", dims=("NHWC", "HWIO", "NHWC"), groups=4),
+    "input_dilated":
+        dict(strides=(1, 1), padding=((2, 1), (1, 1)), lhs_dilation=(2, 1),
+             dims=("NHWC", "HWIO", "NHWC")),
+    "1d":
+        dict(strides=(1,), padding="VALID", dims=("NWC", "WIO", "NWC")),
+    "3d":
+        dict(strides=(1, 2, 1), padding="SAME", dims=("NDHWC", "DHWIO", "NDHWC")),
 }
 
 
@@ -44,12 +50,11 @@ def _operands(case: dict, rng):
 def test_convolution_and_its_gradients_equal_xla_in_float64(name):
   case = CASES[name]
   rank = len(case["strides"])
-  conv = lambda x, w: lax.conv_general_dilated(
-      x, w, case["strides"], case["padding"], case.get("lhs_dilation", (1,) * rank),
-      case.get("rhs_dilation", (1,) * rank), case["dims"],
-      feature_group_count=case.get("groups", 1))
-  f = lambda x, w: jnp.sum(jnp.sin(conv(x, w)) * jnp.arange(conv(x, w).size).reshape(
-      conv(x, w).shape))
+  conv = lambda x, w: lax.conv_general_dilated(x, w, case["strides"], case[
+      "padding"], case.get("lhs_dilation", (1,) * rank), case.get("rhs_dilation", (
+          1,) * rank), case["dims"], feature_group_count=case.get("groups", 1))
+  f = lambda x, w: jnp.sum(
+      jnp.sin(conv(x, w)) * jnp.arange(conv(x, w).size).reshape(conv(x, w).shape))
   with jax.enable_x64(True):
     x, w = _operands(case, np.random.default_rng(0))
     expected = (conv(x, w),) + jax.grad(f, argnums=(0, 1))(x, w)
@@ -81,7 +86,9 @@ def test_float64_positive_pairs_of_a_conv_model_run_without_convolutions():
   with jax.enable_x64(True):
     p64, x64, xp64 = widened.widen((params, x, x_prime))
     grads = jax.lax.map(lambda ab: pair_grad(p64, *ab), (x64, xp64))
-    truth = np.sqrt(sum(np.sum(np.asarray(g).reshape(4, -1) ** 2, -1)
-                        for g in jax.tree_util.tree_leaves(grads)))
+    truth = np.sqrt(
+        sum(
+            np.sum(np.asarray(g).reshape(4, -1) ** 2, -1)
+            for g in jax.tree_util.tree_leaves(grads)))
   assert np.all(got >= truth)
   np.testing.assert_allclose(got, truth, rtol=1e-6)

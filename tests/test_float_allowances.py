@@ -160,8 +160,7 @@ def test_two_tower_diagonal_norms_of_near_identical_pairs_are_within_10_percent(
   got = np.diag(
       np.asarray(
           logit_dp.pair_grad_norms(model.apply, params, x, x_prime, "ghost",
-                                   positive_embed_fn=tower),
-          np.float64))
+                                   positive_embed_fn=tower), np.float64))
   with jax.enable_x64(True):
     p64, x64, xp64 = _as64((params, x, x_prime))
     unit = lambda f, p, xe: (lambda u: u / jnp.sqrt(jnp.sum(u * u) + 1e-12))(f(p, xe[None])[0])

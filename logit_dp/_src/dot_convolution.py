@@ -19,7 +19,6 @@ Convolutions inside control flow (scan, while, cond) are left as they are.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import jax
@@ -30,9 +29,15 @@ from jax.extend import core
 
 # Higher-order primitives whose body is evaluated inline, with the name of their jaxpr.
 _INLINED = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
 }
 
 
@@ -48,8 +53,8 @@ def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, *, window_strides, paddin
   x = jnp.transpose(lhs, (lhs_spec[0],) + tuple(lhs_spec[2:]) + (lhs_spec[1],))  # (N, *S, C)
   w = jnp.transpose(rhs, rhs_spec)  # (O, I, *K)
   zero = jnp.zeros((), x.dtype)
-  x = lax.pad(x, zero, [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(
-      padding, lhs_dilation)] + [(0, 0, 0)])
+  x = lax.pad(x, zero, [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation)]
+              + [(0, 0, 0)])
   n, c = x.shape[0], x.shape[-1]
   o, i = w.shape[:2]
   kernel = w.shape[2:]
@@ -67,8 +72,8 @@ def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, *, window_strides, paddin
   patches = x.reshape(n, -1, c).at[:, flat.reshape(taps, positions)].get(
       mode="promise_in_bounds")  # (N, taps, positions, C)
   w = w.reshape(o, i, taps)
-  dot = lambda a, b, dims: lax.dot_general(a, b, dims, precision=precision,
-                                           preferred_element_type=preferred_element_type)
+  dot = lambda a, b, dims: lax.dot_general(a, b, dims, precision=precision, preferred_element_type=
+                                           preferred_element_type)
   if feature_group_count > 1:
     g = feature_group_count
     patches = patches.reshape(n, taps, positions, g, c // g)
@@ -85,7 +90,7 @@ def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, *, window_strides, paddin
     y = dot(patches, w, (((1, 3), (2, 1)), ((), ())))  # (N, positions, O)
   y = y.reshape((y.shape[0],) + out + (o,))
   y = jnp.moveaxis(y, -1, 1)  # (N, O, *out)
-  return jnp.transpose(y, np.argsort(out_spec))
+  return jnp.transpose(y, tuple(int(a) for a in np.argsort(out_spec)))
 
 
 def _evaluate(jaxpr: core.Jaxpr, consts, *args) -> list:
