@@ -73,10 +73,21 @@ class PairBatch:
         fn(params, jax.tree_util.tree_map(lambda a: a[None], x_one))[0], self.eps)
 
   def pair_grad(self, params, x_one, x_prime_one) -> Any:
-    """g = ∇_w Z(w) = ∇_w⟨n(Φ_w(x)), n(Φ'_w(x'))⟩ of one pair (no batch axes), like params."""
-    z = lambda p: jnp.dot(self.normalized_embedding(p, x_one),
-                          self.normalized_embedding(p, x_prime_one, positive=True), precision=
-                          numerics.HIGHEST)
+    """g = ∇_w Z(w) = ∇_w⟨n(Φ_w(x)), n(Φ'_w(x'))⟩ of one pair (no batch axes), like params.
+
+    With one tower and inputs of one layout, x and x' are embedded as one batch of two: one
+    forward and one backward pass of the model to compile instead of two.
+    """
+    if not self.two_tower and same_layout(x_one, x_prime_one):
+      both = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), x_one, x_prime_one)
+
+      def z(p):
+        e = numerics.normalize(self._embed_fn(p, both), self.eps)
+        return jnp.dot(e[0], e[1], precision=numerics.HIGHEST)
+    else:
+      z = lambda p: jnp.dot(self.normalized_embedding(p, x_one),
+                            self.normalized_embedding(p, x_prime_one, positive=True),
+                            precision=numerics.HIGHEST)
     return jax.grad(z)(params)
 
   @functools.cached_property
