@@ -209,6 +209,7 @@ def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation) -
   Row t, column (o, c) is the input value that kernel offset o, input channel c multiply
   at output position t (zero where padded), so y_t = patches_t · kernel.reshape(K·C_in, C_out)
   for a kernel of shape (*kernel_size, C_in, C_out), exactly as lax.conv_general_dilated.
+  One gather from the padded input (one kernel, not one slice per kernel offset).
   """
   spatial = x.shape[1:-1]
   dilated_in = [(s - 1) * d + 1 for s, d in zip(spatial, lhs_dilation)]
@@ -219,13 +220,16 @@ def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation) -
                          ] + [(0, 0, 0)]
   padded = jax.lax.pad(x, jnp.zeros((), x.dtype), config)
   out = [(p - k) // s + 1 for p, k, s in zip(padded.shape[1:-1], dilated_k, strides)]
-  columns = []
-  for offset in np.ndindex(*kernel_size):
-    start = [0] + [o * d for o, d in zip(offset, rhs_dilation)] + [0]
-    limit = ([x.shape[0]] + [st + (m - 1) * s + 1 for st, m, s in zip(start[1:-1], out, strides)]
-             + [x.shape[-1]])
-    columns.append(jax.lax.slice(padded, start, limit, [1] + list(strides) + [1]))
-  patches = jnp.stack(columns, axis=-2)  # (N, *out, K, C_in)
+  rank = len(kernel_size)
+  # Index of padded position along spatial axis i for output position o_i and kernel offset
+  # k_i, shaped to broadcast to (*out, *kernel_size).
+  index = []
+  for i, (m, k, s, d) in enumerate(zip(out, kernel_size, strides, rhs_dilation)):
+    shape = [1] * (2 * rank)
+    shape[i], shape[rank + i] = m, k
+    index.append((np.arange(m)[:, None] * s + np.arange(k)[None, :] * d).reshape(shape))
+  patches = padded.at[(slice(None),) + tuple(index) + (slice(None),)].get(
+      mode="promise_in_bounds")  # (N, *out, *kernel_size, C_in)
   return patches.reshape(x.shape[0], int(np.prod(out)), -1)
 
 
@@ -486,7 +490,8 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
     flat.append(generic_jacobian(plan.generic))
   flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
   # Example by example: the batched (m, d, q)·(m, q, d) contraction runs 3-6x slower on CPU.
-  gram = gram + jax.lax.map(lambda f: jnp.matmul(f, f.T, precision=_HIGHEST), flat)
+  if flat.shape[-1]:
+    gram = gram + jax.lax.map(lambda f: jnp.matmul(f, f.T, precision=_HIGHEST), flat)
   return Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
 
 
