@@ -228,8 +228,8 @@ def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation) -
     shape = [1] * (2 * rank)
     shape[i], shape[rank + i] = m, k
     index.append((np.arange(m)[:, None] * s + np.arange(k)[None, :] * d).reshape(shape))
-  patches = padded.at[(slice(None),) + tuple(index) + (slice(None),)].get(
-      mode="promise_in_bounds")  # (N, *out, *kernel_size, C_in)
+  where = (slice(None),) + tuple(index) + (slice(None),)
+  patches = padded.at[where].get(mode="promise_in_bounds")  # (N, *out, *kernel_size, C_in)
   return patches.reshape(x.shape[0], int(np.prod(out)), -1)
 
 
