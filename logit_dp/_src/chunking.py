@@ -10,7 +10,7 @@ a memory budget (`default_memory_budget`, `factor_bytes_per_example`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +125,7 @@ def row_chunks_sum(specs) -> jax.Array:
 
     part = unchunk_rows(map_chunks(fn, tuple(rows), chunk), n_rows)
     total = part if total is None else total + part
-  return total
+  return cast(jax.Array, total)
 
 
 def flat_cross_spec(flat_rows, u_rows, flat_columns, v) -> tuple:
