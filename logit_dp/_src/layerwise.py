@@ -396,11 +396,22 @@ def ghost_layer_gram(patches, deltas) -> jax.Array:
   return jnp.einsum("mtkc,mtlc->mkl", deltas, a_delta, precision=_HIGHEST)
 
 
+def dense_layers_gram(patches, deltas) -> jax.Array:
+  """Σ_l `ghost_layer_gram` of ghost layers of one position each (T = 1: dense layers), as one
+  contraction over their features: Σ_l ‖a_l‖² δ_l δ_lᵀ per example, (m, d, d)."""
+  joined = jnp.concatenate([delta[:, 0] for delta in deltas], axis=-1)  # (m, d, ΣC)
+  scaled = jnp.concatenate([
+      jnp.sum(a[:, 0] * a[:, 0], axis=-1)[:, None, None] * delta[:, 0]
+      for a, delta in zip(patches, deltas)
+  ], axis=-1)
+  return jnp.einsum("mkc,mlc->mkl", joined, scaled, precision=_HIGHEST)
+
+
 def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches: bool,
             stacked: bool = True):
   """(u, deltas, patches) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d);
-  deltas[l] = ∂u_k/∂y_l for every coordinate k, (d, m, *out_shape) per planned layer
-  call l (one backward pass per k; not stacked: a list over k of the lists over l);
+  deltas[l] = ∂u_k/∂y_l for every coordinate k, (m, T, d, C) per planned layer call l (one
+  backward pass per k; not stacked: a list over k of the lists over l, each (m, *out_shape));
   patches[l]: (m, T, P) inputs of layer l, with a ones column for a bias
   ([] if not with_patches)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -443,10 +454,41 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
     # d separate backward passes, one after another: ~2x faster than one vmapped pass on CPU
     # for large batches (n = 1000, embedding net). A loop, not d unrolled copies: the same
     # passes, compiled once.
+    if stacked:
+      # A layer of one position (dense) has its δ written straight into (m, 1, d, C): no
+      # transpose after the loop. The others stack (d, m, T, C) and are transposed after it
+      # (writing their T·m rows of C floats with a stride in the loop is slower).
+      direct = [layer.positions == 1 for layer in plan.layers]
+
+      def one_coordinate(k, held):
+        def put(held_l, g, straight):
+          if straight:
+            return jax.lax.dynamic_update_index_in_dim(held_l, g.reshape(m, 1, 1, -1), k, axis=2)
+          return jax.lax.dynamic_update_index_in_dim(held_l, g, k, axis=0)
+
+        return [put(*args) for args in zip(held, backward(eye[k]), direct)]
+
+      held = [
+          varying(
+              jnp.zeros((m, 1, d, layer.features) if straight else (d, m) + layer.out_shape,
+                        jnp.float32)) for layer, straight in zip(plan.layers, direct)
+      ]
+      held = jax.lax.fori_loop(0, d, one_coordinate, held)
+      deltas = [
+          delta if straight else jnp.moveaxis(
+              jnp.reshape(delta, (d, m, layer.positions, layer.features)), 0, 2)
+          for delta, layer, straight in zip(held, plan.layers, direct)
+      ]
+      return u, deltas, patches
     deltas = jax.lax.map(backward, eye)
   else:
     deltas = jax.vmap(backward)(eye)
-  if not stacked:
+  if stacked:
+    deltas = [
+        jnp.moveaxis(jnp.reshape(delta, (d, m, layer.positions, layer.features)), 0, 2)
+        for delta, layer in zip(deltas, plan.layers)
+    ]
+  else:
     deltas = [[layer_deltas[k] for layer_deltas in deltas] for k in range(d)]
   return u, deltas, patches
 
@@ -473,19 +515,23 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   d = u.shape[-1]
   flat, ghost_patches, ghost_deltas = [], [], []
   gram = jnp.zeros((m, d, d), u.dtype)
+  dense = []  # ghost layers of one position: their Grams in one contraction
   for layer, is_ghost, a, delta in zip(plan.layers, plan.ghost, patches, deltas):
-    delta = jnp.moveaxis(
-        jnp.reshape(cast(jax.Array, delta), (d, m, layer.positions, layer.features)), 0,
-        2)  # (m,T,d,C)
+    delta = cast(jax.Array, delta)  # (m, T, d, C)
     if is_ghost:
       ghost_patches.append(a)
       ghost_deltas.append(delta)
-      gram = gram + ghost_layer_gram(a, delta)
+      if layer.positions == 1:
+        dense.append((a, delta))
+      else:
+        gram = gram + ghost_layer_gram(a, delta)
     else:
       grads = jnp.einsum("mtp,mtn->mpn", a, delta.reshape(m, layer.positions, d * layer.features),
                          precision=_HIGHEST)
       grads = jnp.moveaxis(grads.reshape(m, layer.fan_in, d, layer.features), 2, 1)
       flat.append(_flat_layer_columns(layer, grads, np.shape(leaves[layer.leaves[0]])))
+  if dense:
+    gram = gram + dense_layers_gram(*zip(*dense))
   if plan.generic:
     flat.append(generic_jacobian(plan.generic))
   flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
