@@ -10,7 +10,6 @@ optimised HLO, and the compile time of ghost with one part of the computation le
 time (the gradients of these variants are not valid; they measure what the part costs to
 compile):
 
-  no fallback   the non-finite fallback of the ḡ contraction (pair_batch.finite_or)
   no diagonal   the diagonal pairs' vector norms (pair_terms.with_diagonal)
   no cross      the cross terms of the pair norms (pair_terms.ghost_terms keeps a and b only)
 
@@ -31,19 +30,16 @@ import jax.numpy as jnp
 
 import logit_dp
 from benchmarks import frameworks
-from logit_dp._src import pair_batch
 from logit_dp._src import pair_terms
 
-VARIANTS = ("ghost", "no fallback", "no diagonal", "no cross")
+VARIANTS = ("ghost", "no diagonal", "no cross")
 
 
 @contextlib.contextmanager
 def _left_out(variant: str):
   """The library with one part of the ghost computation left out (nothing for "ghost")."""
-  saved = (pair_batch.finite_or, pair_terms.with_diagonal, pair_terms.ghost_terms)
-  if variant == "no fallback":
-    pair_batch.finite_or = lambda grads, redo: grads
-  elif variant == "no diagonal":
+  saved = (pair_terms.with_diagonal, pair_terms.ghost_terms)
+  if variant == "no diagonal":
     pair_terms.with_diagonal = lambda batch, norms, *args: norms
   elif variant == "no cross":
 
@@ -55,7 +51,7 @@ def _left_out(variant: str):
   try:
     yield
   finally:
-    pair_batch.finite_or, pair_terms.with_diagonal, pair_terms.ghost_terms = saved
+    pair_terms.with_diagonal, pair_terms.ghost_terms = saved
 
 
 def _stages(fn, args) -> dict:

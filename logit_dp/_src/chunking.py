@@ -10,7 +10,7 @@ a memory budget (`default_memory_budget`, `factor_bytes_per_example`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -96,27 +96,36 @@ def row_chunks(fn, rows, row_floats: int, budget: int, max_rows: int | None = No
   return unchunk_rows(map_chunks(fn, rows, chunk), n_rows)
 
 
-def row_chunks_together(specs) -> list:
-  """`row_chunks` of several (fn, rows, row_floats, budget, max_rows) over the same rows, in
-  order; those with the same chunk size share one loop (its body compiled once)."""
+def row_chunks_sum(specs) -> jax.Array:
+  """Σ of `row_chunks` of several (fn, rows, row_floats, budget, max_rows) over the same rows,
+  added in order; those with the same chunk size share one loop (its body compiled once),
+  which slices each distinct row array once and adds their results in the body."""
   n_rows = specs[0][1][0].shape[0]
   chunks = [_chunk_rows(n_rows, *spec[2:]) for spec in specs]
-  out = [None] * len(specs)
+  total = None
   for chunk in dict.fromkeys(chunks):
     group = [i for i, c in enumerate(chunks) if c == chunk]
+    rows, positions = [], []  # the distinct row arrays (by identity), and each spec's
+    for i in group:
+      here = []
+      for a in specs[i][1]:
+        found = next((k for k, b in enumerate(rows) if b is a), None)
+        if found is None:
+          rows.append(a)
+          found = len(rows) - 1
+        here.append(found)
+      positions.append(here)
 
-    def fn(*rows, group=group):
-      results, offset = [], 0
-      for i in group:
-        size = len(specs[i][1])
-        results.append(specs[i][0](*rows[offset:offset + size]))
-        offset += size
-      return tuple(results)
+    def fn(*chunk_rows, group=group, positions=positions):
+      result = None
+      for i, here in zip(group, positions):
+        term = specs[i][0](*[chunk_rows[k] for k in here])
+        result = term if result is None else result + term
+      return result
 
-    rows = tuple(a for i in group for a in specs[i][1])
-    for i, result in zip(group, unchunk_rows(map_chunks(fn, rows, chunk), n_rows)):
-      out[i] = result
-  return out
+    part = unchunk_rows(map_chunks(fn, tuple(rows), chunk), n_rows)
+    total = part if total is None else total + part
+  return cast(jax.Array, total)
 
 
 def flat_cross_spec(flat_rows, u_rows, flat_columns, v) -> tuple:

@@ -209,6 +209,7 @@ def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation) -
   Row t, column (o, c) is the input value that kernel offset o, input channel c multiply
   at output position t (zero where padded), so y_t = patches_t · kernel.reshape(K·C_in, C_out)
   for a kernel of shape (*kernel_size, C_in, C_out), exactly as lax.conv_general_dilated.
+  One gather from the padded input (one kernel, not one slice per kernel offset).
   """
   spatial = x.shape[1:-1]
   dilated_in = [(s - 1) * d + 1 for s, d in zip(spatial, lhs_dilation)]
@@ -219,13 +220,16 @@ def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation) -
                          ] + [(0, 0, 0)]
   padded = jax.lax.pad(x, jnp.zeros((), x.dtype), config)
   out = [(p - k) // s + 1 for p, k, s in zip(padded.shape[1:-1], dilated_k, strides)]
-  columns = []
-  for offset in np.ndindex(*kernel_size):
-    start = [0] + [o * d for o, d in zip(offset, rhs_dilation)] + [0]
-    limit = ([x.shape[0]] + [st + (m - 1) * s + 1 for st, m, s in zip(start[1:-1], out, strides)]
-             + [x.shape[-1]])
-    columns.append(jax.lax.slice(padded, start, limit, [1] + list(strides) + [1]))
-  patches = jnp.stack(columns, axis=-2)  # (N, *out, K, C_in)
+  rank = len(kernel_size)
+  # Index of padded position along spatial axis i for output position o_i and kernel offset
+  # k_i, shaped to broadcast to (*out, *kernel_size).
+  index = []
+  for i, (m, k, s, d) in enumerate(zip(out, kernel_size, strides, rhs_dilation)):
+    shape = [1] * (2 * rank)
+    shape[i], shape[rank + i] = m, k
+    index.append((np.arange(m)[:, None] * s + np.arange(k)[None, :] * d).reshape(shape))
+  where = (slice(None),) + tuple(index) + (slice(None),)
+  patches = padded.at[where].get(mode="promise_in_bounds")  # (N, *out, *kernel_size, C_in)
   return patches.reshape(x.shape[0], int(np.prod(out)), -1)
 
 
@@ -392,11 +396,22 @@ def ghost_layer_gram(patches, deltas) -> jax.Array:
   return jnp.einsum("mtkc,mtlc->mkl", deltas, a_delta, precision=_HIGHEST)
 
 
+def dense_layers_gram(patches, deltas) -> jax.Array:
+  """Σ_l `ghost_layer_gram` of ghost layers of one position each (T = 1: dense layers), as one
+  contraction over their features: Σ_l ‖a_l‖² δ_l δ_lᵀ per example, (m, d, d)."""
+  joined = jnp.concatenate([delta[:, 0] for delta in deltas], axis=-1)  # (m, d, ΣC)
+  scaled = jnp.concatenate([
+      jnp.sum(a[:, 0] * a[:, 0], axis=-1)[:, None, None] * delta[:, 0]
+      for a, delta in zip(patches, deltas)
+  ], axis=-1)
+  return jnp.einsum("mkc,mlc->mkl", joined, scaled, precision=_HIGHEST)
+
+
 def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches: bool,
             stacked: bool = True):
   """(u, deltas, patches) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d);
-  deltas[l] = ∂u_k/∂y_l for every coordinate k, (d, m, *out_shape) per planned layer
-  call l (one backward pass per k; not stacked: a list over k of the lists over l);
+  deltas[l] = ∂u_k/∂y_l for every coordinate k, (m, T, d, C) per planned layer call l (one
+  backward pass per k; not stacked: a list over k of the lists over l, each (m, *out_shape));
   patches[l]: (m, T, P) inputs of layer l, with a ones column for a bias
   ([] if not with_patches)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -439,10 +454,41 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
     # d separate backward passes, one after another: ~2x faster than one vmapped pass on CPU
     # for large batches (n = 1000, embedding net). A loop, not d unrolled copies: the same
     # passes, compiled once.
+    if stacked:
+      # A layer of one position (dense) has its δ written straight into (m, 1, d, C): no
+      # transpose after the loop. The others stack (d, m, T, C) and are transposed after it
+      # (writing their T·m rows of C floats with a stride in the loop is slower).
+      direct = [layer.positions == 1 for layer in plan.layers]
+
+      def one_coordinate(k, held):
+        def put(held_l, g, straight):
+          if straight:
+            return jax.lax.dynamic_update_index_in_dim(held_l, g.reshape(m, 1, 1, -1), k, axis=2)
+          return jax.lax.dynamic_update_index_in_dim(held_l, g, k, axis=0)
+
+        return [put(*args) for args in zip(held, backward(eye[k]), direct)]
+
+      held = [
+          varying(
+              jnp.zeros((m, 1, d, layer.features) if straight else (d, m) + layer.out_shape,
+                        jnp.float32)) for layer, straight in zip(plan.layers, direct)
+      ]
+      held = jax.lax.fori_loop(0, d, one_coordinate, held)
+      deltas = [
+          delta if straight else jnp.moveaxis(
+              jnp.reshape(delta, (d, m, layer.positions, layer.features)), 0, 2)
+          for delta, layer, straight in zip(held, plan.layers, direct)
+      ]
+      return u, deltas, patches
     deltas = jax.lax.map(backward, eye)
   else:
     deltas = jax.vmap(backward)(eye)
-  if not stacked:
+  if stacked:
+    deltas = [
+        jnp.moveaxis(jnp.reshape(delta, (d, m, layer.positions, layer.features)), 0, 2)
+        for delta, layer in zip(deltas, plan.layers)
+    ]
+  else:
     deltas = [[layer_deltas[k] for layer_deltas in deltas] for k in range(d)]
   return u, deltas, patches
 
@@ -469,24 +515,29 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   d = u.shape[-1]
   flat, ghost_patches, ghost_deltas = [], [], []
   gram = jnp.zeros((m, d, d), u.dtype)
+  dense = []  # ghost layers of one position: their Grams in one contraction
   for layer, is_ghost, a, delta in zip(plan.layers, plan.ghost, patches, deltas):
-    delta = jnp.moveaxis(
-        jnp.reshape(cast(jax.Array, delta), (d, m, layer.positions, layer.features)), 0,
-        2)  # (m,T,d,C)
+    delta = cast(jax.Array, delta)  # (m, T, d, C)
     if is_ghost:
       ghost_patches.append(a)
       ghost_deltas.append(delta)
-      gram = gram + ghost_layer_gram(a, delta)
+      if layer.positions == 1:
+        dense.append((a, delta))
+      else:
+        gram = gram + ghost_layer_gram(a, delta)
     else:
       grads = jnp.einsum("mtp,mtn->mpn", a, delta.reshape(m, layer.positions, d * layer.features),
                          precision=_HIGHEST)
       grads = jnp.moveaxis(grads.reshape(m, layer.fan_in, d, layer.features), 2, 1)
       flat.append(_flat_layer_columns(layer, grads, np.shape(leaves[layer.leaves[0]])))
+  if dense:
+    gram = gram + dense_layers_gram(*zip(*dense))
   if plan.generic:
     flat.append(generic_jacobian(plan.generic))
   flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
   # Example by example: the batched (m, d, q)·(m, q, d) contraction runs 3-6x slower on CPU.
-  gram = gram + jax.lax.map(lambda f: jnp.matmul(f, f.T, precision=_HIGHEST), flat)
+  if flat.shape[-1]:
+    gram = gram + jax.lax.map(lambda f: jnp.matmul(f, f.T, precision=_HIGHEST), flat)
   return Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
 
 

@@ -196,10 +196,12 @@ class PairBatch:
     """Σ_e J_eᵀ cot_e contracted from the examples' Jacobian factors.
 
     stacked: factors and cot hold several views of this tower along a leading axis,
-    (views, m, ...); the result is the sum over the views, with one check for non-finite
-    values and one selecting recomputation for all of them.
-    The selecting recomputation goes example by example: selecting all of them at once would
-    hold a second copy of the factors (the largest buffer of "ghost").
+    (views, m, ...); the result is the sum over the views, contracted as one batch of
+    views·m examples (compiled once).
+    Examples whose cotangent is 0 have their factors *selected* to 0 inside the contraction
+    (`layerwise.factors_transpose`'s keep), so that a non-finite Jacobian of a masked or
+    dropped example adds exactly 0 (0·NaN is NaN). The selection is elementwise on the
+    contraction's operands: no backward pass is redone and no fallback is compiled.
     """
     leaves, treedef = jax.tree_util.tree_flatten(self.params)
     plan = self._plan_of(positive)
@@ -209,23 +211,9 @@ class PairBatch:
                                           layerwise.factors_transpose(plan, f, c, leaves, keep))
 
     if stacked:
-      grads = functools.reduce(
-          lambda total, g: jax.tree_util.tree_map(jnp.add, total, g),
-          [transpose(rows_lib.take_row(factors, i), cot[i]) for i in range(cot.shape[0])])
       factors, cot = jax.tree_util.tree_map(
           lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), (factors, cot))
-    else:
-      grads = transpose(factors, cot)
-
-    def selected():
-      def add_example(total, example):
-        f, c = jax.tree_util.tree_map(lambda a: a[None], example)
-        return jax.tree_util.tree_map(jnp.add, total, transpose(f, c, jnp.any(c != 0, -1))), None
-
-      zeros = self.c.varying(jax.tree_util.tree_map(jnp.zeros_like, self.params))
-      return jax.lax.scan(add_example, zeros, (factors, cot))[0]
-
-    return finite_or(grads, selected)
+    return transpose(factors, cot, jnp.any(cot != 0, -1))
 
   def weighted_backward(self, lam_local_rows: jax.Array, lam_full: jax.Array, factors=None) -> Any:
     """∇_w Σ_ij λ_ij Z_ij(w) for fixed λ, summed over devices.
@@ -261,8 +249,10 @@ def finite_or(grads, redo) -> Any:
   a zero cotangent is *selected* out.
 
   A non-finite Jacobian times a zero cotangent is NaN, not 0: that would release whether a
-  dropped or masked example is present. Selecting inside the fast computation costs ~10x on
-  CPU, so it is redone only when something is not finite (the sums are otherwise the same).
+  dropped or masked example is present. Selecting inside a backward pass of the model means
+  one pass per example (~10x on CPU), so it is redone only when something is not finite (the
+  sums are otherwise the same). (The contraction of Jacobian factors selects directly:
+  `PairBatch.factor_backward`.)
   """
   leaves = jax.tree_util.tree_leaves(grads)
   finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))

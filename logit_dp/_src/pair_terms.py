@@ -47,9 +47,7 @@ def ghost_terms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors,
   for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas, f_v.ghost_patches,
                                         f_v.ghost_deltas):
     specs.append(chunking.ghost_layer_cross_spec(a_u, delta_u, u_rows, a_v, delta_v, v_columns))
-  cross = jnp.zeros_like(anchor)
-  for term in chunking.row_chunks_together(specs) if specs else ():
-    cross += term
+  cross = chunking.row_chunks_sum(specs) if specs else jnp.zeros_like(anchor)
   return anchor, positive, cross
 
 
