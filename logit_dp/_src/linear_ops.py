@@ -40,13 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 
 # Sub-jaxpr parameter of the call-like primitives whose bodies are scanned and inlined.
-_SUBJAXPR_PARAM = {
+SUBJAXPR_PARAM = {
     "jit": "jaxpr",
     "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
     "checkpoint": "jaxpr",
     "remat": "jaxpr",
 }
@@ -268,8 +269,8 @@ def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) ->
           outputs[eqn.outvars[0]] = (op, moved)
       continue
     leaves_here = {value[0] for _, value in derived}
-    if name in _SUBJAXPR_PARAM:
-      sub = eqn.params[_SUBJAXPR_PARAM[name]]
+    if name in SUBJAXPR_PARAM:
+      sub = eqn.params[SUBJAXPR_PARAM[name]]
       sub_jaxpr = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
       sub_env = {
           sub_jaxpr.invars[pos]: value for pos, value in derived if pos < len(sub_jaxpr.invars)
@@ -335,10 +336,27 @@ def evaluate(closed: jex.ClosedJaxpr, args, on_op: Callable[[LinearOp, list, Cal
   Sub-jaxprs that contain one of them are inlined."""
   by_path = {op.path: op for op in ops}
   inline = {op.path[:k] for op in ops for k in range(1, len(op.path))}
-  return _evaluate(closed.jaxpr, closed.consts, args, (), by_path, inline, on_op)
+
+  def substitute(eqn, here, values):
+    if here in by_path:
+      return [on_op(by_path[here], values, lambda: _bind(eqn, values))]
+    return None
+
+  return _evaluate(closed.jaxpr, closed.consts, args, (), substitute,
+                   lambda eqn, here: here in inline)
 
 
-def _evaluate(jaxpr, consts, args, path, by_path, inline, on_op):
+def evaluate_substituting(closed: jex.ClosedJaxpr, args, substitute: Callable[[Any, list],
+                                                                              list | None]) -> list:
+  """Evaluates the jaxpr on args (flat), returning its flat outputs, with the bodies of the
+  call-like primitives (`SUBJAXPR_PARAM`) inlined; substitute(eqn, input values) gives an
+  equation's outputs (a list) or None to compute it as it is."""
+  return _evaluate(closed.jaxpr, closed.consts, args, (),
+                   lambda eqn, here, values: substitute(eqn, values),
+                   lambda eqn, here: SUBJAXPR_PARAM.get(eqn.primitive.name) in eqn.params)
+
+
+def _evaluate(jaxpr, consts, args, path, substitute, inline):
   env = {}
 
   def read(atom):
@@ -351,15 +369,14 @@ def _evaluate(jaxpr, consts, args, path, by_path, inline, on_op):
   for k, eqn in enumerate(jaxpr.eqns):
     here = path + (k,)
     values = [read(a) for a in eqn.invars]
-    if here in by_path:
-      outs = [on_op(by_path[here], values, lambda e=eqn, v=values: _bind(e, v))]
-    elif here in inline:
-      sub = eqn.params[_SUBJAXPR_PARAM[eqn.primitive.name]]
+    outs = substitute(eqn, here, values)
+    if outs is None and inline(eqn, here):
+      sub = eqn.params[SUBJAXPR_PARAM[eqn.primitive.name]]
       if isinstance(sub, jex.ClosedJaxpr):
-        outs = _evaluate(sub.jaxpr, sub.consts, values, here, by_path, inline, on_op)
+        outs = _evaluate(sub.jaxpr, sub.consts, values, here, substitute, inline)
       else:
-        outs = _evaluate(sub, (), values, here, by_path, inline, on_op)
-    else:
+        outs = _evaluate(sub, (), values, here, substitute, inline)
+    elif outs is None:
       outs = _bind(eqn, values)
       if not eqn.primitive.multiple_results:
         outs = [outs]

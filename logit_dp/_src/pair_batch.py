@@ -86,8 +86,8 @@ class PairBatch:
         return jnp.dot(e[0], e[1], precision=numerics.HIGHEST)
     else:
       z = lambda p: jnp.dot(self.normalized_embedding(p, x_one),
-                            self.normalized_embedding(p, x_prime_one, positive=True),
-                            precision=numerics.HIGHEST)
+                            self.normalized_embedding(p, x_prime_one, positive=True), precision=
+                            numerics.HIGHEST)
     return jax.grad(z)(params)
 
   @functools.cached_property
