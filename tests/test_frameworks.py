@@ -166,10 +166,9 @@ def test_triangle_and_projected(framework, no_float_allowance):
   np.testing.assert_allclose(np.diag(projected), np.diag(truth), rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("ghost", marks=pytest.mark.slow), "flat"])
-@pytest.mark.parametrize("framework,model",
-                         [("equinox", "mlp"),
-                          pytest.param("equinox", "conv", marks=pytest.mark.slow)])
+@pytest.mark.slow  # Equinox's layers are checked against materialize by default (NORM_CASES)
+@pytest.mark.parametrize("mode", ["ghost", "flat"])
+@pytest.mark.parametrize("framework,model", [("equinox", "mlp"), ("equinox", "conv")])
 def test_permuted_kernels_contract_like_jax(framework, model, mode, monkeypatch):
   """Kernels stored transposed (Equinox: (out, in), (O, I, H, W)): factors_transpose = jax.vjp
   and factors_times = jax.jvp of the normalised embeddings, leaf by leaf, in both layer modes."""
