@@ -30,12 +30,12 @@ from logit_dp._src import layerwise
 from logit_dp._src import linear_ops
 
 
-def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, *, window_strides, padding, lhs_dilation,
-                       rhs_dilation, dimension_numbers, feature_group_count: int,
+def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, out_shape, *, window_strides, padding,
+                       lhs_dilation, rhs_dilation, dimension_numbers, feature_group_count: int,
                        batch_group_count: int, precision=None, preferred_element_type=None,
                        **unused) -> jax.Array:
-  """`lax.conv_general_dilated`'s result (the parameters of its jaxpr equation) from one gather
-  of patches and one `lax.dot_general`."""
+  """`lax.conv_general_dilated`'s result of shape out_shape (the parameters of its jaxpr
+  equation) from one gather of patches and one `lax.dot_general`."""
   del unused
   lhs_spec, rhs_spec, out_spec = dimension_numbers
   x = jnp.transpose(lhs, (lhs_spec[0],) + tuple(lhs_spec[2:]) + (lhs_spec[1],))  # (N, *S, C)
@@ -62,20 +62,14 @@ def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, *, window_strides, paddin
     y = jnp.moveaxis(y, 0, 2).reshape(n // g, positions, o)
   else:
     y = dot(patches, w.reshape(taps, i, o), (((2, 3), (0, 1)), ((), ())))  # (N, positions, O)
-  out = _output_shape(x.shape[1:-1], kernel, window_strides, padding, lhs_dilation, rhs_dilation)
+  out = tuple(out_shape[a] for a in out_spec[2:])
   y = jnp.moveaxis(y.reshape((y.shape[0],) + out + (o,)), -1, 1)  # (N, O, *out)
   return jnp.transpose(y, tuple(int(a) for a in np.argsort(out_spec)))
 
 
-def _output_shape(spatial, kernel, strides, padding, lhs_dilation, rhs_dilation) -> tuple:
-  """The output's spatial shape of a convolution with explicit (lo, hi) padding."""
-  return tuple((((s - 1) * ld + 1 + lo + hi) - ((k - 1) * rd + 1)) // t + 1 for s, k, t, (
-      lo, hi), ld, rd in zip(spatial, kernel, strides, padding, lhs_dilation, rhs_dilation))
-
-
 def _as_dot(eqn, values) -> list | None:
   if eqn.primitive.name == "conv_general_dilated":
-    return [convolution_as_dot(*values, **eqn.params)]
+    return [convolution_as_dot(values[0], values[1], eqn.outvars[0].aval.shape, **eqn.params)]
   return None
 
 
