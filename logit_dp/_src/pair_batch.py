@@ -52,9 +52,10 @@ class PairBatch:
                                                x), rows_lib.where_rows(inputs_ok, x_prime)
     if self.two_tower or not same_layout(self.x, self.x_prime):
       u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
-    else:  # both views in one loop: the forward pass is compiled once
-      u_loc, v_loc = jax.lax.map(
-          self._embed, jax.tree_util.tree_map(lambda *a: jnp.stack(a), self.x, self.x_prime))
+    else:  # both views as one batch: the forward pass is compiled once
+      both = self._embed(jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), self.x,
+                                                self.x_prime))
+      u_loc, v_loc = both[:n_local], both[n_local:]
     if u_loc.shape[-1] != v_loc.shape[-1]:
       raise ValueError(f"the two towers must embed into the same dimension: embed_fn gives "
                        f"{u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
@@ -156,10 +157,15 @@ class PairBatch:
     return chunking.unchunk_rows(chunking.map_chunks(chunk_factors, (xs,), m), n)
 
   def stacked_factors(self, views, chunk: int | None = None) -> layerwise.Factors:
-    """`factors` of equally many examples of several views of this tower (e.g. (x, x')), in
-    one loop over the views (compiled once), stacked along a leading axis: (views, m, ...)."""
-    xs = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *views)
-    return jax.lax.map(lambda x_view: self.factors(x_view, chunk=chunk), xs)
+    """`factors` of equally many examples of several views of this tower (e.g. (x, x')),
+    stacked along a leading axis: (views, m, ...). The views are joined into one batch
+    (examples are independent): one pass, compiled once, and no loop over the views, whose
+    stacking of the outputs XLA would compile as kernels of its own."""
+    xs = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *views)
+    factors = self.factors(xs, chunk=chunk)
+    k = len(views)
+    # The explicit size, not -1: a zero-size leaf (no flattened parameters) cannot infer it.
+    return jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), factors)
 
   def _selected_backward(self, xs, cot, positive: bool = False):
     """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
