@@ -144,10 +144,20 @@ def ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_column
   """The `row_chunks` arguments of `ghost_layer_cross_terms`."""
   deltas_rows, deltas_columns = layerwise.ghost_cross_layouts(deltas_rows, deltas_columns)
   d, n, t, c = deltas_columns.shape
-  fn = lambda a, delta, u: layerwise.ghost_layer_cross(a, delta, u, a_columns, deltas_columns, v)
+  # The loop's inputs flattened to two axes and reshaped inside it: XLA gives a factor with a
+  # size-1 axis (the one position of a dense layer) a layout of its own and would copy every
+  # such loop input on entry.
+  row_shapes = a_rows.shape[1:], deltas_rows.shape[1:]
+  a_columns_flat, deltas_columns_flat = a_columns.reshape(n, -1), deltas_columns.reshape(d, -1)
+
+  def fn(a, delta, u):
+    a, delta = (b.reshape((b.shape[0],) + shape) for b, shape in zip((a, delta), row_shapes))
+    return layerwise.ghost_layer_cross(a, delta, u, a_columns_flat.reshape(a_columns.shape),
+                                       deltas_columns_flat.reshape(deltas_columns.shape), v)
+
+  rows = tuple(b.reshape(b.shape[0], -1) for b in (a_rows, deltas_rows)) + (u_rows,)
   row_floats = n * (t * t + 2 * t * c + d)
-  return (fn, (a_rows, deltas_rows, u_rows), row_floats, GHOST_LAYER_CHUNK_FLOATS,
-          GHOST_LAYER_CHUNK_ROWS)
+  return fn, rows, row_floats, GHOST_LAYER_CHUNK_FLOATS, GHOST_LAYER_CHUNK_ROWS
 
 
 def ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v) -> jax.Array:
