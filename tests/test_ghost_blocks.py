@@ -114,6 +114,35 @@ def test_blocked_ghost_drops_non_finite_pairs_like_one_block(monkeypatch):
   assert rel_err(grads_b, grads_one) < 1e-5
 
 
+def test_one_block_takes_its_embeddings_from_the_factor_pass(monkeypatch):
+  """With one block of pairs, both views' embeddings come from the pass that computes their
+  Jacobian factors (no forward pass of their own); they and the factors equal those computed
+  apart. Blocked, the embeddings have their own forward pass."""
+  from logit_dp._src import collective  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import methods  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import numerics  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import pair_batch  # pylint: disable=g-import-not-at-top
+
+  embed_fn, params, x, x_prime = make_model("conv", N, seed=4)
+  ghost = methods.resolve("ghost")
+
+  def batch(**kwargs):
+    return pair_batch.PairBatch(embed_fn, params, x, x_prime, jnp.asarray(MASK),
+                                eps=numerics.DEFAULT_COSINE_EPS, microbatch_size=None,
+                                collective=collective.Collective(None), **kwargs)
+
+  joint, apart = batch(embeds_with_factors=ghost.embeds_with_factors), batch()
+  assert joint.joint_factors is not None and apart.joint_factors is None
+  np.testing.assert_allclose(joint.u_loc, apart.u_loc, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(joint.v_loc, apart.v_loc, rtol=1e-6, atol=1e-7)
+  separate = apart.stacked_factors((apart.x, apart.x_prime))
+  for a, b in zip(jax.tree_util.tree_leaves(joint.joint_factors),
+                  jax.tree_util.tree_leaves(separate)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(b))))
+  _force_blocks(monkeypatch, 4, 2)
+  assert batch(embeds_with_factors=ghost.embeds_with_factors).joint_factors is None
+
+
 @pytest.mark.parametrize("multiple", [1, 8])
 def test_block_sizes_fit_the_budget(multiple):
   example_bytes = 1000

@@ -36,6 +36,7 @@ def _queue_driver(tmp_path, queue_text: str):
   return lambda: subprocess.run(args, cwd=REPO, capture_output=True, text=True)
 
 
+@pytest.mark.slow  # runs tiny pre-training jobs in subprocesses
 def test_run_queue_runs_skips_and_publishes(tmp_path):
   drive = _queue_driver(
       tmp_path, "# a comment\n"
@@ -52,6 +53,7 @@ def test_run_queue_runs_skips_and_publishes(tmp_path):
   assert "start" not in r.stdout and "queue done" in r.stdout
 
 
+@pytest.mark.slow  # runs tiny pre-training jobs in subprocesses
 def test_run_queue_without_workdirs_trusts_the_published_runs(tmp_path):
   """runs/ gone, results/ kept: a published run is not retrained; a fine-tuning entry whose
   encoders were in runs/ is reported, not run and not waited for in silence."""

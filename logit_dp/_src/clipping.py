@@ -208,7 +208,8 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
     params, x, x_prime = precision.widen((params, x, x_prime))
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
-                                                positive_embed_fn, key, float64_positive_pairs)
+                                                positive_embed_fn, key, float64_positive_pairs,
+                                                clip.embeds_with_factors)
     keyed_clip = methods.with_key(clip, key)
     if with_stats:
       grads, norms = keyed_clip.clipped_grad_and_norms(batch, tau[batch.rows], clip_norm)

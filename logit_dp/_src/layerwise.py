@@ -502,8 +502,9 @@ def embedding_deltas(embed_fn, params, plan: Plan, x, normalize_fn) -> list:
 
 
 def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobian,
-                  varying=lambda a: a) -> Factors:
-  """Factors of a batch x under plan.
+                  varying=lambda a: a, with_embeddings: bool = False) -> Any:
+  """Factors of a batch x under plan (with_embeddings: (normalize_fn(embed_fn(params, x)),
+  factors), the embeddings of the same forward pass).
 
   generic_jacobian(leaf_indices) -> (m, d, q) per-example Jacobians of those leaves;
   varying(a) types a as per-device inside shard_map (so that derivatives w.r.t. the
@@ -538,7 +539,8 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   # Example by example: the batched (m, d, q)·(m, q, d) contraction runs 3-6x slower on CPU.
   if flat.shape[-1]:
     gram = gram + jax.lax.map(lambda f: jnp.matmul(f, f.T, precision=_HIGHEST), flat)
-  return Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
+  factors = Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
+  return (u, factors) if with_embeddings else factors
 
 
 def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=None) -> list:

@@ -12,6 +12,7 @@ per-example Jacobians and pair gradients assume it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,7 +34,12 @@ class PairBatch:
   tower that is embed_fn itself.
   """
   def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective,
-               positive_embed_fn=None, float64_positive_pairs: bool = True):
+               positive_embed_fn=None, float64_positive_pairs: bool = True,
+               embeds_with_factors: Callable[[PairBatch], bool] | None = None):
+    """embeds_with_factors(batch): whether the embeddings come from one pass that also computes
+    the Jacobian factors of both views (`joint_factors`, for the clip method that contracts
+    them; asked when one tower embeds views of one layout). Otherwise (and when None) the
+    embeddings come from a forward pass of their own and `joint_factors` is None."""
     self.embed_fn, self.params, self.eps = embed_fn, params, eps
     self.float64_positive_pairs = float64_positive_pairs
     self.two_tower = positive_embed_fn is not None and positive_embed_fn is not embed_fn
@@ -50,8 +56,12 @@ class PairBatch:
     # Zero non-finite inputs so that their NaNs cannot reach the backward pass.
     self.x, self.x_prime = rows_lib.where_rows(inputs_ok,
                                                x), rows_lib.where_rows(inputs_ok, x_prime)
+    self.joint_factors = None
     if self.two_tower or not same_layout(self.x, self.x_prime):
       u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
+    elif embeds_with_factors is not None and embeds_with_factors(self):
+      (u_loc, v_loc), self.joint_factors = self.stacked_factors(
+          (self.x, self.x_prime), self.microbatch_size, with_embeddings=True)
     else:  # both views as one batch: the forward pass is compiled once
       both = self._embed(jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), self.x,
                                                 self.x_prime))
@@ -101,6 +111,11 @@ class PairBatch:
         numerics.computation_dtype(self.pair_grad, self.params, first(self.x), first(self.x_prime))
     ])
 
+  @functools.cached_property
+  def embedding_dim(self) -> int:
+    """d, the dimension embed_fn embeds into (from its shapes; nothing is computed)."""
+    return jax.eval_shape(self.embed_fn, self.params, self.x).shape[-1]
+
   def _embed(self, xs, positive: bool = False):
     return rows_lib.map_rows(lambda xe: self.normalized_embedding(self.params, xe, positive), xs,
                              self.microbatch_size)
@@ -110,7 +125,7 @@ class PairBatch:
     """Which parameters get per-layer factors and which generic per-example Jacobians."""
     if self.two_tower:
       return self.tower_plans.anchor
-    return layerwise.make_plan(self.embed_fn, self.params, self.x, self.u_loc.shape[-1])
+    return layerwise.make_plan(self.embed_fn, self.params, self.x, self.embedding_dim)
 
   @functools.cached_property
   def tower_plans(self) -> two_tower.TowerPlans:
@@ -119,7 +134,7 @@ class PairBatch:
       return two_tower.TowerPlans(self.plan, self.plan,
                                   tuple(sorted(two_tower.dependencies(self.plan))))
     return two_tower.tower_plans(self.embed_fn, self.positive_embed_fn, self.params, self.x,
-                                 self.x_prime, self.u_loc.shape[-1])
+                                 self.x_prime, self.embedding_dim)
 
   def _plan_of(self, positive: bool) -> layerwise.Plan:
     return self.tower_plans.positive if positive and self.two_tower else self.plan
@@ -138,34 +153,41 @@ class PairBatch:
 
     return jax.vmap(one)(xs)
 
-  def factors(self, xs, chunked: bool = True, positive: bool = False,
-              chunk: int | None = None) -> layerwise.Factors:
+  def factors(self, xs, chunked: bool = True, positive: bool = False, chunk: int | None = None,
+              with_embeddings: bool = False) -> Any:
     """Per-example Jacobian factors of one view (see layerwise), microbatch by microbatch
     (chunk examples at a time if given; chunked=False: xs in one piece, for callers that
-    chunk themselves)."""
+    chunk themselves); with_embeddings: (normalised embeddings (m, d), factors), the
+    embeddings those of the factors' own forward pass."""
     plan = self._plan_of(positive)
     embed_fn = self.positive_embed_fn if positive else self.embed_fn
 
     def chunk_factors(x_chunk):
       return layerwise.layer_factors(
           embed_fn, self.params, plan, x_chunk, lambda e: numerics.normalize(e, self.eps),
-          lambda indices: self._generic_jacobian(indices, x_chunk, positive), self.c.local_params)
+          lambda indices: self._generic_jacobian(indices, x_chunk, positive), self.c.local_params,
+          with_embeddings=with_embeddings)
 
     m, n = chunk or self.microbatch_size, rows_lib.num_rows(xs)
     if not chunked or m is None or m >= n:
       return chunk_factors(xs)
     return chunking.unchunk_rows(chunking.map_chunks(chunk_factors, (xs,), m), n)
 
-  def stacked_factors(self, views, chunk: int | None = None) -> layerwise.Factors:
+  def stacked_factors(self, views, chunk: int | None = None, with_embeddings: bool = False) -> Any:
     """`factors` of equally many examples of several views of this tower (e.g. (x, x')),
-    stacked along a leading axis: (views, m, ...). The views are joined into one batch
+    stacked along a leading axis: (views, m, ...) (with_embeddings: (the views' embeddings,
+    each (m, d), the stacked factors)). The views are joined into one batch
     (examples are independent): one pass, compiled once, and no loop over the views, whose
     stacking of the outputs XLA would compile as kernels of its own."""
     xs = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *views)
-    factors = self.factors(xs, chunk=chunk)
     k = len(views)
     # The explicit size, not -1: a zero-size leaf (no flattened parameters) cannot infer it.
-    return jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), factors)
+    by_view = lambda tree: jax.tree_util.tree_map(
+        lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), tree)
+    if not with_embeddings:
+      return by_view(self.factors(xs, chunk=chunk))
+    embeddings, factors = self.factors(xs, chunk=chunk, with_embeddings=True)
+    return tuple(by_view(embeddings)), by_view(factors)
 
   def _selected_backward(self, xs, cot, positive: bool = False):
     """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
@@ -266,20 +288,22 @@ def finite_or(grads, redo) -> Any:
 
 
 def forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective,
-            positive_embed_fn=None, key=None,
-            float64_positive_pairs: bool = True) -> tuple[PairBatch, jax.Array, jax.Array]:
+            positive_embed_fn=None, key=None, float64_positive_pairs: bool = True,
+            embeds_with_factors=None) -> tuple[PairBatch, jax.Array, jax.Array]:
   """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs).
 
   key: a stochastic embed_fn(params, x, key): the batch embeds every example with its own key
   (`stochastic.bind`, rows numbered over the global batch); None: embed_fn(params, x).
   float64_positive_pairs: form the positive pairs' norms in float64 (`pair_terms.diagonal_norms`).
+  embeds_with_factors: as in `PairBatch` (the clip method's `embeds_with_factors`).
   """
   params = collective.local_params(params)
   embed_fn, positive_embed_fn, x, x_prime = stochastic.bind(
       embed_fn, positive_embed_fn, key, x, x_prime, collective.local_rows(rows_lib.num_rows(x)))
   batch = PairBatch(embed_fn, params, x, x_prime, mask, eps=eps, microbatch_size=microbatch_size,
                     collective=collective, positive_embed_fn=positive_embed_fn,
-                    float64_positive_pairs=float64_positive_pairs)
+                    float64_positive_pairs=float64_positive_pairs,
+                    embeds_with_factors=embeds_with_factors)
   loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
   tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
   # Every valid pair dropped as non-finite (e.g. NaN parameters): the loss is NaN, not the

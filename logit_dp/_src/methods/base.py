@@ -43,6 +43,14 @@ class ClipMethod(abc.ABC):
     instead of backward passes.
     """
 
+  def embeds_with_factors(self, batch: pair_batch.PairBatch) -> bool:
+    """Whether `batch` (one tower, views of one layout; its embeddings not yet computed) should
+    take its embeddings from one pass that also computes both views' Jacobian factors, which
+    this method then contracts (`pair_batch.PairBatch.joint_factors`): no forward pass of
+    their own is compiled or run. False unless a method overrides it."""
+    del batch
+    return False
+
   def pair_norms(self, batch: pair_batch.PairBatch, allowance: float = 1.0) -> jax.Array:
     """The (n_local, n) norms clipping uses: ‖g_ij‖ or an upper bound, plus the allowances."""
     return self.pair_norms_with_factors(batch, allowance)[0]

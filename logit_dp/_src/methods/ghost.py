@@ -21,6 +21,7 @@ from logit_dp._src import chunking
 from logit_dp._src import numerics
 from logit_dp._src import pair_batch
 from logit_dp._src import pair_terms
+from logit_dp._src import rows as rows_lib
 from logit_dp._src.methods import base
 from logit_dp._src.methods import towers
 
@@ -42,6 +43,11 @@ class Ghost(base.ClipMethod):
     tau = jnp.zeros((batch.u_loc.shape[0], batch.u.shape[0]), batch.u_loc.dtype)
     return ghost_blocks(batch, tau, math.inf, allowance, self.memory_budget,
                         with_grads=False)[0], None
+
+  def embeds_with_factors(self, batch) -> bool:
+    """See `base.ClipMethod.embeds_with_factors`: with one block of pairs on one device,
+    `_one_block` contracts the factors of both views, computed in one pass."""
+    return _block_sizes(batch, self.memory_budget)[2]
 
   def clipped_grad(self, batch, tau_local, clip_norm) -> Any:
     """See `base.ClipMethod.clipped_grad`."""
@@ -67,6 +73,18 @@ def _loop(num: int, body, carry):
   return jax.lax.fori_loop(0, num, body, carry)
 
 
+def _block_sizes(batch: pair_batch.PairBatch, memory_budget: int | None) -> tuple[int, int, bool]:
+  """(r, c, single): the rows and columns of the pair blocks (`chunking.ghost_block_sizes`), and
+  whether one block on one device holds every pair."""
+  n_local, k = rows_lib.num_rows(batch.x), batch.c.size()
+  budget = chunking.default_memory_budget() if memory_budget is None else memory_budget
+  leaves = jax.tree_util.tree_leaves(batch.params)
+  r, c = chunking.ghost_block_sizes(
+      n_local, k, chunking.factor_bytes_per_example(batch.plan, batch.embedding_dim, leaves),
+      budget, batch.microbatch_size or 1)
+  return r, c, r >= n_local and c >= n_local and k == 1
+
+
 def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: float,
                  memory_budget: int | None, with_grads: bool = True) -> tuple[jax.Array, Any]:
   """Exact pair norms and ḡ of "ghost" in blocks of r rows × c columns
@@ -88,14 +106,9 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   col = batch.c
   n_local, d = batch.u_loc.shape
   k = col.size()
-  leaves = jax.tree_util.tree_leaves(batch.params)
-  budget = chunking.default_memory_budget() if memory_budget is None else memory_budget
-  r, c = chunking.ghost_block_sizes(n_local, k,
-                                    chunking.factor_bytes_per_example(batch.plan, d, leaves),
-                                    budget, batch.microbatch_size or 1)
+  r, c, single = _block_sizes(batch, memory_budget)
   per_row_block = r // c
   num_row_blocks, num_column_blocks = -(-n_local // r), -(-n_local // c)
-  single = num_row_blocks == 1 and num_column_blocks == 1 and k == 1
   # One block: the user's microbatches; blocks: at most a column block at a time.
   chunk = batch.microbatch_size if single else min(batch.microbatch_size or c, c)
   if single and pair_batch.same_layout(batch.x, batch.x_prime):
@@ -179,10 +192,14 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
 def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, chunk: int | None,
                with_grads: bool) -> tuple[jax.Array, Any]:
   """`ghost_blocks` when one block holds every pair of one device's batch and both views stack
-  (`pair_batch.same_layout`): the factors of both views come from one loop over the two views,
-  and ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j with c_i = Σ_j λ_ij v̂_j and c'_j = Σ_i λ_ij û_i from one
-  contraction of them (each compiled once)."""
-  factors = batch.stacked_factors((batch.x, batch.x_prime), chunk)
+  (`pair_batch.same_layout`): the factors of both views come from one pass over their 2n
+  examples (`pair_batch.PairBatch.stacked_factors`), and ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j with
+  c_i = Σ_j λ_ij v̂_j and c'_j = Σ_i λ_ij û_i from one contraction of them (each compiled
+  once). They are the batch's `joint_factors`, whose pass gave its embeddings
+  (`Ghost.embeds_with_factors`), when the batch was built so."""
+  factors = batch.joint_factors
+  if factors is None:
+    factors = batch.stacked_factors((batch.x, batch.x_prime), chunk)
   f_u, f_v = (jax.tree_util.tree_map(lambda a, view=view: a[view], factors) for view in (0, 1))
   u, v = batch.u_loc, batch.v_loc
   norms = pair_terms.block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
