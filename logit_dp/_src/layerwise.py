@@ -450,6 +450,9 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   d = u.shape[-1]
   eye = jnp.eye(d, dtype=u.dtype)
   backward = lambda c: vjp_fn(jnp.zeros_like(u) + c)[0]
+  # (d, m, *out_shape) of one layer's coordinates to the factors' (m, T, d, C).
+  factor_layout = lambda delta, layer: jnp.moveaxis(
+      jnp.reshape(delta, (d, m, layer.positions, layer.features)), 0, 2)
   if d <= _LOOPED_COTANGENTS and m >= _LOOPED_MIN_BATCH:
     # d separate backward passes, one after another: ~2x faster than one vmapped pass on CPU
     # for large batches (n = 1000, embedding net). A loop, not d unrolled copies: the same
@@ -475,8 +478,7 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
       ]
       held = jax.lax.fori_loop(0, d, one_coordinate, held)
       deltas = [
-          delta if straight else jnp.moveaxis(
-              jnp.reshape(delta, (d, m, layer.positions, layer.features)), 0, 2)
+          delta if straight else factor_layout(delta, layer)
           for delta, layer, straight in zip(held, plan.layers, direct)
       ]
       return u, deltas, patches
@@ -484,10 +486,7 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   else:
     deltas = jax.vmap(backward)(eye)
   if stacked:
-    deltas = [
-        jnp.moveaxis(jnp.reshape(delta, (d, m, layer.positions, layer.features)), 0, 2)
-        for delta, layer in zip(deltas, plan.layers)
-    ]
+    deltas = [factor_layout(delta, layer) for delta, layer in zip(deltas, plan.layers)]
   else:
     deltas = [[layer_deltas[k] for layer_deltas in deltas] for k in range(d)]
   return u, deltas, patches

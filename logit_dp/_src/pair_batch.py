@@ -63,9 +63,7 @@ class PairBatch:
       (u_loc, v_loc), self.joint_factors = self.stacked_factors(
           (self.x, self.x_prime), self.microbatch_size, with_embeddings=True)
     else:  # both views as one batch: the forward pass is compiled once
-      both = self._embed(jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), self.x,
-                                                self.x_prime))
-      u_loc, v_loc = both[:n_local], both[n_local:]
+      u_loc, v_loc = split_views(self._embed(join_views((self.x, self.x_prime))), 2)
     if u_loc.shape[-1] != v_loc.shape[-1]:
       raise ValueError(f"the two towers must embed into the same dimension: embed_fn gives "
                        f"{u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
@@ -179,15 +177,11 @@ class PairBatch:
     each (m, d), the stacked factors)). The views are joined into one batch
     (examples are independent): one pass, compiled once, and no loop over the views, whose
     stacking of the outputs XLA would compile as kernels of its own."""
-    xs = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *views)
-    k = len(views)
-    # The explicit size, not -1: a zero-size leaf (no flattened parameters) cannot infer it.
-    by_view = lambda tree: jax.tree_util.tree_map(
-        lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), tree)
+    xs, k = join_views(views), len(views)
     if not with_embeddings:
-      return by_view(self.factors(xs, chunk=chunk))
+      return split_views(self.factors(xs, chunk=chunk), k)
     embeddings, factors = self.factors(xs, chunk=chunk, with_embeddings=True)
-    return tuple(by_view(embeddings)), by_view(factors)
+    return tuple(split_views(embeddings, k)), split_views(factors, k)
 
   def _selected_backward(self, xs, cot, positive: bool = False):
     """Σ_e J_eᵀ cot_e with examples whose cotangent is 0 contributing exactly 0."""
@@ -270,6 +264,17 @@ def same_layout(x, x_prime) -> bool:
   leaves_prime, treedef_prime = jax.tree_util.tree_flatten(x_prime)
   return treedef == treedef_prime and all(
       a.shape == b.shape and a.dtype == b.dtype for a, b in zip(leaves, leaves_prime))
+
+
+def join_views(views) -> Any:
+  """Equally many examples of several views (arrays or pytrees) as one batch, view after view."""
+  return jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *views)
+
+
+def split_views(tree, k: int) -> Any:
+  """Results of a `join_views` batch of k views back per view: leaves (k·m, ...) -> (k, m, ...)."""
+  # The explicit size, not -1: a zero-size leaf (no flattened parameters) cannot infer it.
+  return jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), tree)
 
 
 def finite_or(grads, redo) -> Any:
