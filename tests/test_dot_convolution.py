@@ -79,16 +79,16 @@ def test_float64_positive_pairs_of_a_conv_model_run_without_convolutions():
   x_prime = x + 1e-2 * jax.random.normal(jax.random.PRNGKey(1), x.shape)
   params = model.init(jax.random.PRNGKey(2), x[:1])
 
-  def pair_grad(p, a, b):
+  def pair_grad(p, pair):
     unit = lambda q, e: numerics.normalize(model.apply(q, e[None])[0])
-    return jax.grad(lambda q: jnp.dot(unit(q, a), unit(q, b)))(p)
+    return jax.grad(lambda q: jnp.dot(unit(q, pair[0]), unit(q, pair[1])))(p)
 
-  norms = lambda p, a, b: widened.pair_norms(pair_grad, p, a, b, jnp.float32, 2)[0]
+  norms = lambda p, a, b: widened.pair_norms(pair_grad, p, (a, b), jnp.float32, 2)[0]
   assert " convolution(" not in jax.jit(norms).lower(params, x, x_prime).compile().as_text()
   got = np.asarray(norms(params, x, x_prime), np.float64)
   with jax.enable_x64(True):
     p64, x64, xp64 = widened.widen((params, x, x_prime))
-    grads = jax.lax.map(lambda ab: pair_grad(p64, *ab), (x64, xp64))
+    grads = jax.lax.map(lambda ab: pair_grad(p64, ab), (x64, xp64))
     truth = np.sqrt(
         sum(
             np.sum(np.asarray(g).reshape(4, -1) ** 2, -1)

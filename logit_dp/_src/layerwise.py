@@ -448,7 +448,7 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
 
   u, vjp_fn, patches = jax.vjp(embed, xis, has_aux=True)
   d = u.shape[-1]
-  eye = jnp.eye(d, dtype=u.dtype)
+  eye = jnp.asarray(np.eye(d, dtype=u.dtype))  # a constant of the program: no kernel builds it
   backward = lambda c: vjp_fn(jnp.zeros_like(u) + c)[0]
   # (d, m, *out_shape) of one layer's coordinates to the factors' (m, T, d, C).
   factor_layout = lambda delta, layer: jnp.moveaxis(

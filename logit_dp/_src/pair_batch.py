@@ -57,7 +57,8 @@ class PairBatch:
     self.x, self.x_prime = rows_lib.where_rows(inputs_ok,
                                                x), rows_lib.where_rows(inputs_ok, x_prime)
     self.joint_factors = None
-    if self.two_tower or not same_layout(self.x, self.x_prime):
+    self._stacks_pairs = not self.two_tower and rows_lib.same_layout(self.x, self.x_prime)
+    if not self._stacks_pairs:
       u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
     elif embeds_with_factors is not None and embeds_with_factors(self):
       (u_loc, v_loc), self.joint_factors = self.stacked_factors(
@@ -81,19 +82,29 @@ class PairBatch:
     return numerics.normalize(
         fn(params, jax.tree_util.tree_map(lambda a: a[None], x_one))[0], self.eps)
 
-  def pair_grad(self, params, x_one, x_prime_one) -> Any:
-    """g = ∇_w Z(w) = ∇_w⟨n(Φ_w(x)), n(Φ'_w(x'))⟩ of one pair (no batch axes), like params.
+  @property
+  def positive_pairs(self) -> Any:
+    """The n pairs (x_i, x'_i) as one input with the examples along axis 0, one element of
+    which `pair_grad` takes: with one tower and views of one layout, both views stacked
+    (n, 2, ...) per leaf; otherwise the tuple (x, x')."""
+    if self._stacks_pairs:
+      return jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b], axis=1), self.x, self.x_prime)
+    return self.x, self.x_prime
 
-    With one tower and inputs of one layout, x and x' are embedded as one batch of two: one
+  def pair_grad(self, params, pair) -> Any:
+    """g = ∇_w Z(w) = ∇_w⟨n(Φ_w(x)), n(Φ'_w(x'))⟩ of one pair (an element of
+    `positive_pairs`, no example axis), like params.
+
+    With one tower and views of one layout, x and x' are embedded as one batch of two: one
     forward and one backward pass of the model to compile instead of two.
     """
-    if not self.two_tower and same_layout(x_one, x_prime_one):
-      both = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), x_one, x_prime_one)
+    if self._stacks_pairs:
 
       def z(p):
-        e = numerics.normalize(self._embed_fn(p, both), self.eps)
+        e = numerics.normalize(self._embed_fn(p, pair), self.eps)
         return jnp.dot(e[0], e[1], precision=numerics.HIGHEST)
     else:
+      x_one, x_prime_one = pair
       z = lambda p: jnp.dot(self.normalized_embedding(p, x_one),
                             self.normalized_embedding(p, x_prime_one, positive=True), precision=
                             numerics.HIGHEST)
@@ -103,11 +114,10 @@ class PairBatch:
   def norm_dtype(self) -> np.dtype:
     """The dtype the float allowances are scaled to (`numerics.vector_error`): the lowest
     precision among the embeddings and the values of a pair gradient's computation."""
-    first = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
-    return numerics.lowest_precision([
-        self.u_loc.dtype,
-        numerics.computation_dtype(self.pair_grad, self.params, first(self.x), first(self.x_prime))
-    ])
+    first = jax.tree_util.tree_map(lambda a: a[0], self.positive_pairs)
+    return numerics.lowest_precision(
+        [self.u_loc.dtype,
+         numerics.computation_dtype(self.pair_grad, self.params, first)])
 
   @functools.cached_property
   def embedding_dim(self) -> int:
@@ -255,15 +265,6 @@ class PairBatch:
       positive = self.factor_backward(factors[1], cot_v, positive=True)
     grads = (anchor, positive)
     return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
-
-
-def same_layout(x, x_prime) -> bool:
-  """Whether two inputs have the same pytree structure, leaf shapes and dtypes (so that they
-  stack into one array per leaf)."""
-  leaves, treedef = jax.tree_util.tree_flatten(x)
-  leaves_prime, treedef_prime = jax.tree_util.tree_flatten(x_prime)
-  return treedef == treedef_prime and all(
-      a.shape == b.shape and a.dtype == b.dtype for a, b in zip(leaves, leaves_prime))
 
 
 def join_views(views) -> Any:

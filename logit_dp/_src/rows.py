@@ -24,6 +24,15 @@ def is_traced(tree) -> bool:
   return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
+def same_layout(x, x_prime) -> bool:
+  """Whether two inputs have the same pytree structure, leaf shapes and dtypes (so that they
+  stack into one array per leaf)."""
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  leaves_prime, treedef_prime = jax.tree_util.tree_flatten(x_prime)
+  return treedef == treedef_prime and all(
+      a.shape == b.shape and a.dtype == b.dtype for a, b in zip(leaves, leaves_prime))
+
+
 def finite_rows(x) -> jax.Array:
   """(n,): whether every floating entry of each example (in every leaf) is finite."""
   ok = jnp.ones((num_rows(x),), bool)

@@ -33,62 +33,61 @@ def round_up(values: jax.Array, dtype) -> jax.Array:
   return rounded if rounded.dtype == values.dtype else jnp.nextafter(rounded, jnp.inf)
 
 
-def _sq_norms(pair_grad: Callable, params, x, x_prime, chunk: int) -> jax.Array:
-  """‖pair_grad(params, x_e, x'_e)‖² for every example e, chunk examples at a time."""
+def _norms(pair_grad: Callable, params, pairs, chunk: int, finish: Callable) -> jax.Array:
+  """finish(‖pair_grad(params, pair_e)‖) for every pair e of pairs, chunk pairs at a time
+  (finish, elementwise, runs in the loop's body: no kernels of its own after the loop)."""
   def one(pair):
-    grads = pair_grad(params, *pair)
-    return sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads))
+    grads = pair_grad(params, pair)
+    return finish(jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads))))
 
-  return jax.lax.map(one, (x, x_prime), batch_size=max(1, int(chunk)))
+  return jax.lax.map(one, pairs, batch_size=max(1, int(chunk)))
 
 
-def pair_norms(pair_grad: Callable, params, x, x_prime, out_dtype, chunk: int,
+def pair_norms(pair_grad: Callable, params, pairs, out_dtype, chunk: int,
                in_float64: bool = True, native_dtype=None) -> tuple[jax.Array, np.dtype]:
-  """(‖g_e‖ (n,), dtype): the norms of g_e = pair_grad(params, x_e, x'_e) for the examples e
-  of x and x_prime (axis 0), computed with params and float inputs widened to float64 and
-  rounded up to out_dtype; dtype is the lowest precision that computation ran in
-  (`numerics.computation_dtype`: float64 unless pair_grad casts down internally).
+  """(‖g_e‖ (n,), dtype): the norms of g_e = pair_grad(params, pair_e) for the pairs e of
+  pairs (a pytree, the pairs along axis 0 of every leaf), computed with params and float
+  inputs widened to float64 and rounded up to out_dtype; dtype is the lowest precision that
+  computation ran in (`numerics.computation_dtype`: float64 unless pair_grad casts down
+  internally).
 
   in_float64=False computes them in the inputs' own dtype instead (a model that draws random
   numbers: under float64 its draws would differ from those of the rest of the computation);
   native_dtype is then that computation's dtype when the caller knows it.
   """
+  first = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
   if not in_float64:
-    one = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
-    dtype = native_dtype or numerics.computation_dtype(pair_grad, params, one(x), one(x_prime))
-    return jnp.sqrt(_sq_norms(pair_grad, params, x, x_prime, chunk)).astype(out_dtype), dtype
+    dtype = native_dtype or numerics.computation_dtype(pair_grad, params, first(pairs))
+    return _norms(pair_grad, params, pairs, chunk, lambda v: v.astype(out_dtype)), dtype
 
-  def norms_in_float64(p, a, b):
+  def norms_in_float64(p, a):
     with jax.enable_x64(True):
-      p, a, b = widen((p, a, b))
+      p, a = widen((p, a))
       grad64 = dot_convolution.convolutions_as_dots(pair_grad)
-      return round_up(jnp.sqrt(_sq_norms(grad64, p, a, b, chunk)), out_dtype)
+      return _norms(grad64, p, a, chunk, lambda v: round_up(v, out_dtype))
 
   @jax.custom_batching.custom_vmap
-  def norms(p, a, b):
-    return norms_in_float64(p, a, b)
+  def norms(p, a):
+    return norms_in_float64(p, a)
 
   @norms.def_vmap
-  def _batched(axis_size, in_batched, p, a, b):
+  def _batched(axis_size, in_batched, p, a):
     args = jax.tree_util.tree_map(
         lambda t, batched: t
-        if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)), (p, a, b),
+        if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)), (p, a),
         tuple(in_batched))
     return jax.lax.map(lambda one: norms(*one), args), True
 
   @jax.custom_jvp
-  def differentiable(p, a, b):
-    return norms(p, a, b)
+  def differentiable(p, a):
+    return norms(p, a)
 
   @differentiable.defjvp
   def _jvp(primals, tangents):
-    native = lambda p, a, b: jnp.sqrt(_sq_norms(pair_grad, p, a, b, chunk)).astype(out_dtype)
+    native = lambda p, a: _norms(pair_grad, p, a, chunk, lambda v: v.astype(out_dtype))
     _, tangent = jax.jvp(native, primals, tangents)
     return norms(*primals), tangent
 
   with jax.enable_x64(True):
-    one = lambda t: t[0]
-    dtype = numerics.computation_dtype(
-        pair_grad,
-        *widen((params, jax.tree_util.tree_map(one, x), jax.tree_util.tree_map(one, x_prime))))
-  return differentiable(params, x, x_prime), dtype
+    dtype = numerics.computation_dtype(pair_grad, *widen((params, first(pairs))))
+  return differentiable(params, pairs), dtype
