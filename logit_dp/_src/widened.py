@@ -43,8 +43,8 @@ def _norms(pair_grad: Callable, params, pairs, chunk: int, finish: Callable) -> 
   return jax.lax.map(one, pairs, batch_size=max(1, int(chunk)))
 
 
-def pair_norms(pair_grad: Callable, params, pairs, out_dtype, chunk: int,
-               in_float64: bool = True, native_dtype=None) -> tuple[jax.Array, np.dtype]:
+def pair_norms(pair_grad: Callable, params, pairs, out_dtype, chunk: int, in_float64: bool = True,
+               native_dtype=None) -> tuple[jax.Array, np.dtype]:
   """(‖g_e‖ (n,), dtype): the norms of g_e = pair_grad(params, pair_e) for the pairs e of
   pairs (a pytree, the pairs along axis 0 of every leaf), computed with params and float
   inputs widened to float64 and rounded up to out_dtype; dtype is the lowest precision that
@@ -74,8 +74,7 @@ def pair_norms(pair_grad: Callable, params, pairs, out_dtype, chunk: int,
   def _batched(axis_size, in_batched, p, a):
     args = jax.tree_util.tree_map(
         lambda t, batched: t
-        if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)), (p, a),
-        tuple(in_batched))
+        if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)), (p, a), tuple(in_batched))
     return jax.lax.map(lambda one: norms(*one), args), True
 
   @jax.custom_jvp
