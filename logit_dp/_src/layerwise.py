@@ -565,22 +565,20 @@ def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=Non
   offset = 0
   ghost = iter(zip(factors.ghost_patches, factors.ghost_deltas))
   for layer, is_ghost in zip(plan.layers, plan.ghost):
+    kernel = leaves[layer.leaves[0]]
     if is_ghost:
       patches, deltas = next(ghost)
       weighted = jnp.sum(select(deltas) * cotangents[:, None, :, None], axis=2)  # (m, T, C)
+      rows = kernel.size // layer.features  # the kernel's rows: the patches without a bias column
       grad = jnp.matmul(
-          select(patches).reshape(-1, layer.fan_in).T, weighted.reshape(-1, layer.features),
+          select(patches[..., :rows]).reshape(-1, rows).T, weighted.reshape(-1, layer.features),
           precision=_HIGHEST)
-    else:
+      grads[layer.leaves[0]] = _matrix_kernel(layer, grad, kernel.shape)
+      bias = jnp.sum(weighted, axis=(0, 1))  # the bias column holds ones
+    else:  # flat columns: the kernel in its own order, then the bias
       size = layer.fan_in * layer.features
       grad = flat[offset:offset + size]
       offset += size
-    kernel = leaves[layer.leaves[0]]
-    if is_ghost:
-      grads[layer.leaves[0]] = _matrix_kernel(layer, grad[:kernel.size // layer.features],
-                                              kernel.shape)
-      bias = grad[-1]
-    else:  # flat columns: the kernel in its own order, then the bias
       grads[layer.leaves[0]] = grad[:kernel.size].reshape(kernel.shape)
       bias = grad[kernel.size:]
     if len(layer.leaves) > 1:
