@@ -88,6 +88,16 @@ def normalize(u: jax.Array, eps: float = DEFAULT_COSINE_EPS) -> jax.Array:
   return u / jnp.sqrt(jnp.sum(u * u, axis=-1, keepdims=True) + eps * eps)
 
 
+def pair_cosine_cotangents(e: jax.Array, eps: float = DEFAULT_COSINE_EPS) -> jax.Array:
+  """∂Z/∂e for Z = ⟨n(e_0), n(e_1)⟩ of two rows e (2, d): row v is (n(e_w) − Z·n(e_v))/r_v,
+  w the other row and r_v = √(‖e_v‖² + ε²) (the derivative of `normalize` is
+  (I − n(e_v) n(e_v)ᵀ)/r_v)."""
+  r = jnp.sqrt(jnp.sum(e * e, axis=-1, keepdims=True) + eps * eps)
+  unit = e / r
+  z = jnp.dot(unit[0], unit[1], precision=HIGHEST)
+  return (unit[::-1] - z * unit) / r
+
+
 def cosine_similarity(u: jax.Array, v: jax.Array, eps: float = DEFAULT_COSINE_EPS) -> jax.Array:
   """Z_ij = ⟨n(u_i), n(v_j)⟩ for u (n, d) and v (m, d)."""
   return jnp.matmul(normalize(u, eps), normalize(v, eps).T, precision=HIGHEST)
