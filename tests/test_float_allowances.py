@@ -59,7 +59,6 @@ def test_the_computation_dtype_is_the_lowest_precision_the_model_computes_in():
   assert numerics.computation_dtype(lambda p, x: jnp.tanh(x @ p), ones, ones) == jnp.float32
 
 
-
 @pytest.mark.parametrize("offset", [1e-6, 1.0])
 def test_pair_cosine_cotangents_are_the_gradient_of_the_cosine(offset):
   """The closed-form ∂⟨n(e_0), n(e_1)⟩/∂e equals jax.grad of the cosine (float64), for rows
@@ -72,6 +71,7 @@ def test_pair_cosine_cotangents_are_the_gradient_of_the_cosine(offset):
       truth = jax.grad(lambda f: jnp.dot(numerics.normalize(f[0]), numerics.normalize(f[1])))(e)
       got = numerics.pair_cosine_cotangents(e)
       np.testing.assert_allclose(got, truth, rtol=1e-9, atol=1e-12 * float(jnp.max(jnp.abs(truth))))
+
 
 def _mlp_problem(seed: int = 0):
   model = MLP(features=(16, 6))
