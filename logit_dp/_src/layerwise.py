@@ -545,11 +545,11 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
 def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=None) -> list:
   """Σ_e J_eᵀ c_e per parameter leaf, contracted from the factors (no backward pass).
 
-  Flattened layers and generic leaves: Σ_e flat_eᵀ c_e; ghost layer:
-  Σ_{e,t} a_et ⊗ (Σ_k c_ek δ_et^k) (kernel rows of the patch axis, then the bias column). Leaves
-  the embedding does not use get zeros. keep: optional (m,) bool; examples not kept have their
-  factors *selected* to 0, so they add exactly 0 even where their factors are not finite (0·NaN is
-  NaN).
+  Flattened layers and generic leaves: Σ_e flat_eᵀ c_e; ghost layer: the kernel
+  Σ_{e,t} a_et ⊗ w_et with w_et = Σ_k c_ek δ_et^k (a_et the patch without its bias column) and
+  the bias Σ_{e,t} w_et. Leaves the embedding does not use get zeros. keep: optional (m,) bool;
+  examples not kept have their factors *selected* to 0, so they add exactly 0 even where their
+  factors are not finite (0·NaN is NaN).
   """
   m, d, q = factors.flat.shape
 

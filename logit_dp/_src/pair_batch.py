@@ -82,7 +82,7 @@ class PairBatch:
     return numerics.normalize(
         fn(params, jax.tree_util.tree_map(lambda a: a[None], x_one))[0], self.eps)
 
-  @property
+  @functools.cached_property
   def positive_pairs(self) -> Any:
     """The n pairs (x_i, x'_i) as one input with the examples along axis 0, one element of
     which `pair_grad` takes: with one tower and views of one layout, both views stacked
@@ -102,11 +102,10 @@ class PairBatch:
     if self._stacks_pairs:
       e, vjp_fn = jax.vjp(lambda p: self._embed_fn(p, pair), params)
       return vjp_fn(numerics.pair_cosine_cotangents(e, self.eps))[0]
-    else:
-      x_one, x_prime_one = pair
-      z = lambda p: jnp.dot(self.normalized_embedding(p, x_one),
-                            self.normalized_embedding(p, x_prime_one, positive=True), precision=
-                            numerics.HIGHEST)
+    x_one, x_prime_one = pair
+    z = lambda p: jnp.dot(self.normalized_embedding(p, x_one),
+                          self.normalized_embedding(p, x_prime_one, positive=True), precision=
+                          numerics.HIGHEST)
     return jax.grad(z)(params)
 
   @functools.cached_property
