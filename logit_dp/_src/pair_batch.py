@@ -57,8 +57,9 @@ class PairBatch:
     self.x, self.x_prime = rows_lib.where_rows(inputs_ok,
                                                x), rows_lib.where_rows(inputs_ok, x_prime)
     self.joint_factors = None
-    self._stacks_pairs = not self.two_tower and rows_lib.same_layout(self.x, self.x_prime)
-    if not self._stacks_pairs:
+    # One tower and both views of one layout: the views stack into one batch.
+    self.views_stack = not self.two_tower and rows_lib.same_layout(self.x, self.x_prime)
+    if not self.views_stack:
       u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
     elif embeds_with_factors is not None and embeds_with_factors(self):
       (u_loc, v_loc), self.joint_factors = self.stacked_factors(
@@ -87,7 +88,7 @@ class PairBatch:
     """The n pairs (x_i, x'_i) as one input with the examples along axis 0, one element of
     which `pair_grad` takes: with one tower and views of one layout, both views stacked
     (n, 2, ...) per leaf; otherwise the tuple (x, x')."""
-    if self._stacks_pairs:
+    if self.views_stack:
       return jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b], axis=1), self.x, self.x_prime)
     return self.x, self.x_prime
 
@@ -99,7 +100,7 @@ class PairBatch:
     forward and one backward pass of the model to compile instead of two, with the cotangents
     of the cosine in closed form (`numerics.pair_cosine_cotangents`).
     """
-    if self._stacks_pairs:
+    if self.views_stack:
       e, vjp_fn = jax.vjp(lambda p: self._embed_fn(p, pair), params)
       return vjp_fn(numerics.pair_cosine_cotangents(e, self.eps))[0]
     x_one, x_prime_one = pair

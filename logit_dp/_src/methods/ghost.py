@@ -111,7 +111,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   num_row_blocks, num_column_blocks = -(-n_local // r), -(-n_local // c)
   # One block: the user's microbatches; blocks: at most a column block at a time.
   chunk = batch.microbatch_size if single else min(batch.microbatch_size or c, c)
-  if single and rows_lib.same_layout(batch.x, batch.x_prime):
+  if single and batch.views_stack:
     return _one_block(batch, tau_local, clip_norm, allowance, chunk, with_grads)
 
   def pad(tree, size):  # inputs may be pytrees (e.g. with per-example keys)
@@ -192,7 +192,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
 def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, chunk: int | None,
                with_grads: bool) -> tuple[jax.Array, Any]:
   """`ghost_blocks` when one block holds every pair of one device's batch and both views stack
-  (`rows.same_layout`): the factors of both views come from one pass over their 2n
+  (`pair_batch.PairBatch.views_stack`): the factors of both views come from one pass over their 2n
   examples (`pair_batch.PairBatch.stacked_factors`), and ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j with
   c_i = Σ_j λ_ij v̂_j and c'_j = Σ_i λ_ij û_i from one contraction of them (each compiled
   once). They are the batch's `joint_factors`, whose pass gave its embeddings
