@@ -12,15 +12,18 @@ sensitivity, so that the noise can be calibrated from the object itself.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import dp_accounting
 import jax
 
 from logit_dp._src import checks
 from logit_dp._src import clip_stats
 from logit_dp._src import mechanisms
 from logit_dp._src import methods
+from logit_dp._src import sensitivity as sensitivity_lib
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -55,7 +58,9 @@ class ClippedGradFn(CheckedCall):
   """grad_fn(params, x, x_prime, mask=None[, key=]) -> (ℒ, ḡ): a private (clipped) gradient.
 
   ḡ is a pytree like params with L2 sensitivity `sensitivity()` under adding or removing one
-  pair record; noise it with `logit_dp.transform(σ, grad_fn.sensitivity(), key)`. Called
+  pair record (`sensitivity(relation)` under a `dp_accounting.NeighboringRelation`, as
+  jax_privacy's `BoundedSensitivityCallable`); noise it with
+  `logit_dp.transform(σ, grad_fn.sensitivity(), key)`. Called
   eagerly, it raises ValueError when any valid pair has non-finite inputs or embeddings;
   under jit such pairs are masked out (the same as removing them). grouped_clipped_grad's
   functions also take record_ids=, group_key= and extra_views= keywords; a stochastic one
@@ -95,10 +100,32 @@ class ClippedGradFn(CheckedCall):
       return mechanisms.NAIVE_METHOD
     return mechanisms.GROUPED_METHOD
 
-  def sensitivity(self, batch_size: int | None = None) -> float:
-    """C of ḡ under add-or-remove-one pair record (batch_size None: any batch size, as under
-    Poisson sampling; `Mechanism.sensitivity`). ValueError for an unclipped function."""
-    return self.mechanism.sensitivity(self.loss, self.clip_norm, batch_size)
+  def sensitivity(
+      self,
+      neighboring_relation: dp_accounting.NeighboringRelation = sensitivity_lib.ADD_OR_REMOVE_ONE,
+      *,
+      batch_size: int | None = None) -> float:
+    """The L2 sensitivity of ḡ under a neighbouring relation, as jax_privacy's
+    `BoundedSensitivityCallable.sensitivity`.
+
+    Args:
+      neighboring_relation: ADD_OR_REMOVE_ONE or REPLACE_SPECIAL (zero-out: the pair masked
+        out): C; REPLACE_ONE: the replace-one sensitivity (`Mechanism.sensitivity`).
+      batch_size: n when every batch has exactly n pairs; None: any batch size, as under
+        Poisson sampling.
+
+    Returns:
+      The sensitivity as a Python float. ValueError for an unclipped function, TypeError for a
+      relation that is not a `dp_accounting.NeighboringRelation`.
+    """
+    if isinstance(neighboring_relation, int) and not isinstance(neighboring_relation, bool):
+      warnings.warn("grad_fn.sensitivity(n) is deprecated: pass the batch size as "
+                    "grad_fn.sensitivity(batch_size=n).", DeprecationWarning, stacklevel=2)
+      neighboring_relation, batch_size = sensitivity_lib.ADD_OR_REMOVE_ONE, neighboring_relation
+    elif neighboring_relation is None:
+      neighboring_relation = sensitivity_lib.ADD_OR_REMOVE_ONE
+    return self.mechanism.sensitivity(self.loss, self.clip_norm, batch_size,
+                                      neighboring_relation=neighboring_relation)
 
   def with_num_dropped(self, params, x, x_prime, mask=None,
                        **kwargs) -> tuple[jax.Array, Any, jax.Array]:

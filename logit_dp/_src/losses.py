@@ -75,6 +75,12 @@ class Contrastive:
 
   The price of temperature: τ = 1 gives sup C/B ≈ 16.8, τ = 0.5 ≈ 222,
   τ = 0.2 ≈ 2.2·10⁵ (a warning is emitted above 10³).
+
+  Replace-one (pair k replaced, n unchanged; τ̃, s̃ the weights after): row k changes
+  whole, Σ_j |τ_kj| + |τ̃_kj| ≤ 4/τ. A row i ≠ k keeps its other columns' logits, so
+  s̃_ij/s_ij is one factor for every j ≠ k and Σ_{j≠k} |s_ij − s̃_ij| = |s_ik − s̃_ik|; with
+  its column-k terms (s_ik + s̃_ik)/τ the row costs 2·max(s_ik, s̃_ik)/τ ≤ 2p/τ. Hence
+  C_rep/B ≤ (4 + 2(n−1)p)/τ = C/B + 2/τ, below 2C/B for every n ≥ 2.
   """
 
   temperature: float = 1.0
@@ -117,6 +123,16 @@ class Contrastive:
       factor = (2.0 + 2.0 * (n - 1) / (1.0 + (n - 1) / a)) / self.temperature
     return _warn_if_large(factor, f"contrastive loss at temperature {self.temperature}")
 
+  def replace_sensitivity_factor(self, batch_size: int | None = None) -> float:
+    """C_rep/B = (4 + 2(n−1)p)/τ under replace-one, or its supremum (4 + 2e^{2/τ})/τ."""
+    a = math.exp(2.0 / self.temperature)
+    if batch_size is None:
+      factor = (4.0 + 2.0 * a) / self.temperature
+    else:
+      n = _check_batch_size(batch_size, self.min_batch_size)
+      factor = (4.0 + 2.0 * (n - 1) / (1.0 + (n - 1) / a)) / self.temperature
+    return _warn_if_large(factor, f"contrastive loss at temperature {self.temperature}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Spreadout:
@@ -134,6 +150,10 @@ class Spreadout:
     2Z_ij/(n−1) to 2Z_ij/(n−2): Σ ≤ 2(n−2)(1/(n−2) − 1/(n−1)) = 2/(n−1).
 
   Hence C/B ≤ 2 + 2 + (n−1)·2/(n−1) = 6 for every n.
+
+  Replace-one (pair k replaced, n unchanged): the weights of every other pair (i, j ≠ k) stay
+  2Z_ij/(n−1), so only row k and column k move, each by ≤ 2 + 2: C_rep/B ≤ 8 (attained at
+  Z = 1 everywhere with opposite clipped gradients).
   """
 
   min_batch_size = 2
@@ -157,6 +177,12 @@ class Spreadout:
     if batch_size is not None:
       _check_batch_size(batch_size, self.min_batch_size)
     return 6.0
+
+  def replace_sensitivity_factor(self, batch_size: int | None = None) -> float:
+    """C_rep/B = 8 under replace-one, for every batch size."""
+    if batch_size is not None:
+      _check_batch_size(batch_size, self.min_batch_size)
+    return 8.0
 
 
 def _check_batch_size(batch_size, minimum: int) -> int:

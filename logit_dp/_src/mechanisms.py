@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import enum
 
+import dp_accounting
+
 from logit_dp._src import methods
 from logit_dp._src import sensitivity as sensitivity_lib
 
@@ -36,14 +38,18 @@ class Mechanism(enum.Enum):
     """The name papers and tables use: "Logit-DP", "Naive-DP" or "DP-GCL"."""
     return {"logit_dp": "Logit-DP", "naive_dp": "Naive-DP", "dp_gcl": "DP-GCL"}[self.value]
 
-  def sensitivity(self, loss, clip_norm: float, batch_size: int | None = None) -> float:
-    """C of ḡ under add-or-remove-one: `sensitivity(loss, B, batch_size)` for Logit-DP, 2B for
-    Naive-DP and DP-GCL (batch_size None: any batch size, as under Poisson sampling)."""
+  def sensitivity(
+      self, loss, clip_norm: float, batch_size: int | None = None, *,
+      neighboring_relation: dp_accounting.NeighboringRelation = sensitivity_lib.ADD_OR_REMOVE_ONE
+  ) -> float:
+    """C of ḡ under neighboring_relation: `sensitivity(loss, B, batch_size)` for Logit-DP, 2B
+    for Naive-DP and DP-GCL (batch_size None: any batch size, as under Poisson sampling)."""
+    relation = dict(neighboring_relation=neighboring_relation)
     if self is Mechanism.LOGIT_DP:
-      return sensitivity_lib.sensitivity(loss, clip_norm, batch_size)
+      return sensitivity_lib.sensitivity(loss, clip_norm, batch_size, **relation)
     if self is Mechanism.NAIVE_DP:
-      return sensitivity_lib.naive_sensitivity(clip_norm)
-    return sensitivity_lib.grouped_sensitivity(clip_norm)
+      return sensitivity_lib.naive_sensitivity(clip_norm, **relation)
+    return sensitivity_lib.grouped_sensitivity(clip_norm, **relation)
 
   @classmethod
   def of_method(cls, method: str) -> Mechanism:

@@ -1,4 +1,4 @@
-"""L2 sensitivity of the released (summed) gradient, per method.
+"""L2 sensitivity of the released (summed) gradient, per method and neighbouring relation.
 
 Formal guarantees. Under the add-or-remove-one-pair neighbouring relation (a
 batch X and X with one pair (x_k, x'_k) removed, every other pair unchanged) and
@@ -12,12 +12,38 @@ fixed parameters w:
 * Naive-DP: the whole-batch gradient is clipped to B on both batches, so
   ‖ḡ(X) − ḡ(X∖k)‖₂ ≤ 2B.
 
-Adding N(0, (σC)²I) to ḡ then gives the Gaussian mechanism with noise multiplier σ.
+Under zero-out (`REPLACE_SPECIAL`: pair k replaced by a null pair, i.e. masked out) the
+batches are those of removal: the same C. Under replace-one (`REPLACE_ONE`: pair k replaced by
+another pair, the batch size unchanged; docs/PRIVACY.md, "Replace-one"):
+
+* Logit-DP: C_rep = (2·G1 + 2·G2 + (n−1)·L_rep)·B with the loss's constants
+  (`replace_sensitivity_factor`: contrastive (4 + 2(n−1)p)/τ·B, spreadout 8B); a loss without
+  them gets 2C, valid for every loss (X → X∖k → X̃ by the triangle inequality).
+* Naive-DP and DP-GCL: 2B (both released vectors have norm ≤ B; a replaced record keeps its
+  id, hence its group).
+
+Adding N(0, (σC)²I) to ḡ then gives the Gaussian mechanism with noise multiplier σ under the
+relation C is taken for.
 """
 
 from __future__ import annotations
 
 import math
+
+import dp_accounting
+
+ADD_OR_REMOVE_ONE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
+REPLACE_SPECIAL = dp_accounting.NeighboringRelation.REPLACE_SPECIAL
+
+
+def check_relation(neighboring_relation) -> dp_accounting.NeighboringRelation:
+  """neighboring_relation if it is a `dp_accounting.NeighboringRelation`; TypeError otherwise."""
+  if not isinstance(neighboring_relation, dp_accounting.NeighboringRelation):
+    raise TypeError("neighboring_relation must be a dp_accounting.NeighboringRelation "
+                    "(ADD_OR_REMOVE_ONE, REPLACE_ONE or REPLACE_SPECIAL), got "
+                    f"{neighboring_relation!r}.")
+  return neighboring_relation
 
 
 def check_clip_norm(clip_norm, *, allow_inf: bool) -> float:
@@ -34,36 +60,57 @@ def check_clip_norm(clip_norm, *, allow_inf: bool) -> float:
   return value
 
 
-def sensitivity(loss, clip_norm: float, batch_size: int | None = None) -> float:
+def sensitivity(loss, clip_norm: float, batch_size: int | None = None, *,
+                neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE
+               ) -> float:
   """L2 sensitivity C of the Logit-DP gradient ḡ (a sum over pairs).
 
-  C = (G1 + G2 + (n−1)L)·B: contrastive (2 + 2(n−1)p)/τ·B with p = a/(a+n−1),
-  a = e^{2/τ}; spreadout 6B.
+  Add-or-remove-one and zero-out: C = (G1 + G2 + (n−1)L)·B, contrastive (2 + 2(n−1)p)/τ·B
+  with p = a/(a+n−1), a = e^{2/τ}; spreadout 6B. Replace-one: C_rep = (2G1 + 2G2 +
+  (n−1)L_rep)·B, contrastive (4 + 2(n−1)p)/τ·B, spreadout 8B (2C for a loss without
+  ``replace_sensitivity_factor``).
 
   Args:
     loss: a loss from `logit_dp.losses`.
     clip_norm: B, the per-pair gradient clip norm (finite, > 0).
     batch_size: n, when every batch has exactly n pairs. None returns the
       supremum over n, which is what Poisson sampling (random n) needs.
+    neighboring_relation: the `dp_accounting.NeighboringRelation` the sensitivity is for.
 
   Returns:
     C as a Python float.
   """
   b = check_clip_norm(clip_norm, allow_inf=False)
+  relation = check_relation(neighboring_relation)
   if not hasattr(loss, "sensitivity_factor"):
     raise ValueError(f"No sensitivity is known for loss {loss!r}; use a loss from logit_dp.losses.")
-  return loss.sensitivity_factor(batch_size) * b
+  if relation is not REPLACE_ONE:
+    return loss.sensitivity_factor(batch_size) * b
+  if hasattr(loss, "replace_sensitivity_factor"):
+    return loss.replace_sensitivity_factor(batch_size) * b
+  return 2.0 * loss.sensitivity_factor(batch_size) * b
 
 
-def naive_sensitivity(clip_norm: float) -> float:
-  """Sensitivity 2B of Naive-DP (the batch gradient clipped to B), add/remove-one."""
+def naive_sensitivity(clip_norm: float, *,
+                      neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE
+                     ) -> float:
+  """Sensitivity 2B of Naive-DP (the batch gradient clipped to B) under every relation.
+
+  ḡ(X) and ḡ(X') both have norm ≤ B whatever X and X' are.
+  """
+  check_relation(neighboring_relation)
   return 2.0 * check_clip_norm(clip_norm, allow_inf=False)
 
 
-def grouped_sensitivity(clip_norm: float) -> float:
-  """Sensitivity 2B of the DP-GCL gradient ḡ = Σ_g clip_B(∇L_g), add/remove one record.
+def grouped_sensitivity(clip_norm: float, *,
+                        neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE
+                       ) -> float:
+  """Sensitivity 2B of the DP-GCL gradient ḡ = Σ_g clip_B(∇L_g) under every relation.
 
-  Adding a record changes one group's clipped gradient from a vector of norm ≤ B to
-  another one (both non-zero in general): 2B, as Naive-DP (G = 1 is Naive-DP).
+  Adding, removing or replacing a record changes one group's clipped gradient from a vector
+  of norm ≤ B to another one (both non-zero in general): 2B, as Naive-DP (G = 1 is Naive-DP).
+  A replaced record keeps its group because groups hash the record id (the sampler's index
+  of the record), which replacement keeps.
   """
+  check_relation(neighboring_relation)
   return 2.0 * check_clip_norm(clip_norm, allow_inf=False)
