@@ -1,7 +1,8 @@
 """Privacy verification: sensitivity audits and one-run canary ε lower bounds.
 
 See `logit_dp._src.audit` (‖ḡ(X) − ḡ(X∖k)‖ against `logit_dp.sensitivity`, and a
-gradient-ascent search for the worst batch) and `logit_dp._src.canary` (the
+gradient-ascent search for the worst batch; the same for replacing one pair against the
+replace-one sensitivity) and `logit_dp._src.canary` (the
 one-run audit of Steinke, Nasr & Jagielski 2023 with white-box gradient
 canaries). docs/PRIVACY.md records the results.
 """
@@ -9,7 +10,9 @@ canaries). docs/PRIVACY.md records the results.
 from logit_dp._src.audit import RemovalAudit
 from logit_dp._src.audit import max_removal_ratio
 from logit_dp._src.audit import removal_gaps
+from logit_dp._src.audit import replacement_gaps
 from logit_dp._src.audit import search_worst_case
+from logit_dp._src.audit import search_worst_replacement
 from logit_dp._src.canary import DEFAULT_GUESS_FRACTIONS
 from logit_dp._src.canary import GradientCanaries
 from logit_dp._src.canary import OneRunAudit
@@ -29,5 +32,7 @@ __all__ = [
     "max_removal_ratio",
     "p_value",
     "removal_gaps",
+    "replacement_gaps",
     "search_worst_case",
+    "search_worst_replacement",
 ]

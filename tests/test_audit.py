@@ -7,6 +7,7 @@ searches are marked slow and live in benchmarks/audit_canaries.py.
 import itertools
 import math
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,6 +234,117 @@ def test_long_search_moving_inputs_and_parameters(method, loss):
                                   method=method)
   print(f"{method} {loss}: largest ratio {found.ratio:.4f}")
   assert found.ratio <= 1 + TOL
+
+
+# ---------------------------------------------------------------------------
+# Replace-one audit (float64).
+# ---------------------------------------------------------------------------
+
+REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
+
+
+def _brute_force_gbar(embed_fn, params, x, x_prime, loss, clip_norm):
+  """ḡ = Σ_ij τ_ij·clip_B(∇_w Z_ij) in float64 from each pair's own gradient (jax.grad of Z_ij)
+  and τ = jax.grad of the loss; call under jax.enable_x64."""
+  n = x.shape[0]
+
+  def unit(p, xe):
+    e = embed_fn(p, xe[None])[0]
+    return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.DEFAULT_COSINE_EPS ** 2)
+
+  def pair_grad(i, j):
+    return flat(jax.grad(lambda p: jnp.dot(unit(p, x[i]), unit(p, x_prime[j])))(params))
+
+  g = np.stack([np.stack([pair_grad(i, j) for j in range(n)]) for i in range(n)])
+  clipped = g * np.minimum(1.0, clip_norm / np.linalg.norm(g, axis=-1, keepdims=True))
+  z = jax.vmap(lambda a: unit(params, a))(x) @ jax.vmap(lambda a: unit(params, a))(x_prime).T
+  return np.einsum("ij,ijp->p", np.asarray(jax.grad(loss)(z)), clipped)
+
+
+def _adversarial_linear(n=6, d=3):
+  """Linear embeddings near the contrastive worst case for pair 0: û_0 = e_1, v̂_0 = −e_1,
+  û_i = −e_1 and v̂_j = e_1 otherwise, plus small noise."""
+  rng = np.random.default_rng(1)
+  x, x_prime = np.zeros((n, d)), np.zeros((n, d))
+  x[:, 0], x_prime[:, 0] = -1.0, 1.0
+  x[0, 0], x_prime[0, 0] = 1.0, -1.0
+  x += 0.05 * rng.normal(size=x.shape)
+  x_prime += 0.05 * rng.normal(size=x.shape)
+  return linear, {"w": jnp.eye(d)}, jnp.asarray(x), jnp.asarray(x_prime)
+
+
+@pytest.mark.parametrize("method", ["ghost", "materialize"])
+def test_replacement_gaps_are_the_brute_force_ones(method, no_float_allowance):
+  """Without the float allowances (which only clip more), each float64 replace-one gap is the
+  brute-force one, and the bound it is compared with is C_rep."""
+  loss, clip_norm = logit_dp.losses.contrastive(0.5), 1e-3
+  fn, params, x, x_prime = make("mlp", 4, seed=4)
+  _, _, y, y_prime = make("mlp", 4, seed=5)
+  with jax.enable_x64(True):
+    gaps = audit.replacement_gaps(fn, params, loss, clip_norm, x, x_prime, y, y_prime,
+                                  method=method, dtype=jnp.float64)
+    p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
+    x, x_prime, y, y_prime = (jnp.asarray(a, jnp.float64) for a in (x, x_prime, y, y_prime))
+    full = _brute_force_gbar(fn, p64, x, x_prime, loss, clip_norm)
+    reference = [
+        np.linalg.norm(full - _brute_force_gbar(fn, p64, x.at[k].set(y[k]),
+                                                x_prime.at[k].set(y_prime[k]), loss, clip_norm))
+        for k in range(4)
+    ]
+  np.testing.assert_allclose(gaps, reference, rtol=1e-9)
+  c_rep = logit_dp.sensitivity(loss, clip_norm, 4, neighboring_relation=REPLACE_ONE)
+  assert 0 < max(gaps) <= c_rep
+
+
+def test_replace_one_search_arguments():
+  fn, params, x, x_prime = make("linear", 4, seed=0)
+  loss = logit_dp.losses.contrastive(1.0)
+  with pytest.raises(ValueError, match="enable_x64"):
+    audit.replacement_gaps(fn, params, loss, 0.1, x, x_prime, x, x_prime, dtype=jnp.float64)
+  with pytest.raises(ValueError, match="shapes"):
+    audit.replacement_gaps(fn, params, loss, 0.1, x, x_prime, x[:3], x_prime[:3])
+  with pytest.raises(ValueError, match="num_steps"):
+    audit.search_worst_replacement(fn, params, loss, 0.1, x, x_prime, key=jax.random.PRNGKey(0),
+                                   num_steps=0)
+  with pytest.raises(ValueError, match="projected"):
+    audit.replacement_gaps(fn, params, loss, 0.1, x, x_prime, x, x_prime, method="projected")
+
+
+@pytest.mark.slow
+def test_replace_one_search_exceeds_c_and_stays_below_c_rep():
+  """Negative control: from the removal worst case, the float64 search replaces pair 0 so that
+  ḡ moves by more than the removal sensitivity C (calibrating replace-one noise to C would be
+  wrong) and by no more than C_rep."""
+  loss, clip_norm = logit_dp.losses.contrastive(0.5), 1e-3
+  fn, params, x, x_prime = _adversarial_linear()
+  with jax.enable_x64(True):
+    found = audit.search_worst_replacement(fn, params, loss, clip_norm, x, x_prime,
+                                           key=jax.random.PRNGKey(0), num_restarts=1,
+                                           num_steps=40, learning_rate=0.01, dtype=jnp.float64)
+  assert found.max_gap > 1.03 * logit_dp.sensitivity(loss, clip_norm, batch_size=6)
+  assert 0.85 < found.ratio <= 1 + 1e-9
+  assert found.bound == logit_dp.sensitivity(loss, clip_norm, 6, neighboring_relation=REPLACE_ONE)
+  assert found.replacement[0].shape == x.shape
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,loss", [
+    ("ghost", logit_dp.losses.spreadout()),
+    ("materialize", logit_dp.losses.contrastive(1.0)),
+    ("triangle", logit_dp.losses.spreadout()),
+    ("naive", logit_dp.losses.contrastive(0.5)),
+    ("dp_gcl", logit_dp.losses.contrastive(0.5)),
+], ids=["ghost", "materialize", "triangle", "naive", "dp_gcl"])
+def test_replace_one_search_in_float64_stays_below_the_sensitivity(method, loss):
+  fn, params, x, x_prime = make("mlp", 5, seed=6)
+  extra = dict(num_groups=2) if method == "dp_gcl" else {}
+  with jax.enable_x64(True):
+    found = audit.search_worst_replacement(fn, params, loss, 1e-2, x, x_prime,
+                                           key=jax.random.PRNGKey(3), num_restarts=3,
+                                           num_steps=40, method=method, dtype=jnp.float64,
+                                           **extra)
+  print(f"{method} {loss}: largest replace-one ratio {found.ratio:.4f}")
+  assert 0 < found.ratio <= 1 + 1e-9
 
 
 # ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import functools
 import math
 import warnings
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,6 +131,106 @@ def test_bad_batch_size_and_unknown_loss():
     logit_dp.sensitivity(logit_dp.losses.contrastive(1.0), 1.0, batch_size=1)
   with pytest.raises(ValueError, match="No sensitivity"):
     logit_dp.sensitivity(lambda z, mask=None: jnp.sum(z), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replace-one.
+# ---------------------------------------------------------------------------------------------
+
+REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
+ADD_OR_REMOVE_ONE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+REPLACE_SPECIAL = dp_accounting.NeighboringRelation.REPLACE_SPECIAL
+
+
+def replace_weight_change(loss, z, z_replaced, k):
+  """Σ_j(|τ_kj| + |τ̃_kj|) + Σ_{i≠k}(|τ_ik| + |τ̃_ik|) + Σ_{i,j≠k}|τ_ij − τ̃_ij| in float64 from
+  jax.grad of the loss, τ̃ on the batch whose pair k is replaced (z_replaced differs from z in
+  row k and column k only).
+
+  This is ‖ḡ(X) − ḡ(X̃)‖/B when every clipped pair gradient has norm B, pair k's old and new
+  gradients point opposite ways and the rest align with the signs: what C_rep must bound.
+  """
+  with jax.enable_x64(True):
+    grad = jax.grad(loss)
+    tau = np.asarray(grad(jnp.asarray(z, jnp.float64)))
+    tau_r = np.asarray(grad(jnp.asarray(z_replaced, jnp.float64)))
+  keep = np.arange(z.shape[0]) != k
+  return (np.abs(tau[k]).sum() + np.abs(tau_r[k]).sum() + np.abs(tau[keep, k]).sum()
+          + np.abs(tau_r[keep, k]).sum() + np.abs(tau[keep][:, keep] - tau_r[keep][:, keep]).sum())
+
+
+@pytest.mark.parametrize("n,temperature", [(2, 1.0), (3, 0.5), (8, 1.0), (40, 2.0)])
+def test_contrastive_replace_one_constant_is_attained_and_needs_more_than_c(temperature, n):
+  loss = logit_dp.losses.contrastive(temperature)
+  factor = loss.replace_sensitivity_factor(n)
+  a = math.exp(2 / temperature)
+  p = a / (a + n - 1)
+  np.testing.assert_allclose(factor, (4 + 2 * (n - 1) * p) / temperature, rtol=1e-12)
+  # The removal worst case on both sides: row k's diagonal least similar, every other row's
+  # column k most similar, before and after the replacement.
+  z = np.asarray(adversarial_contrastive_z(n), np.float64)
+  worst = replace_weight_change(loss, z, z, k=0)
+  s_kk = 1 / (1 + (n - 1) * a)
+  np.testing.assert_allclose(worst, (4 * (1 - s_kk) + 2 * (n - 1) * p) / temperature, rtol=1e-12)
+  assert worst <= factor
+  # Replace-one needs more than the removal constant C, and less than 2C.
+  assert loss.sensitivity_factor(n) < worst and factor < 2 * loss.sensitivity_factor(n)
+
+
+@pytest.mark.parametrize("loss", [logit_dp.losses.contrastive(0.7),
+                                  logit_dp.losses.spreadout()], ids=["contrastive", "spreadout"])
+def test_random_replacements_stay_below_the_replace_one_constant(loss):
+  rng = np.random.default_rng(0)
+  for n in (2, 3, 5, 12):
+    for _ in range(20):
+      u, v = rng.normal(size=(n, 3)), rng.normal(size=(n, 3))
+      k = int(rng.integers(n))
+      u_r, v_r = u.copy(), v.copy()
+      u_r[k], v_r[k] = rng.normal(size=3), rng.normal(size=3)
+      cos = lambda a, b: (a / np.linalg.norm(a, axis=1, keepdims=True)) @ (
+          b / np.linalg.norm(b, axis=1, keepdims=True)).T
+      worst = replace_weight_change(loss, cos(u, v), cos(u_r, v_r), k)
+      assert worst <= loss.replace_sensitivity_factor(n) * (1 + 1e-12)
+
+
+def test_spreadout_replace_one_constant_is_attained():
+  loss = logit_dp.losses.spreadout()
+  for n in (2, 3, 6, 20):
+    z = np.ones((n, n))  # every pair maximally similar, before and after
+    np.testing.assert_allclose(replace_weight_change(loss, z, z, k=0), 8.0, rtol=1e-12)
+    assert loss.replace_sensitivity_factor(n) == 8.0 and loss.sensitivity_factor(n) == 6.0
+
+
+def test_sensitivity_under_each_neighboring_relation():
+  loss, clip_norm, n = logit_dp.losses.contrastive(1.0), 0.5, 8
+  embed_fn = lambda w, xs: xs @ w
+  logit = logit_dp.clipped_grad(embed_fn, loss, clip_norm)
+  c, c_n = logit_dp.sensitivity(loss, clip_norm), logit_dp.sensitivity(loss, clip_norm, n)
+  assert logit.sensitivity() == logit.sensitivity(ADD_OR_REMOVE_ONE) == c
+  assert logit.sensitivity(REPLACE_SPECIAL) == c  # zero-out: the pair masked out, as removal
+  assert logit.sensitivity(batch_size=n) == logit.sensitivity(ADD_OR_REMOVE_ONE, batch_size=n)
+  assert logit.sensitivity(batch_size=n) == c_n
+  np.testing.assert_allclose(logit.sensitivity(REPLACE_ONE), c + 2 * clip_norm, rtol=1e-12)
+  np.testing.assert_allclose(logit.sensitivity(REPLACE_ONE, batch_size=n), c_n + 2 * clip_norm,
+                             rtol=1e-12)
+  assert logit.sensitivity(REPLACE_ONE) == logit_dp.sensitivity(loss, clip_norm,
+                                                                neighboring_relation=REPLACE_ONE)
+  spread = logit_dp.clipped_grad(embed_fn, logit_dp.losses.spreadout(), clip_norm)
+  assert (spread.sensitivity(), spread.sensitivity(REPLACE_ONE)) == (3.0, 4.0)
+  naive = logit_dp.naive_clipped_grad(embed_fn, loss, clip_norm)
+  grouped = logit_dp.grouped_clipped_grad(embed_fn, loss, clip_norm, 4)
+  for fn in (naive, grouped):
+    assert [fn.sensitivity(r) for r in dp_accounting.NeighboringRelation] == [1.0, 1.0, 1.0]
+  # A loss with only the removal constant gets 2C, valid for every loss.
+  removal_only = type("RemovalOnly", (), dict(sensitivity_factor=lambda self, n=None: 5.0))()
+  assert logit_dp.sensitivity(removal_only, clip_norm, neighboring_relation=REPLACE_ONE) == 5.0
+  with pytest.warns(DeprecationWarning, match="batch_size=n"):
+    assert logit.sensitivity(n) == c_n
+  for bad in ("replace_one", 2.0, REPLACE_ONE.value + 0.5):
+    with pytest.raises(TypeError, match="NeighboringRelation"):
+      logit.sensitivity(bad)
+  with pytest.raises(TypeError, match="NeighboringRelation"):
+    logit_dp.naive_sensitivity(1.0, neighboring_relation="add_or_remove_one")
 
 
 def _neighbour_differences(fn, params, x, x_prime):

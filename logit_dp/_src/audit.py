@@ -31,6 +31,16 @@ min(1, B/‖g_ij‖) makes f piecewise smooth; plain `jax.grad` through it is us
 (non-finite gradient entries are zeroed). A search is a lower bound on the worst
 case, never a proof; the proof is the derivation in `logit_dp.losses`.
 
+Replace-one (`replacement_gaps`, `search_worst_replacement`) audits
+`sensitivity(loss, B, neighboring_relation=REPLACE_ONE)` the same way: pair k of X is replaced
+by pair k of a second batch (y, y′), every other pair kept,
+
+    gap_k = ‖ḡ(X) − ḡ(X with (x_k, x′_k) replaced by (y_k, y′_k))‖₂,
+
+and the search moves (x, x′, y, y′) together. The replaced record keeps its position, hence
+(DP-GCL) its record id and group. With ``dtype=jnp.float64`` (under `jax.enable_x64`) the
+audited ḡ is computed in float64, so the ratio carries no float32 rounding.
+
 Formal guarantees: none (this is a test instrument). A ratio > 1 returned by
 these functions is a counterexample to the claimed sensitivity for the
 returned inputs and parameters, up to float32 rounding (≈ 1e-6 relative).
@@ -83,6 +93,8 @@ class RemovalAudit:
       "dp_gcl").
     x, x_prime, params: the batch and parameters the audit ran on (for
       `search_worst_case`, the worst ones found).
+    replacement: (y, y′), the pairs that replace X's in a replace-one audit (None for
+      removal); bound and bound_sup are then the replace-one sensitivities.
   """
   ratio: float
   ratio_sup: float
@@ -95,12 +107,15 @@ class RemovalAudit:
   x: Any = None
   x_prime: Any = None
   params: Any = None
+  replacement: Any = None
 
 
-def _bounds(loss, clip_norm: float, n_valid: int, method: str) -> tuple[float, float]:
+def _bounds(loss, clip_norm: float, n_valid: int, method: str,
+            relation=sensitivity_lib.ADD_OR_REMOVE_ONE) -> tuple[float, float]:
   mechanism = mechanisms.Mechanism.of_method(method)
-  return (mechanism.sensitivity(loss, clip_norm, batch_size=max(n_valid, 2)),
-          mechanism.sensitivity(loss, clip_norm, batch_size=None))
+  return (mechanism.sensitivity(loss, clip_norm, batch_size=max(n_valid, 2),
+                                neighboring_relation=relation),
+          mechanism.sensitivity(loss, clip_norm, batch_size=None, neighboring_relation=relation))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,14 +212,37 @@ def _gaps_jit(core, params, x, x_prime, mask, chunk, keys=()):
   return jnp.sqrt(_gaps_fn(core, params, x, x_prime, mask, chunk, keys))
 
 
+def _replacement_gaps_fn(core, params, x, x_prime, y, y_prime, mask, chunk):
+  """gap_k² for every k: ḡ(X) against ḡ(X with pair k replaced by (y_k, y′_k))."""
+  n = rows_lib.num_rows(x)
+  _, full, _ = core(params, x, x_prime, mask)
+  full = _flat(full)
+
+  def one(k):
+    _, g, _ = core(params, x.at[k].set(y[k]), x_prime.at[k].set(y_prime[k]), mask)
+    d = _flat(g) - full
+    return jnp.sum(d * d)
+
+  if chunk is None or chunk >= n:
+    sq = jax.vmap(one)(jnp.arange(n))
+  else:
+    sq = jax.lax.map(one, jnp.arange(n), batch_size=chunk)
+  return jnp.where(mask, sq, 0.0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def _replacement_gaps_jit(core, params, x, x_prime, y, y_prime, mask, chunk):
+  return jnp.sqrt(_replacement_gaps_fn(core, params, x, x_prime, y, y_prime, mask, chunk))
+
+
 def _check_method(method: str) -> str:
   return mechanisms.check_method(method, mechanisms.AUDITED_METHODS)
 
 
-def _prepare(loss, x, x_prime, mask):
+def _prepare(loss, x, x_prime, mask, dtype=jnp.float32):
   x, x_prime, mask = checks.check_pair_inputs(x, x_prime, mask, getattr(loss, "min_batch_size", 1))
-  as_float32 = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
-  x, x_prime = jax.tree_util.tree_map(as_float32, (x, x_prime))
+  as_dtype = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  x, x_prime = jax.tree_util.tree_map(as_dtype, (x, x_prime))
   if not (bool(jnp.all(rows_lib.finite_rows(x))) and bool(jnp.all(rows_lib.finite_rows(x_prime)))):
     raise ValueError("audit inputs must be finite.")
   return x, x_prime, mask
@@ -282,20 +320,27 @@ def max_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _ascent(core, num_steps, learning_rate, optimize_params, chunk, params, x, x_prime, mask,
-            keys=()):
-  """Adam ascent on (x, x′[, w]); returns the best max_k gap_k² seen and its arguments, or +inf
-  and the first point where a gap was not finite."""
+            keys=(), replacement=None):
+  """Adam ascent on (x, x′[, w]) (with a replacement (y, y′): on (x, x′, y, y′) of the
+  replace-one gaps); returns the best max_k gap_k² seen and its arguments, or +inf and the
+  first point where a gap was not finite."""
   opt = optax.adam(learning_rate)
 
   def objective(variables):
     p = variables["params"] if optimize_params else params
-    sq = _gaps_fn(core, p, variables["x"], variables["x_prime"], mask, chunk, keys)
+    if replacement is None:
+      sq = _gaps_fn(core, p, variables["x"], variables["x_prime"], mask, chunk, keys)
+    else:
+      sq = _replacement_gaps_fn(core, p, variables["x"], variables["x_prime"], variables["y"],
+                                variables["y_prime"], mask, chunk)
     surrogate = jax.nn.logsumexp(jnp.where(mask, jnp.log(sq + _TINY), -jnp.inf))
     return surrogate, jnp.max(sq)
 
   variables = {"x": x, "x_prime": x_prime}
   if optimize_params:
     variables["params"] = params
+  if replacement is not None:
+    variables["y"], variables["y_prime"] = replacement
 
   def keep(best, best_v, max_sq, v):
     # A non-finite gap is a failure of the audited code: the first one seen is kept (as +inf,
@@ -358,13 +403,16 @@ def _evaluate_many(core, params, xs, xps, mask, chunk, keys=()):
   return jnp.sqrt(jax.vmap(lambda a, b: _gaps_fn(core, params, a, b, mask, chunk, keys))(xs, xps))
 
 
-def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime) -> RemovalAudit:
+def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime,
+            replacement=None) -> RemovalAudit:
   gaps = np.asarray(gaps, np.float64)
-  bound, bound_sup = _bounds(loss, clip_norm, int(jnp.sum(mask)), method)
+  relation = sensitivity_lib.ADD_OR_REMOVE_ONE if replacement is None else sensitivity_lib.REPLACE_ONE
+  bound, bound_sup = _bounds(loss, clip_norm, int(jnp.sum(mask)), method, relation)
   k = int(np.argmax(gaps))
   return RemovalAudit(ratio=float(gaps[k] / bound), ratio_sup=float(gaps[k] / bound_sup),
                       max_gap=float(gaps[k]), worst_pair=k, bound=bound, bound_sup=bound_sup,
-                      gaps=gaps, method=method, x=x, x_prime=x_prime, params=params)
+                      gaps=gaps, method=method, x=x, x_prime=x_prime, params=params,
+                      replacement=replacement)
 
 
 def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, key,
@@ -453,3 +501,110 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                            cosine_eps=cosine_eps, num_groups=num_groups, group_seed=group_seed,
                            extra_views_fn=extra_views_fn, reference_inputs=reference_inputs,
                            projection_rank=projection_rank, model_key=model_key)
+
+
+def _replacement_core(embed_fn, loss, clip_norm, method, cosine_eps, num_groups, group_seed):
+  method = _check_method(method)
+  grouping = _grouping(method, num_groups, group_seed, None)
+  _reference(method, None, methods.DEFAULT_PROJECTION_RANK, embed_fn)  # "projected": refused
+  return method, _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping)
+
+
+def _prepare_replacement(loss, x, x_prime, y, y_prime, mask, dtype):
+  if jnp.dtype(dtype) == jnp.float64 and not jax.config.read("jax_enable_x64"):
+    raise ValueError("dtype=float64 needs 64-bit JAX: run the audit under jax.enable_x64(True).")
+  x, x_prime, mask = _prepare(loss, x, x_prime, mask, dtype)
+  y, y_prime, _ = _prepare(loss, y, y_prime, None, dtype)
+  if not isinstance(x, jax.Array) or y.shape != x.shape or y_prime.shape != x_prime.shape:
+    raise ValueError("the replacement (y, y_prime) must be arrays of the shapes of (x, x_prime), "
+                     f"got {jnp.shape(y)}, {jnp.shape(y_prime)} for {jnp.shape(x)}, "
+                     f"{jnp.shape(x_prime)}.")
+  return x, x_prime, y, y_prime, mask
+
+
+def replacement_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, y, y_prime,
+                     *, mask=None, method: str = "ghost", chunk: int | None = None,
+                     cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                     num_groups: int | None = None, group_seed: int = 0,
+                     dtype=jnp.float32) -> np.ndarray:
+  """gap_k = ‖ḡ(X) − ḡ(X with pair k replaced by (y_k, y′_k))‖₂ for every pair k, as (n,).
+
+  Args:
+    embed_fn, params, loss, clip_norm: as for `logit_dp.clipped_grad`.
+    x, x_prime: the batch, (n, ...) arrays.
+    y, y_prime: the replacements, arrays of the shapes of x and x_prime.
+    mask: optional (n,) bool of valid pairs (invalid ones get gap 0).
+    method: a `logit_dp.METHODS` entry other than "projected", "naive" or "dp_gcl" (with
+      num_groups, group_seed; record ids 0..n−1, so a replaced record keeps its group).
+    chunk: replacements computed at once (None: all n, vmapped).
+    cosine_eps: as for `logit_dp.clipped_grad`.
+    dtype: the float dtype of inputs and params the gaps are computed in (jnp.float64 needs
+      `jax.enable_x64`).
+  """
+  method, core = _replacement_core(embed_fn, loss, clip_norm, method, cosine_eps, num_groups,
+                                   group_seed)
+  x, x_prime, y, y_prime, mask = _prepare_replacement(loss, x, x_prime, y, y_prime, mask, dtype)
+  params = _as_dtype(params, dtype)
+  return np.asarray(_replacement_gaps_jit(core, params, x, x_prime, y, y_prime, mask, chunk),
+                    np.float64)
+
+
+def _as_dtype(params, dtype):
+  return jax.tree_util.tree_map(
+      lambda a: jnp.asarray(a, dtype) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a,
+      params)
+
+
+def search_worst_replacement(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *,
+                             key, num_restarts: int = 4, num_steps: int = 50,
+                             learning_rate: float = 0.05, init_scale: float = 1.0,
+                             method: str = "ghost", chunk: int | None = None,
+                             cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                             num_groups: int | None = None, group_seed: int = 0,
+                             dtype=jnp.float32) -> RemovalAudit:
+  """Searches for the batch and replacements maximising max_k gap_k / C_rep (replace-one).
+
+  As `search_worst_case`, with the replacements (y, y′) moved too: restart 0 starts from
+  (x, x′) and y, y′ = x, x′ rolled by one row (each pair replaced by its neighbour's); restart
+  r ≥ 1 draws (x, x′) and (y, y′) as `search_worst_case`'s restarts (independent keys). Each
+  restart runs ``num_steps`` Adam steps of ascent on logsumexp_k log(gap_k² + 1e-30) in
+  ``dtype``; the best point is re-audited.
+
+  Args:
+    embed_fn, params, loss, clip_norm, x, x_prime, key, num_restarts, num_steps,
+      learning_rate, init_scale, method, chunk, cosine_eps, num_groups, group_seed: as for
+      `search_worst_case` (the parameters stay fixed; "projected" is not audited here).
+    dtype: as for `replacement_gaps`.
+
+  Returns:
+    The `RemovalAudit` of the worst (x, x′) and ``replacement`` (y, y′) found; its bounds are
+    the replace-one sensitivities C_rep(n) and C_rep(∞).
+  """
+  method, core = _replacement_core(embed_fn, loss, clip_norm, method, cosine_eps, num_groups,
+                                   group_seed)
+  clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
+  if isinstance(num_restarts, bool) or int(num_restarts) != num_restarts or num_restarts < 1:
+    raise ValueError(f"num_restarts must be an integer ≥ 1, got {num_restarts!r}.")
+  if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
+    raise ValueError(f"num_steps must be an integer ≥ 1, got {num_steps!r}.")
+  x, x_prime, y, y_prime, mask = _prepare_replacement(loss, x, x_prime, jnp.roll(x, 1, axis=0),
+                                                      jnp.roll(x_prime, 1, axis=0), None, dtype)
+  params = _as_dtype(params, dtype)
+  starts = _restart_points(params, x, x_prime, key, int(num_restarts), float(init_scale), False)
+  replacements = _restart_points(params, y, y_prime, jax.random.fold_in(key, 2 ** 20),
+                                 int(num_restarts), float(init_scale), False)
+  cast = lambda a: a.astype(dtype)
+  best, best_args = -1.0, None
+  for (_, x0, xp0), (_, y0, yp0) in zip(starts, replacements):
+    value, v = _ascent(core, int(num_steps), float(learning_rate), False, chunk, params,
+                       cast(x0), cast(xp0), mask, (), (cast(y0), cast(yp0)))
+    value = float(value)
+    if not math.isfinite(value) or value > best:
+      best, best_args = value, (v["x"], v["x_prime"], v["y"], v["y_prime"])
+    if not math.isfinite(best):
+      break
+  bx, bxp, by, byp = best_args
+  gaps = replacement_gaps(embed_fn, params, loss, clip_norm, bx, bxp, by, byp, method=method,
+                          chunk=chunk, cosine_eps=cosine_eps, num_groups=num_groups,
+                          group_seed=group_seed, dtype=dtype)
+  return _result(gaps, loss, clip_norm, mask, method, params, bx, bxp, (by, byp))
