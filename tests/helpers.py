@@ -1,4 +1,6 @@
-"""Tree arithmetic used by the tests."""
+"""Tree arithmetic used by the tests, and the optional jax_privacy."""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -168,3 +170,21 @@ def float64_clipped_reference(embed_fn, loss, params, x, x_prime, clip_norm, cli
   clip_by = norms if clip_by is None else jnp.asarray(clip_by, jnp.float64)
   lam = tau * jnp.minimum(1.0, clip_norm / clip_by)
   return np.asarray(norms), jax.tree_util.tree_map(lambda g: jnp.tensordot(lam, g, axes=2), grads)
+
+
+#: Set (to any non-empty value) where jax_privacy must be installed: its tests then fail
+#: instead of skipping (.ci/run sets it).
+REQUIRE_JAX_PRIVACY = "LOGIT_DP_REQUIRE_JAX_PRIVACY"
+
+
+def import_jax_privacy():
+  """jax_privacy, or a skip with the reason (a failure where REQUIRE_JAX_PRIVACY is set)."""
+  import pytest
+  try:
+    import jax_privacy
+  except ImportError as e:
+    message = f"jax_privacy is not installed ({e}): pip install 'logit_dp[jax-privacy]'"
+    if os.environ.get(REQUIRE_JAX_PRIVACY):
+      pytest.fail(f"{message}; {REQUIRE_JAX_PRIVACY} is set.")
+    pytest.skip(message)
+  return jax_privacy

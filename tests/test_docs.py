@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 import logit_dp
+from helpers import import_jax_privacy
 from logit_dp import accounting
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
@@ -30,6 +31,8 @@ SLOW_PAGES = (
     "guides/bring_your_own_model.md",
     "guides/distributed.md",
 )
+# Pages that need jax_privacy (the `jax-privacy` extra); slow, run in CI with it installed.
+JAX_PRIVACY_PAGES = ("guides/jax_privacy.md",)
 
 
 def python_blocks(text):
@@ -64,7 +67,7 @@ def _run_page(page):
 
 def test_every_page_with_code_is_executed():
   with_code = {page for page in _pages() if python_blocks(_read(page))}
-  assert with_code == set(FAST_PAGES) | set(SLOW_PAGES)
+  assert with_code == set(FAST_PAGES) | set(SLOW_PAGES) | set(JAX_PRIVACY_PAGES)
 
 
 @pytest.mark.parametrize("page", FAST_PAGES)
@@ -76,6 +79,26 @@ def test_page_blocks_run(page):
 @pytest.mark.parametrize("page", SLOW_PAGES)
 def test_slow_page_blocks_run(page):
   _run_page(page)
+
+
+@pytest.mark.slow
+def test_jax_privacy_page_gives_the_ledgers_epsilon():
+  """The training steps with jax_privacy's sampling, privatizer and accountant run, its ε is
+  logit_dp's ledger's (the same PLD computation), and its fixed-size-batch ε is logit_dp's
+  Poisson ε at noise multiplier (noise std)/C_rep."""
+  import_jax_privacy()
+  (page,) = JAX_PRIVACY_PAGES
+  ns = _run_page(page)
+  assert ns["ledger"].steps == ns["T"]
+  assert math.isclose(ns["eps_jax_privacy"], ns["eps_ledger"], rel_tol=1e-12)
+  assert ns["C_rep"] == logit_dp.sensitivity(ns["loss"], 1.0, ns["b"],
+                                             neighboring_relation=dp_accounting.NeighboringRelation
+                                             .REPLACE_ONE)
+  assert math.isclose(
+      ns["eps_replace"],
+      accounting.epsilon(ns["noise_std"] / ns["C_rep"], ns["delta"], ns["b"] / ns["N"], ns["T"]),
+      rel_tol=1e-12)
+  assert ns["eps_replace"] < ns["eps_replace_2c"]
 
 
 def _sci(x, digits):

@@ -78,7 +78,8 @@ def test_experiments_extra_covers_the_experiment_imports():
   core = _requirements(project["dependencies"])
   extras = {k: _requirements(v) for k, v in project["optional-dependencies"].items()}
   covered = set(core) | set(extras["experiments"])
-  optional = {"tensorflow_datasets": "tfds"}  # imported lazily by the tfds data source only
+  # Imported lazily: by the tfds data source, by the jax_privacy tests (which skip without it).
+  optional = {"tensorflow_datasets": "tfds", "jax_privacy": "jax-privacy"}
   for name, dists in _imported_distributions("experiments", "benchmarks", "tools").items():
     if name in optional:
       assert canonicalize_name(name) in extras[optional[name]]

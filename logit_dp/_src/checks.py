@@ -41,9 +41,10 @@ def warn_if_empty(what: str, mask) -> None:
 def raise_if_dropped(what: str, tree, num_dropped, unit: str = "pair(s)") -> None:
   """Eager calls only: a ValueError when rows with non-finite inputs or embeddings were dropped.
 
-  Under jit (``tree`` traced) such rows are masked out and counted instead (docs/PRIVACY.md).
+  Under jit (``tree`` or the count traced: a jitted function may close over the batch) such
+  rows are masked out and counted instead (docs/PRIVACY.md).
   """
-  if not rows_lib.is_traced(tree) and int(num_dropped) > 0:
+  if not rows_lib.is_traced((tree, num_dropped)) and int(num_dropped) > 0:
     raise ValueError(f"{what}: {int(num_dropped)} {unit} have non-finite inputs or embeddings "
                      "(NaN/inf). Nothing was released. Under jit such rows are masked out "
                      "instead (see docs/PRIVACY.md).")
