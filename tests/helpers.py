@@ -178,13 +178,14 @@ REQUIRE_JAX_PRIVACY = "LOGIT_DP_REQUIRE_JAX_PRIVACY"
 
 
 def import_jax_privacy():
-  """jax_privacy, or a skip with the reason (a failure where REQUIRE_JAX_PRIVACY is set)."""
+  """jax_privacy, or a skip with the reason (a failure where REQUIRE_JAX_PRIVACY is set); at
+  module level it skips or fails the whole module."""
   import pytest
   try:
     import jax_privacy
   except ImportError as e:
     message = f"jax_privacy is not installed ({e}): pip install 'logit_dp[jax-privacy]'"
     if os.environ.get(REQUIRE_JAX_PRIVACY):
-      pytest.fail(f"{message}; {REQUIRE_JAX_PRIVACY} is set.")
-    pytest.skip(message)
+      pytest.fail(f"{message}; {REQUIRE_JAX_PRIVACY} is set.", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
   return jax_privacy

@@ -287,9 +287,8 @@ def test_replacement_gaps_are_the_brute_force_ones(method, no_float_allowance):
     x, x_prime, y, y_prime = (jnp.asarray(a, jnp.float64) for a in (x, x_prime, y, y_prime))
     full = _brute_force_gbar(fn, p64, x, x_prime, loss, clip_norm)
     reference = [
-        np.linalg.norm(full - _brute_force_gbar(fn, p64, x.at[k].set(y[k]),
-                                                x_prime.at[k].set(y_prime[k]), loss, clip_norm))
-        for k in range(4)
+        np.linalg.norm(full - _brute_force_gbar(fn, p64, x.at[k].set(y[k]), x_prime.at[k].set(
+            y_prime[k]), loss, clip_norm)) for k in range(4)
     ]
   np.testing.assert_allclose(gaps, reference, rtol=1e-9)
   c_rep = logit_dp.sensitivity(loss, clip_norm, 4, neighboring_relation=REPLACE_ONE)
@@ -319,8 +318,8 @@ def test_replace_one_search_exceeds_c_and_stays_below_c_rep():
   fn, params, x, x_prime = _adversarial_linear()
   with jax.enable_x64(True):
     found = audit.search_worst_replacement(fn, params, loss, clip_norm, x, x_prime,
-                                           key=jax.random.PRNGKey(0), num_restarts=1,
-                                           num_steps=40, learning_rate=0.01, dtype=jnp.float64)
+                                           key=jax.random.PRNGKey(0), num_restarts=1, num_steps=40,
+                                           learning_rate=0.01, dtype=jnp.float64)
   c = logit_dp.sensitivity(loss, clip_norm, batch_size=6)
   print(f"replace-one gap {found.max_gap / c:.4f}·C, ratio to C_rep {found.ratio:.4f}")
   assert found.max_gap > 1.03 * c
@@ -342,9 +341,8 @@ def test_replace_one_search_in_float64_stays_below_the_sensitivity(method, loss)
   extra = dict(num_groups=2) if method == "dp_gcl" else {}
   with jax.enable_x64(True):
     found = audit.search_worst_replacement(fn, params, loss, 1e-2, x, x_prime,
-                                           key=jax.random.PRNGKey(3), num_restarts=3,
-                                           num_steps=40, method=method, dtype=jnp.float64,
-                                           **extra)
+                                           key=jax.random.PRNGKey(3), num_restarts=3, num_steps=40,
+                                           method=method, dtype=jnp.float64, **extra)
   print(f"{method} {loss}: largest replace-one ratio {found.ratio:.4f}")
   assert 0 < found.ratio <= 1 + 1e-9
 

@@ -91,9 +91,8 @@ def test_jax_privacy_page_gives_the_ledgers_epsilon():
   ns = _run_page(page)
   assert ns["ledger"].steps == ns["T"]
   assert math.isclose(ns["eps_jax_privacy"], ns["eps_ledger"], rel_tol=1e-12)
-  assert ns["C_rep"] == logit_dp.sensitivity(ns["loss"], 1.0, ns["b"],
-                                             neighboring_relation=dp_accounting.NeighboringRelation
-                                             .REPLACE_ONE)
+  assert ns["C_rep"] == logit_dp.sensitivity(
+      ns["loss"], 1.0, ns["b"], neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
   assert math.isclose(
       ns["eps_replace"],
       accounting.epsilon(ns["noise_std"] / ns["C_rep"], ns["delta"], ns["b"] / ns["N"], ns["T"]),

@@ -45,7 +45,9 @@ def test_sensitivity_takes_the_relation_as_bounded_sensitivity_callable_does():
   assert "neighboring_relation" in inspect.signature(grad_fn.sensitivity).parameters
   c = logit_dp.sensitivity(LOSS, 0.5)
   c_rep = logit_dp.sensitivity(LOSS, 0.5, neighboring_relation=Relation.REPLACE_ONE)
-  expected = {Relation.ADD_OR_REMOVE_ONE: c, Relation.REPLACE_SPECIAL: c, Relation.REPLACE_ONE: c_rep}
+  expected = {
+      Relation.ADD_OR_REMOVE_ONE: c, Relation.REPLACE_SPECIAL: c, Relation.REPLACE_ONE: c_rep
+  }
   for relation, value in expected.items():
     assert grad_fn.sensitivity(relation) == grad_fn.sensitivity(neighboring_relation=relation)
     assert grad_fn.sensitivity(relation) == value
@@ -66,8 +68,9 @@ def test_jax_privacy_accountant_gives_logit_dp_epsilon(accountant):
     config = (jp_accounting.PldAccountantConfig(value_discretization_interval=1e-3)
               if accountant == "pld" else jp_accounting.RdpAccountantConfig(orders=orders))
     theirs = jp_accounting.DpsgdTrainingAccountant(config).compute_epsilon(
-        steps, jp_accounting.DpParams(noise_multipliers=sigma, num_samples=num_samples,
-                                      delta=delta, batch_size=batch_size))
+        steps,
+        jp_accounting.DpParams(noise_multipliers=sigma, num_samples=num_samples, delta=delta,
+                               batch_size=batch_size))
     ours = logit_dp.accounting.epsilon(sigma, delta, batch_size / num_samples, steps, accountant,
                                        rdp_orders=orders)
     assert theirs == pytest.approx(ours, rel=1e-9)
@@ -76,8 +79,8 @@ def test_jax_privacy_accountant_gives_logit_dp_epsilon(accountant):
 def test_padding_rows_of_jax_privacy_batches_contribute_nothing():
   """A batch padded by jax_privacy (−1 indices), with the padding masked, gives the ḡ of the
   unpadded batch (float64: to rounding)."""
-  (indices,) = batch_selection.CyclicPoissonSampling(sampling_prob=0.3, iterations=1).batch_iterator(
-      40, rng=0)
+  sampler = batch_selection.CyclicPoissonSampling(sampling_prob=0.3, iterations=1)
+  (indices,) = sampler.batch_iterator(40, rng=0)
   padded = batch_selection.pad_to_multiple_of(indices, 32)
   mask = padded >= 0
   assert 0 < indices.size < padded.size

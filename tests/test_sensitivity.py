@@ -187,8 +187,8 @@ def test_random_replacements_stay_below_the_replace_one_constant(loss):
       k = int(rng.integers(n))
       u_r, v_r = u.copy(), v.copy()
       u_r[k], v_r[k] = rng.normal(size=3), rng.normal(size=3)
-      cos = lambda a, b: (a / np.linalg.norm(a, axis=1, keepdims=True)) @ (
-          b / np.linalg.norm(b, axis=1, keepdims=True)).T
+      cos = lambda a, b: (a / np.linalg.norm(a, axis=1, keepdims=True)) @ (b / np.linalg.norm(
+          b, axis=1, keepdims=True)).T
       worst = replace_weight_change(loss, cos(u, v), cos(u_r, v_r), k)
       assert worst <= loss.replace_sensitivity_factor(n) * (1 + 1e-12)
 

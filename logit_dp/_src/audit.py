@@ -406,7 +406,8 @@ def _evaluate_many(core, params, xs, xps, mask, chunk, keys=()):
 def _result(gaps, loss, clip_norm, mask, method, params, x, x_prime,
             replacement=None) -> RemovalAudit:
   gaps = np.asarray(gaps, np.float64)
-  relation = sensitivity_lib.ADD_OR_REMOVE_ONE if replacement is None else sensitivity_lib.REPLACE_ONE
+  relation = (sensitivity_lib.ADD_OR_REMOVE_ONE
+              if replacement is None else sensitivity_lib.REPLACE_ONE)
   bound, bound_sup = _bounds(loss, clip_norm, int(jnp.sum(mask)), method, relation)
   k = int(np.argmax(gaps))
   return RemovalAudit(ratio=float(gaps[k] / bound), ratio_sup=float(gaps[k] / bound_sup),
@@ -522,11 +523,10 @@ def _prepare_replacement(loss, x, x_prime, y, y_prime, mask, dtype):
   return x, x_prime, y, y_prime, mask
 
 
-def replacement_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, y, y_prime,
-                     *, mask=None, method: str = "ghost", chunk: int | None = None,
-                     cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-                     num_groups: int | None = None, group_seed: int = 0,
-                     dtype=jnp.float32) -> np.ndarray:
+def replacement_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, y, y_prime, *,
+                     mask=None, method: str = "ghost", chunk: int | None = None,
+                     cosine_eps: float = numerics.DEFAULT_COSINE_EPS, num_groups: int | None = None,
+                     group_seed: int = 0, dtype=jnp.float32) -> np.ndarray:
   """gap_k = ‖ḡ(X) − ḡ(X with pair k replaced by (y_k, y′_k))‖₂ for every pair k, as (n,).
 
   Args:
@@ -551,12 +551,12 @@ def replacement_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pri
 
 def _as_dtype(params, dtype):
   return jax.tree_util.tree_map(
-      lambda a: jnp.asarray(a, dtype) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a,
-      params)
+      lambda a: jnp.asarray(a, dtype)
+      if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a, params)
 
 
-def search_worst_replacement(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *,
-                             key, num_restarts: int = 4, num_steps: int = 50,
+def search_worst_replacement(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, *, key,
+                             num_restarts: int = 4, num_steps: int = 50,
                              learning_rate: float = 0.05, init_scale: float = 1.0,
                              method: str = "ghost", chunk: int | None = None,
                              cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
@@ -594,10 +594,10 @@ def search_worst_replacement(embed_fn: EmbedFn, params, loss, clip_norm: float, 
   replacements = _restart_points(params, y, y_prime, jax.random.fold_in(key, 2 ** 20),
                                  int(num_restarts), float(init_scale), False)
   cast = lambda a: a.astype(dtype)
-  best, best_args = -1.0, None
+  best, best_args = -1.0, (x, x_prime, y, y_prime)
   for (_, x0, xp0), (_, y0, yp0) in zip(starts, replacements):
-    value, v = _ascent(core, int(num_steps), float(learning_rate), False, chunk, params,
-                       cast(x0), cast(xp0), mask, (), (cast(y0), cast(yp0)))
+    value, v = _ascent(core, int(num_steps), float(learning_rate), False, chunk, params, cast(x0),
+                       cast(xp0), mask, (), (cast(y0), cast(yp0)))
     value = float(value)
     if not math.isfinite(value) or value > best:
       best, best_args = value, (v["x"], v["x_prime"], v["y"], v["y_prime"])

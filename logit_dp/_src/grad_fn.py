@@ -103,8 +103,7 @@ class ClippedGradFn(CheckedCall):
   def sensitivity(
       self,
       neighboring_relation: dp_accounting.NeighboringRelation = sensitivity_lib.ADD_OR_REMOVE_ONE,
-      *,
-      batch_size: int | None = None) -> float:
+      *, batch_size: int | None = None) -> float:
     """The L2 sensitivity of ḡ under a neighbouring relation, as jax_privacy's
     `BoundedSensitivityCallable.sensitivity`.
 
@@ -119,8 +118,9 @@ class ClippedGradFn(CheckedCall):
       relation that is not a `dp_accounting.NeighboringRelation`.
     """
     if isinstance(neighboring_relation, int) and not isinstance(neighboring_relation, bool):
-      warnings.warn("grad_fn.sensitivity(n) is deprecated: pass the batch size as "
-                    "grad_fn.sensitivity(batch_size=n).", DeprecationWarning, stacklevel=2)
+      warnings.warn(
+          "grad_fn.sensitivity(n) is deprecated: pass the batch size as "
+          "grad_fn.sensitivity(batch_size=n).", DeprecationWarning, stacklevel=2)
       neighboring_relation, batch_size = sensitivity_lib.ADD_OR_REMOVE_ONE, neighboring_relation
     elif neighboring_relation is None:
       neighboring_relation = sensitivity_lib.ADD_OR_REMOVE_ONE

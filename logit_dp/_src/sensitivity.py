@@ -60,9 +60,9 @@ def check_clip_norm(clip_norm, *, allow_inf: bool) -> float:
   return value
 
 
-def sensitivity(loss, clip_norm: float, batch_size: int | None = None, *,
-                neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE
-               ) -> float:
+def sensitivity(
+    loss, clip_norm: float, batch_size: int | None = None, *,
+    neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE) -> float:
   """L2 sensitivity C of the Logit-DP gradient ḡ (a sum over pairs).
 
   Add-or-remove-one and zero-out: C = (G1 + G2 + (n−1)L)·B, contrastive (2 + 2(n−1)p)/τ·B
@@ -91,9 +91,9 @@ def sensitivity(loss, clip_norm: float, batch_size: int | None = None, *,
   return 2.0 * loss.sensitivity_factor(batch_size) * b
 
 
-def naive_sensitivity(clip_norm: float, *,
-                      neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE
-                     ) -> float:
+def naive_sensitivity(
+    clip_norm: float, *,
+    neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE) -> float:
   """Sensitivity 2B of Naive-DP (the batch gradient clipped to B) under every relation.
 
   ḡ(X) and ḡ(X') both have norm ≤ B whatever X and X' are.
@@ -102,9 +102,9 @@ def naive_sensitivity(clip_norm: float, *,
   return 2.0 * check_clip_norm(clip_norm, allow_inf=False)
 
 
-def grouped_sensitivity(clip_norm: float, *,
-                        neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE
-                       ) -> float:
+def grouped_sensitivity(
+    clip_norm: float, *,
+    neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE) -> float:
   """Sensitivity 2B of the DP-GCL gradient ḡ = Σ_g clip_B(∇L_g) under every relation.
 
   Adding, removing or replacing a record changes one group's clipped gradient from a vector
