@@ -570,11 +570,8 @@ def search_worst_replacement(embed_fn: EmbedFn, params, loss, clip_norm: float, 
   restart runs ``num_steps`` Adam steps of ascent on logsumexp_k log(gap_k² + 1e-30) in
   ``dtype``; the best point is re-audited.
 
-  Args:
-    embed_fn, params, loss, clip_norm, x, x_prime, key, num_restarts, num_steps,
-      learning_rate, init_scale, method, chunk, cosine_eps, num_groups, group_seed: as for
-      `search_worst_case` (the parameters stay fixed; "projected" is not audited here).
-    dtype: as for `replacement_gaps`.
+  The arguments are those of `search_worst_case` (without optimize_params: the parameters stay
+  fixed; "projected" is not audited here), and ``dtype`` as for `replacement_gaps`.
 
   Returns:
     The `RemovalAudit` of the worst (x, x′) and ``replacement`` (y, y′) found; its bounds are
