@@ -273,7 +273,7 @@ def _adversarial_linear(n=6, d=3):
   return linear, {"w": jnp.eye(d)}, jnp.asarray(x), jnp.asarray(x_prime)
 
 
-@pytest.mark.parametrize("method", ["ghost", "materialize"])
+@pytest.mark.parametrize("method", ["ghost", pytest.param("materialize", marks=pytest.mark.slow)])
 def test_replacement_gaps_are_the_brute_force_ones(method, no_float_allowance):
   """Without the float allowances (which only clip more), each float64 replace-one gap is the
   brute-force one, and the bound it is compared with is C_rep."""

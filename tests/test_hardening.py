@@ -105,7 +105,10 @@ def test_independent_embed_fn_is_accepted_under_jit():
 def test_a_jitted_function_may_close_over_the_batch():
   """Under jit with params and batch closed over (no input traced), a non-finite row is masked
   out as under jit, not an error about a traced count."""
-  embed_fn, params, x, x_prime = make_model("mlp", n=5)
+  k1, k2, k3 = jax.random.split(KEY, 3)
+  embed_fn, params = lambda w, xs: xs @ w, jax.random.normal(k1, (3, 2))
+  x = jax.random.normal(k2, (5, 3))
+  x_prime = x + 0.3 * jax.random.normal(k3, (5, 3))
   grad_fn = logit_dp.clipped_grad(embed_fn, LOSS, 1.0)
   x_bad = x.at[2].set(jnp.inf)
   loss, grads = jax.jit(lambda: grad_fn(params, x_bad, x_prime))()

@@ -151,7 +151,7 @@ def replace_weight_change(loss, z, z_replaced, k):
   gradients point opposite ways and the rest align with the signs: what C_rep must bound.
   """
   with jax.enable_x64(True):
-    grad = jax.grad(loss)
+    grad = _jitted_grad(loss)
     tau = np.asarray(grad(jnp.asarray(z, jnp.float64)))
     tau_r = np.asarray(grad(jnp.asarray(z_replaced, jnp.float64)))
   keep = np.arange(z.shape[0]) != k
