@@ -432,22 +432,26 @@ def test_no_train_step_releases_a_noise_count_twice(tmp_path, monkeypatch):
   restore in the same process, and in a fresh process from the checkpoint (old ones too)."""
   _, params = _embed()
   x, xp = _data()
+
+  def rows(batch):  # the array form, which a step built before the ledger recorded it takes
+    return x[batch.indices], xp[batch.indices], batch.mask
+
   pt = _setup(steps=6, noise_key=jax.random.key(4))
   first_step, second_step = pt.make_train_step(), pt.make_train_step()
   init_state = pt.optimizer.init(params)
   states = [init_state]
   batches = pt.batches()
   for t, batch in zip(range(4), batches):
-    _, state, _ = first_step(params, states[-1], batch, (x, xp))
+    _, state, _ = first_step(params, states[-1], *rows(batch))
     states.append(state)
     if t == 1:
       pt.save_checkpoint(tmp_path / "new", (params, state))  # released 2
-  assert pt.ledger.released_updates == 4
   next_batch = next(batches)  # step 4 recorded
   # Another step object (a notebook cell run again) on an old state: the same noise, refused.
   for old in states[:4]:
     with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
-      second_step(params, old, next_batch, (x, xp))
+      second_step(params, old, *rows(next_batch))
+  assert pt.ledger.released_updates == 4
   # A restore in the same process keeps what this process released (4): redoing step 2 from
   # the checkpoint is refused, by the restored run's steps and by this one's.
   (_, restored_state), restored = pt.restore_checkpoint(tmp_path / "new", (params, init_state))
@@ -455,7 +459,7 @@ def test_no_train_step_releases_a_noise_count_twice(tmp_path, monkeypatch):
   assert restored.ledger.released_updates == pt.ledger.released_updates == 4
   redo = next(iter(restored.batches()))
   with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
-    restored.make_train_step()(params, restored_state, redo, (x, xp))
+    restored.make_train_step()(params, restored_state, *rows(redo))
   # A fresh process (a new make_private) restores the count released with the checkpoint.
   fresh = _setup(steps=6, noise_key=jax.random.key(4))
   (_, fresh_state), resumed = fresh.restore_checkpoint(tmp_path / "new", (params, init_state))
@@ -463,8 +467,8 @@ def test_no_train_step_releases_a_noise_count_twice(tmp_path, monkeypatch):
   step = resumed.make_train_step()
   batch = next(iter(resumed.batches()))
   with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
-    step(params, init_state, batch, (x, xp))  # count 0, released with the checkpoint's run
-  step(params, fresh_state, batch, (x, xp))  # count 2: continues
+    step(params, init_state, *rows(batch))  # count 0, released with the checkpoint's run
+  step(params, fresh_state, *rows(batch))  # count 2: continues
   # A checkpoint written before the ledger recorded released updates (format version 1).
   old_to_dict = logit_dp.PrivacyLedger.to_dict
 
@@ -491,7 +495,9 @@ def test_train_step_returns_while_the_device_works():
   train_step = pt.make_train_step()
   state = pt.optimizer.init(params)
   batches = pt.batches()
-  params, state, _ = train_step(params, state, next(batches), (x, xp))  # compiles
+  first = next(batches)
+  params, state, _ = train_step(params, state, x[first.indices], xp[first.indices],
+                                first.mask)  # compiles
   jax.block_until_ready((params, state))
 
   @jax.jit
@@ -501,11 +507,13 @@ def test_train_step_returns_while_the_device_works():
 
   after_a_while.lower(params).compile()
   b1, b2 = next(batches), next(batches)  # drawn (and recorded) before the device is busy
+  rows_1 = x[b1.indices], xp[b1.indices], b1.mask
+  jax.block_until_ready(rows_1)
   late_params = after_a_while(params)
-  params_1, state_1, loss_1 = train_step(late_params, state, b1, (x, xp))
-  params_2, state_2, loss_2 = train_step(params_1, state_1, b2, (x, xp))
-  # Neither step has run: both calls returned while the device was busy before them.
-  assert not loss_1.is_ready() and not loss_2.is_ready()
+  params_1, state_1, loss_1 = train_step(late_params, state, *rows_1)  # the array form
+  assert not loss_1.is_ready()  # the call returned while the device was busy before it
+  params_2, state_2, loss_2 = train_step(params_1, state_1, b2, (x, xp))  # the batch form
+  assert not loss_1.is_ready() and not loss_2.is_ready()  # it did not wait for step 1
   assert pt.ledger.released_updates == 3
   jax.block_until_ready((params_2, state_2, loss_2))
   assert int(state_2[0].count) == 3 and np.isfinite(float(loss_2))

@@ -84,8 +84,9 @@ def _host_int(value) -> int:
 
 
 def _is_ready(value) -> bool:
-  return not isinstance(
-      value, jax.Array) or value.is_ready()  # pyright: ignore[reportAttributeAccessIssue]
+  if not isinstance(value, jax.Array):
+    return True
+  return value.is_ready()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _noise_count(opt_state) -> int:
