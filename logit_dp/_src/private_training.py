@@ -5,11 +5,15 @@ ledger cannot disagree, and so that the noise key and the sampling seed are secr
 unless fixed on purpose. Its `PrivateTraining` accounts by construction:
 
 * `PrivateTraining.batches` hands out the Poisson batches and records each step in
-  the ledger before yielding it, so no batch leaves it unrecorded, and it stops (or
-  raises `PrivacyBudgetExceededError`) where the budget ends;
+  the ledger before yielding it, so no batch leaves it unrecorded; it stops at T and
+  raises `PrivacyBudgetExceededError` past the budget, or when called with the T
+  steps already spent;
 * ``sampler`` is a `BudgetedSampler`: it refuses any step past the ledger's budget;
-* `PrivateTraining.make_train_step` refuses to release more noisy updates than the
-  ledger has recorded, and reports non-finite rows and empty batches;
+* `PrivateTraining.make_train_step`'s step takes a batch of `batches` and the records,
+  gathers the batch and masks its padding itself; it refuses to release more noisy
+  updates than the ledger has recorded, or a noise count the ledger has released
+  already (by any step), and reports non-finite rows and empty batches without
+  waiting for the device;
 * `PrivateTraining.save_checkpoint` / `restore_checkpoint` keep the state, the
   ledger and the sampler (seed, hence position) together.
 
