@@ -41,7 +41,11 @@ Resuming redoes the steps taken after the last checkpoint with the same
 batches (the sampler is a function of (seed, step)) and the same noise keys
 (fold_in(key, count)): if such an update had already been released, the redone
 one is identical to it, so no additional privacy is spent; fresh noise for a
-redone step would instead count as a second release.
+redone step would instead count as a second release. The ledger also counts the
+noisy updates released (``released_updates``): `logit_dp.PrivateTraining`'s steps
+refuse an optimizer state whose noise count is below it, so no noise goes to a
+second gradient, and a restore in the same process keeps the count (an older
+checkpoint's steps are then refused rather than redone).
 """
 
 from __future__ import annotations
