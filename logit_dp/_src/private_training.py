@@ -93,11 +93,6 @@ def _is_ready(value) -> bool:
   return value.is_ready()  # pyright: ignore[reportAttributeAccessIssue]
 
 
-def _noise_count(opt_state) -> int:
-  """Noisy updates released so far by an optimizer state (a device read)."""
-  return _host_int(_noise_state(opt_state).count)
-
-
 def _report(policy: str, message: str, category, exception) -> None:
   if policy == "error":
     raise exception(message)
