@@ -433,7 +433,7 @@ def test_no_train_step_releases_a_noise_count_twice(tmp_path, monkeypatch):
   _, params = _embed()
   x, xp = _data()
 
-  def rows(batch):  # the array form, which a step built before the ledger recorded it takes
+  def rows(batch):  # the array form, with the batch's mask
     return x[batch.indices], xp[batch.indices], batch.mask
 
   pt = _setup(steps=6, noise_key=jax.random.key(4))
