@@ -226,9 +226,10 @@ def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, A
   train_step = private.make_train_step(on_nonfinite=config.get("on_nonfinite_rows", "warn"))
   start = time.time()
   log(f"logit_dp: {private.steps} steps; compiling the first one")
+  # Record r: training image r and the text of its class (a public caption).
+  records = (ds["x_train"], jax.tree_util.tree_map(lambda a: a[ds["y_train"]], tokens))
   for batch in private.batches():  # each step recorded in the ledger before its batch is out
-    x, texts = _pairs(ds, tokens, batch.indices)
-    params, opt_state, _ = train_step(params, opt_state, x, texts, batch.mask)
+    params, opt_state, _ = train_step(params, opt_state, batch, records)
     step = private.ledger.steps
     if step % config.log_every == 0 or step == private.steps:
       log(f"logit_dp step {step}/{private.steps}  ε = {private.ledger.epsilon():.3f}  "

@@ -750,6 +750,8 @@ def _batches(private_training, batcher: _Batcher, start: int, stop: int):
     for step in range(start, stop):
       yield step, batcher(step)
     return
+  if start >= stop:  # a finished run, resumed: nothing left to train
+    return
   for batch in private_training.batches(stop):
     yield private_training.ledger.steps - 1, (batch.indices, batch.mask)
 

@@ -67,11 +67,17 @@ def test_refuses_to_exceed_budget():
 
 def test_serialisation_round_trip():
   led = PrivacyLedger(0.9, 0.02, 2e-6, accountant="rdp", steps=17, epsilon_budget=4.0,
-                      num_examples=50_000, overflow_probability=1e-12)
+                      num_examples=50_000, overflow_probability=1e-12, released_updates=16)
   data = json.loads(json.dumps(led.to_dict()))
   assert data["format_version"] == ledger_lib.LEDGER_FORMAT_VERSION
   back = PrivacyLedger.from_dict(data)
-  assert back == led and back.epsilon() == led.epsilon()
+  assert back == led and back.epsilon() == led.epsilon() and back.released_updates == 16
+  # A ledger saved before it counted released updates (format 1) reads with none.
+  version_1 = {k: v for k, v in data.items() if k != "released_updates"}
+  old = PrivacyLedger.from_dict({**version_1, "format_version": 1})
+  assert old.released_updates == 0 and old.steps == 17
+  with pytest.raises(ValueError, match="released_updates must be an integer"):
+    PrivacyLedger(0.9, 0.02, 2e-6, released_updates=-1)
   with pytest.raises(ValueError, match="Unknown ledger fields"):
     PrivacyLedger.from_dict({**data, "seed": 3})
   with pytest.raises(ValueError, match="format_version"):

@@ -84,7 +84,7 @@ def test_make_private_trains_bfloat16_params_and_returns_them_in_bfloat16():
   new = params
   for _ in range(2):
     pt.ledger.record_steps(1)
-    new, opt_state, loss_value = step(new, opt_state, x, x_prime)
+    new, opt_state, loss_value = step(new, opt_state, x, x_prime, np.ones(x.shape[0], bool))
   assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(new))
   assert all(np.all(np.isfinite(np.asarray(a, np.float32))) for a in jax.tree_util.tree_leaves(new))
   assert rel_err(new, params) > 0

@@ -311,9 +311,29 @@ def test_batches_default_to_the_planned_steps_and_continue_where_the_ledger_stan
   rest = [b.indices for b in pt.batches()]
   assert len(first) + len(rest) == 4 and pt.ledger.steps == pt.steps == 4
   np.testing.assert_array_equal(rest[0], pt.sampler(2).indices)
-  assert list(pt.batches()) == []  # the planned run is over
   eps = _dp_accounting_epsilon(pt.noise_multiplier, pt.sampling_rate, 4, pt.ledger.target_delta)
   assert pt.ledger.epsilon() == pytest.approx(eps, rel=1e-12)
+
+
+def test_a_loop_over_a_spent_budget_raises_instead_of_training_nothing():
+  pt = _setup(steps=4)
+  allowed = _allowed_steps(pt)  # ≥ 4
+  assert [b.batch_size.shape for b in pt.batches(steps=2)] == [(), ()]  # steps 0 and 1
+  with pytest.raises(ValueError, match=r"batches\(steps=2\) stops once the ledger holds 2"):
+    pt.batches(steps=2)  # already there: a loop that would train nothing
+  assert len(list(pt.batches(steps=3))) == 1 and pt.ledger.steps == 3  # steps that exist
+  assert len(list(pt.batches())) == 1 and pt.ledger.steps == 4
+  eps = _dp_accounting_epsilon(pt.noise_multiplier, pt.sampling_rate, 4, pt.ledger.target_delta)
+  for steps in (None, 2, 4):  # the planned T = 4 steps are spent
+    with pytest.raises(logit_dp.PrivacyBudgetExceededError,
+                       match=rf"budget of T = 4 steps is spent.*ε, δ\) = \({eps:.4g}"):
+      pt.batches(steps)
+  assert pt.ledger.steps == 4
+  # Past T while the ε budget lasts (test_batches_record_each_step_first_and_stop_at_the_budget),
+  # then refused at the budget.
+  with pytest.raises(logit_dp.PrivacyBudgetExceededError, match="would spend"):
+    list(pt.batches(steps=allowed + 1))
+  assert pt.ledger.steps == allowed
 
 
 def test_sampler_refuses_steps_past_the_budget_even_unrecorded():
@@ -341,25 +361,162 @@ def test_recording_inside_the_batches_loop_is_refused():
 def test_train_step_releases_only_recorded_steps():
   embed_fn, params = _embed()
   x, xp = _data()
+  mask8 = np.ones(8, bool)
   pt = _setup(steps=4, noise_key=jax.random.key(0))
   train_step = pt.make_train_step()
   opt_state = pt.optimizer.init(params)
   with pytest.raises(logit_dp.UnrecordedStepError, match="0 step"):
-    train_step(params, opt_state, x[:8], xp[:8])  # no step recorded for it
+    train_step(params, opt_state, x[:8], xp[:8], mask8)  # no step recorded for it
   for batch in pt.batches():
     old_state = opt_state
-    params, opt_state, loss_value = train_step(params, opt_state, x[batch.indices],
-                                               xp[batch.indices], batch.mask)
+    params, opt_state, loss_value = train_step(params, opt_state, batch, (x, xp))
     assert np.isfinite(float(loss_value))
+    assert pt.ledger.released_updates == pt.ledger.steps
     if pt.ledger.steps == 2:  # the same noise again, on another batch: refused
       with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
-        train_step(params, old_state, x[:8], xp[:8])
+        train_step(params, old_state, x[:8], xp[:8], mask8)
   assert int(opt_state[0].count) == pt.ledger.steps == 4
   with pytest.raises(logit_dp.UnrecordedStepError, match="update 5"):
-    train_step(params, opt_state, x[:8], xp[:8])
+    train_step(params, opt_state, x[:8], xp[:8], mask8)
   # The low-level path: a step recorded by hand may be released.
   pt.ledger.record_steps(1, allow_exceeding_budget=True)
-  train_step(params, opt_state, x[:8], xp[:8])
+  train_step(params, opt_state, x[:8], xp[:8], mask8)
+  assert pt.ledger.released_updates == 5
+
+
+def test_train_step_gathers_and_masks_the_batch_itself():
+  """The padding of a Poisson batch never reaches the update: the step takes the batch and
+  the records, and the array form without its mask is refused."""
+  embed_fn, params = _embed()
+  x, xp = _data()
+  pt = _setup(steps=4, noise_key=jax.random.key(3), optimizer=_recorder())
+  train_step = pt.make_train_step()
+  opt_state = pt.optimizer.init(params)
+  batch = next(iter(pt.batches()))
+  n = int(batch.batch_size)
+  assert 0 < n < batch.mask.shape[0]  # padded: the padding slots hold record 0
+  # The mistake of leaving the mask out (padding = copies of record 0) does not run.
+  with pytest.raises(TypeError, match="needs the padding mask"):
+    train_step(params, opt_state, x[batch.indices], xp[batch.indices])
+  with pytest.raises(ValueError, match=r"bool array of shape \(\d+,\)"):
+    train_step(params, opt_state, x[batch.indices], xp[batch.indices], batch.mask[:n])
+  with pytest.raises(ValueError, match="bool array"):
+    train_step(params, opt_state, x[batch.indices], xp[batch.indices], batch.mask.astype(int))
+  with pytest.raises(TypeError, match="pass no mask"):
+    train_step(params, opt_state, batch, (x, xp), batch.mask)
+  with pytest.raises(ValueError, match="N = 400 pair records"):
+    train_step(params, opt_state, batch, (x[:300], xp[:300]))
+  with pytest.raises(ValueError, match="drawn by"):  # drawn by hand
+    train_step(params, opt_state, pt.sampler(0), (x, xp))
+  # Host (numpy) records: only the batch is gathered and sent.
+  new_params, new_state, loss_value = train_step(params, opt_state, batch,
+                                                 (np.asarray(x), np.asarray(xp)))
+  # Reference: the padding deleted, not masked; the recorder's state is the noisy sum.
+  valid = np.asarray(batch.indices)[:n]
+  want_loss, want_grads = pt.grad_fn(params, x[valid], xp[valid])
+  np.testing.assert_allclose(loss_value, want_loss, rtol=1e-5)
+  noise = jax.tree_util.tree_map(lambda a, b: a - b, new_state[1], want_grads)
+  _, reference_state = pt.optimizer.update(jax.tree_util.tree_map(jnp.zeros_like, want_grads),
+                                           opt_state, params)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), noise,
+                         reference_state[1])  # the same noise key, count 0: the same noise
+  del new_params
+  next_batch = next(iter(pt.batches()))
+  with pytest.raises(ValueError, match="used already"):  # one batch, one update
+    train_step(params, new_state, batch, (x, xp))
+  train_step(params, new_state, next_batch, (x, xp))  # device records gathered on the device
+
+
+def test_no_train_step_releases_a_noise_count_twice(tmp_path, monkeypatch):
+  """The released noise counts live in the ledger: refused by every step object, after a
+  restore in the same process, and in a fresh process from the checkpoint (old ones too)."""
+  _, params = _embed()
+  x, xp = _data()
+
+  def rows(batch):  # the array form, with the batch's mask
+    return x[batch.indices], xp[batch.indices], batch.mask
+
+  pt = _setup(steps=6, noise_key=jax.random.key(4))
+  first_step, second_step = pt.make_train_step(), pt.make_train_step()
+  init_state = pt.optimizer.init(params)
+  states = [init_state]
+  batches = pt.batches()
+  for t, batch in zip(range(4), batches):
+    _, state, _ = first_step(params, states[-1], *rows(batch))
+    states.append(state)
+    if t == 1:
+      pt.save_checkpoint(tmp_path / "new", (params, state))  # released 2
+  next_batch = next(batches)  # step 4 recorded
+  # Another step object (a notebook cell run again) on an old state: the same noise, refused.
+  for old in states[:4]:
+    with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
+      second_step(params, old, *rows(next_batch))
+  assert pt.ledger.released_updates == 4
+  # A restore in the same process keeps what this process released (4): redoing step 2 from
+  # the checkpoint is refused, by the restored run's steps and by this one's.
+  (_, restored_state), restored = pt.restore_checkpoint(tmp_path / "new", (params, init_state))
+  assert int(restored_state[0].count) == 2 and restored.ledger.steps == 2
+  assert restored.ledger.released_updates == pt.ledger.released_updates == 4
+  redo = next(iter(restored.batches()))
+  with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
+    restored.make_train_step()(params, restored_state, *rows(redo))
+  # A fresh process (a new make_private) restores the count released with the checkpoint.
+  fresh = _setup(steps=6, noise_key=jax.random.key(4))
+  (_, fresh_state), resumed = fresh.restore_checkpoint(tmp_path / "new", (params, init_state))
+  assert resumed.ledger.released_updates == 2
+  step = resumed.make_train_step()
+  batch = next(iter(resumed.batches()))
+  with pytest.raises(logit_dp.UnrecordedStepError, match="same noise"):
+    step(params, init_state, *rows(batch))  # count 0, released with the checkpoint's run
+  step(params, fresh_state, *rows(batch))  # count 2: continues
+  # A checkpoint written before the ledger recorded released updates (format version 1).
+  old_to_dict = logit_dp.PrivacyLedger.to_dict
+
+  def version_1(ledger):
+    out = old_to_dict(ledger)
+    del out["released_updates"]
+    return {**out, "format_version": 1}
+
+  monkeypatch.setattr(logit_dp.PrivacyLedger, "to_dict", version_1)
+  pt.save_checkpoint(tmp_path / "old", (params, states[3]))
+  monkeypatch.undo()
+  (_, old_state), from_old = _setup(steps=6).restore_checkpoint(tmp_path / "old",
+                                                                (params, init_state))
+  assert int(old_state[0].count) == 3 and from_old.ledger.steps == 5
+  assert from_old.ledger.released_updates == 3  # what the restored state has released
+
+
+def test_train_step_returns_while_the_device_works():
+  """The call only dispatches: it reads no value of the update it dispatched, nor of the one
+  before (its noise count is known on the host, its reports are read once it has run)."""
+  _, params = _embed()
+  x, xp = _data()
+  pt = _setup(steps=4, noise_key=jax.random.key(5))
+  train_step = pt.make_train_step()
+  state = pt.optimizer.init(params)
+  batches = pt.batches()
+  first = next(batches)
+  params, state, _ = train_step(params, state, x[first.indices], xp[first.indices],
+                                first.mask)  # compiles
+  jax.block_until_ready((params, state))
+
+  @jax.jit
+  def after_a_while(params):  # params, once a second or so of device work is done
+    big = jax.lax.fori_loop(0, 600, lambda i, a: jnp.tanh(a @ a), jnp.eye(400) * 0.5)
+    return jax.tree_util.tree_map(lambda p: jnp.where(jnp.sum(big) > -1e9, p, p + 1), params)
+
+  after_a_while.lower(params).compile()
+  b1, b2 = next(batches), next(batches)  # drawn (and recorded) before the device is busy
+  rows_1 = x[b1.indices], xp[b1.indices], b1.mask
+  jax.block_until_ready(rows_1)
+  late_params = after_a_while(params)
+  params_1, state_1, loss_1 = train_step(late_params, state, *rows_1)  # the array form
+  assert not loss_1.is_ready()  # the call returned while the device was busy before it
+  params_2, state_2, loss_2 = train_step(params_1, state_1, b2, (x, xp))  # the batch form
+  assert not loss_1.is_ready() and not loss_2.is_ready()  # it did not wait for step 1
+  assert pt.ledger.released_updates == 3
+  jax.block_until_ready((params_2, state_2, loss_2))
+  assert int(state_2[0].count) == 3 and np.isfinite(float(loss_2))
 
 
 @pytest.mark.slow  # a third compilation; the loop tests above run the same update by default
@@ -382,26 +539,51 @@ def test_train_step_reports_non_finite_rows_and_empty_batches():
   embed_fn, params = _embed()
   x, xp = _data()
   x = x.at[3].set(jnp.nan)
+  mask8, empty = np.ones(8, bool), np.zeros(8, bool)
   pt = _setup(steps=4, noise_key=jax.random.key(2))
   opt_state = pt.optimizer.init(params)
   pt.ledger.record_steps(3)
   warn_step = pt.make_train_step()
-  with pytest.warns(logit_dp.NonFiniteRowsWarning, match="1 of 8 valid pair"):
-    params_1, opt_state_1, _ = warn_step(params, opt_state, x[:8], xp[:8])
+  # "warn" reports once the step has run: at a later call, at flush() or the loop's end.
+  with pytest.warns(logit_dp.NonFiniteRowsWarning, match="step 1: 1 of 8 valid pair"):
+    params_1, opt_state_1, _ = warn_step(params, opt_state, x[:8], xp[:8], mask8)
+    warn_step.flush()
   assert int(opt_state_1[0].count) == 1
   assert all(np.all(np.isfinite(a)) for a in jax.tree_util.tree_leaves(params_1))
-  with pytest.warns(logit_dp.EmptyBatchWarning, match="no valid pair"):
-    warn_step(params_1, opt_state_1, x[:8], xp[:8], jnp.zeros((8,), bool))
+  with pytest.warns(logit_dp.EmptyBatchWarning, match="step 2: the batch has no valid pair"):
+    warn_step(params_1, opt_state_1, x[:8], xp[:8], empty)
+    warn_step.flush()
+  # "error" waits for the step and raises before anything is released: the state may retry.
+  pt = _setup(steps=4, noise_key=jax.random.key(2))
+  pt.ledger.record_steps(3)
   error_step = pt.make_train_step(on_nonfinite="error", on_empty="error", jit=False)
   with pytest.raises(FloatingPointError, match="1 of 8 valid pair"):
-    error_step(params, opt_state, x[:8], xp[:8])
+    error_step(params, opt_state, x[:8], xp[:8], mask8)
   with pytest.raises(ValueError, match="no valid pair"):
-    error_step(params, opt_state, x[:8], xp[:8], jnp.zeros((8,), bool))
+    error_step(params, opt_state, x[:8], xp[:8], empty)
+  assert pt.ledger.released_updates == 0
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    pt.make_train_step(on_nonfinite="ignore", jit=False)(params, opt_state, x[:8], xp[:8])
+    ignore_step = pt.make_train_step(on_nonfinite="ignore", jit=False)
+    ignore_step(params, opt_state, x[:8], xp[:8], mask8)
+    ignore_step.flush()
   with pytest.raises(ValueError, match="on_empty must be one of"):
     pt.make_train_step(on_empty="raise")
+
+
+def test_warnings_of_the_last_steps_come_at_the_end_of_the_loop():
+  embed_fn, params = _embed()
+  x, xp = _data()
+  x = x.at[:, 0].set(jnp.nan)  # every row
+  pt = _setup(steps=2, noise_key=jax.random.key(6))
+  train_step, opt_state = pt.make_train_step(), pt.optimizer.init(params)
+  with pytest.warns(logit_dp.NonFiniteRowsWarning) as caught:
+    for batch in pt.batches():
+      params, opt_state, _ = train_step(params, opt_state, batch, (x, xp))
+  steps = sorted(
+      int(str(w.message).split(":")[0].split()[-1]) for w in caught
+      if issubclass(w.category, logit_dp.NonFiniteRowsWarning))
+  assert steps == [1, 2]
 
 
 def test_checkpoint_restores_ledger_and_sampler_position(tmp_path):
@@ -414,8 +596,7 @@ def test_checkpoint_restores_ledger_and_sampler_position(tmp_path):
     indices = []
     for batch in pt.batches():
       indices.append(np.asarray(batch.indices))
-      params, opt_state, _ = train_step(params, opt_state, x[batch.indices], xp[batch.indices],
-                                        batch.mask)
+      params, opt_state, _ = train_step(params, opt_state, batch, (x, xp))
       if pt.ledger.steps == stop:
         pt.save_checkpoint(tmp_path, (params, opt_state))
         break

@@ -471,8 +471,7 @@ def test_make_private_trains_a_dropout_model():
   state = private.optimizer.init(params)
   losses = []
   for batch in private.batches():
-    params, state, loss_value = train_step(params, state, data_x[batch.indices],
-                                           data_xp[batch.indices], batch.mask)
+    params, state, loss_value = train_step(params, state, batch, (data_x, data_xp))
     losses.append(float(loss_value))
   assert len(losses) == 3 and all(np.isfinite(losses))
 

@@ -41,7 +41,11 @@ Resuming redoes the steps taken after the last checkpoint with the same
 batches (the sampler is a function of (seed, step)) and the same noise keys
 (fold_in(key, count)): if such an update had already been released, the redone
 one is identical to it, so no additional privacy is spent; fresh noise for a
-redone step would instead count as a second release.
+redone step would instead count as a second release. The ledger also counts the
+noisy updates released (``released_updates``): `logit_dp.PrivateTraining`'s steps
+refuse an optimizer state whose noise count is below it, so no noise goes to a
+second gradient, and a restore in the same process keeps the count (an older
+checkpoint's steps are then refused rather than redone).
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ from logit_dp._src.sampling import PoissonBatch
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sampling import overflow_term
 
-LEDGER_FORMAT_VERSION = 1
+LEDGER_FORMAT_VERSION = 2
+#: Format versions `PrivacyLedger.from_dict` reads (version 1 has no ``released_updates``).
+_READABLE_FORMAT_VERSIONS = (1, 2)
 
 
 class PrivacyBudgetExceededError(ValueError):
@@ -114,6 +120,11 @@ class PrivacyLedger:
       overflows the padded size (`PoissonSampler.step_overflow_probability`);
       0.0 if overflow cannot happen.
     pld_discretization: grid width of the PLD accountant.
+    released_updates: noisy updates released so far, i.e. noise counts 0, …,
+      released_updates − 1 have been used (`logit_dp.PrivateTraining.make_train_step`
+      refuses an optimizer state whose noise count is below it: the same noise on
+      another gradient would reveal their difference). Saved in checkpoints; 0 for
+      those written before it existed.
 
   Example:
     >>> ledger = PrivacyLedger(noise_multiplier=sigma, sampling_rate=q,
@@ -134,6 +145,7 @@ class PrivacyLedger:
   overflow_probability: float = 0.0
   pld_discretization: float = accounting.DEFAULT_PLD_DISCRETIZATION
   delta_budget: float | None = None
+  released_updates: int = 0
 
   def __post_init__(self):
     self.noise_multiplier = accounting.check_noise_multiplier(self.noise_multiplier)
@@ -145,6 +157,10 @@ class PrivacyLedger:
     if isinstance(self.steps, bool) or int(self.steps) != self.steps or self.steps < 0:
       raise ValueError(f"steps must be an integer ≥ 0, got {self.steps!r}.")
     self.steps = int(self.steps)
+    if (isinstance(self.released_updates, bool)
+        or int(self.released_updates) != self.released_updates or self.released_updates < 0):
+      raise ValueError(f"released_updates must be an integer ≥ 0, got {self.released_updates!r}.")
+    self.released_updates = int(self.released_updates)
     if self.epsilon_budget is not None:
       self.epsilon_budget = accounting.check_epsilon(self.epsilon_budget)
     if self.delta_budget is not None:
@@ -317,10 +333,13 @@ class PrivacyLedger:
 
   @classmethod
   def from_dict(cls, data: dict[str, Any]) -> PrivacyLedger:
-    """Inverse of `to_dict`; rejects unknown keys and unknown format versions."""
+    """Inverse of `to_dict`; rejects unknown keys and unknown format versions.
+
+    Version 1 (no ``released_updates``) reads with released_updates = 0.
+    """
     data = dict(data)
     version = data.pop("format_version", LEDGER_FORMAT_VERSION)
-    if version != LEDGER_FORMAT_VERSION:
+    if version not in _READABLE_FORMAT_VERSIONS:
       raise ValueError(f"Unsupported ledger format_version {version!r}.")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names

@@ -5,11 +5,15 @@ ledger cannot disagree, and so that the noise key and the sampling seed are secr
 unless fixed on purpose. Its `PrivateTraining` accounts by construction:
 
 * `PrivateTraining.batches` hands out the Poisson batches and records each step in
-  the ledger before yielding it, so no batch leaves it unrecorded, and it stops (or
-  raises `PrivacyBudgetExceededError`) where the budget ends;
+  the ledger before yielding it, so no batch leaves it unrecorded; it stops at T and
+  raises `PrivacyBudgetExceededError` past the budget, or when called with the T
+  steps already spent;
 * ``sampler`` is a `BudgetedSampler`: it refuses any step past the ledger's budget;
-* `PrivateTraining.make_train_step` refuses to release more noisy updates than the
-  ledger has recorded, and reports non-finite rows and empty batches;
+* `PrivateTraining.make_train_step`'s step takes a batch of `batches` and the records,
+  gathers the batch and masks its padding itself; it refuses to release more noisy
+  updates than the ledger has recorded, or a noise count the ledger has released
+  already (by any step), and reports non-finite rows and empty batches without
+  waiting for the device;
 * `PrivateTraining.save_checkpoint` / `restore_checkpoint` keep the state, the
   ledger and the sampler (seed, hence position) together.
 
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from logit_dp._src import accounting
@@ -37,6 +43,7 @@ from logit_dp._src import mechanisms
 from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src.checks import EmptyBatchWarning
 from logit_dp._src.ledger import BudgetedSampler
+from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.noise import AddNoiseState
 from logit_dp._src.sampling import PoissonBatch
@@ -54,11 +61,12 @@ class NonFiniteRowsWarning(UserWarning):
 
 
 class UnrecordedStepError(RuntimeError):
-  """A noisy update would be released without a step recorded in the ledger for it."""
+  """A noisy update would be released without a step recorded in the ledger for it, or with
+  noise already released."""
 
 
-def _noise_count(opt_state) -> int:
-  """The count of the `AddNoiseState` in an optimizer state: noisy updates released so far."""
+def _noise_state(opt_state) -> AddNoiseState:
+  """The `AddNoiseState` of an optimizer state; its count is the noisy updates released."""
   states = [
       s
       for s in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda s: isinstance(s, AddNoiseState))
@@ -68,14 +76,94 @@ def _noise_count(opt_state) -> int:
     raise ValueError("opt_state must hold exactly one logit_dp noise state (AddNoiseState): "
                      "pass the state of PrivateTraining.optimizer, got "
                      f"{len(states)} noise states.")
-  return int(states[0].count)
+  return states[0]
+
+
+def _host_int(value) -> int:
+  """int(value), from this process's copy of a replicated array (multi-host: every process
+  holds the same count, so every process reads the same)."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    value = value.addressable_data(0)
+  return int(value)
+
+
+def _is_ready(value) -> bool:
+  if not isinstance(value, jax.Array):
+    return True
+  return value.is_ready()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _report(policy: str, message: str, category, exception) -> None:
   if policy == "error":
     raise exception(message)
   if policy == "warn":
-    warnings.warn(message, category, stacklevel=3)
+    warnings.warn(message, category, stacklevel=4)
+
+
+def _host_device():
+  """The CPU device, where `PrivateTraining.batches` draws its batches: drawing batch t + 1
+  then does not wait for the accelerator's step t. None without a CPU backend."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
+
+
+class _Loop:
+  """What the batches() loops and train steps over one ledger share in a process: the batches
+  handed out and not used yet (by id), and the steps' report flushes."""
+  def __init__(self):
+    self.unused: dict[int, PoissonBatch] = {}
+    self.flushes = weakref.WeakSet()
+
+
+_LOOPS: dict[int, tuple[weakref.ref, _Loop]] = {}
+
+
+def _loop(ledger: PrivacyLedger) -> _Loop:
+  """The `_Loop` of ``ledger`` (one per ledger object, dropped with it)."""
+  key = id(ledger)
+  entry = _LOOPS.get(key)
+  if entry is None or entry[0]() is not ledger:
+    entry = (weakref.ref(ledger, lambda _: _LOOPS.pop(key, None)), _Loop())
+    _LOOPS[key] = entry
+  return entry[1]
+
+
+def _check_mask(mask, x) -> Any:
+  """The mask of the array form: bool (n,), n the leading size of x."""
+  leaves = jax.tree_util.tree_leaves(x)
+  if not leaves or not hasattr(leaves[0], "shape") or len(leaves[0].shape) < 1:
+    raise TypeError("x must be an array (or pytree of arrays) of n examples along axis 0, got "
+                    f"{type(x).__name__}.")
+  n = leaves[0].shape[0]
+  if not hasattr(mask, "shape"):
+    mask = np.asarray(mask)
+  if tuple(mask.shape) != (n,) or mask.dtype != bool:
+    raise ValueError(f"mask must be a bool array of shape ({n},), one entry per row of x: pass "
+                     f"batch.mask, got {getattr(mask, 'dtype', type(mask).__name__)} of shape "
+                     f"{tuple(mask.shape)}.")
+  return mask
+
+
+def _gather(data, indices: np.ndarray, num_records: int):
+  """(x_all[indices], x_prime_all[indices]) of data = (x_all, x_prime_all), each a pytree of
+  arrays with the N records along axis 0. A jax.Array is gathered on its device (no copy of
+  the dataset), any other array on the host (only the batch is sent to the device)."""
+  if not (isinstance(data, (tuple, list)) and len(data) == 2):
+    raise TypeError("data must be the records (x_all, x_prime_all), arrays (or pytrees) of the "
+                    f"N = {num_records} pair records along axis 0, got {type(data).__name__}.")
+
+  def take(leaf):
+    if not isinstance(leaf, jax.Array):
+      leaf = np.asarray(leaf)
+    if leaf.ndim < 1 or leaf.shape[0] != num_records:
+      raise ValueError(f"data must hold the N = {num_records} pair records along axis 0 (the "
+                       "sampler's num_records), got an array of shape "
+                       f"{tuple(leaf.shape)}.")
+    return leaf[indices]
+
+  return jax.tree_util.tree_map(take, tuple(data))
 
 
 class PrivateTraining(NamedTuple):
@@ -90,7 +178,9 @@ class PrivateTraining(NamedTuple):
     sampler: the Poisson sampler (rate q, secret seed) bound to the ledger
       (`BudgetedSampler`): sampler(t) is the batch of step t and raises
       `PrivacyBudgetExceededError` for a step past the budget.
-    ledger: the privacy ledger (σ, q, δ, budget ε); `batches` records in it.
+    ledger: the privacy ledger (σ, q, δ, budget ε); `batches` records in it, and it
+      records the noisy updates released (``released_updates``) for every train step
+      built from this object.
     noise_multiplier: σ, the smallest σ with ε(σ, δ, q, T) ≤ target ε.
     sensitivity: C of ḡ under add/remove one pair, for any batch size.
     clip_norm: B.
@@ -101,13 +191,13 @@ class PrivateTraining(NamedTuple):
       from, split from the training key apart from the noise key; step t's key is
       fold_in(model_key, t), handed to grad_fn by `make_train_step`. None otherwise.
 
-  The training loop (every released step recorded before it happens)::
+  The training loop (every released step recorded before it happens; the step gathers
+  the batch's records and masks its padding itself)::
 
     train_step = private.make_train_step()
     opt_state = private.optimizer.init(params)
     for batch in private.batches():          # steps ledger.steps, ..., T − 1
-      params, opt_state, loss = train_step(params, opt_state, x[batch.indices],
-                                           x_prime[batch.indices], batch.mask)
+      params, opt_state, loss = train_step(params, opt_state, batch, (x_all, x_prime_all))
   """
   grad_fn: Callable
   optimizer: optax.GradientTransformation
@@ -126,51 +216,107 @@ class PrivateTraining(NamedTuple):
 
     Before yielding the batch of step t it draws it (`sampler`(t): raises
     `PrivacyBudgetExceededError` past the budget, `BatchOverflowError` on an
-    overflow) and records the step (`PrivacyLedger.record_steps`(1)), so every
-    batch handed out is accounted for, whether or not its update is released.
-    The position is the ledger's step count: after `restore_checkpoint`, or a
-    second call, it continues where the ledger stands.
+    overflow; drawn on the CPU, so it does not wait for the accelerator) and
+    records the step (`PrivacyLedger.record_steps`(1)), so every batch handed out
+    is accounted for, whether or not its update is released. The position is the
+    ledger's step count: after `restore_checkpoint`, or a second call, it continues
+    where the ledger stands. When the loop ends, the reports the train steps have
+    not made yet (non-finite rows, empty batches) are made.
 
     Args:
-      steps: stop once the ledger holds this many steps (default T =
-        ``self.steps``). More than T is allowed while the budget lasts; the
-        step past it raises `PrivacyBudgetExceededError` before its batch exists.
+      steps: stop once the ledger holds this many steps, counted from the start of
+        the run (default T = ``self.steps``). More than T is allowed while the budget
+        lasts; the step past it raises `PrivacyBudgetExceededError` before its batch
+        exists.
 
     Raises:
+      PrivacyBudgetExceededError: when called, the ledger already holds T (and
+        ``steps``) steps: the budget is spent, the loop would train nothing.
+      ValueError: when called, the ledger already holds ``steps`` < T steps (the
+        loop would train nothing; ``steps`` counts from the start of the run).
       RuntimeError: the ledger recorded steps inside the loop (``record_steps``
         is the low-level path; here it would count each step twice).
     """
     end = self.steps if steps is None else accounting.check_steps(steps)
-    while self.ledger.steps < end:
-      step = self.ledger.steps
-      batch = self.sampler(step)
-      self.ledger.record_steps(1)
-      yield batch
-      if self.ledger.steps != step + 1:
-        raise RuntimeError(
-            f"The ledger went from {step + 1} to {self.ledger.steps} steps inside the loop over "
-            "PrivateTraining.batches(), which records every step itself: remove the "
-            "ledger.record_steps call (it counts the step twice).")
+    start = self.ledger.steps
+    if start >= end:
+      if start >= self.steps:
+        eps, delta = self.ledger.guarantee()
+        budget = ("" if self.ledger.epsilon_budget is None else
+                  f" of the budget ε = {self.ledger.epsilon_budget:g}")
+        raise PrivacyBudgetExceededError(
+            f"The budget of T = {self.steps} steps is spent: the ledger holds {start} steps, "
+            f"(ε, δ) = ({eps:.4g}, {delta:.3g}){budget}, so batches() has no step to hand out "
+            "and the loop would train nothing. To train further, set up a run with a larger "
+            "budget (make_private with a larger target_epsilon, or more epochs or steps); a "
+            "second run on the same records spends its ε on top of this one's.")
+      raise ValueError(
+          f"batches(steps={end}) stops once the ledger holds {end} steps, and it holds "
+          f"{start}: the loop would train nothing. steps counts from the start of the run "
+          f"(T = {self.steps}): pass a larger one, or none for the rest of the run.")
+    return self._batches(end)
+
+  def _batches(self, end: int) -> Iterator[PoissonBatch]:
+    loop = _loop(self.ledger)
+    device = _host_device()
+    try:
+      while self.ledger.steps < end:
+        step = self.ledger.steps
+        if device is None:
+          batch = self.sampler(step)
+        else:
+          with jax.default_device(device):
+            batch = self.sampler(step)
+        self.ledger.record_steps(1)
+        loop.unused[id(batch)] = batch
+        yield batch
+        if self.ledger.steps != step + 1:
+          raise RuntimeError(
+              f"The ledger went from {step + 1} to {self.ledger.steps} steps inside the loop "
+              "over PrivateTraining.batches(), which records every step itself: remove the "
+              "ledger.record_steps call (it counts the step twice).")
+    finally:
+      for flush in list(loop.flushes):
+        flush()
 
   def make_train_step(self, *, on_nonfinite: str = "warn", on_empty: str = "warn",
                       jit: bool = True) -> Callable:
-    """train_step(params, opt_state, x, x_prime, mask=None) -> (params, opt_state, ℒ).
+    """train_step(params, opt_state, batch, (x_all, x_prime_all)) -> (params, opt_state, ℒ).
 
-    One private update: (ℒ, ḡ) from ``grad_fn``, then ``optimizer`` (the noise
-    first) and `optax.apply_updates`, jitted. Around it, on the host:
+    One private update of a batch that `batches` handed out: the step gathers
+    its records, x = x_all[batch.indices] and x′ = x_prime_all[batch.indices] (a
+    jax.Array on its device, any other array on the host, so only the batch is sent),
+    masks the padding with batch.mask, computes (ℒ, ḡ) with ``grad_fn`` and applies
+    ``optimizer`` (the noise first) and `optax.apply_updates`, jitted. x_all and
+    x_prime_all are arrays (or pytrees of arrays) of the N records along axis 0.
 
-    * before the update: `UnrecordedStepError` unless the ledger has recorded more
-      steps than the optimizer state has released noisy updates (its noise count),
-      so no update leaves without its step in the ledger (draw the batches with
-      `batches`, or call ``ledger.record_steps(1)`` first on the low-level path),
-      and when this train_step already released the update of that noise count
-      (an old optimizer state used again: the same noise twice);
-    * after it: the number of valid pairs dropped for non-finite inputs or
-      embeddings (``grad_fn.with_num_dropped``) and an empty batch (no valid
-      pair: the update is pure noise) are reported per ``on_nonfinite`` and
-      ``on_empty``: "warn" (`NonFiniteRowsWarning`, `EmptyBatchWarning`),
-      "error" (FloatingPointError, ValueError; the update is discarded, nothing
-      is released) or "ignore".
+    A custom pipeline that gathers its own rows calls
+    train_step(params, opt_state, x, x_prime, mask) with the mask required (bool, one
+    entry per row: padded rows False).
+
+    On the host, before the update, it refuses (`UnrecordedStepError`) an update
+    without a step recorded for it (the ledger must hold more steps than the
+    optimizer state's noise count) and an optimizer state whose noise count the
+    ledger has already released (``ledger.released_updates``, shared by every
+    step built from this `PrivateTraining`, saved in its checkpoints and kept by
+    `restore_checkpoint`): the same noise on another gradient would reveal their
+    difference. A batch that `batches` has not handed out (another run's, one
+    drawn by hand), or one already used, is refused with ValueError: every update
+    has a fresh Poisson batch of its own.
+
+    The call does not wait for the device: the noise count of an optimizer state
+    this step returned is known on the host (a state it has not seen, e.g. one
+    just restored, is read once), and the reports are read from the device once
+    the step has run. The number of valid pairs dropped for non-finite inputs or
+    embeddings (``grad_fn.with_num_dropped``) and an empty batch (no valid pair:
+    the update is pure noise) are reported per ``on_nonfinite`` and ``on_empty``:
+
+    * "warn" (default): `NonFiniteRowsWarning`, `EmptyBatchWarning`, late: at the
+      first later call that finds the step done (at most two steps late), at
+      ``train_step.flush()`` and at the end of the `batches` loop;
+    * "error": FloatingPointError, ValueError before the call returns (it waits
+      for the step); the update is discarded, nothing is released;
+    * "ignore": nothing is read.
 
     An empty Poisson batch is part of the mechanism (probability (1 − q)^N): its
     noisy update is released as any other, which is what the accounting assumes.
@@ -185,6 +331,10 @@ class PrivateTraining(NamedTuple):
     grad_fn, optimizer, ledger = self.grad_fn, self.optimizer, self.ledger
     with_num_dropped = getattr(grad_fn, "with_num_dropped", None)
     model_key = self.model_key
+    loop = _loop(ledger)
+    num_records = self.sampler.num_records
+    synchronous = "error" in (on_nonfinite, on_empty)
+    deferred = not synchronous and "warn" in (on_nonfinite, on_empty)
 
     def update(params, opt_state, x, x_prime, mask, step):
       # A stochastic model: the randomness of step t, fold_in(model_key, t), never released.
@@ -195,46 +345,101 @@ class PrivateTraining(NamedTuple):
       else:
         loss_value, grads, num_dropped = with_num_dropped(params, x, x_prime, mask, **key)
       updates, opt_state = optimizer.update(grads, opt_state, params)
-      num_valid = jnp.sum(mask, dtype=jnp.int32)
-      return optax.apply_updates(params, updates), opt_state, loss_value, num_dropped, num_valid
+      flags = jnp.stack([jnp.sum(mask, dtype=jnp.int32), num_dropped.astype(jnp.int32)])
+      return optax.apply_updates(params, updates), opt_state, loss_value, flags
 
     update = jax.jit(update) if jit else update
 
-    released_counts = set()
+    # The noise count array the last call returned and its value: read without the device.
+    returned_count: list = [None, None]
+    # (update number, flags) of released updates not reported yet, oldest first.
+    pending: list[tuple[int, jax.Array]] = []
 
-    def train_step(params, opt_state, x, x_prime, mask=None):
-      released = _noise_count(opt_state)
-      if released in released_counts:
+    def report(number: int, flags) -> None:
+      num_valid, num_dropped = (int(v) for v in np.asarray(flags))
+      if num_valid == 0:
+        _report(
+            on_empty, f"Private step {number}: the batch has no valid pair (mask all "
+            "False), so the released update is pure noise. A Poisson batch is empty with "
+            f"probability (1 − q)^N = (1 − {self.sampling_rate:g})^{num_records}; "
+            "anything else is a masking error.", EmptyBatchWarning, ValueError)
+      if num_dropped > 0:
+        _report(
+            on_nonfinite, f"Private step {number}: {num_dropped} of {num_valid} "
+            "valid pair(s) have non-finite inputs or embeddings (NaN/inf) and were dropped "
+            "(masked out, still private). Check the data, or lower the learning rate if the "
+            "model diverges.", NonFiniteRowsWarning, FloatingPointError)
+
+    def flush() -> None:
+      """Makes the reports of every released update not reported yet (waits for them)."""
+      while pending:
+        report(*pending.pop(0))
+
+    def report_finished() -> None:
+      # Steps that have run, without waiting; more than two steps behind: wait for the oldest.
+      while pending and (len(pending) > 2 or _is_ready(pending[0][1])):
+        report(*pending.pop(0))
+
+    def released_count(opt_state) -> int:
+      count = _noise_state(opt_state).count
+      if count is returned_count[0]:
+        return returned_count[1]
+      return _host_int(count)
+
+    def train_step(params, opt_state, batch, data, mask=None):
+      if isinstance(batch, PoissonBatch):
+        if mask is not None:
+          raise TypeError("train_step(params, opt_state, batch, (x_all, x_prime_all)) masks "
+                          "the batch with batch.mask itself: pass no mask.")
+        if loop.unused.get(id(batch)) is not batch:
+          raise ValueError(
+              "train_step takes a batch that PrivateTraining.batches() handed out (its step "
+              "recorded), once; this one was used already, is another run's, or was drawn by "
+              "hand. A pipeline with its own batches calls train_step(params, opt_state, x, "
+              "x_prime, mask) after ledger.record_steps(1).")
+        indices = np.asarray(batch.indices)
+        mask = np.asarray(batch.mask)
+        x, x_prime = _gather(data, indices, num_records)
+      else:
+        if mask is None:
+          raise TypeError(
+              "train_step needs the padding mask: call train_step(params, opt_state, batch, "
+              "(x_all, x_prime_all)) with the batch of PrivateTraining.batches(), or "
+              "train_step(params, opt_state, x, x_prime, mask) with the batch's mask "
+              "(batch.mask; padded rows False). Without it the padding, copies of record 0, "
+              "would be trained on.")
+        x, x_prime = batch, data
+        mask = _check_mask(mask, x)
+      released = released_count(opt_state)
+      if released < ledger.released_updates:
         raise UnrecordedStepError(
-            f"This train_step already released the update of noise count {released}: a second "
-            "update from the same optimizer state draws the same noise, and the difference of "
-            "the two updates would reveal the gradients without noise. Continue from the "
-            "optimizer state the last step returned.")
+            f"The optimizer state's noise count is {released}, and the ledger has released "
+            f"{ledger.released_updates} noisy update(s): the update of noise count {released} "
+            "was released already, and a second update from that state draws the same noise; "
+            "the difference of the two updates would reveal the gradients without noise. "
+            "Continue from the optimizer state the last step returned (after a restore: from "
+            "the newest checkpoint).")
       if released >= ledger.steps:
         raise UnrecordedStepError(
             f"The optimizer state has released {released} noisy update(s) and the ledger has "
             f"recorded {ledger.steps} step(s): update {released + 1} would leave unaccounted. "
             "Draw the batches with PrivateTraining.batches(), which records each step, or call "
             "ledger.record_steps(1) before the update on the low-level path.")
-      if mask is None:
-        mask = jnp.ones((jax.tree_util.tree_leaves(x)[0].shape[0],), bool)
-      params_out, state_out, loss_value, num_dropped, num_valid = update(
-          params, opt_state, x, x_prime, mask, released)
-      if int(num_valid) == 0:
-        _report(
-            on_empty, f"Private step {released + 1}: the batch has no valid pair (mask all "
-            "False), so the released update is pure noise. A Poisson batch is empty with "
-            f"probability (1 − q)^N = (1 − {self.sampling_rate:g})^{self.sampler.num_records}; "
-            "anything else is a masking error.", EmptyBatchWarning, ValueError)
-      if int(num_dropped) > 0:
-        _report(
-            on_nonfinite, f"Private step {released + 1}: {int(num_dropped)} of {int(num_valid)} "
-            "valid pair(s) have non-finite inputs or embeddings (NaN/inf) and were dropped "
-            "(masked out, still private). Check the data, or lower the learning rate if the "
-            "model diverges.", NonFiniteRowsWarning, FloatingPointError)
-      released_counts.add(released)
+      params_out, state_out, loss_value, flags = update(params, opt_state, x, x_prime, mask,
+                                                        released)
+      if synchronous:
+        report(released + 1, flags)  # raises before anything is released
+      ledger.released_updates = released + 1
+      if isinstance(batch, PoissonBatch):
+        del loop.unused[id(batch)]
+      returned_count[:] = [_noise_state(state_out).count, released + 1]
+      if deferred:
+        pending.append((released + 1, flags))
+        report_finished()
       return params_out, state_out, loss_value
 
+    train_step.flush = flush  # pyright: ignore[reportFunctionMemberAccess]
+    loop.flushes.add(flush)
     return train_step
 
   def save_checkpoint(self, directory, state: Any, *, max_to_keep: int | None = None) -> None:
@@ -253,8 +458,12 @@ class PrivateTraining(NamedTuple):
     The returned `PrivateTraining` has the checkpoint's ledger (steps taken, with
     this object's budgets) and its sampler seed, so `batches` resumes at the
     checkpointed step with the batches of an uninterrupted run; the state holds
-    the optimizer's noise count and key, so the noise continues too. Without a
-    checkpoint in ``directory``, returns (template, self).
+    the optimizer's noise count and key, so the noise continues too. The noisy
+    updates released (``ledger.released_updates``) are the most of the
+    checkpoint's, this object's ledger's (raised to it too: a restore in the same
+    process forgets nothing it released) and the restored state's noise count, so
+    no train step releases a noise count twice. Without a checkpoint in
+    ``directory``, returns (template, self).
 
     Raises:
       ValueError: the checkpoint's σ, q, δ, accountant or sampler (N, q, padded
@@ -282,7 +491,15 @@ class PrivateTraining(NamedTuple):
         raise ValueError(f"Checkpoint {step} in {directory!r} was made with sampler {name} = "
                          f"{getattr(sampler, name)!r}, this run has "
                          f"{getattr(self.sampler, name)!r}.")
-    ledger = dataclasses.replace(mine, steps=ledger.steps)
+    # Released: what the checkpoint's run and this process released, and what the state did.
+    noise_states = [
+        s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda s: isinstance(s, AddNoiseState))
+        if isinstance(s, AddNoiseState)
+    ]
+    released = max([ledger.released_updates, mine.released_updates]
+                   + [_host_int(s.count) for s in noise_states])
+    mine.released_updates = released
+    ledger = dataclasses.replace(mine, steps=ledger.steps, released_updates=released)
     return state, self._replace(ledger=ledger, sampler=BudgetedSampler.bind(sampler, ledger))
 
 
