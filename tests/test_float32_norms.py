@@ -183,6 +183,7 @@ def test_materialize_runs_with_x64_enabled_and_float32_params():
 
 
 _X64_SCOPES = r"""
+import sys
 import jax, jax.numpy as jnp, numpy as np
 import logit_dp
 from conftest import MLP
@@ -222,6 +223,9 @@ with jax.enable_x64(False):
   want_norms = np.asarray(logit_dp.pair_grad_norms(plain, plain_params, x32, x_prime32))
 np.testing.assert_array_equal(norms, want_norms)
 
+if sys.argv[1] == "disabled":
+  print("ok")
+  sys.exit(0)
 wide = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), params)
 norms, grads = norms_and_grads(wide, x, x_prime)
 truth, reference = float64_clipped_reference(model.apply, loss, wide, x, x_prime, clip_norm,
@@ -235,14 +239,24 @@ print("ok")
 """
 
 
-@pytest.mark.slow  # a fresh process with x64 enabled, and its compilations
-def test_float64_arrays_are_computed_in_the_dtype_of_the_x64_scope():
-  """A process with x64 enabled: float64 inputs with float32 params inside
-  jax.enable_x64(False) are computed in float32, as every jnp operation there (the norms and ḡ
-  of their float32 roundings, at or above the float64 truth); outside it, float64 params and
-  inputs give the float64 truth and its clipped sum. In a subprocess: x64 is process-wide."""
+def _run_with_x64_enabled(part: str) -> None:
   env = dict(os.environ, JAX_ENABLE_X64="1",
              PYTHONPATH=os.pathsep.join([_TESTS, _REPO, os.environ.get("PYTHONPATH", "")]))
-  run = subprocess.run([sys.executable, "-c", _X64_SCOPES], cwd=_TESTS, env=env,
+  run = subprocess.run([sys.executable, "-c", _X64_SCOPES, part], cwd=_TESTS, env=env,
                        capture_output=True, text=True, timeout=600)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_float64_inputs_inside_enable_x64_false_are_computed_in_float32():
+  """A process with x64 enabled (a subprocess: x64 is process-wide): float64 inputs with
+  float32 params inside jax.enable_x64(False) are computed in float32, as every jnp operation
+  there: the norms and ḡ of their float32 roundings, at or above the float64 truth (a flax
+  MLP and a plain function)."""
+  _run_with_x64_enabled("disabled")
+
+
+@pytest.mark.slow  # a fresh process with x64 enabled, and float64 compilations
+def test_float64_arrays_are_computed_in_the_dtype_of_the_x64_scope():
+  """The same, then outside jax.enable_x64(False): float64 params and inputs give the float64
+  truth and its clipped sum."""
+  _run_with_x64_enabled("enabled")
