@@ -613,6 +613,7 @@ def test_compilation_cache_flag_sets_the_persistent_cache(tmp_path):
   """--compilation_cache_dir: by default <workdir>/.jax_cache, a directory of its own when
   given, off when empty; pretrain.py, finetune.py and clip.py set it before training."""
   import ast  # pylint: disable=g-import-not-at-top
+
   from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
            "jax_persistent_cache_min_entry_size_bytes")

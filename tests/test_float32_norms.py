@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 import logit_dp
-from conftest import MLP
 from conftest import SmallConv
-from helpers import float64_clipped_reference
 from helpers import make_batch
 from helpers import method_kwargs
 from logit_dp import audit
@@ -179,15 +177,10 @@ def test_materialize_runs_with_x64_enabled_and_float32_params():
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-7)
 
 
-
-
-
 _X64_SCOPES = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
 import logit_dp
-from conftest import MLP
-from helpers import float64_clipped_reference
 
 assert jax.config.jax_enable_x64  # process-wide, as JAX_ENABLE_X64=1
 model = MLP(features=(6, 3))
@@ -241,7 +234,8 @@ print("ok")
 
 def _run_with_x64_enabled(part: str) -> None:
   env = dict(os.environ, JAX_ENABLE_X64="1",
-             PYTHONPATH=os.pathsep.join([_TESTS, _REPO, os.environ.get("PYTHONPATH", "")]))
+             PYTHONPATH=os.pathsep.join([_TESTS, _REPO,
+                                         os.environ.get("PYTHONPATH", "")]))
   run = subprocess.run([sys.executable, "-c", _X64_SCOPES, part], cwd=_TESTS, env=env,
                        capture_output=True, text=True, timeout=600)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -508,7 +508,7 @@ def test_restore_with_another_optimizer_names_what_differs(tmp_path):
   assert f"1.1.0.trace.{kernel}: in the template, not in the checkpoint" in message
   differing = [line.split(":")[0].strip() for line in message.splitlines() if ": in the" in line]
   assert differing and all(name.startswith("1.1.0.") for name in differing)  # params, noise match
-  wider = models.MLPEmbedding(embedding_dim=4, hidden=(9,)).init(jax.random.key(0),
-                                                                   jnp.zeros((1, 6)))
+  wider = models.MLPEmbedding(embedding_dim=4, hidden=(9,)).init(jax.random.key(0), jnp.zeros(
+      (1, 6)))
   with pytest.raises(ValueError, match=rf"0\.{kernel}: shape \(6, 9\) in the template, \(6, 8\)"):
     adam.restore_checkpoint(tmp_path, (wider, adam.optimizer.init(wider)))

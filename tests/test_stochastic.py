@@ -6,6 +6,8 @@ jax.grad of Z_ij = ⟨n(Φ(x_i; k_i)), n(Φ'(x'_j; k'_j))⟩ (float64 for the pl
 mask is drawn in float32 either way; float32 for flax, whose masks depend on the float width).
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -332,7 +334,6 @@ def _deterministic(params, x):
 class _ApplyTakesAnything:
   """An embed_fn whose signature accepts any arguments (as flax's Module.apply, *args): the
   mismatch shows only when it is called."""
-
   def __init__(self, fn):
     self.fn = fn
 
@@ -340,21 +341,26 @@ class _ApplyTakesAnything:
     return self.fn(*args)
 
 
-@pytest.mark.parametrize("make", [
-    lambda fn, stochastic: logit_dp.clipped_grad(fn, LOSS, 0.3, stochastic=stochastic),
-    lambda fn, stochastic: logit_dp.naive_clipped_grad(fn, LOSS, 0.3, stochastic=stochastic),
-    lambda fn, stochastic: logit_dp.grouped_clipped_grad(fn, LOSS, 0.3, 2, stochastic=stochastic),
-    lambda fn, stochastic: logit_dp.make_private(
-        fn, LOSS, 0.3, target_epsilon=8.0, target_delta=1e-3, num_records=40,
-        expected_batch_size=8, optimizer=optax.sgd(0.1), steps=3, stochastic=stochastic).grad_fn,
-], ids=["clipped_grad", "naive_clipped_grad", "grouped_clipped_grad", "make_private"])
+def _private(fn, stochastic):
+  return logit_dp.make_private(fn, LOSS, 0.3, target_epsilon=8.0, target_delta=1e-3, num_records=40,
+                               expected_batch_size=8, optimizer=optax.sgd(0.1), steps=3,
+                               stochastic=stochastic)
+
+
+@pytest.mark.parametrize(
+    "make", [
+        functools.partial(logit_dp.clipped_grad, loss=LOSS, clip_norm=0.3),
+        functools.partial(logit_dp.naive_clipped_grad, loss=LOSS, clip_norm=0.3),
+        functools.partial(logit_dp.grouped_clipped_grad, loss=LOSS, clip_norm=0.3, num_groups=2),
+        _private,
+    ], ids=["clipped_grad", "naive_clipped_grad", "grouped_clipped_grad", "make_private"])
 def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_when_built(make):
   """stochastic=True with embed_fn(params, x), and stochastic=False with embed_fn(params, x,
   key): a TypeError that says what to pass, before anything is traced."""
   with pytest.raises(TypeError, match=r"declared stochastic=True.*drop stochastic=True"):
-    make(_deterministic, True)
+    make(_deterministic, stochastic=True)
   with pytest.raises(TypeError, match=r"requires a third argument.*pass stochastic=True"):
-    make(plain_dropout, False)
+    make(plain_dropout, stochastic=False)
   with pytest.raises(TypeError, match=r"positive_embed_fn requires a third argument"):
     logit_dp.clipped_grad(_deterministic, LOSS, 0.3, positive_embed_fn=plain_dropout)
   x, x_prime = _data()

@@ -472,6 +472,7 @@ def _leaf_shapes(tree, is_leaf=None) -> dict[str, tuple[int, ...]]:
   """{path: shape} of the array leaves of tree, paths as orbax names them ("1.0.count")."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   def name(key) -> str:
     for attribute in ("key", "name", "idx"):
       if hasattr(key, attribute):
@@ -529,7 +530,7 @@ def restore_checkpoint(directory, template: Any,
               _STATE_ITEM: ocp.args.StandardRestore(template),
               _LEDGER_ITEM: ocp.args.JsonRestore(),
           }))
-    except ValueError as error:
+    except ValueError:
       differences = state_differences(directory, step, template)
       if not differences:
         raise
