@@ -194,7 +194,8 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   there and cast the noisy update to the params' dtype afterwards (post-processing;
   `optax.apply_updates` does). Clip norms carry float allowances scaled to the
   unit roundoff of the lowest precision embed_fn computes in (float64 runs get
-  float64's; docs/PRIVACY.md).
+  float64's; docs/PRIVACY.md). Float64 arrays made while x64 was enabled and passed
+  inside ``jax.enable_x64(False)`` are computed in float32, as jnp computes them there.
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
