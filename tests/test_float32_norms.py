@@ -181,6 +181,8 @@ _X64_SCOPES = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
 import logit_dp
+from conftest import MLP
+from helpers import float64_clipped_reference
 
 assert jax.config.jax_enable_x64  # process-wide, as JAX_ENABLE_X64=1
 model = MLP(features=(6, 3))
