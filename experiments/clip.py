@@ -52,6 +52,7 @@ import numpy as np
 import optax
 
 import logit_dp
+from experiments import compilation_cache
 from experiments import data as data_lib
 from experiments import train as train_lib
 from logit_dp import models
@@ -335,6 +336,7 @@ def main(argv):
   workdir = flags.FLAGS.workdir or train_lib.default_workdir(flags.FLAGS["config"].config_filename,
                                                              "clip")
   print(f"workdir: {workdir}")
+  compilation_cache.enable_from_flags(workdir)
   run(flags.FLAGS.config, workdir)
   print(f"results: {os.path.join(workdir, 'results.md')}")
 

@@ -20,6 +20,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import compilation_cache
 from experiments import finetuning
 from experiments import train
 
@@ -36,6 +37,7 @@ def main(argv):
   workdir = flags.FLAGS.workdir or train.default_workdir(flags.FLAGS["config"].config_filename,
                                                          "finetune")
   print(f"workdir: {workdir}")
+  compilation_cache.enable_from_flags(workdir)
   finetuning.finetune_and_evaluate(flags.FLAGS.config, workdir)
   print(f"results: {os.path.join(workdir, 'results.md')}")
 

@@ -34,6 +34,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import compilation_cache
 from experiments import train
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,6 +70,7 @@ def main(argv):
   primary = train.is_primary()
   if primary:
     print(f"workdir: {workdir}")
+  compilation_cache.enable_from_flags(workdir)
   train.train_and_evaluate(flag.config, workdir)
   if primary:
     print(f"results: {os.path.join(workdir, 'results.md')}")

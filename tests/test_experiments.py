@@ -607,3 +607,38 @@ def test_non_finite_rows_are_reported(tmp_path, policy):
   else:
     with pytest.raises(FloatingPointError, match="on_nonfinite_rows='error'"):
       train.train_method(cfg, "naive_dp", ds, pairs, str(tmp_path), quiet=True)
+
+
+def test_compilation_cache_flag_sets_the_persistent_cache(tmp_path):
+  """--compilation_cache_dir: by default <workdir>/.jax_cache, a directory of its own when
+  given, off when empty; pretrain.py, finetune.py and clip.py set it before training."""
+  import ast  # pylint: disable=g-import-not-at-top
+
+  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  before = {name: getattr(jax.config, name) for name in names}
+  try:
+    workdir = str(tmp_path / "run")
+    assert compilation_cache.enable(workdir) == os.path.join(workdir, ".jax_cache")
+    assert jax.config.jax_compilation_cache_dir == os.path.join(workdir, ".jax_cache")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+    assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
+    shared = str(tmp_path / "shared")
+    assert compilation_cache.enable(workdir, shared) == shared
+    assert jax.config.jax_compilation_cache_dir == shared
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert compilation_cache.enable(workdir, "") is None
+    assert jax.config.jax_compilation_cache_dir is None
+  finally:
+    for name, value in before.items():
+      jax.config.update(name, value)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for script, trains in (("pretrain", "train_and_evaluate"), ("finetune", "finetune_and_evaluate"),
+                         ("clip", "run")):
+    with open(os.path.join(root, "experiments", f"{script}.py"), encoding="utf-8") as f:
+      main = next(node for node in ast.parse(f.read()).body
+                  if isinstance(node, ast.FunctionDef) and node.name == "main")
+    calls = [ast.unparse(node.func) for node in ast.walk(main) if isinstance(node, ast.Call)]
+    enabled = calls.index("compilation_cache.enable_from_flags")
+    assert any(call.endswith(trains) for call in calls[enabled + 1:]), script

@@ -5,6 +5,10 @@ J'_jᵀû_i of a pair gradient nearly cancel, on and off the diagonal, and a tin
 under which every pair is clipped, so that an under-estimated norm breaks the sensitivity.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +23,8 @@ from logit_dp._src import numerics
 from logit_dp._src import pair_terms
 
 N = 8
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_TESTS)
 
 
 def _problem(family: str, seed: int = 0):
@@ -169,3 +175,84 @@ def test_materialize_runs_with_x64_enabled_and_float32_params():
   for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
     assert g.dtype == r.dtype
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-7)
+
+
+_X64_SCOPES = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import logit_dp
+from conftest import MLP
+from helpers import float64_clipped_reference
+
+assert jax.config.jax_enable_x64  # process-wide, as JAX_ENABLE_X64=1
+model = MLP(features=(6, 3))
+k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+x = jax.random.normal(k1, (8, 5))  # float64: made while x64 is enabled
+x_prime = x + 0.3 * jax.random.normal(k2, x.shape)
+params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), model.init(k3, x[:1]))
+loss = logit_dp.losses.contrastive(temperature=1.0)
+clip_norm = 0.05  # every pair clipped
+
+
+def norms_and_grads(*args):
+  embed_fn = lambda p, xs: model.apply(p, xs)  # fresh: nothing cached from the other scope
+  return (np.asarray(logit_dp.pair_grad_norms(embed_fn, *args)),
+          logit_dp.clipped_grad(embed_fn, loss, clip_norm)(*args)[1])
+
+
+x32, x_prime32 = np.float32(x), np.float32(x_prime)
+with jax.enable_x64(False):
+  norms, grads = norms_and_grads(params, x, x_prime)
+  want_norms, want = norms_and_grads(params, x32, x_prime32)
+truth, _ = float64_clipped_reference(model.apply, loss, params, x32, x_prime32, clip_norm)
+assert norms.dtype == np.float32 and np.all(norms >= truth)
+np.testing.assert_array_equal(norms, want_norms)
+for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want)):
+  assert g.dtype == np.float32
+  np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12)
+
+plain = lambda p, xs: jnp.tanh(xs @ p["w"]) @ p["w2"]  # traced without flax's own casts
+plain_params = {"w": np.float32(np.eye(5, 6)), "w2": np.float32(np.eye(6, 3))}
+with jax.enable_x64(False):
+  norms = np.asarray(logit_dp.pair_grad_norms(plain, plain_params, x, x_prime))
+  want_norms = np.asarray(logit_dp.pair_grad_norms(plain, plain_params, x32, x_prime32))
+np.testing.assert_array_equal(norms, want_norms)
+
+if sys.argv[1] == "disabled":
+  print("ok")
+  sys.exit(0)
+wide = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), params)
+norms, grads = norms_and_grads(wide, x, x_prime)
+truth, reference = float64_clipped_reference(model.apply, loss, wide, x, x_prime, clip_norm,
+                                             clip_by=norms)
+assert norms.dtype == np.float64 and np.all(norms >= truth)
+np.testing.assert_allclose(norms, truth, rtol=1e-9)
+for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference)):
+  assert g.dtype == np.float64
+  np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+print("ok")
+"""
+
+
+def _run_with_x64_enabled(part: str) -> None:
+  env = dict(os.environ, JAX_ENABLE_X64="1",
+             PYTHONPATH=os.pathsep.join([_TESTS, _REPO,
+                                         os.environ.get("PYTHONPATH", "")]))
+  run = subprocess.run([sys.executable, "-c", _X64_SCOPES, part], cwd=_TESTS, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_float64_inputs_inside_enable_x64_false_are_computed_in_float32():
+  """A process with x64 enabled (a subprocess: x64 is process-wide): float64 inputs with
+  float32 params inside jax.enable_x64(False) are computed in float32, as every jnp operation
+  there: the norms and ḡ of their float32 roundings, at or above the float64 truth (a flax
+  MLP and a plain function)."""
+  _run_with_x64_enabled("disabled")
+
+
+@pytest.mark.slow  # a fresh process with x64 enabled, and float64 compilations
+def test_float64_arrays_are_computed_in_the_dtype_of_the_x64_scope():
+  """The same, then outside jax.enable_x64(False): float64 params and inputs give the float64
+  truth and its clipped sum."""
+  _run_with_x64_enabled("enabled")

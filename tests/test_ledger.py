@@ -323,3 +323,32 @@ def test_check_budgets_accounts_once_per_new_maximum(monkeypatch):
     ledger.check_budgets(30)
   with pytest.raises(ValueError, match="steps"):
     ledger.check_budgets(-1)
+
+
+def test_restore_says_which_checkpoint_is_missing_and_what_differs(tmp_path):
+  """The low-level restore: a directory that does not exist, one without a checkpoint and a
+  missing step are told apart; a template of another optimizer chain or other shapes is
+  refused with the differing leaves named (not orbax's advice to restore part of the state)."""
+  params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  led = PrivacyLedger(SIGMA, RATE, DELTA)
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    ledger_lib.restore_checkpoint(str(tmp_path / "typo"), params)
+  with pytest.raises(FileNotFoundError, match="exists but holds no checkpoint"):
+    ledger_lib.restore_checkpoint(str(tmp_path), params)
+  adam = optax.adam(1e-3)
+  ledger_lib.save_checkpoint(str(tmp_path), 2, (params, adam.init(params)), led)
+  with pytest.raises(FileNotFoundError, match=r"No checkpoint 3 .* holds steps \[2\]"):
+    ledger_lib.restore_checkpoint(str(tmp_path), params, step=3)
+  sgd = optax.sgd(0.1, momentum=0.9)
+  with pytest.raises(ValueError, match="differs from the template") as refused:
+    ledger_lib.restore_checkpoint(str(tmp_path), (params, sgd.init(params)))
+  message = str(refused.value)
+  assert "partial_restore" not in message
+  for name in ("1.0.count", "1.0.mu.w", "1.0.nu.b"):
+    assert f"{name}: in the checkpoint, not in the template" in message
+  assert "1.0.trace.w: in the template, not in the checkpoint" in message
+  wider = {"w": jnp.ones((3, 5)), "b": jnp.zeros(5)}
+  with pytest.raises(ValueError, match=r"0\.w: shape \(3, 5\) in the template, \(3, 2\)"):
+    ledger_lib.restore_checkpoint(str(tmp_path), (wider, adam.init(wider)))
+  state, restored, step = ledger_lib.restore_checkpoint(str(tmp_path), (params, adam.init(params)))
+  assert step == 2 and restored == led

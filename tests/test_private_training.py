@@ -635,7 +635,7 @@ def test_restore_refuses_another_mechanism_or_a_missing_sampler(tmp_path):
   _, params = _embed()
   pt = _setup(steps=5)
   state = (params, pt.optimizer.init(params))
-  assert pt.restore_checkpoint(tmp_path / "none", state) == (state, pt)  # nothing to resume
+  assert pt.restore_checkpoint(tmp_path / "none", state, missing_ok=True) == (state, pt)
   pt.ledger.record_steps(1)
   pt.save_checkpoint(tmp_path / "a", state)
   other = _setup(steps=50)  # another σ
@@ -644,3 +644,52 @@ def test_restore_refuses_another_mechanism_or_a_missing_sampler(tmp_path):
   logit_dp.ledger.save_checkpoint(tmp_path / "b", 1, state, pt.ledger)  # no sampler
   with pytest.raises(ValueError, match="holds no sampler"):
     _setup(steps=5).restore_checkpoint(tmp_path / "b", state)
+
+
+def test_restore_from_no_checkpoint_is_refused_unless_missing_ok(tmp_path):
+  """A directory that does not exist, or holds no checkpoint, restarts a run with a fresh
+  ledger only when asked (missing_ok=True); otherwise the error says which it is."""
+  _, params = _embed()
+  pt = _setup(steps=5)
+  state = (params, pt.optimizer.init(params))
+  with pytest.raises(FileNotFoundError, match=r"does not exist\. Pass missing_ok=True"):
+    pt.restore_checkpoint(tmp_path / "typo", state)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match=r"exists but holds no checkpoint \(it is empty"):
+    pt.restore_checkpoint(tmp_path / "empty", state)
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "notes.txt").write_text("")
+  with pytest.raises(FileNotFoundError, match=r"holds no checkpoint \(it holds \['notes.txt'\]"):
+    pt.restore_checkpoint(tmp_path / "other", state)
+  for directory in ("typo", "empty", "other"):
+    assert pt.restore_checkpoint(tmp_path / directory, state, missing_ok=True) == (state, pt)
+  assert not (tmp_path / "typo").exists()
+  pt.ledger.record_steps(1)
+  pt.save_checkpoint(tmp_path / "run", state)
+  with pytest.raises(FileNotFoundError, match=r"No checkpoint 4 .* holds steps \[1\]"):
+    pt.restore_checkpoint(tmp_path / "run", state, step=4, missing_ok=True)
+  with pytest.raises(ValueError, match="missing_ok must be True or False"):
+    pt.restore_checkpoint(tmp_path / "run", state, missing_ok="yes")
+
+
+def test_restore_with_another_optimizer_names_what_differs(tmp_path):
+  """A template of another optimizer chain (or other params) is refused with the differing
+  leaves named, never with orbax's advice to restore part of the state."""
+  _, params = _embed()
+  adam = _setup(steps=5, optimizer=optax.adam(1e-3))
+  adam.ledger.record_steps(1)
+  adam.save_checkpoint(tmp_path, (params, adam.optimizer.init(params)))
+  momentum = _setup(steps=5, optimizer=optax.sgd(0.1, momentum=0.9))
+  with pytest.raises(ValueError, match="differs from the template") as refused:
+    momentum.restore_checkpoint(tmp_path, (params, momentum.optimizer.init(params)))
+  message = str(refused.value)
+  assert "partial_restore" not in message
+  kernel = "params.Dense_0.kernel"
+  assert f"1.1.0.mu.{kernel}: in the checkpoint, not in the template" in message
+  assert f"1.1.0.trace.{kernel}: in the template, not in the checkpoint" in message
+  differing = [line.split(":")[0].strip() for line in message.splitlines() if ": in the" in line]
+  assert differing and all(name.startswith("1.1.0.") for name in differing)  # params, noise match
+  wider = models.MLPEmbedding(embedding_dim=4, hidden=(9,)).init(jax.random.key(0), jnp.zeros(
+      (1, 6)))
+  with pytest.raises(ValueError, match=rf"0\.{kernel}: shape \(6, 9\) in the template, \(6, 8\)"):
+    adam.restore_checkpoint(tmp_path, (wider, adam.optimizer.init(wider)))

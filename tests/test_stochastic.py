@@ -6,6 +6,8 @@ jax.grad of Z_ij = ⟨n(Φ(x_i; k_i)), n(Φ'(x'_j; k'_j))⟩ (float64 for the pl
 mask is drawn in float32 either way; float32 for flax, whose masks depend on the float width).
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -323,6 +325,69 @@ def test_key_errors():
     deterministic(params, x, x_prime, key=jax.random.key(0))
   with pytest.raises(ValueError, match="stochastic must be"):
     logit_dp.clipped_grad(embed_fn, LOSS, 0.3, stochastic="yes")
+
+
+def _deterministic(params, x):
+  return jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+
+
+class _ApplyTakesAnything:
+  """An embed_fn whose signature accepts any arguments (as flax's Module.apply, *args): the
+  mismatch shows only when it is called."""
+  def __init__(self, fn):
+    self.fn = fn
+
+  def __call__(self, *args):
+    return self.fn(*args)
+
+
+def _private(fn, stochastic):
+  return logit_dp.make_private(fn, LOSS, 0.3, target_epsilon=8.0, target_delta=1e-3, num_records=40,
+                               expected_batch_size=8, optimizer=optax.sgd(0.1), steps=3,
+                               stochastic=stochastic)
+
+
+@pytest.mark.parametrize(
+    "make", [
+        functools.partial(logit_dp.clipped_grad, loss=LOSS, clip_norm=0.3),
+        functools.partial(logit_dp.naive_clipped_grad, loss=LOSS, clip_norm=0.3),
+        functools.partial(logit_dp.grouped_clipped_grad, loss=LOSS, clip_norm=0.3, num_groups=2),
+        _private,
+    ], ids=["clipped_grad", "naive_clipped_grad", "grouped_clipped_grad", "make_private"])
+def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_when_built(make):
+  """stochastic=True with embed_fn(params, x), and stochastic=False with embed_fn(params, x,
+  key): a TypeError that says what to pass, before anything is traced."""
+  with pytest.raises(TypeError, match=r"declared stochastic=True.*drop stochastic=True"):
+    make(_deterministic, stochastic=True)
+  with pytest.raises(TypeError, match=r"requires a third argument.*pass stochastic=True"):
+    make(plain_dropout, stochastic=False)
+  with pytest.raises(TypeError, match=r"positive_embed_fn requires a third argument"):
+    logit_dp.clipped_grad(_deterministic, LOSS, 0.3, positive_embed_fn=plain_dropout)
+  x, x_prime = _data()
+  with pytest.raises(TypeError, match=r"requires a third argument.*pass stochastic=True"):
+    logit_dp.pair_grad_norms(plain_dropout, _plain_params(), x, x_prime)
+  with pytest.raises(TypeError, match=r"declared stochastic=True.*drop stochastic=True"):
+    logit_dp.pair_grad_norms(_deterministic, _plain_params(), x, x_prime, key=jax.random.key(0))
+
+
+def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_on_first_call():
+  """A signature that takes any arguments (*args, as Module.apply) is told apart on its first
+  call; a TypeError raised inside a model that takes the right arguments is left as it is."""
+  params = _plain_params()
+  x, x_prime = _data()
+  deterministic = logit_dp.clipped_grad(_ApplyTakesAnything(_deterministic), LOSS, 0.3,
+                                        stochastic=True)
+  with pytest.raises(TypeError, match=r"declared stochastic=True.*drop stochastic=True"):
+    deterministic(params, x, x_prime, key=jax.random.key(0))
+  stochastic = logit_dp.clipped_grad(_ApplyTakesAnything(plain_dropout), LOSS, 0.3)
+  with pytest.raises(TypeError, match=r"requires a third argument.*pass stochastic=True"):
+    stochastic(params, x, x_prime)
+
+  def broken(params, x):
+    raise TypeError("a bug inside the model")
+
+  with pytest.raises(TypeError, match="a bug inside the model"):
+    logit_dp.clipped_grad(broken, LOSS, 0.3)(params, x, x_prime)
 
 
 def test_randomness_from_hidden_state_is_refused():

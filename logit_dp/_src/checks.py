@@ -14,6 +14,7 @@ import numpy as np
 from logit_dp._src import precision
 from logit_dp._src import projection
 from logit_dp._src import rows as rows_lib
+from logit_dp._src import stochastic as stochastic_lib
 
 # embed_fn(params, x) -> (n, d); x is an array or a pytree of arrays, examples along axis 0.
 EmbedFn = Callable[[Any, Any], jax.Array]
@@ -171,7 +172,7 @@ def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn", key=Non
   with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
     rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
     num = rows_lib.num_rows(rows)
-    batched = np.asarray(embed_fn(params, rows), np.float64)
+    batched = np.asarray(_first_call(embed_fn, params, rows, None, name), np.float64)
     if batched.ndim != 2 or batched.shape[0] != num:
       raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
                        f"{batched.shape} for {num} examples.")
@@ -191,6 +192,17 @@ def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn", key=Non
         "Logit-DP clips per-pair gradients and needs examples to be independent: no batch "
         "norm in training mode, no batch statistics. A stochastic model (dropout) takes a "
         "key: embed_fn(params, x, key), declared with stochastic=True.")
+
+
+def _first_call(embed_fn, params, x, key, name: str):
+  """embed_fn(params, x[, key]); a TypeError that the other arity would not raise becomes
+  `stochastic.arity_error` (stochastic= does not match embed_fn's arguments)."""
+  try:
+    return embed_fn(params, x) if key is None else embed_fn(params, x, key)
+  except TypeError as error:
+    if stochastic_lib.called_with_other_arity(embed_fn, params, x, key):
+      raise stochastic_lib.arity_error(name, key is not None) from error
+    raise
 
 
 def _probe_key(key) -> Any:
@@ -213,7 +225,7 @@ def _check_stochastic_embed_fn(embed_fn, params, x, key, name: str) -> None:
       key = _probe_key(key)
     rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
     num = rows_lib.num_rows(rows)
-    batched = np.asarray(embed_fn(params, rows, key), np.float64)
+    batched = np.asarray(_first_call(embed_fn, params, rows, key, name), np.float64)
     if batched.ndim != 2 or batched.shape[0] != num:
       raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
                        f"{batched.shape} for {num} examples.")

@@ -63,6 +63,9 @@ def build_grad_fn(core, embed_fn: checks.EmbedFn, loss, clip_norm: float,
   (ℒ, ḡ, `ClipStats`), jitted separately (None: no statistics)."""
   min_batch_size = getattr(loss, "min_batch_size", 1)
   stochastic = stochastic_lib.check_stochastic(stochastic)
+  stochastic_lib.check_signature(embed_fn, stochastic)
+  if positive_embed_fn is not None:
+    stochastic_lib.check_signature(positive_embed_fn, stochastic, "positive_embed_fn")
 
   def check_inputs(params, x, x_prime, mask=None, *, key=None):
     key = stochastic_lib.check_key(key, stochastic, description)
@@ -191,7 +194,8 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   there and cast the noisy update to the params' dtype afterwards (post-processing;
   `optax.apply_updates` does). Clip norms carry float allowances scaled to the
   unit roundoff of the lowest precision embed_fn computes in (float64 runs get
-  float64's; docs/PRIVACY.md).
+  float64's; docs/PRIVACY.md). Float64 arrays made while x64 was enabled and passed
+  inside ``jax.enable_x64(False)`` are computed in float32, as jnp computes them there.
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
@@ -272,6 +276,9 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
   x, x_prime, _ = checks.check_pair_inputs(x, x_prime, None, 1)
   if key is not None:
     key = stochastic_lib.check_key(key, True, "pair_grad_norms")
+  stochastic_lib.check_signature(embed_fn, key is not None)
+  if positive_embed_fn is not None:
+    stochastic_lib.check_signature(positive_embed_fn, key is not None, "positive_embed_fn")
   return _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine_eps,
                           1.0 if float_allowance else 0.0, positive_embed_fn, key,
                           bool(float64_positive_pairs))

@@ -211,6 +211,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   num_groups = check_num_groups(num_groups)
   checks.check_microbatch(microbatch_size)
   stochastic = stochastic_lib.check_stochastic(stochastic)
+  stochastic_lib.check_signature(embed_fn, stochastic)
   temperature = float(loss.temperature)
 
   def body(params, x, x_prime, mask, group_ids, extra_views, with_stats, key):

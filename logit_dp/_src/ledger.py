@@ -461,18 +461,66 @@ def latest_step(directory) -> int | None:
 
 @contextlib.contextmanager
 def _opened(directory, step: int | None):
-  """(checkpoint manager, step) of ``directory``; step None: the newest. Closes the manager."""
+  """(checkpoint manager, step) of ``directory``; step None: the newest. Closes the manager.
+
+  FileNotFoundError, saying which: the directory does not exist, it holds no checkpoint, or
+  not checkpoint ``step``.
+  """
   if not os.path.isdir(directory):
-    raise FileNotFoundError(f"No checkpoint directory {directory!r}.")
+    raise FileNotFoundError(f"The checkpoint directory {os.fspath(directory)!r} does not exist.")
   mngr = _manager(directory, create=False)
   try:
+    steps = sorted(mngr.all_steps())
+    if not steps:
+      held = sorted(os.listdir(directory))
+      raise FileNotFoundError(
+          f"The directory {os.fspath(directory)!r} exists but holds no checkpoint ("
+          + (f"it holds {held[:10]}" if held else "it is empty")
+          + "): pass the directory save_checkpoint wrote to.")
     if step is None:
-      step = mngr.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"No checkpoint in {directory!r}.")
+      step = steps[-1]
+    elif int(step) not in steps:
+      raise FileNotFoundError(
+          f"No checkpoint {step} in {os.fspath(directory)!r}; it holds steps {steps}.")
     yield mngr, int(step)
   finally:
     mngr.close()
+
+
+def _leaf_shapes(tree, is_leaf=None) -> dict[str, tuple[int, ...]]:
+  """{path: shape} of the array leaves of tree, paths as orbax names them ("1.0.count")."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def name(key) -> str:
+    for attribute in ("key", "name", "idx"):
+      if hasattr(key, attribute):
+        return str(getattr(key, attribute))
+    return str(key)
+
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  return {".".join(name(k) for k in path): tuple(np.shape(leaf)) for path, leaf in flat}
+
+
+def state_differences(directory, step: int, template: Any) -> list[str]:
+  """How the state saved in checkpoint ``step`` differs from ``template``: one line per leaf
+  held by only one of them, or with another shape (read from the checkpoint's metadata)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  path = epath.Path(os.path.abspath(os.fspath(directory))) / str(step) / _STATE_ITEM
+  stored = ocp.StandardCheckpointHandler().metadata(path).tree
+  saved = _leaf_shapes(stored, is_leaf=lambda a: hasattr(a, "shape"))
+  wanted = _leaf_shapes(template)
+  lines = []
+  for name in sorted(set(saved) | set(wanted)):
+    if name not in wanted:
+      lines.append(f"{name}: in the checkpoint, not in the template")
+    elif name not in saved:
+      lines.append(f"{name}: in the template, not in the checkpoint")
+    elif saved[name] != wanted[name]:
+      lines.append(f"{name}: shape {wanted[name]} in the template, {saved[name]} in the "
+                   "checkpoint")
+  return lines
 
 
 def restore_checkpoint(directory, template: Any,
@@ -486,15 +534,33 @@ def restore_checkpoint(directory, template: Any,
     step: which checkpoint (default: the newest).
 
   Raises:
-    FileNotFoundError: no checkpoint in ``directory``.
+    FileNotFoundError: ``directory`` does not exist, holds no checkpoint, or not ``step``
+      (the message says which).
+    ValueError: the template's structure or shapes differ from the saved state's (another
+      optimizer chain, other params): the message names the differing leaves. Restoring only
+      the matching part would start the rest afresh, e.g. a noise state whose count and key
+      draw noise already released; rebuild the template as the state was saved.
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   with _opened(directory, step) as (mngr, step):
-    restored = mngr.restore(
-        step, args=ocp.args.Composite(**{
-            _STATE_ITEM: ocp.args.StandardRestore(template),
-            _LEDGER_ITEM: ocp.args.JsonRestore(),
-        }))
+    try:
+      restored = mngr.restore(
+          step, args=ocp.args.Composite(**{
+              _STATE_ITEM: ocp.args.StandardRestore(template),
+              _LEDGER_ITEM: ocp.args.JsonRestore(),
+          }))
+    except ValueError:
+      differences = state_differences(directory, step, template)
+      if not differences:
+        raise
+      shown = "\n  ".join(differences[:20])
+      more = f"\n  ... and {len(differences) - 20} more" if len(differences) > 20 else ""
+      raise ValueError(
+          f"The state in checkpoint {step} of {os.fspath(directory)!r} differs from the "
+          f"template:\n  {shown}{more}\nBuild the template as the state was saved: the same "
+          "params and the same optimizer chain (optimizer=, mean=). Do not restore part of "
+          "it: the rest would start afresh, and a fresh noise state draws noise already "
+          "released.") from None
   ledger = PrivacyLedger.from_dict(restored[_LEDGER_ITEM])
   return restored[_STATE_ITEM], ledger, int(step)
 

@@ -27,7 +27,27 @@ def is_low_precision(dtype) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.floating)) and jnp.finfo(dtype).bits < 32
 
 
+def compute_dtype(dtype) -> Any:
+  """The dtype a float leaf of this dtype is computed in: float32 below float32, float32 for
+  float64 while x64 is disabled (JAX's canonical dtype), the dtype itself otherwise."""
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    return dtype
+  return jnp.dtype(COMPUTE_DTYPE) if is_low_precision(dtype) else jax.dtypes.canonicalize_dtype(
+      dtype)
+
+
 def widen(tree) -> Any:
-  """tree with its float leaves below float32 as float32; every other leaf unchanged."""
-  return jax.tree_util.tree_map(
-      lambda a: a.astype(COMPUTE_DTYPE) if is_low_precision(jnp.result_type(a)) else a, tree)
+  """tree with each float leaf in its `compute_dtype`; every other leaf unchanged.
+
+  Float leaves below float32 are widened to float32. A float64 array made while x64 was
+  enabled and passed where it is disabled (inside ``jax.enable_x64(False)``) is narrowed to
+  float32, as every jnp operation in that scope would: the model is then traced in one dtype
+  in every pass (its layer plan, factors and pair gradients), with the allowances of float32.
+  """
+  def cast(a):
+    dtype = jnp.dtype(a.dtype if hasattr(a, "dtype") else jnp.result_type(a))
+    target = compute_dtype(dtype)
+    return a if target == dtype else jnp.asarray(a).astype(target)
+
+  return jax.tree_util.tree_map(cast, tree)

@@ -451,8 +451,8 @@ class PrivateTraining(NamedTuple):
     ledger_lib.save_checkpoint(directory, self.ledger.steps, state, self.ledger,
                                sampler=self.sampler.unbudgeted(), max_to_keep=max_to_keep)
 
-  def restore_checkpoint(self, directory, template: Any,
-                         step: int | None = None) -> tuple[Any, PrivateTraining]:
+  def restore_checkpoint(self, directory, template: Any, step: int | None = None, *,
+                         missing_ok: bool = False) -> tuple[Any, PrivateTraining]:
     """(state, private) from the newest checkpoint (or ``step``) of `save_checkpoint`.
 
     The returned `PrivateTraining` has the checkpoint's ledger (steps taken, with
@@ -462,16 +462,36 @@ class PrivateTraining(NamedTuple):
     updates released (``ledger.released_updates``) are the most of the
     checkpoint's, this object's ledger's (raised to it too: a restore in the same
     process forgets nothing it released) and the restored state's noise count, so
-    no train step releases a noise count twice. Without a checkpoint in
-    ``directory``, returns (template, self).
+    no train step releases a noise count twice.
+
+    Args:
+      directory: the directory of `save_checkpoint`.
+      template: the state as `save_checkpoint` got it, freshly initialised (the same
+        params and ``optimizer``); its values are not used.
+      step: which checkpoint (default: the newest).
+      missing_ok: what to do when ``directory`` does not exist or holds no checkpoint:
+        False (default) raises FileNotFoundError, so a mistyped path cannot restart a run
+        with a fresh ledger; True returns (template, self), to start afresh (the first run
+        of a script that resumes). A missing ``step`` always raises.
 
     Raises:
+      FileNotFoundError: no checkpoint (see missing_ok); the message says whether the
+        directory does not exist or holds no checkpoint.
       ValueError: the checkpoint's σ, q, δ, accountant or sampler (N, q, padded
-        size, overflow policy) differ from this run's, or it holds no sampler.
+        size, overflow policy) differ from this run's, it holds no sampler, or its state
+        differs from ``template`` (the differing leaves are named).
     """
-    if ledger_lib.latest_step(directory) is None:
+    if missing_ok is not True and missing_ok is not False:
+      raise ValueError(f"missing_ok must be True or False, got {missing_ok!r}.")
+    if step is None and missing_ok and ledger_lib.latest_step(directory) is None:
       return template, self
-    state, ledger, step = ledger_lib.restore_checkpoint(directory, template, step)
+    try:
+      state, ledger, step = ledger_lib.restore_checkpoint(directory, template, step)
+    except FileNotFoundError as error:
+      if step is not None:
+        raise
+      raise FileNotFoundError(f"{error} Pass missing_ok=True to start afresh when there is no "
+                              "checkpoint yet.") from None
     sampler = ledger_lib.restore_sampler(directory, step)
     if sampler is None:
       raise ValueError(

@@ -29,6 +29,7 @@ component is: the accounting of a deterministic model applies unchanged.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,6 +58,52 @@ def check_stochastic(stochastic) -> bool:
   if not isinstance(stochastic, bool):
     raise ValueError(f"stochastic must be True or False, got {stochastic!r}.")
   return stochastic
+
+
+def arity_error(name: str, stochastic: bool) -> TypeError:
+  """The TypeError of an embedding function whose arguments do not match ``stochastic``."""
+  if stochastic:
+    return TypeError(
+        f"{name} was declared stochastic=True, so it is called as {name}(params, x, key), but "
+        "it does not take a key: drop stochastic=True for a deterministic "
+        f"{name}(params, x), or give it the key argument, {name}(params, x, key), and draw its "
+        "randomness from it (e.g. rngs={'dropout': key}).")
+  return TypeError(
+      f"{name} requires a third argument, but without stochastic=True it is called as "
+      f"{name}(params, x): for a stochastic model {name}(params, x, key) (dropout) pass "
+      "stochastic=True (the gradient function then takes key= at every call), or drop the "
+      "key argument.")
+
+
+def check_signature(embed_fn, stochastic: bool, name: str = "embed_fn") -> None:
+  """TypeError (`arity_error`) when embed_fn's signature cannot be called as
+  embed_fn(params, x, key) (stochastic) or embed_fn(params, x) (deterministic).
+
+  A signature that accepts both (``*args``, as flax's ``Module.apply``) or none that Python can
+  read passes here; `arity_error` is raised on the first call instead (`checks.check_embed_fn`).
+  """
+  try:
+    signature = inspect.signature(embed_fn)
+  except (TypeError, ValueError):  # builtins, some C extensions
+    return
+  try:
+    signature.bind(*(None,) * (3 if stochastic else 2))
+  except TypeError:
+    raise arity_error(name, stochastic) from None
+
+
+def called_with_other_arity(embed_fn, params, x, key) -> bool:
+  """Whether embed_fn runs when called the other way than ``key`` says: embed_fn(params, x)
+  for a key, embed_fn(params, x, key0) without one (key0 a fixed probe key). For diagnosing a
+  TypeError of the first call."""
+  try:
+    if key is None:
+      embed_fn(params, x, jax.random.key(0))
+    else:
+      embed_fn(params, x)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return True
 
 
 def check_key(key, stochastic: bool, what: str) -> Any:
