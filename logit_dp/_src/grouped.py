@@ -28,6 +28,9 @@ have the same groups except g(r), which gains r. Every other L_g is a function o
 members only, so ḡ(S') − ḡ(S) = clip(∇L_{g(r)}(S')) − clip(∇L_{g(r)}(S)), and both terms
 have norm ≤ B: ‖ḡ(S') − ḡ(S)‖₂ ≤ 2B. Adding N(0, (σ·2B)²I) is then the Poisson-subsampled
 Gaussian mechanism with noise multiplier σ that `logit_dp.accounting` accounts for.
+Two towers (positive_embed_fn: v̂_r = n(Φ'(x'_r))) change nothing in this argument: L_g still
+reads w and its own members' records only, so the sensitivity is the same 2B
+(docs/METHOD.md, "DP-GCL").
 """
 
 from __future__ import annotations
@@ -73,6 +76,19 @@ def check_num_groups(num_groups) -> int:
                                                     (int, np.integer)) or num_groups < 1:
     raise ValueError(f"num_groups must be an integer ≥ 1, got {num_groups!r}.")
   return int(num_groups)
+
+
+def num_groups_for(expected_batch_size: float, group_size) -> int:
+  """G = max(1, round(E[n] / s)) for the expected group size s > 0; ValueError otherwise."""
+  if group_size is None:
+    raise ValueError("method='dp_gcl' needs group_size= (the expected records per group).")
+  if isinstance(group_size, bool) or not isinstance(group_size, (int, float, np.integer,
+                                                                 np.floating)):
+    raise ValueError("group_size must be a number > 0 (the expected records per DP-GCL group), "
+                     f"got {group_size!r}.")
+  if not 0 < float(group_size) < float("inf"):
+    raise ValueError(f"group_size must be a finite number > 0, got {group_size!r}.")
+  return max(1, int(round(float(expected_batch_size) / float(group_size))))
 
 
 def assign_groups(record_ids: jax.Array, key: jax.Array, num_groups: int) -> jax.Array:
