@@ -196,7 +196,8 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
   def write_summary(complete, chosen, candidates):
     """search.json and search.md: after every candidate (complete False) and at the end."""
     summary = dict(rule=RULE, complete=complete, chosen=chosen, stages=list(stages),
-                   candidates=list(candidates), base=json.loads(config.base.to_json_best_effort()))
+                   candidates=list(candidates), base=workdirs.shareable_config(
+                       json.loads(config.base.to_json_best_effort())))
     os.makedirs(results_dir, exist_ok=True)
     workdirs.write_json(os.path.join(results_dir, "search.json"), summary)
     with open(os.path.join(results_dir, "search.md"), "w") as f:
