@@ -669,11 +669,14 @@ def _fmt_overrides(overrides: dict) -> str:
 
 def search_table(summary: dict) -> str:
   """The public-data search of experiments/tune.py: one row per candidate, then the choice."""
+  zero_shot = any("zero_shot_top5" in r for r in summary["candidates"])  # experiments/clip.py
+  metrics = "zero-shot top-1 | zero-shot top-5" if zero_shot else "3-NN acc | linear probe"
   lines = [
-      "| # | candidate | stage | its change | overrides of the base | T | σ | ε | 3-NN acc | "
-      "linear probe | train s | wall-clock s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
+      f"| # | candidate | stage | its change | overrides of the base | T | σ | ε | {metrics} | "
+      "train s | wall-clock s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
   ]
   incomplete = False
+  number = lambda v, spec: "–" if v is None else format(v, spec)
   chosen = (summary.get("chosen") or {}).get("name")
   for r in summary["candidates"]:
     name = f"**{r['name']}**" if r["name"] == chosen else r["name"]
@@ -682,10 +685,12 @@ def search_table(summary: dict) -> str:
     elif not r["finished"]:
       cells = ["–", "–", "–", "not finished", "–"]
     else:
-      probe = r.get("linear_probe")
+      second = r.get("zero_shot_top5" if zero_shot else "linear_probe")
       cells = [
-          str(r["steps"]), f"{r['noise_multiplier']:.3g}", f"{r['epsilon']:.3g}",
-          f"{r['accuracy']:.4f}", "–" if probe is None else f"{probe:.4f}"
+          str(r["steps"]),
+          number(r.get("noise_multiplier"), ".3g"),
+          number(r.get("epsilon"), ".3g"), f"{r['accuracy']:.4f}",
+          number(second, ".4f")
       ]
     trained = r.get("train_seconds")
     wall, marked = _wallclock_cell(r.get("wallclock_seconds"), trained)
