@@ -1,4 +1,4 @@
-r"""CLIP-style two-tower training with Logit-DP: CIFAR-100 images and their class-name texts.
+r"""CLIP-style two-tower training, private and not: CIFAR images and their class-name texts.
 
     python -m experiments.clip --config=experiments/configs/clip_cifar100.py \
         --config.data.npz_dir=/path/to/cifar --workdir=runs/clip
@@ -238,21 +238,23 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
   noise_seed, sampling_seed = train_lib.privacy_seeds(config, workdir, method)
   loss = logit_dp.losses.contrastive(config.temperature)
   num_records = len(ds["y_train"])
-  private = logit_dp.make_private(
-      embed_images, loss, config.clip_norm, target_epsilon=config.target_epsilon,
-      target_delta=config.target_delta, num_records=num_records,
-      expected_batch_size=config.batch_size, epochs=config.num_epochs,
-      optimizer=optax.adam(config.learning_rates[method]), mean=True,
-      microbatch_size=config.microbatch_size, noise_key=jax.random.key(noise_seed),
-      sampler_seed=sampling_seed, positive_embed_fn=embed_texts,
-      **make_private_method(config, method))
+  private = logit_dp.make_private(embed_images, loss, config.clip_norm,
+                                  target_epsilon=config.target_epsilon,
+                                  target_delta=config.target_delta, num_records=num_records,
+                                  expected_batch_size=config.batch_size, epochs=config.num_epochs,
+                                  optimizer=optax.adam(config.learning_rates[method]), mean=True,
+                                  microbatch_size=config.microbatch_size,
+                                  noise_key=jax.random.key(noise_seed), sampler_seed=sampling_seed,
+                                  positive_embed_fn=embed_texts,
+                                  **make_private_method(config, method))
   grouped = method == "dp_gcl"
   # Diagnostic on the initial parameters and 64 TEST pairs (never on training records, which
   # would release something not covered by the guarantee): the share of norms above B.
   test_texts = jax.tree_util.tree_map(lambda a: a[ds["y_test"][:64]], tokens)
   test_pairs = (ds["x_test"][:64], test_texts)
   if grouped:
-    _, _, stats = private.grad_fn.with_stats(params, *test_pairs, record_ids=np.arange(64),
+    _, _, stats = private.grad_fn.with_stats(params, *test_pairs,
+                                             record_ids=np.arange(len(test_pairs[0])),
                                              group_key=jax.random.key(0))
     clipped_at_start = float(stats.fraction_clipped)
   elif method == "naive_dp":
@@ -281,14 +283,14 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
       log(f"{method} step {step}/{private.steps}  ε = {private.ledger.epsilon():.3f}  "
           f"{time.time() - start:.0f} s")
   epsilon, delta = private.ledger.guarantee()
-  out = dict(params=params, steps=private.steps, epsilon=epsilon, delta=delta,
-             noise_multiplier=private.noise_multiplier, sensitivity=private.sensitivity,
-             clip_norm=private.clip_norm, sampling_rate=private.sampling_rate,
-             clipped_at_start=clipped_at_start, method=private.method,
-             learning_rate=config.learning_rates[method], temperature=config.temperature,
-             train_seconds=time.time() - start, resumed_at_step=first,
-             shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params,
-                                                          *test_pairs))
+  out = dict(
+      params=params, steps=private.steps, epsilon=epsilon, delta=delta,
+      noise_multiplier=private.noise_multiplier, sensitivity=private.sensitivity,
+      clip_norm=private.clip_norm, sampling_rate=private.sampling_rate,
+      clipped_at_start=clipped_at_start, method=private.method,
+      learning_rate=config.learning_rates[method], temperature=config.temperature,
+      train_seconds=time.time() - start, resumed_at_step=first,
+      shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params, *test_pairs))
   if grouped:
     out.update(group_size=config.dp_gcl.group_size, num_groups=private.grad_fn.num_groups)
   return out
@@ -431,10 +433,9 @@ def search_result(workdir: str) -> dict[str, Any]:
   (method,) = results["methods"]
   r = results["methods"][method]
   return dict(steps=int(r["steps"]), noise_multiplier=r.get("noise_multiplier"),
-              sampling_rate=r.get("sampling_rate"), epsilon=r.get("epsilon"),
-              delta=r.get("delta"), clip_norm=r.get("clip_norm"),
-              accuracy=float(r["zero_shot_top1"]), zero_shot_top5=float(r["zero_shot_top5"]),
-              train_seconds=r.get("train_seconds"))
+              sampling_rate=r.get("sampling_rate"), epsilon=r.get("epsilon"), delta=r.get("delta"),
+              clip_norm=r.get("clip_norm"), accuracy=float(r["zero_shot_top1"]),
+              zero_shot_top5=float(r["zero_shot_top5"]), train_seconds=r.get("train_seconds"))
 
 
 def format_table(results: dict[str, Any]) -> str:

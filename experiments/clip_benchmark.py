@@ -89,7 +89,8 @@ def search_stages(config, method: str) -> list[dict]:
   base_lr = float(config.search_base.learning_rates[method])
 
   def stage(name, key, values, tag):
-    return dict(name=name, candidates=[dict(name=f"{tag}{v:g}", overrides={key: v}) for v in values])
+    return dict(name=name,
+                candidates=[dict(name=f"{tag}{v:g}", overrides={key: v}) for v in values])
 
   stages = [dict(name="base", candidates=[dict(name="base", overrides={})])]
   scaled = lambda multipliers: [float(f"{base_lr * m:.3g}") for m in multipliers]
@@ -100,8 +101,7 @@ def search_stages(config, method: str) -> list[dict]:
   if method == "dp_gcl":
     stages.append(stage("group size", "dp_gcl.group_size", list(grids.group_size), "group"))
   else:
-    stages.append(
-        stage("wide learning rate", lr_key, scaled(grids.wide_learning_rate), "lr"))
+    stages.append(stage("wide learning rate", lr_key, scaled(grids.wide_learning_rate), "lr"))
   return [s for s in stages if s["candidates"]]
 
 
@@ -121,9 +121,8 @@ def search_config(config, method: str, epsilon: float | None, data_dir: str | No
   return search
 
 
-def run_searches(config, runs_dir: str, results_dir: str, data_dir: str | None,
-                 subset: int | None, train_fn: Callable | None = None,
-                 quiet: bool = True) -> dict[str, dict | None]:
+def run_searches(config, runs_dir: str, results_dir: str, data_dir: str | None, subset: int | None,
+                 train_fn: Callable | None = None, quiet: bool = True) -> dict[str, dict | None]:
   """Runs (or resumes) every search; {search name: chosen dict(name, overrides) or None}."""
   chosen = {}
   for method in config.mechanisms:
@@ -135,8 +134,9 @@ def run_searches(config, runs_dir: str, results_dir: str, data_dir: str | None,
                                 train_fn=train_fn, quiet=quiet)
       chosen[name] = summary["chosen"] if summary["complete"] else None
       if not quiet:
-        print(f"[clip_benchmark] search {name}: "
-              f"{chosen[name] or 'not finished: re-run to continue'}", flush=True)
+        print(
+            f"[clip_benchmark] search {name}: "
+            f"{chosen[name] or 'not finished: re-run to continue'}", flush=True)
   return chosen
 
 
@@ -251,8 +251,8 @@ def benchmark_table(records: list[dict]) -> str:
       first = runs[seeds[0]]
       cells = []
       for metric in ("zero_shot_top1", "zero_shot_top5"):
-        cells.append(render_results.fmt_ms(*render_results.mean_std(
-            [runs[s][metric] for s in seeds])))
+        cells.append(
+            render_results.fmt_ms(*render_results.mean_std([runs[s][metric] for s in seeds])))
       for metric in ("zero_shot_top1", "zero_shot_top5"):
         common = [s for s in seeds if s in reference]
         if method == REFERENCE or not common:
@@ -308,8 +308,8 @@ def check_config(config) -> None:
   ignore = {"data", "methods", "seed", "target_epsilon", "checkpoint_every", "log_every"}
   search = json.loads(config.search_base.to_json_best_effort())
   bench = json.loads(config.benchmark_base.to_json_best_effort())
-  differ = sorted(k for k in set(search) | set(bench)
-                  if k not in ignore and search.get(k) != bench.get(k))
+  differ = sorted(
+      k for k in set(search) | set(bench) if k not in ignore and search.get(k) != bench.get(k))
   if differ:
     raise ValueError(f"search_base and benchmark_base differ in {differ}: the chosen settings "
                      "would not mean the same on CIFAR-10.")

@@ -5,7 +5,9 @@ r"""Sequential search of Logit-DP settings on public data.
         --results_dir=docs/results/tune_cifar100 [--subset=5000]
 
 The config holds ``base`` (a training config of `experiments.train`, Logit-DP only, on
-public data) and ``stages``: a list of ``dict(name, candidates=[dict(name, overrides)])``.
+public data; or, with ``trainer = "clip"``, a config of `experiments.clip` training one method,
+ranked by zero-shot top-1: `experiments.clip_benchmark` builds those) and ``stages``: a list
+of ``dict(name, candidates=[dict(name, overrides)])``.
 ``overrides`` maps dotted config keys (``"temperature"``, ``"model.embedding_dim"``,
 ``"learning_rates.logit_dp"``, …) to values. Stage k's candidates are the incumbent's
 overrides updated with their own; the incumbent after stage k is the best of the incumbent
@@ -176,8 +178,8 @@ def _read_json(path):
     return json.load(f)
 
 
-def finished_dir(workdir: str, published: str, is_finished: Callable = workdirs.is_finished
-                ) -> str | None:
+def finished_dir(workdir: str, published: str,
+                 is_finished: Callable = workdirs.is_finished) -> str | None:
   """The folder holding a finished (or diverged) candidate's files, or None if it has not finished.
 
   The workdir first; else its published copy in ``results_dir`` (a new machine has no runs/,
@@ -234,8 +236,8 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
   def write_summary(complete, chosen, candidates):
     """search.json and search.md: after every candidate (complete False) and at the end."""
     summary = dict(rule=trainer.rule, complete=complete, chosen=chosen, stages=list(stages),
-                   candidates=list(candidates), base=workdirs.shareable_config(
-                       json.loads(config.base.to_json_best_effort())))
+                   candidates=list(candidates),
+                   base=workdirs.shareable_config(json.loads(config.base.to_json_best_effort())))
     os.makedirs(results_dir, exist_ok=True)
     workdirs.write_json(os.path.join(results_dir, "search.json"), summary)
     with open(os.path.join(results_dir, "search.md"), "w") as f:

@@ -634,8 +634,9 @@ def _scripted_clip_trainer(calls, fail_at=None):
     r = dict(steps=4, train_seconds=1.0, learning_rate=lr, temperature=cfg.temperature,
              zero_shot_top1=top1, zero_shot_top5=top1 + 0.3)
     if method != "non_private":
-      r.update(epsilon=cfg.target_epsilon * 0.99, delta=1e-5, noise_multiplier=1.0 / cfg.target_epsilon,
-               sampling_rate=0.25, clip_norm=cfg.clip_norm)
+      r.update(epsilon=cfg.target_epsilon * 0.99, delta=1e-5,
+               noise_multiplier=1.0 / cfg.target_epsilon, sampling_rate=0.25,
+               clip_norm=cfg.clip_norm)
       if method == "dp_gcl":
         r.update(group_size=cfg.dp_gcl.group_size)
     results = dict(num_records=64, num_test=50, num_classes=10, methods={method: r})
@@ -746,7 +747,8 @@ def test_clip_trains_every_mechanism_with_two_towers_and_resumes(tmp_path):
   results = clip.run(config, workdir, quiet=True)["methods"]
   tau_c = 2 * (1 + np.exp(2.0)) * config.clip_norm
   assert results["logit_dp"]["sensitivity"] == pytest.approx(tau_c, rel=1e-3)
-  assert results["dp_gcl"]["sensitivity"] == results["naive_dp"]["sensitivity"] == 2 * config.clip_norm
+  assert results["dp_gcl"]["sensitivity"] == results["naive_dp"][
+      "sensitivity"] == 2 * config.clip_norm
   assert results["dp_gcl"]["num_groups"] == 4  # round(16 / 4)
   for m in ("logit_dp", "dp_gcl", "naive_dp"):
     assert 0 < results[m]["epsilon"] <= config.target_epsilon and results[m]["steps"] == 4

@@ -576,8 +576,7 @@ def test_two_tower_bad_arguments_raise_value_error():
     logit_dp.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn="text")
   grad_fn = logit_dp.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn=f_prime)
   with pytest.raises(ValueError, match="extra_views"):
-    grad_fn(params, x, texts, record_ids=jnp.arange(5), group_key=KEY,
-            extra_views=x[:, None])
+    grad_fn(params, x, texts, record_ids=jnp.arange(5), group_key=KEY, extra_views=x[:, None])
   with pytest.raises(ValueError, match="same number"):
     grad_fn(params, x[:4], texts, record_ids=jnp.arange(4), group_key=KEY)
   with pytest.raises(ValueError, match="extra_views"):

@@ -473,8 +473,8 @@ def test_dp_gcl_sensitivity_groups_and_train_step_are_those_of_grouped_clipped_g
   on the batch's record ids grouped with fold_in(group_key, t), noised by the optimizer."""
   embed_fn, params = _embed()
   loss = logit_dp.losses.contrastive(temperature=1.0)
-  pt = _setup(method="dp_gcl", group_size=4, steps=4, noise_key=jax.random.key(1),
-              sampler_seed=3, optimizer=_recorder())
+  pt = _setup(method="dp_gcl", group_size=4, steps=4, noise_key=jax.random.key(1), sampler_seed=3,
+              optimizer=_recorder())
   assert pt.sensitivity == logit_dp.grouped_sensitivity(1.0) == 2.0
   assert pt.grad_fn.mechanism is logit_dp.Mechanism.DP_GCL and pt.grad_fn.num_groups == 5
   assert pt.method == "dp_gcl" and pt.group_key is not None
@@ -485,9 +485,9 @@ def test_dp_gcl_sensitivity_groups_and_train_step_are_those_of_grouped_clipped_g
     xs, xps = x[batch.indices], xp[batch.indices]
     new_params, new_state, loss_value = train_step(params, opt_state, xs, xps, batch.mask,
                                                    record_ids=batch.indices)
-    want_loss, want = logit_dp.grouped_clipped_grad(embed_fn, loss, 1.0, 5)(
-        params, xs, xps, batch.mask, record_ids=batch.indices,
-        group_key=jax.random.fold_in(pt.group_key, t))
+    want_loss, want = logit_dp.grouped_clipped_grad(
+        embed_fn, loss, 1.0, 5)(params, xs, xps, batch.mask, record_ids=batch.indices,
+                                group_key=jax.random.fold_in(pt.group_key, t))
     zeros = jax.tree_util.tree_map(jnp.zeros_like, want)
     noise = pt.optimizer.update(zeros, opt_state, params)[1][-1]  # the noise of step t alone
     jax.tree_util.tree_map(
@@ -549,5 +549,4 @@ def test_record_ids_only_with_dp_gcl():
   pt = _setup(steps=2)
   pt.ledger.record_steps(1)
   with pytest.raises(ValueError, match="record_ids"):
-    pt.make_train_step()(params, pt.optimizer.init(params), x[:8], xp[:8],
-                         record_ids=jnp.arange(8))
+    pt.make_train_step()(params, pt.optimizer.init(params), x[:8], xp[:8], record_ids=jnp.arange(8))

@@ -369,8 +369,7 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       chunk: int | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None, reference_inputs: Any = None,
-                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
-                      model_key: Any = None,
+                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK, model_key: Any = None,
                       positive_embed_fn: EmbedFn | None = None) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
 

@@ -82,8 +82,8 @@ def num_groups_for(expected_batch_size: float, group_size) -> int:
   """G = max(1, round(E[n] / s)) for the expected group size s > 0; ValueError otherwise."""
   if group_size is None:
     raise ValueError("method='dp_gcl' needs group_size= (the expected records per group).")
-  if isinstance(group_size, bool) or not isinstance(group_size, (int, float, np.integer,
-                                                                 np.floating)):
+  if isinstance(group_size, bool) or not isinstance(group_size,
+                                                    (int, float, np.integer, np.floating)):
     raise ValueError("group_size must be a number > 0 (the expected records per DP-GCL group), "
                      f"got {group_size!r}.")
   if not 0 < float(group_size) < float("inf"):

@@ -334,9 +334,10 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   σ = `accounting.noise_multiplier(ε, δ_acc, q, T, accountant)` with δ_acc = δ minus
   the padded batches' overflow term (`PrivacyLedger.calibrated`);
   C = `sensitivity(loss, B, batch_size=None)` (`naive_sensitivity(B)` = 2B for
-  method="naive", `grouped_sensitivity(B)` = 2B for method="dp_gcl"); optimizer = chain(`transform(σ, C, noise_key)`,
-  [`optax.scale(1 / expected_batch_size)` if mean], optimizer). The noise is
-  added to the summed ḡ first; the mean and the optimizer are post-processing.
+  method="naive", `grouped_sensitivity(B)` = 2B for method="dp_gcl");
+  optimizer = chain(`transform(σ, C, noise_key)`, [`optax.scale(1 / expected_batch_size)`
+  if mean], optimizer). The noise is added to the summed ḡ first; the mean and the
+  optimizer are post-processing.
 
   Formal guarantees. Neighbouring datasets differ by adding or removing one
   pair record (x_i, x'_i) (`dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE`).
