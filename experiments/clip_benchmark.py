@@ -294,6 +294,75 @@ def run_all(config, runs_dir: str, results_dir: str, data_dir: str | None = None
   return dict(chosen=chosen, waiting=waiting, table=table, complete=complete)
 
 
+def time_steps(config, data_dir: str | None, num_steps: int = 3, quiet: bool = True) -> dict:
+  """Seconds of the first step (compilation included) and of the next ``num_steps`` steps of
+  every mechanism at the benchmark's size, side by side in one process: for planning the
+  full run. {mechanism: dict(first_step_s, step_s (median), batch_size)}."""
+  import time  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  import logit_dp  # pylint: disable=g-import-not-at-top
+  from experiments import clip  # pylint: disable=g-import-not-at-top
+
+  base = benchmark_config(config, "logit_dp", max(config.epsilons), 0, {}, data_dir)
+  ds = clip.load_images(base)
+  texts = clip.class_texts(ds["names"], base.text_template)
+  vocab = clip.Vocabulary(texts)
+  tokens = vocab.tokenize(texts)
+  embed_images, embed_texts, params = clip.make_towers(
+      base, len(vocab), ds["x_train"].shape[1:], jax.tree_util.tree_map(lambda a: a[:1], tokens))
+  loss = logit_dp.losses.contrastive(base.temperature)
+  out = {}
+  for method in config.mechanisms:
+    cfg = benchmark_config(config, method, max(config.epsilons), 0, {}, data_dir)
+    if method == "non_private":
+      batcher = logit_dp.sampling.ShuffledBatcher(len(ds["y_train"]), cfg.batch_size, seed=0)
+      optimizer = optax.adam(cfg.learning_rates.non_private)
+
+      @jax.jit
+      def plain_step(p, state, x, t, mask, optimizer=optimizer):
+        objective = lambda q: loss(
+            logit_dp.cosine_similarity(embed_images(q, x), embed_texts(q, t)), mask)
+        grads = jax.grad(objective)(p)
+        updates, state = optimizer.update(grads, state, p)
+        return optax.apply_updates(p, updates), state
+
+      state, p = optimizer.init(params), params
+      inputs = [(*clip._pairs(ds, tokens, idx), mask, {})
+                for _, (idx, mask) in zip(range(num_steps + 1), batcher.epoch(0))]
+      step = lambda p, state, x, t, mask, ids, fn=plain_step: fn(p, state, x, t, mask)
+    else:
+      private = logit_dp.make_private(embed_images, loss, cfg.clip_norm,
+                                      target_epsilon=cfg.target_epsilon,
+                                      target_delta=cfg.target_delta, num_records=len(ds["y_train"]),
+                                      expected_batch_size=cfg.batch_size, epochs=cfg.num_epochs,
+                                      optimizer=optax.adam(cfg.learning_rates[method]), mean=True,
+                                      noise_key=jax.random.key(0), sampler_seed=0,
+                                      positive_embed_fn=embed_texts,
+                                      **clip.make_private_method(cfg, method))
+      state, p = private.optimizer.init(params), params
+      grouped = method == "dp_gcl"
+      inputs = [(*clip._pairs(ds, tokens, b.indices), b.mask,
+                 dict(record_ids=b.indices) if grouped else {})
+                for b in private.batches(num_steps + 1)]  # each step recorded first
+      train_step = private.make_train_step()
+      step = lambda p, state, x, t, mask, ids, fn=train_step: fn(p, state, x, t, mask, **ids)[:2]
+    times = []
+    for x, t, mask, ids in inputs:
+      t0 = time.time()
+      p, state = step(p, state, x, t, mask, ids)
+      jax.block_until_ready(p)
+      times.append(time.time() - t0)
+    out[method] = dict(first_step_s=round(times[0], 2), step_s=round(float(np.median(times[1:])),
+                                                                     3), batch_size=cfg.batch_size)
+    if not quiet:
+      print(f"[clip_benchmark] {method}: {out[method]}", flush=True)
+  return out
+
+
 def check_config(config) -> None:
   """ValueError unless the search and the benchmark share every training setting but the data,
   the search runs on public data, and the mechanisms are known."""
@@ -323,6 +392,9 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
+  if f.time_steps:
+    print(json.dumps(time_steps(f.config, f.data_dir, f.time_steps, quiet=False), indent=1))
+    return
   out = run_all(f.config, f.runs_dir, f.results_dir, f.data_dir, f.search_subset, quiet=False)
   print(out["table"])
   if out["complete"]:
@@ -344,6 +416,9 @@ def _define_flags():
                       "Workdirs and checkpoints of every run (private: holds the noise keys).")
   flags.DEFINE_string("results_dir", os.path.join("docs", "results"),
                       "Where clip_benchmark_search/ and clip_benchmark/ are published.")
+  flags.DEFINE_integer(
+      "time_steps", 0, "Instead of running: time the first and this many more steps of every "
+      "mechanism at the benchmark's size (CIFAR-10, the base settings), side by side.")
   flags.DEFINE_integer(
       "search_subset", None, "Search on this many CIFAR-100 training images, the expected batch "
       "scaled by search_subset / 50,000 (the same q, T and σ as the full search).")

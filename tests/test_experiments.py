@@ -742,6 +742,7 @@ def test_clip_trains_every_mechanism_with_two_towers_and_resumes(tmp_path):
 
   config = clip_benchmark_tiny.get_config().benchmark_base
   config.methods = ("logit_dp", "dp_gcl", "naive_dp", "non_private")
+  config.checkpoint_every = 2
   config.data.label_names = os.path.join(REPO, "experiments", "label_names", "cifar10.json")
   workdir = str(tmp_path / "run")
   results = clip.run(config, workdir, quiet=True)["methods"]
