@@ -25,6 +25,8 @@ every pair does to ḡ, from experiments/clip_bias.py), ``signal_to_noise:<file 
 ``geometry:<file>,<file>…`` (how spread out the runs' test embeddings are, from
 experiments/embedding_geometry.py),
 ``zero_shot:<group>`` (the two-tower runs of experiments/clip.py),
+``clip_benchmark:<folder in results_dir>`` (the private two-tower benchmark of
+experiments/clip_benchmark.py: every mechanism tuned on public data, Δ against DP-GCL),
 ``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
@@ -1044,6 +1046,10 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     if arg not in groups:
       return f"(no finished run of `{arg}` yet)"
     return zero_shot_table(groups[arg])
+  if kind == "clip_benchmark":
+    from experiments import clip_benchmark  # pylint: disable=g-import-not-at-top
+    return clip_benchmark.benchmark_table(
+        clip_benchmark.load_results(os.path.join(results_dir, arg)))
   if kind == "bound":
     a, b = arg.split(":")
     if a not in groups or b not in groups:

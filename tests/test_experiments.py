@@ -702,6 +702,10 @@ def test_clip_benchmark_searches_then_runs_resumably_and_tabulates(tmp_path):
       with open(os.path.join(dirpath, name)) as f:
         text = f.read()
       assert str(tmp_path) not in text, os.path.join(dirpath, name)
+  from experiments import render_results
+  name = "clip_benchmark:clip_benchmark"
+  block = f"<!-- generated:{name} -->\n<!-- /generated:{name} -->\n"
+  assert out["table"] in render_results.render(block, {}, None, results)
 
 
 def test_clip_benchmark_refuses_bad_configs():
