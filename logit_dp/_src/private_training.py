@@ -115,6 +115,8 @@ class PrivateTraining(NamedTuple):
     for batch in private.batches():          # steps ledger.steps, ..., T − 1
       params, opt_state, loss = train_step(params, opt_state, x[batch.indices],
                                            x_prime[batch.indices], batch.mask)
+
+  (method="dp_gcl": ``train_step(..., batch.mask, record_ids=batch.indices)``.)
   """
   grad_fn: Callable
   optimizer: optax.GradientTransformation
