@@ -550,3 +550,33 @@ def test_record_ids_only_with_dp_gcl():
   pt.ledger.record_steps(1)
   with pytest.raises(ValueError, match="record_ids"):
     pt.make_train_step()(params, pt.optimizer.init(params), x[:8], xp[:8], record_ids=jnp.arange(8))
+
+
+def test_dp_gcl_with_dropout_gets_the_model_key_of_the_step():
+  """stochastic=True: step t's DP-GCL gradient uses fold_in(model_key, t) and
+  fold_in(group_key, t), the noise key split apart from both."""
+  w = jax.random.normal(jax.random.key(2), (6, 4))
+
+  def embed(p, x, key):
+    h = jnp.tanh(x @ p["w"])
+    return jnp.where(jax.random.bernoulli(key, 0.7, h.shape), h / 0.7, 0.0)
+
+  params = {"w": w}
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  pt = logit_dp.make_private(embed, loss, 1.0, target_epsilon=EPS, target_delta=DELTA,
+                             num_records=N, expected_batch_size=BATCH, steps=2,
+                             optimizer=_recorder(), method="dp_gcl", group_size=5, stochastic=True,
+                             noise_key=jax.random.key(4), sampler_seed=1)
+  assert pt.model_key is not None and pt.group_key is not None
+  x, xp = _data()
+  opt_state = pt.optimizer.init(params)
+  (batch,) = list(pt.batches(1))
+  xs, xps = x[batch.indices], xp[batch.indices]
+  _, new_state, _ = pt.make_train_step()(params, opt_state, xs, xps, batch.mask,
+                                         record_ids=batch.indices)
+  _, want = logit_dp.grouped_clipped_grad(embed, loss, 1.0, 4, stochastic=True)(
+      params, xs, xps, batch.mask, record_ids=batch.indices,
+      group_key=jax.random.fold_in(pt.group_key, 0), key=jax.random.fold_in(pt.model_key, 0))
+  noise = pt.optimizer.update(jax.tree_util.tree_map(jnp.zeros_like, want), opt_state,
+                              params)[1][-1]
+  np.testing.assert_allclose(new_state[-1]["w"] - noise["w"], want["w"], rtol=1e-4, atol=1e-5)
