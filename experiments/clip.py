@@ -1,4 +1,4 @@
-r"""CLIP-style two-tower training with Logit-DP: CIFAR-100 images and their class-name texts.
+r"""CLIP-style two-tower training, private and not: CIFAR images and their class-name texts.
 
     python -m experiments.clip --config=experiments/configs/clip_cifar100.py \
         --config.data.npz_dir=/path/to/cifar --workdir=runs/clip
@@ -16,11 +16,17 @@ name>", tokenised with a word vocabulary built here from the class names (nothin
 downloaded). The metric is zero-shot accuracy on the test images: an image is assigned
 the class whose name text embeds closest to it (cosine), the same protocol as CLIP.
 
-Methods (``config.methods``): "logit_dp" (Poisson sampling, per-pair clipping to B,
-noise σ·C with σ from `logit_dp.accounting` for (target ε, δ) after the configured steps,
-all set up by `logit_dp.make_private`) and "non_private" (shuffled epochs, plain gradient
-of the same loss). Output in ``workdir``: config.json, results.json, results.md; the secret
-noise and sampling seeds of the private run in ``<workdir>.secrets/`` (kept apart).
+Methods (``config.methods``): the private mechanisms "logit_dp" (per-pair clipping,
+``config.clip_method``), "dp_gcl" (hash groups of ``config.dp_gcl.group_size`` expected records,
+each group's gradient clipped) and "naive_dp" (the whole batch's gradient clipped), each set up
+by `logit_dp.make_private` with two towers (Poisson sampling, noise σ·C with σ from
+`logit_dp.accounting` for (target ε, δ) after the configured steps, C the mechanism's own
+sensitivity), and "non_private" (shuffled epochs, plain gradient of the same loss). Each method
+has its own learning rate (``config.learning_rates.<method>``). Output in ``workdir``:
+config.json (no machine paths), results.json, results.md; the secret noise and sampling seeds of
+the private runs in ``<workdir>.secrets/`` (kept apart); with ``config.checkpoint_every`` > 0, the
+private runs' checkpoints in ``workdir/checkpoints/<method>`` (they hold the noise key: keep them
+private), from which a re-run resumes; a method already in results.json is not trained again.
 
 Duplicated texts. With class-name texts a batch of n pairs holds only ≤ 100 distinct
 texts: two records of one class have the same x', so v̂_j = v̂_i and Z_ij = Z_ii. The
@@ -55,9 +61,19 @@ import logit_dp
 from experiments import compilation_cache
 from experiments import data as data_lib
 from experiments import train as train_lib
+from experiments import workdirs
 from logit_dp import models
 
-METHOD_LABELS = {"logit_dp": "Logit-DP (two towers)", "non_private": "Non-private"}
+METHOD_LABELS = {
+    "logit_dp": "Logit-DP (two towers)", "dp_gcl": "DP-GCL (two towers)",
+    "naive_dp": "Naive-DP (two towers)", "non_private": "Non-private"
+}
+#: The mechanism of each private method: its `make_private` method name comes from the config.
+PRIVATE_METHODS = ("logit_dp", "dp_gcl", "naive_dp")
+METHODS = PRIVATE_METHODS + ("non_private",)
+# Settings that change how a run is logged or evaluated in batches, not what it trains.
+_RUN_ONLY_FIELDS = ("log_every", "eval_batch_size", "checkpoint_every", "secrets_dir",
+                    "on_nonfinite_rows", "methods")
 PADDING = "<pad>"
 
 #: The class names shipped with the repository: label_names/<data.name>.json.
@@ -204,45 +220,88 @@ def _pairs(ds, tokens, indices):
   return ds["x_train"][indices], jax.tree_util.tree_map(lambda a: a[ds["y_train"][indices]], tokens)
 
 
-def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, Any]:
-  """Logit-DP with two towers, set up by `logit_dp.make_private`."""
+def make_private_method(config, method: str) -> dict:
+  """The `make_private` keywords of a private method: its method name and DP-GCL's group size."""
+  if method == "logit_dp":
+    return dict(method=config.clip_method)
+  if method == "dp_gcl":
+    return dict(method="dp_gcl", group_size=config.dp_gcl.group_size)
+  if method == "naive_dp":
+    return dict(method="naive")
+  raise ValueError(f"{method!r} is not a private method: use one of {PRIVATE_METHODS}.")
+
+
+def train_private(config, ds, tokens, towers, workdir: str, log,
+                  method: str = "logit_dp") -> dict[str, Any]:
+  """A private mechanism with two towers, set up by `logit_dp.make_private`; resumes from
+  workdir/checkpoints/<method> when config.checkpoint_every > 0."""
   embed_images, embed_texts, params = towers
-  noise_seed, sampling_seed = train_lib.privacy_seeds(config, workdir, "logit_dp")
+  noise_seed, sampling_seed = train_lib.privacy_seeds(config, workdir, method)
   loss = logit_dp.losses.contrastive(config.temperature)
   num_records = len(ds["y_train"])
-  private = logit_dp.make_private(
-      embed_images, loss, config.clip_norm, target_epsilon=config.target_epsilon,
-      target_delta=config.target_delta, num_records=num_records,
-      expected_batch_size=config.batch_size, epochs=config.num_epochs,
-      optimizer=optax.adam(config.learning_rates.logit_dp), method=config.clip_method, mean=True,
-      microbatch_size=config.microbatch_size, noise_key=jax.random.key(noise_seed),
-      sampler_seed=sampling_seed, positive_embed_fn=embed_texts)
+  private = logit_dp.make_private(embed_images, loss, config.clip_norm,
+                                  target_epsilon=config.target_epsilon,
+                                  target_delta=config.target_delta, num_records=num_records,
+                                  expected_batch_size=config.batch_size, epochs=config.num_epochs,
+                                  optimizer=optax.adam(config.learning_rates[method]), mean=True,
+                                  microbatch_size=config.microbatch_size,
+                                  noise_key=jax.random.key(noise_seed), sampler_seed=sampling_seed,
+                                  positive_embed_fn=embed_texts,
+                                  **make_private_method(config, method))
+  grouped = method == "dp_gcl"
   # Diagnostic on the initial parameters and 64 TEST pairs (never on training records, which
-  # would release something not covered by the guarantee): the share of pair norms above B.
+  # would release something not covered by the guarantee): the share of norms above B.
   test_texts = jax.tree_util.tree_map(lambda a: a[ds["y_test"][:64]], tokens)
-  initial_norms = logit_dp.pair_grad_norms(embed_images, params, ds["x_test"][:64], test_texts,
-                                           positive_embed_fn=embed_texts)
-  clipped_at_start = float(np.mean(np.asarray(initial_norms) > config.clip_norm))
+  test_pairs = (ds["x_test"][:64], test_texts)
+  if grouped:
+    _, _, stats = private.grad_fn.with_stats(params, *test_pairs,
+                                             record_ids=np.arange(len(test_pairs[0])),
+                                             group_key=jax.random.key(0))
+    clipped_at_start = float(stats.fraction_clipped)
+  elif method == "naive_dp":
+    clipped_at_start = float(private.grad_fn.with_stats(params, *test_pairs)[2].fraction_clipped)
+  else:
+    initial_norms = logit_dp.pair_grad_norms(embed_images, params, *test_pairs,
+                                             positive_embed_fn=embed_texts)
+    clipped_at_start = float(np.mean(np.asarray(initial_norms) > config.clip_norm))
   opt_state = private.optimizer.init(params)
+  every = int(config.get("checkpoint_every") or 0)
+  ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints", method))
+  if every:
+    (params, opt_state), private = private.restore_checkpoint(ckpt_dir, (params, opt_state),
+                                                               missing_ok=True)
   train_step = private.make_train_step(on_nonfinite=config.get("on_nonfinite_rows", "warn"))
   start = time.time()
-  log(f"logit_dp: {private.steps} steps; compiling the first one")
+  first = private.ledger.steps
+  log(f"{method}: steps {first + 1}..{private.steps}; compiling the first one")
   # Record r: training image r and the text of its class (a public caption).
   records = (ds["x_train"], jax.tree_util.tree_map(lambda a: a[ds["y_train"]], tokens))
-  for batch in private.batches():  # each step recorded in the ledger before its batch is out
+  # A resumed run that already finished has no step left (batches() would raise).
+  for batch in private.batches() if first < private.steps else ():
     params, opt_state, _ = train_step(params, opt_state, batch, records)
     step = private.ledger.steps
+    if every and (step % every == 0 or step == private.steps):
+      private.save_checkpoint(ckpt_dir, (params, opt_state), max_to_keep=1)
     if step % config.log_every == 0 or step == private.steps:
-      log(f"logit_dp step {step}/{private.steps}  ε = {private.ledger.epsilon():.3f}  "
+      log(f"{method} step {step}/{private.steps}  ε = {private.ledger.epsilon():.3f}  "
           f"{time.time() - start:.0f} s")
   epsilon, delta = private.ledger.guarantee()
-  return dict(
+  out = dict(
       params=params, steps=private.steps, epsilon=epsilon, delta=delta,
       noise_multiplier=private.noise_multiplier, sensitivity=private.sensitivity,
       clip_norm=private.clip_norm, sampling_rate=private.sampling_rate,
-      clipped_at_start=clipped_at_start, method=private.method, train_seconds=time.time() - start,
-      shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params,
-                                                   ds["x_test"][:64], test_texts))
+      clipped_at_start=clipped_at_start, method=private.method,
+      learning_rate=config.learning_rates[method], temperature=config.temperature,
+      train_seconds=time.time() - start, resumed_at_step=first,
+      shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params, *test_pairs))
+  if grouped:
+    out.update(group_size=config.dp_gcl.group_size, num_groups=private.grad_fn.num_groups)
+  return out
+
+
+def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, Any]:
+  """Logit-DP with two towers (`train_private`)."""
+  return train_private(config, ds, tokens, towers, workdir, log, "logit_dp")
 
 
 def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
@@ -272,15 +331,64 @@ def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
         raise FloatingPointError(f"non-private step {steps}: the loss is not finite.")
       if steps % config.log_every == 0:
         log(f"non_private step {steps}  loss {float(value):.3f}  {time.time() - start:.0f} s")
-  return dict(params=params, steps=steps, train_seconds=time.time() - start)
+  return dict(params=params, steps=steps, train_seconds=time.time() - start,
+              learning_rate=config.learning_rates.non_private, temperature=config.temperature)
+
+
+def _results_path(workdir: str) -> str:
+  return os.path.join(workdir, "results.json")
+
+
+def read_results(workdir: str) -> dict[str, Any] | None:
+  """The results.json of a clip run in ``workdir`` (None if there is none)."""
+  path = _results_path(workdir)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def is_finished(workdir: str, methods=None) -> bool:
+  """Whether results.json holds every method of ``methods`` (default: those its config.json
+  lists)."""
+  results = read_results(workdir)
+  if results is None:
+    return False
+  if methods is None:
+    with open(os.path.join(workdir, "config.json")) as f:
+      methods = json.load(f)["methods"]
+  return all(m in results.get("methods", {}) for m in methods)
+
+
+def _training_settings(config: dict) -> dict:
+  return {k: v for k, v in workdirs.shareable_config(config).items() if k not in _RUN_ONLY_FIELDS}
+
+
+def check_resumable(config, workdir: str) -> None:
+  """ValueError when ``workdir`` holds a clip run made with other training settings."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    old = json.load(f)
+  if _training_settings(old) != _training_settings(json.loads(config.to_json_best_effort())):
+    raise ValueError(f"{workdir} holds a clip run with other training settings ({path}): use "
+                     "another workdir (or delete this one).")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, quiet: bool = False) -> dict[str, Any]:
-  """Trains every method of config.methods, evaluates zero-shot accuracy, writes results."""
+  """Trains every method of config.methods, evaluates zero-shot accuracy, writes results.
+
+  A re-run on the same workdir (same training settings) keeps the methods results.json already
+  holds and resumes the others from their checkpoints.
+  """
   log = (lambda s: None) if quiet else print
+  unknown = [m for m in config.methods if m not in METHODS]
+  if unknown:
+    raise ValueError(f"unknown method(s) {unknown}: use {METHODS}.")
+  check_resumable(config, workdir)
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(json.loads(config.to_json_best_effort()), f, indent=2, sort_keys=True)
+  workdirs.write_config(config, os.path.join(workdir, "config.json"))
   ds = load_images(config)
   texts = class_texts(ds["names"], config.text_template)
   vocab = Vocabulary(texts)
@@ -290,26 +398,47 @@ def run(config: ml_collections.ConfigDict, workdir: str, quiet: bool = False) ->
   results: dict[str, Any] = dict(num_records=int(len(ds["y_train"])),
                                  num_test=int(len(ds["y_test"])), num_classes=len(texts),
                                  vocabulary_size=len(vocab), example_text=texts[0], methods={})
+  earlier = read_results(workdir)
+  if earlier is not None:
+    results["methods"].update(earlier.get("methods", {}))
   for method in config.methods:
-    if method == "logit_dp":
-      out = train_logit_dp(config, ds, tokens, towers, workdir, log)
-    elif method == "non_private":
+    if method in results["methods"]:
+      log(f"{method}: finished earlier, kept")
+      continue
+    if method == "non_private":
       out = train_non_private(config, ds, tokens, towers, log)
     else:
-      raise ValueError(f"unknown method {method!r}: use 'logit_dp' or 'non_private'.")
+      out = train_private(config, ds, tokens, towers, workdir, log, method)
     params = out.pop("params")
     out.update(
         zero_shot(towers[0], towers[1], params, ds["x_test"], ds["y_test"], tokens,
                   config.eval_batch_size))
     results["methods"][method] = out
+    workdirs.write_json(_results_path(workdir), results)
     log(f"{METHOD_LABELS[method]}: zero-shot top-1 {out['zero_shot_top1']:.4f}, "
         f"top-5 {out['zero_shot_top5']:.4f}")
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2, sort_keys=True)
+  workdirs.write_json(_results_path(workdir), results)
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write(format_table(results) + "\n")
   log(format_table(results))
   return results
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       quiet: bool = False) -> dict[str, Any]:
+  """`run`, the entry point of `experiments.tune` and `experiments.clip_benchmark`."""
+  return run(config, workdir, quiet=quiet)
+
+
+def search_result(workdir: str) -> dict[str, Any]:
+  """The record `experiments.tune` ranks: the run's one method, zero-shot top-1 as accuracy."""
+  results = read_results(workdir)
+  (method,) = results["methods"]
+  r = results["methods"][method]
+  return dict(steps=int(r["steps"]), noise_multiplier=r.get("noise_multiplier"),
+              sampling_rate=r.get("sampling_rate"), epsilon=r.get("epsilon"), delta=r.get("delta"),
+              clip_norm=r.get("clip_norm"), accuracy=float(r["zero_shot_top1"]),
+              zero_shot_top5=float(r["zero_shot_top5"]), train_seconds=r.get("train_seconds"))
 
 
 def format_table(results: dict[str, Any]) -> str:

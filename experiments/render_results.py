@@ -25,6 +25,8 @@ every pair does to ḡ, from experiments/clip_bias.py), ``signal_to_noise:<file 
 ``geometry:<file>,<file>…`` (how spread out the runs' test embeddings are, from
 experiments/embedding_geometry.py),
 ``zero_shot:<group>`` (the two-tower runs of experiments/clip.py),
+``clip_benchmark:<folder in results_dir>`` (the private two-tower benchmark of
+experiments/clip_benchmark.py: every mechanism tuned on public data, Δ against DP-GCL),
 ``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
@@ -669,11 +671,14 @@ def _fmt_overrides(overrides: dict) -> str:
 
 def search_table(summary: dict) -> str:
   """The public-data search of experiments/tune.py: one row per candidate, then the choice."""
+  zero_shot = any("zero_shot_top5" in r for r in summary["candidates"])  # experiments/clip.py
+  metrics = "zero-shot top-1 | zero-shot top-5" if zero_shot else "3-NN acc | linear probe"
   lines = [
-      "| # | candidate | stage | its change | overrides of the base | T | σ | ε | 3-NN acc | "
-      "linear probe | train s | wall-clock s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
+      f"| # | candidate | stage | its change | overrides of the base | T | σ | ε | {metrics} | "
+      "train s | wall-clock s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
   ]
   incomplete = False
+  number = lambda v, spec: "–" if v is None else format(v, spec)
   chosen = (summary.get("chosen") or {}).get("name")
   for r in summary["candidates"]:
     name = f"**{r['name']}**" if r["name"] == chosen else r["name"]
@@ -682,10 +687,12 @@ def search_table(summary: dict) -> str:
     elif not r["finished"]:
       cells = ["–", "–", "–", "not finished", "–"]
     else:
-      probe = r.get("linear_probe")
+      second = r.get("zero_shot_top5" if zero_shot else "linear_probe")
       cells = [
-          str(r["steps"]), f"{r['noise_multiplier']:.3g}", f"{r['epsilon']:.3g}",
-          f"{r['accuracy']:.4f}", "–" if probe is None else f"{probe:.4f}"
+          str(r["steps"]),
+          number(r.get("noise_multiplier"), ".3g"),
+          number(r.get("epsilon"), ".3g"), f"{r['accuracy']:.4f}",
+          number(second, ".4f")
       ]
     trained = r.get("train_seconds")
     wall, marked = _wallclock_cell(r.get("wallclock_seconds"), trained)
@@ -1039,6 +1046,10 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     if arg not in groups:
       return f"(no finished run of `{arg}` yet)"
     return zero_shot_table(groups[arg])
+  if kind == "clip_benchmark":
+    from experiments import clip_benchmark  # pylint: disable=g-import-not-at-top
+    return clip_benchmark.benchmark_table(
+        clip_benchmark.load_results(os.path.join(results_dir, arg)))
   if kind == "bound":
     a, b = arg.split(":")
     if a not in groups or b not in groups:

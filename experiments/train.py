@@ -69,6 +69,7 @@ import logit_dp.sampling  # noqa: F401
 from experiments import augment as augment_lib
 from experiments import data as data_lib
 from experiments import evaluation
+from experiments import workdirs
 from logit_dp import models
 
 # The encoder at its initial parameters, evaluated like the trained ones: the floor every
@@ -1179,9 +1180,9 @@ def default_workdir(config_path: str, prefix: str) -> str:
 
 
 def save_config(config, workdir: str):
+  """workdir/config.json: the config without machine paths (`workdirs.shareable_config`)."""
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  workdirs.write_config(config, os.path.join(workdir, "config.json"))
 
 
 _ADDED_CONFIG_GROUPS = ("dp_gcl", "projection")
@@ -1197,8 +1198,9 @@ def check_resumable(config, workdir: str):
   if not os.path.exists(path):
     return
   with open(path) as f:
-    old = ml_collections.ConfigDict(json.load(f))
-  new = ml_collections.ConfigDict(json.loads(config.to_json_best_effort()))
+    old = ml_collections.ConfigDict(workdirs.shareable_config(json.load(f)))
+  new = ml_collections.ConfigDict(
+      workdirs.shareable_config(json.loads(config.to_json_best_effort())))
   # Config groups added after a run was started (absent from its config.json) are compared
   # as absent: they configure methods that run did not train.
   added = [k for k in _ADDED_CONFIG_GROUPS if k not in old]

@@ -5,7 +5,9 @@ r"""Sequential search of Logit-DP settings on public data.
         --results_dir=docs/results/tune_cifar100 [--subset=5000]
 
 The config holds ``base`` (a training config of `experiments.train`, Logit-DP only, on
-public data) and ``stages``: a list of ``dict(name, candidates=[dict(name, overrides)])``.
+public data; or, with ``trainer = "clip"``, a config of `experiments.clip` training one method,
+ranked by zero-shot top-1: `experiments.clip_benchmark` builds those) and ``stages``: a list
+of ``dict(name, candidates=[dict(name, overrides)])``.
 ``overrides`` maps dotted config keys (``"temperature"``, ``"model.embedding_dim"``,
 ``"learning_rates.logit_dp"``, …) to values. Stage k's candidates are the incumbent's
 overrides updated with their own; the incumbent after stage k is the best of the incumbent
@@ -33,7 +35,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_collections
 from absl import app
@@ -45,6 +47,11 @@ from experiments import workdirs
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULE = ("best 3-NN accuracy on the public test split; ties to fewer steps T, then to the "
         "earlier candidate")
+CLIP_RULE = ("best zero-shot top-1 accuracy on the public test split; ties to fewer steps T, "
+             "then to the earlier candidate")
+#: What a search trains: ``config.trainer`` "train" (`experiments.train`, Logit-DP, 3-NN
+#: accuracy) or "clip" (`experiments.clip`, one method of two towers, zero-shot top-1).
+TRAINERS = ("train", "clip")
 # A candidate may not change what is private, the privacy target, or how σ is calibrated.
 FORBIDDEN_OVERRIDES = ("data", "projection", "methods", "target_epsilon", "target_delta",
                        "noise_multiplier", "accountant", "privacy_seed", "allow_exceeding_budget")
@@ -76,10 +83,44 @@ def apply_overrides(config: ml_collections.ConfigDict,
   return out
 
 
+class Trainer(NamedTuple):
+  """How a search trains a candidate and reads its result."""
+  train_fn: Callable  # train_fn(cfg, workdir, quiet=...)
+  check_resumable: Callable  # (cfg, workdir) -> None, ValueError for another config
+  is_finished: Callable  # workdir -> bool
+  result: Callable  # finished workdir -> dict(steps, ..., accuracy)
+  rule: str
+
+
+def trainer_of(config) -> Trainer:
+  """The `Trainer` of ``config.trainer`` (default "train")."""
+  name = config.get("trainer", "train")
+  if name == "clip":
+    from experiments import clip  # pylint: disable=g-import-not-at-top
+    return Trainer(clip.train_and_evaluate, clip.check_resumable, clip.is_finished,
+                   clip.search_result, CLIP_RULE)
+  if name != "train":
+    raise ValueError(f"config.trainer must be one of {TRAINERS}, got {name!r}.")
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  return Trainer(train.train_and_evaluate, train.check_resumable, workdirs.is_finished,
+                 _train_result, RULE)
+
+
+def _train_result(workdir: str) -> dict:
+  r = _read_json(os.path.join(workdir, "results.json"))["logit_dp"]
+  return dict(steps=int(r["steps"]), noise_multiplier=r["noise_multiplier"],
+              sampling_rate=r["sampling_rate"], epsilon=r["epsilon"], delta=r["delta"],
+              clip_norm=r.get("clip_norm"), accuracy=float(r["accuracy"]),
+              linear_probe=r.get("linear_probe"), train_seconds=r.get("train_seconds"))
+
+
 def check_search_config(config) -> None:
-  """ValueError unless the search is Logit-DP only, on public data, with σ from the accountant
-  and unique candidate names that are folder names."""
+  """ValueError unless the search trains one method (Logit-DP for "train"), on public data,
+  with σ from the accountant and unique candidate names that are folder names."""
   base = config.base
+  trainer = config.get("trainer", "train")
+  if trainer not in TRAINERS:
+    raise ValueError(f"config.trainer must be one of {TRAINERS}, got {trainer!r}.")
   if base.data.get("name") in PRIVATE_DATA:
     raise ValueError(f"the search runs on public data only; base.data.name = "
                      f"{base.data.name!r} is the private data set.")
@@ -87,8 +128,10 @@ def check_search_config(config) -> None:
   if projection is not None and projection.get("reference") in PRIVATE_DATA:
     raise ValueError(f"the projected bound's reference inputs come from "
                      f"{projection.reference!r}, the private data set: the search uses none.")
-  if tuple(base.methods) != ("logit_dp",):
+  if trainer == "train" and tuple(base.methods) != ("logit_dp",):
     raise ValueError(f"the search pre-trains Logit-DP only; base.methods = {tuple(base.methods)}.")
+  if trainer == "clip" and len(tuple(base.methods)) != 1:
+    raise ValueError(f"a clip search trains one method; base.methods = {tuple(base.methods)}.")
   if base.get("noise_multiplier") is not None:
     raise ValueError("base.noise_multiplier must be None: σ is recalibrated for every candidate.")
   names = [c["name"] for s in config.stages for c in s["candidates"]]
@@ -135,29 +178,26 @@ def _read_json(path):
     return json.load(f)
 
 
-def finished_dir(workdir: str, published: str) -> str | None:
+def finished_dir(workdir: str, published: str,
+                 is_finished: Callable = workdirs.is_finished) -> str | None:
   """The folder holding a finished (or diverged) candidate's files, or None if it has not finished.
 
   The workdir first; else its published copy in ``results_dir`` (a new machine has no runs/,
   but the committed copies say what finished).
   """
   for d in (workdir, published):
-    if os.path.exists(os.path.join(d, DIVERGED_FILE)) or workdirs.is_finished(d):
+    if os.path.exists(os.path.join(d, DIVERGED_FILE)) or is_finished(d):
       return d
   return None
 
 
-def _record(stage, cand, order, overrides, workdir) -> dict:
+def _record(stage, cand, order, overrides, workdir, trainer: Trainer) -> dict:
   rec = dict(name=cand["name"], stage=stage["name"], order=order,
              own_overrides=dict(cand["overrides"]), overrides=dict(overrides), finished=False)
   if os.path.exists(os.path.join(workdir, DIVERGED_FILE)):
     rec.update(finished=True, diverged=_read_json(os.path.join(workdir, DIVERGED_FILE))["error"])
-  elif workdirs.is_finished(workdir):
-    r = _read_json(os.path.join(workdir, "results.json"))["logit_dp"]
-    rec.update(finished=True, steps=int(r["steps"]), noise_multiplier=r["noise_multiplier"],
-               sampling_rate=r["sampling_rate"], epsilon=r["epsilon"], delta=r["delta"],
-               clip_norm=r.get("clip_norm"), accuracy=float(r["accuracy"]),
-               linear_probe=r.get("linear_probe"), train_seconds=r.get("train_seconds"))
+  elif trainer.is_finished(workdir):
+    rec.update(finished=True, **trainer.result(workdir))
   wc = os.path.join(workdir, "wallclock.json")
   rec["wallclock_seconds"] = _read_json(wc)["total_seconds"] if os.path.exists(wc) else None
   return rec
@@ -184,10 +224,10 @@ def check_resumable(cfg, workdir: str) -> None:
 def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | None = None,
                quiet: bool = True) -> dict:
   """Runs (or resumes) the search; writes and returns the summary (see module docstring)."""
-  if train_fn is None:
-    from experiments import train  # pylint: disable=g-import-not-at-top
-    train_fn = train.train_and_evaluate
   check_search_config(config)
+  trainer = trainer_of(config)
+  if train_fn is None:
+    train_fn = trainer.train_fn
   records, stages = [], []
   incumbent = None
   complete = True
@@ -195,8 +235,9 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
 
   def write_summary(complete, chosen, candidates):
     """search.json and search.md: after every candidate (complete False) and at the end."""
-    summary = dict(rule=RULE, complete=complete, chosen=chosen, stages=list(stages),
-                   candidates=list(candidates), base=json.loads(config.base.to_json_best_effort()))
+    summary = dict(rule=trainer.rule, complete=complete, chosen=chosen, stages=list(stages),
+                   candidates=list(candidates),
+                   base=workdirs.shareable_config(json.loads(config.base.to_json_best_effort())))
     os.makedirs(results_dir, exist_ok=True)
     workdirs.write_json(os.path.join(results_dir, "search.json"), summary)
     with open(os.path.join(results_dir, "search.md"), "w") as f:
@@ -213,15 +254,15 @@ def run_search(config, runs_dir: str, results_dir: str, train_fn: Callable | Non
       # A workdir (or published copy) of this name made with other settings (e.g. an earlier
       # order of the stages) is neither resumed nor counted: check_resumable refuses it.
       cfg = apply_overrides(config.base, overrides)
-      check_resumable(cfg, workdir)
-      check_resumable(cfg, published)
-      done_dir = finished_dir(workdir, published)
+      trainer.check_resumable(cfg, workdir)
+      trainer.check_resumable(cfg, published)
+      done_dir = finished_dir(workdir, published, trainer.is_finished)
       if done_dir is None:
         if not quiet:
           print(f"[tune] {cand['name']}: training with {overrides}", flush=True)
         _train_timed(train_fn, cfg, workdir, quiet)
-        done_dir = finished_dir(workdir, published) or workdir
-      rec = _record(stage, cand, order, overrides, done_dir)
+        done_dir = finished_dir(workdir, published, trainer.is_finished) or workdir
+      rec = _record(stage, cand, order, overrides, done_dir, trainer)
       order += 1
       if rec["finished"] and done_dir == workdir:
         workdirs.publish(workdir, published, extra_files=(DIVERGED_FILE,))

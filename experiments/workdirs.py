@@ -10,6 +10,7 @@ with :func:`publish`. :func:`timed_attempt` records each attempt at a run in
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -40,12 +41,72 @@ def failed_attempts(workdir: str) -> int:
     return sum(a["returncode"] not in (0, None) for a in json.load(f)["attempts"])
 
 
+_REPO_DIRS = ("experiments", "docs", "runs", "logit_dp", "tools", "benchmarks", "tests")
+_ABS_PATH_RE = re.compile(r"(?<![\w.~-])/[^\s=,;'\"]+")
+
+
+def shareable_path(path: str) -> str:
+  """An absolute path as a repository path (from its first repository folder on: runs/x,
+  experiments/configs/y.py) or, outside the repository, its last component."""
+  parts = os.path.normpath(path).split(os.sep)
+  for i, part in enumerate(parts):
+    if part in _REPO_DIRS:
+      return os.path.join(*parts[i:])
+  return parts[-1] or path
+
+
+def shareable_command(command: str) -> str:
+  """A command line without machine paths: data folders as DIR, other absolute paths as
+  `shareable_path` gives them."""
+  command = re.sub(r"(npz_dir|data_dir|archive_dir)=\S+", r"\1=DIR", command)
+  return _ABS_PATH_RE.sub(lambda m: shareable_path(m.group(0)), command)
+
+
+def shareable_config(config: dict) -> dict:
+  """A config.json dict without machine paths: ``npz_dir`` None (the data are named by
+  ``data.name`` and found by flag), every other absolute path as `shareable_path` gives it."""
+  def clean(value):
+    if isinstance(value, dict):
+      return {k: (None if k == "npz_dir" else clean(v)) for k, v in value.items()}
+    if isinstance(value, list):
+      return [clean(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+      return shareable_path(value)
+    return value
+
+  return clean(config)
+
+
+def write_config(config, path: str) -> None:
+  """Writes an ml_collections config (or a dict) as the shareable config.json at ``path``."""
+  d = config if isinstance(config, dict) else json.loads(config.to_json_best_effort())
+  with open(path, "w") as f:
+    json.dump(shareable_config(d), f, indent=2, ensure_ascii=False)
+
+
+def shareable_wallclock(wallclock: dict) -> dict:
+  """wallclock.json with its command line shareable (`shareable_command`)."""
+  if "command" not in wallclock:
+    return wallclock
+  return dict(wallclock, command=shareable_command(wallclock["command"]))
+
+
 def publish(workdir: str, dest: str, extra_files=()) -> None:
-  """Copies the small, shareable files of a finished run (and ``extra_files``) to ``dest``."""
+  """Copies the small, shareable files of a finished run (and ``extra_files``) to ``dest``;
+  config.json and wallclock.json without machine paths (`shareable_config`,
+  `shareable_command`)."""
   os.makedirs(dest, exist_ok=True)
   for name in (*SHARED_FILES, *extra_files):
     src = os.path.join(workdir, name)
-    if os.path.exists(src):
+    if not os.path.exists(src):
+      continue
+    if name == "config.json":
+      with open(src) as f:
+        write_config(json.load(f), os.path.join(dest, name))
+    elif name == "wallclock.json":
+      with open(src) as f:
+        write_json(os.path.join(dest, name), shareable_wallclock(json.load(f)))
+    else:
       shutil.copy(src, os.path.join(dest, name))
 
 
@@ -77,7 +138,7 @@ def timed_attempt(workdir: str, command_line: str, heartbeat_seconds: float = HE
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "wallclock.json")
   wc = json.load(open(path)) if os.path.exists(path) else dict(attempts=[])
-  wc["command"] = command_line
+  wc["command"] = shareable_command(command_line)
   t0 = time.time()
   attempt = dict(start_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), seconds=0.0,
                  returncode=None, **code_version())

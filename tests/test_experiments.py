@@ -642,3 +642,191 @@ def test_compilation_cache_flag_sets_the_persistent_cache(tmp_path):
     calls = [ast.unparse(node.func) for node in ast.walk(main) if isinstance(node, ast.Call)]
     enabled = calls.index("compilation_cache.enable_from_flags")
     assert any(call.endswith(trains) for call in calls[enabled + 1:]), script
+
+# -- The private two-tower benchmark (experiments/clip_benchmark.py). -----------------------
+
+
+def _scripted_clip_trainer(calls, fail_at=None):
+  """A stand-in for clip.train_and_evaluate: writes config.json and a results.json whose
+  zero-shot top-1 peaks at learning rate 3e-2 (private) / 1e-2 (non-private), with an offset
+  per mechanism and seed; raises once at call number ``fail_at`` (an interrupted run)."""
+  from experiments import workdirs
+
+  offsets = dict(logit_dp=0.02, dp_gcl=0.05, naive_dp=0.0, non_private=0.2)
+
+  def train_fn(cfg, workdir, quiet=True):
+    del quiet
+    calls.append(workdir)
+    if fail_at is not None and len(calls) == fail_at:
+      raise KeyboardInterrupt("interrupted")
+    os.makedirs(workdir, exist_ok=True)
+    workdirs.write_config(cfg, os.path.join(workdir, "config.json"))
+    (method,) = cfg.methods
+    lr = cfg.learning_rates[method]
+    best = 1e-2 if method == "non_private" else 3e-2
+    top1 = 0.3 - 0.05 * abs(np.log10(lr / best)) + offsets[method] + 0.01 * cfg.seed
+    r = dict(steps=4, train_seconds=1.0, learning_rate=lr, temperature=cfg.temperature,
+             zero_shot_top1=top1, zero_shot_top5=top1 + 0.3)
+    if method != "non_private":
+      r.update(epsilon=cfg.target_epsilon * 0.99, delta=1e-5,
+               noise_multiplier=1.0 / cfg.target_epsilon, sampling_rate=0.25,
+               clip_norm=cfg.clip_norm)
+      if method == "dp_gcl":
+        r.update(group_size=cfg.dp_gcl.group_size)
+    results = dict(num_records=64, num_test=50, num_classes=10, methods={method: r})
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(results, f)
+    return results
+
+  return train_fn
+
+
+def test_clip_benchmark_searches_then_runs_resumably_and_tabulates(tmp_path):
+  """The one command: each mechanism's search on the public data (at each ε), then every
+  mechanism × ε × seed with its own choice; an interrupted call resumes without retraining
+  what finished; Δ against DP-GCL paired by seed; no machine path in the published files."""
+  from experiments import clip_benchmark
+  from experiments.configs import clip_benchmark_tiny
+
+  config = clip_benchmark_tiny.get_config()
+  config.epsilons = (1.0, 8.0)
+  config.seeds = (0, 1, 2)
+  config.grids.learning_rate = (0.3, 3.0)  # base 1e-2 (non-private 3e-3): 3e-3, 3e-2
+  for base in (config.search_base, config.benchmark_base):
+    base.learning_rates.update(dict(logit_dp=1e-2, dp_gcl=1e-2, naive_dp=1e-2, non_private=3e-3))
+  runs, results = str(tmp_path / "runs"), str(tmp_path / "docs")
+  data_dir = str(tmp_path / "machine" / "cifar")
+  calls = []
+  with pytest.raises(KeyboardInterrupt):
+    clip_benchmark.run_all(config, runs, results, data_dir,
+                           train_fn=_scripted_clip_trainer(calls, fail_at=9))
+  interrupted = list(calls)
+  calls.clear()
+  out = clip_benchmark.run_all(config, runs, results, data_dir,
+                               train_fn=_scripted_clip_trainer(calls))
+  assert out["complete"] and not out["waiting"]
+  # 7 searches of 3 candidates (the non-private one once), then 3 × 2 × 3 + 3 runs.
+  assert len(set(interrupted[:-1]) & set(calls)) == 0  # finished candidates are not retrained
+  assert len(interrupted) - 1 + len(calls) == 7 * 3 + 21
+  for name, choice in out["chosen"].items():
+    method = name.split("_eps")[0]
+    want = 3e-2 if method != "non_private" else 9e-3  # the scripted optimum on the grid
+    assert choice["overrides"] == {f"learning_rates.{method}": want}, name
+  search_dirs = [c for c in interrupted[:-1] + calls if os.sep + "search" + os.sep in c]
+  assert len(search_dirs) == 21
+  for c in search_dirs:
+    with open(os.path.join(c, "config.json")) as f:
+      assert json.load(f)["data"]["name"] != "cifar10"  # the search never sees CIFAR-10
+  bench = sorted(os.listdir(os.path.join(results, "clip_benchmark")))
+  assert len([b for b in bench if os.path.isdir(os.path.join(results, "clip_benchmark", b))]) == 21
+  # A second call trains nothing and writes the same table.
+  calls.clear()
+  again = clip_benchmark.run_all(config, runs, results, data_dir,
+                                 train_fn=_scripted_clip_trainer(calls))
+  assert calls == [] and again["table"] == out["table"]
+  # Δ top-1 of Logit-DP against DP-GCL: offsets 0.02 − 0.05 at every seed, std 0.
+  row = next(line for line in out["table"].splitlines() if line.startswith("| Logit-DP | 7.92"))
+  assert "-0.030 ± 0.000 (3)" in row and "lr 0.03" in row
+  assert "| DP-GCL | 0.99 |" in out["table"]
+  non_private = [line for line in out["table"].splitlines() if line.startswith("| Non-private")]
+  delta = 0.2 - 0.05 * abs(np.log10(9e-3 / 1e-2)) - 0.05  # its lr 9e-3 is off the peak
+  assert len(non_private) == 2 and f"{delta:+.3f} ± 0.000 (3)" in non_private[0]
+  for dirpath, _, files in os.walk(results):
+    for name in files:
+      with open(os.path.join(dirpath, name)) as f:
+        text = f.read()
+      assert str(tmp_path) not in text, os.path.join(dirpath, name)
+  from experiments import render_results
+  name = "clip_benchmark:clip_benchmark"
+  block = f"<!-- generated:{name} -->\n<!-- /generated:{name} -->\n"
+  assert out["table"] in render_results.render(block, {}, None, results)
+
+
+def test_clip_benchmark_refuses_bad_configs():
+  from experiments import clip_benchmark
+  from experiments.configs import clip_benchmark as full
+
+  config = full.get_config()
+  config.search_base.data.name = "cifar10"
+  with pytest.raises(ValueError, match="public data"):
+    clip_benchmark.check_config(config)
+  config = full.get_config()
+  config.search_base.clip_norm = 1.0
+  with pytest.raises(ValueError, match="clip_norm"):
+    clip_benchmark.check_config(config)
+  config = full.get_config()
+  config.mechanisms = ("logit_dp", "naive_dp")
+  with pytest.raises(ValueError, match="dp_gcl"):
+    clip_benchmark.check_config(config)
+  config = full.get_config()
+  config.mechanisms = ("logit_dp", "dp_gcl", "dpsgd")
+  with pytest.raises(ValueError, match="unknown"):
+    clip_benchmark.check_config(config)
+  # Every private mechanism gets the same number of candidates.
+  counts = {
+      m: sum(len(s["candidates"]) for s in clip_benchmark.search_stages(full.get_config(), m))
+      for m in ("logit_dp", "dp_gcl", "naive_dp")
+  }
+  assert set(counts.values()) == {9}
+
+
+@pytest.mark.slow  # four tiny two-tower trainings (~2 min on 2 CPU cores)
+def test_clip_trains_every_mechanism_with_two_towers_and_resumes(tmp_path):
+  """Logit-DP, DP-GCL, Naive-DP (make_private, each its own C) and non-private on the tiny
+  synthetic two towers; a re-run keeps the finished methods, and a private run with its
+  results removed resumes from its last checkpoint (the final step) without training."""
+  from experiments import clip
+  from experiments.configs import clip_benchmark_tiny
+
+  config = clip_benchmark_tiny.get_config().benchmark_base
+  config.methods = ("logit_dp", "dp_gcl", "naive_dp", "non_private")
+  config.checkpoint_every = 2
+  config.data.label_names = os.path.join(REPO, "experiments", "label_names", "cifar10.json")
+  workdir = str(tmp_path / "run")
+  results = clip.run(config, workdir, quiet=True)["methods"]
+  tau_c = 2 * (1 + np.exp(2.0)) * config.clip_norm
+  assert results["logit_dp"]["sensitivity"] == pytest.approx(tau_c, rel=1e-3)
+  assert results["dp_gcl"]["sensitivity"] == results["naive_dp"][
+      "sensitivity"] == 2 * config.clip_norm
+  assert results["dp_gcl"]["num_groups"] == 4  # round(16 / 4)
+  for m in ("logit_dp", "dp_gcl", "naive_dp"):
+    assert 0 < results[m]["epsilon"] <= config.target_epsilon and results[m]["steps"] == 4
+  with open(os.path.join(workdir, "config.json")) as f:
+    text = f.read()
+  assert REPO not in text and str(tmp_path) not in text
+  again = clip.run(config, workdir, quiet=True)["methods"]
+  assert again == results
+  kept = {m: r for m, r in results.items() if m != "dp_gcl"}
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(dict(num_records=64, num_test=50, num_classes=10, methods=kept), f)
+  resumed = clip.run(config, workdir, quiet=True)["methods"]["dp_gcl"]
+  assert resumed["resumed_at_step"] == 4
+  assert resumed["zero_shot_top1"] == results["dp_gcl"]["zero_shot_top1"]
+
+
+def test_results_files_record_no_machine_path():
+  """docs/results holds no absolute path (data folders, workdirs, commands)."""
+  import re
+  absolute = re.compile(r"(?<![\w.~-])/(work|home|Users|tmp|mnt|data|root|var)/")
+  offenders = []
+  for dirpath, _, files in os.walk(os.path.join(REPO, "docs", "results")):
+    for name in files:
+      if name.endswith((".json", ".md")):
+        with open(os.path.join(dirpath, name)) as f:
+          if absolute.search(f.read()):
+            offenders.append(os.path.relpath(os.path.join(dirpath, name), REPO))
+  assert offenders == []
+
+
+def test_shareable_config_and_command():
+  from experiments import workdirs
+  config = dict(data=dict(npz_dir="/srv/cifar", name="cifar10", label_names="/a/b/names.json"),
+                pretrain_workdir="/x/y/runs/cifar10_embnet_s0", text_template="a photo of a {}")
+  assert workdirs.shareable_config(config) == dict(
+      data=dict(npz_dir=None, name="cifar10", label_names="names.json"),
+      pretrain_workdir="runs/cifar10_embnet_s0", text_template="a photo of a {}")
+  assert workdirs.shareable_command(
+      "/opt/r/experiments/pretrain.py --config=/opt/r/experiments/configs/x.py "
+      "--config.data.npz_dir=/srv/cifar --workdir=/opt/r/runs/x_s0") == (
+          "experiments/pretrain.py --config=experiments/configs/x.py "
+          "--config.data.npz_dir=DIR --workdir=runs/x_s0")

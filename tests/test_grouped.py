@@ -394,3 +394,191 @@ def test_bad_arguments_raise_value_error():
     audit.max_removal_ratio(fn, params, contrastive, 1.0, x, x_prime, method="dp_gcl")
   with pytest.raises(ValueError, match="dp_gcl"):
     audit.max_removal_ratio(fn, params, contrastive, 1.0, x, x_prime, num_groups=2)
+
+
+# Two towers: an image MLP on float x and a bag-of-words text tower on token dicts x'; "shared"
+# ends both in one projection (a leaf both towers depend on), "disjoint" gives each its own.
+VOCAB, LENGTH = 7, 3
+
+
+def two_towers(kind, n, seed, dropout=0.0):
+  """(embed_images, embed_texts, params, x, texts); with dropout > 0 both towers take a key."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 7)
+  params = {
+      "w1": jax.random.normal(keys[0], (3, 5)), "b1": 0.1 * jax.random.normal(keys[1], (5,)),
+      "emb": jax.random.normal(keys[2], (VOCAB, 5)), "head": jax.random.normal(keys[3], (5, 3))
+  }
+  if kind == "disjoint":
+    params["text_head"] = jax.random.normal(keys[4], (5, 3))
+  x = jax.random.normal(keys[5], (n, 3))
+  lengths = 1 + jnp.arange(n) % LENGTH
+  texts = {
+      "ids": jax.random.randint(keys[6], (n, LENGTH), 0, VOCAB),
+      "mask": jnp.arange(LENGTH)[None, :] < lengths[:, None]
+  }
+
+  def drop(h, key):
+    if key is None:
+      return h
+    keep = jax.random.bernoulli(key, 1.0 - dropout, h.shape)
+    return jnp.where(keep, h / (1.0 - dropout), 0.0)
+
+  def embed_images(p, a, key=None):
+    return drop(jnp.tanh(a @ p["w1"] + p["b1"]), key) @ p["head"]
+
+  def embed_texts(p, t, key=None):
+    e = p["emb"][t["ids"]]
+    m = t["mask"][..., None].astype(e.dtype)
+    mean = jnp.sum(e * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+    return drop(jnp.tanh(mean), key) @ p["text_head" if kind == "disjoint" else "head"]
+
+  if dropout:
+    return embed_images, embed_texts, params, x, texts
+  return (lambda p, a: embed_images(p, a), lambda p, t: embed_texts(p, t), params, x, texts)
+
+
+def reference_two_towers(embed_u, embed_v, params, valid, groups, temperature, clip_norm):
+  """The brute-force group losses and clipped sum with û_i = embed_u(p, i), v̂_i = embed_v(p, i)
+  (unnormalised embeddings of record i alone), every group in its own jax.grad."""
+  valid, groups = np.asarray(valid), np.asarray(groups)
+  total_loss, total = 0.0, jax.tree_util.tree_map(jnp.zeros_like, params)
+  for g in np.unique(groups[valid]):
+    members = [i for i in range(len(valid)) if valid[i] and groups[i] == g]
+
+    def group_loss(p, members=members):
+      u = [_unit(embed_u(p, i)) for i in members]
+      v = [_unit(embed_v(p, i)) for i in members]
+      value = 0.0
+      for a in range(len(members)):
+        logits = jnp.stack([jnp.dot(u[a], v[b]) for b in range(len(members))]) / temperature
+        value += jax.nn.logsumexp(logits) - logits[a]
+      return value
+
+    value, grad = jax.value_and_grad(group_loss)(params)
+    norm = jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(grad)))
+    factor = jnp.minimum(1.0, clip_norm / norm)
+    total_loss += value
+    total = jax.tree_util.tree_map(lambda t, gr, f=factor: t + f * gr, total, grad)
+  return total_loss, total
+
+
+def _row(tree, i):
+  return jax.tree_util.tree_map(lambda a: a[i:i + 1], tree)
+
+
+@pytest.mark.parametrize("kind,microbatch,clip_norm", [
+    ("shared", 4, 0.05),
+    ("disjoint", None, 0.05),
+    pytest.param("shared", None, 1e3, marks=pytest.mark.slow),
+])
+def test_two_towers_match_the_brute_force_reference_in_float64(no_norm_allowance, kind, microbatch,
+                                                               clip_norm):
+  """x by the image tower, x' (token dicts) by the text tower, one params pytree: ḡ and ℒ equal
+  the float64 brute force (each group's loss of its members' two towers, clipped, summed)."""
+  with jax.enable_x64(True):
+    f, f_prime, params, x, texts = two_towers(kind, 11, seed=1)
+    params, x = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), (params, x))
+    mask = np.ones(11, bool)
+    mask[[2, 7]] = False
+    ids = jnp.asarray([5, 90, 3, 41, 17, 8, 66, 12, 30, 2, 77])
+    groups = logit_dp.assign_groups(ids, KEY, 3)
+    assert len(np.unique(np.asarray(groups)[mask])) == 3
+    ref_loss, ref = reference_two_towers(lambda p, i: f(p, x[i:i + 1])[0],
+                                         lambda p, i: f_prime(p, _row(texts, i))[0], params, mask,
+                                         groups, 0.7, clip_norm)
+    grad_fn = logit_dp.grouped_clipped_grad(f, logit_dp.losses.contrastive(0.7), clip_norm, 3,
+                                            microbatch_size=microbatch, positive_embed_fn=f_prime)
+    loss, got = grad_fn(params, x, texts, jnp.asarray(mask), record_ids=ids, group_key=KEY)
+    assert flat(got).dtype == np.float64 and rel_err(got, ref) < 1e-10
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-12)
+    if kind == "disjoint":  # the text tower's own head gets a gradient, and it is clipped
+      assert np.abs(flat(got["text_head"])).max() > 0
+
+
+def test_stochastic_two_towers_match_the_brute_force_reference_in_float64(no_norm_allowance):
+  """Dropout in both towers: record r's image is embedded with fold_in(fold_in(key, 0), r), its
+  text with fold_in(fold_in(key, 1), r), as in clipped_grad; in microbatches too."""
+  with jax.enable_x64(True):
+    f, f_prime, params, x, texts = two_towers("shared", 9, seed=2, dropout=0.5)
+    params, x = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), (params, x))
+    key = jax.random.key(11)
+    row_key = lambda view, i: jax.random.fold_in(jax.random.fold_in(key, view), i)
+    ids = jnp.arange(9) * 7
+    groups = logit_dp.assign_groups(ids, KEY, 2)
+    ref_loss, ref = reference_two_towers(lambda p, i: f(p, x[i:i + 1], row_key(0, i))[0],
+                                         lambda p, i: f_prime(p, _row(texts, i), row_key(1, i))[0],
+                                         params, np.ones(9, bool), groups, 0.5, 0.05)
+    loss_fn = logit_dp.losses.contrastive(0.5)
+    for microbatch in (None, 4):
+      grad_fn = logit_dp.grouped_clipped_grad(f, loss_fn, 0.05, 2, positive_embed_fn=f_prime,
+                                              stochastic=True, microbatch_size=microbatch)
+      loss, got = grad_fn(params, x, texts, record_ids=ids, group_key=KEY, key=key)
+      assert rel_err(got, ref) < 1e-10, microbatch
+      np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-12)
+
+
+def _float_towers(kind, n, seed):
+  """Two towers on float inputs (the attacks move x and x'): an MLP and a linear tower,
+  sharing the MLP's last layer ("shared") or not ("disjoint")."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+  params = {
+      "w1": jax.random.normal(keys[0], (3, 5)), "w2": jax.random.normal(keys[1], (5, 3)),
+      "v": jax.random.normal(keys[2], (4, 5 if kind == "shared" else 3))
+  }
+  f = lambda p, a: jnp.tanh(a @ p["w1"]) @ p["w2"]
+  f_prime = ((lambda p, b: jnp.tanh(b @ p["v"]) @ p["w2"]) if kind == "shared" else
+             (lambda p, b: b @ p["v"]))
+  return f, f_prime, params, jax.random.normal(keys[3], (n, 3)), jax.random.normal(keys[4], (n, 4))
+
+
+@pytest.mark.parametrize("kind,num_groups,clip_norm", [("shared", 2, 1e-3), ("disjoint", 3, 0.3)])
+def test_two_tower_removal_audit_stays_within_2b(kind, num_groups, clip_norm):
+  """Removing each record in turn moves ḡ by at most 2B, and by more than B (the bound is not
+  B: a group's clipped gradient is replaced); a random search over batches stays within 2B."""
+  f, f_prime, params, x, x_prime = _float_towers(kind, 8, seed=8)
+  loss = logit_dp.losses.contrastive(0.5)
+  result = audit.max_removal_ratio(f, params, loss, clip_norm, x, x_prime, method="dp_gcl",
+                                   num_groups=num_groups, positive_embed_fn=f_prime)
+  assert result.bound == result.bound_sup == logit_dp.grouped_sensitivity(clip_norm)
+  assert 0.5 < result.ratio <= 1 + TOL
+  searched = audit.search_worst_case(f, params, loss, clip_norm, x, x_prime,
+                                     key=jax.random.PRNGKey(2), num_restarts=6, num_steps=0,
+                                     method="dp_gcl", num_groups=num_groups,
+                                     positive_embed_fn=f_prime)
+  assert searched.ratio <= 1 + TOL
+
+
+def test_two_tower_removal_audit_with_token_inputs_and_dropout():
+  """Pytree x' (token dicts) and a stochastic model, its key held fixed: within 2B."""
+  f, f_prime, params, x, texts = two_towers("shared", 8, seed=3, dropout=0.3)
+  result = audit.max_removal_ratio(f, params, logit_dp.losses.contrastive(0.5), 1e-3, x, texts,
+                                   method="dp_gcl", num_groups=2, positive_embed_fn=f_prime,
+                                   model_key=jax.random.key(4))
+  assert 0.5 < result.ratio <= 1 + TOL
+
+
+@pytest.mark.slow
+def test_two_tower_gradient_ascent_attack_never_exceeds_2b():
+  f, f_prime, params, x, x_prime = _float_towers("shared", 8, seed=1)
+  loss = logit_dp.losses.contrastive(0.5)
+  for clip_norm, optimize_params, groups in ((1e-3, False, 2), (1.0, True, 3)):
+    found = audit.search_worst_case(f, params, loss, clip_norm, x, x_prime,
+                                    key=jax.random.PRNGKey(0), num_restarts=4, num_steps=30,
+                                    method="dp_gcl", num_groups=groups, positive_embed_fn=f_prime,
+                                    optimize_params=optimize_params)
+    assert 0.7 < found.ratio <= 1 + TOL, (clip_norm, found.ratio)
+
+
+def test_two_tower_bad_arguments_raise_value_error():
+  f, f_prime, params, x, texts = two_towers("shared", 5, seed=13)
+  contrastive = logit_dp.losses.contrastive()
+  with pytest.raises(ValueError, match="positive_embed_fn"):
+    logit_dp.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn="text")
+  grad_fn = logit_dp.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn=f_prime)
+  with pytest.raises(ValueError, match="extra_views"):
+    grad_fn(params, x, texts, record_ids=jnp.arange(5), group_key=KEY, extra_views=x[:, None])
+  with pytest.raises(ValueError, match="same number"):
+    grad_fn(params, x[:4], texts, record_ids=jnp.arange(4), group_key=KEY)
+  with pytest.raises(ValueError, match="extra_views"):
+    audit.max_removal_ratio(f, params, contrastive, 1.0, x, texts, method="dp_gcl", num_groups=2,
+                            positive_embed_fn=f_prime, extra_views_fn=lambda a, b: a[:, None])

@@ -82,7 +82,7 @@ def test_mechanisms_name_every_method_list():
   mechanism = logit_dp.Mechanism
   assert [m.value for m in mechanism] == ["logit_dp", "naive_dp", "dp_gcl"]
   assert [m.label for m in mechanism] == ["Logit-DP", "Naive-DP", "DP-GCL"]
-  assert logit_dp.PRIVATE_METHODS == logit_dp.METHODS + ("naive",)
+  assert logit_dp.PRIVATE_METHODS == logit_dp.METHODS + ("naive", "dp_gcl")
   for name in logit_dp.METHODS:
     assert mechanism.of_method(name) is mechanism.LOGIT_DP
   assert mechanism.of_method("naive") is mechanism.NAIVE_DP

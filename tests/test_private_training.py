@@ -693,3 +693,122 @@ def test_restore_with_another_optimizer_names_what_differs(tmp_path):
       (1, 6)))
   with pytest.raises(ValueError, match=rf"0\.{kernel}: shape \(6, 9\) in the template, \(6, 8\)"):
     adam.restore_checkpoint(tmp_path, (wider, adam.optimizer.init(wider)))
+
+# -- DP-GCL through make_private. ------------------------------------------------------------
+
+
+def test_dp_gcl_sensitivity_groups_and_train_step_are_those_of_grouped_clipped_grad():
+  """method="dp_gcl": C = 2B, G = round(E[n]/s), and train_step's update is grouped_clipped_grad
+  on the batch's record ids grouped with fold_in(group_key, t), noised by the optimizer."""
+  embed_fn, params = _embed()
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  pt = _setup(method="dp_gcl", group_size=4, steps=4, noise_key=jax.random.key(1), sampler_seed=3,
+              optimizer=_recorder())
+  assert pt.sensitivity == logit_dp.grouped_sensitivity(1.0) == 2.0
+  assert pt.grad_fn.mechanism is logit_dp.Mechanism.DP_GCL and pt.grad_fn.num_groups == 5
+  assert pt.method == "dp_gcl" and pt.group_key is not None
+  x, xp = _data()
+  opt_state = pt.optimizer.init(params)
+  train_step = pt.make_train_step()
+  for t, batch in enumerate(pt.batches(2)):
+    xs, xps = x[batch.indices], xp[batch.indices]
+    if t == 0:  # the batch form groups the records by batch.indices itself
+      new_params, new_state, loss_value = train_step(params, opt_state, batch, (x, xp))
+    else:
+      new_params, new_state, loss_value = train_step(params, opt_state, xs, xps, batch.mask,
+                                                     record_ids=batch.indices)
+    want_loss, want = logit_dp.grouped_clipped_grad(
+        embed_fn, loss, 1.0, 5)(params, xs, xps, batch.mask, record_ids=batch.indices,
+                                group_key=jax.random.fold_in(pt.group_key, t))
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, want)
+    noise = pt.optimizer.update(zeros, opt_state, params)[1][-1]  # the noise of step t alone
+    jax.tree_util.tree_map(
+        lambda got, n, w: np.testing.assert_allclose(got - n, w, rtol=1e-4, atol=1e-5),
+        new_state[-1], noise, want)
+    np.testing.assert_allclose(float(loss_value), float(want_loss), rtol=1e-6)
+    params, opt_state = new_params, new_state
+  with pytest.raises(ValueError, match="record_ids"):
+    train_step(params, opt_state, x[:8], xp[:8])
+
+
+def test_dp_gcl_two_towers_train_end_to_end():
+  """Two towers (an MLP on x, a linear tower on x' of another width), DP-GCL via make_private:
+  C = 2B, the parameters of both towers move, the ledger stays within (ε, δ)."""
+  embed_fn, image_params = _embed()
+  text = lambda p, b: b @ p["text"]
+  params = {"image": image_params, "text": 0.3 * jax.random.normal(jax.random.key(5), (3, 4))}
+  towers = (lambda p, a: embed_fn(p["image"], a), text)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(N, 6)).astype(np.float32))
+  texts = jnp.asarray(rng.normal(size=(N, 3)).astype(np.float32))
+  pt = logit_dp.make_private(towers[0], logit_dp.losses.contrastive(1.0), 1.0, target_epsilon=EPS,
+                             target_delta=DELTA, num_records=N, expected_batch_size=BATCH, steps=3,
+                             optimizer=optax.adam(1e-2), mean=True, method="dp_gcl", group_size=5,
+                             positive_embed_fn=towers[1])
+  assert pt.grad_fn.num_groups == 4
+  assert pt.sensitivity == 2.0
+  opt_state = pt.optimizer.init(params)
+  train_step = pt.make_train_step(on_empty="error")
+  start = params
+  for batch in pt.batches():
+    params, opt_state, loss_value = train_step(params, opt_state, x[batch.indices],
+                                               texts[batch.indices], batch.mask,
+                                               record_ids=batch.indices)
+    assert np.isfinite(float(loss_value))
+  assert pt.ledger.steps == 3 and pt.ledger.guarantee()[0] <= EPS
+  moved = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, start)
+  assert all(v > 0 for v in jax.tree_util.tree_leaves(moved))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="dp_gcl"), "group_size"),
+    (dict(method="dp_gcl", group_size=0), "group_size"),
+    (dict(method="dp_gcl", group_size=float("inf")), "group_size"),
+    (dict(method="dp_gcl", group_size=True), "group_size"),
+    (dict(method="dp_gcl", group_size="8"), "group_size"),
+    (dict(method="dp_gcl", num_groups=3), "group_size"),
+    (dict(method="ghost", group_size=4), "dp_gcl"),
+    (dict(method="dp_gcl", group_size=4, axis_name="batch"), "one device"),
+])
+def test_dp_gcl_bad_arguments_raise_value_error(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _setup(**kwargs)
+
+
+def test_record_ids_only_with_dp_gcl():
+  embed_fn, params = _embed()
+  x, xp = _data()
+  pt = _setup(steps=2)
+  pt.ledger.record_steps(1)
+  with pytest.raises(ValueError, match="record_ids"):
+    pt.make_train_step()(params, pt.optimizer.init(params), x[:8], xp[:8], record_ids=jnp.arange(8))
+
+
+def test_dp_gcl_with_dropout_gets_the_model_key_of_the_step():
+  """stochastic=True: step t's DP-GCL gradient uses fold_in(model_key, t) and
+  fold_in(group_key, t), the noise key split apart from both."""
+  w = jax.random.normal(jax.random.key(2), (6, 4))
+
+  def embed(p, x, key):
+    h = jnp.tanh(x @ p["w"])
+    return jnp.where(jax.random.bernoulli(key, 0.7, h.shape), h / 0.7, 0.0)
+
+  params = {"w": w}
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+  pt = logit_dp.make_private(embed, loss, 1.0, target_epsilon=EPS, target_delta=DELTA,
+                             num_records=N, expected_batch_size=BATCH, steps=2,
+                             optimizer=_recorder(), method="dp_gcl", group_size=5, stochastic=True,
+                             noise_key=jax.random.key(4), sampler_seed=1)
+  assert pt.model_key is not None and pt.group_key is not None
+  x, xp = _data()
+  opt_state = pt.optimizer.init(params)
+  (batch,) = list(pt.batches(1))
+  xs, xps = x[batch.indices], xp[batch.indices]
+  _, new_state, _ = pt.make_train_step()(params, opt_state, xs, xps, batch.mask,
+                                         record_ids=batch.indices)
+  _, want = logit_dp.grouped_clipped_grad(embed, loss, 1.0, 4, stochastic=True)(
+      params, xs, xps, batch.mask, record_ids=batch.indices,
+      group_key=jax.random.fold_in(pt.group_key, 0), key=jax.random.fold_in(pt.model_key, 0))
+  noise = pt.optimizer.update(jax.tree_util.tree_map(jnp.zeros_like, want), opt_state,
+                              params)[1][-1]
+  np.testing.assert_allclose(new_state[-1]["w"] - noise["w"], want["w"], rtol=1e-4, atol=1e-5)

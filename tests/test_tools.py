@@ -134,8 +134,9 @@ def test_timed_attempt_keeps_the_time_of_a_killed_attempt(tmp_path):
 def test_publish_copies_only_the_shareable_files(tmp_path):
   workdir, dest = tmp_path / "run", tmp_path / "published"
   (workdir / "logit_dp" / "checkpoints").mkdir(parents=True)
-  for name in ("config.json", "extra.json", "log.txt"):
+  for name in ("extra.json", "log.txt"):
     (workdir / name).write_text(name)
+  (workdir / "config.json").write_text(json.dumps(dict(data=dict(npz_dir="/srv/cifar"), seed=1)))
   (workdir / "logit_dp" / "checkpoints" / "3").write_text("noise key")
   assert not workdirs.is_finished(str(workdir))  # no results.json
   (workdir / "results.json").write_text(json.dumps({"logit_dp": {"finished": False}}))
@@ -144,6 +145,8 @@ def test_publish_copies_only_the_shareable_files(tmp_path):
   assert workdirs.is_finished(str(workdir))
   workdirs.publish(str(workdir), str(dest), extra_files=("extra.json",))
   assert sorted(os.listdir(dest)) == ["config.json", "extra.json", "results.json"]
+  # The published config names no machine path.
+  assert json.loads((dest / "config.json").read_text()) == dict(data=dict(npz_dir=None), seed=1)
 
 
 # ---------------------------------------------------------------------------

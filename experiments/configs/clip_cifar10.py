@@ -28,6 +28,8 @@ def get_config():
   # Chosen on CIFAR-100 coarse labels (10,000 records, 100 steps of 1,000, ε = 8): zero-shot
   # top-1 0.0615 at 1e-2, 0.0475 at 3e-3 (chance 0.05).
   config.learning_rates.logit_dp = 1e-2
+  config.learning_rates.dp_gcl = 1e-2  # untuned: the search of clip_benchmark chooses them
+  config.learning_rates.naive_dp = 1e-2
   config.learning_rates.non_private = 3e-3
   config.eval_batch_size = 1000
   config.log_every = 10

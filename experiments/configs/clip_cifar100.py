@@ -38,7 +38,11 @@ def get_config():
   config.temperature = 1.0
   config.batch_size = 256  # expected (Poisson) batch size / non-private batch size
   config.num_epochs = 3.0
-  config.learning_rates = ml_collections.ConfigDict(dict(logit_dp=2e-3, non_private=3e-3))
+  # Each method's own learning rate (Adam).
+  config.learning_rates = ml_collections.ConfigDict(
+      dict(logit_dp=2e-3, dp_gcl=2e-3, naive_dp=2e-3, non_private=3e-3))
+  # DP-GCL: records hashed into G = round(batch_size / group_size) groups at every step.
+  config.dp_gcl = ml_collections.ConfigDict(dict(group_size=8))
 
   # Privacy (one record = one image-text pair).
   config.target_epsilon = 8.0
@@ -50,6 +54,8 @@ def get_config():
   # them, "error" stops the run.
   config.on_nonfinite_rows = "warn"
 
+  # Private runs: a checkpoint every this many steps (0: none), from which a re-run resumes.
+  config.checkpoint_every = 0
   config.eval_batch_size = 1000
   config.log_every = 20
   return config

@@ -158,22 +158,18 @@ def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, pos
   """The jitted core of the audited grad_fn (cached: one compilation per configuration);
   stochastic: it takes the model's key after the mask."""
   if mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL:
-    if stochastic:
-      raise ValueError("method='dp_gcl' audits deterministic models: model_key is not "
-                       "supported.")
     if grouping is None:
       raise ValueError("method='dp_gcl' needs num_groups.")
-    if positive_embed_fn is not None:
-      raise ValueError("method='dp_gcl' audits one tower: positive_embed_fn is not supported.")
     fn = grouped.grouped_clipped_grad(embed_fn, loss, clip_norm, grouping.num_groups,
-                                      cosine_eps=cosine_eps)
+                                      cosine_eps=cosine_eps, positive_embed_fn=positive_embed_fn,
+                                      stochastic=stochastic)
 
-    def grouped_core(params, x, x_prime, mask):
-      ids = jnp.arange(x.shape[0])
+    def grouped_core(params, x, x_prime, mask, *keys):
+      ids = jnp.arange(rows_lib.num_rows(x))
       groups = grouped.assign_groups(ids, jax.random.PRNGKey(grouping.group_seed),
                                      grouping.num_groups)
       views = None if grouping.extra_views_fn is None else grouping.extra_views_fn(x, x_prime)
-      return fn.core(params, x, x_prime, mask, groups, views)
+      return fn.core(params, x, x_prime, mask, groups, views, *keys)
 
     return grouped_core
   projected = {} if reference is None else dict(reference_inputs=reference.inputs,
@@ -422,8 +418,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
                       chunk: int | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                       num_groups: int | None = None, group_seed: int = 0,
                       extra_views_fn: Callable | None = None, reference_inputs: Any = None,
-                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK,
-                      model_key: Any = None) -> RemovalAudit:
+                      projection_rank: int = methods.DEFAULT_PROJECTION_RANK, model_key: Any = None,
+                      positive_embed_fn: EmbedFn | None = None) -> RemovalAudit:
   """Searches for the batch (and optionally parameters) maximising max_k gap_k / C.
 
   Restart 0 starts from (x, x′, params); restart r ≥ 1 from inputs drawn
@@ -456,6 +452,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     num_groups, group_seed, extra_views_fn: the DP-GCL configuration (method="dp_gcl").
     reference_inputs, projection_rank: method="projected"'s public reference (kept fixed).
     model_key: a stochastic model's key, held fixed during the search (`removal_gaps`).
+    positive_embed_fn: two towers, as for `logit_dp.clipped_grad` (x, x_prime float arrays,
+      moved by the search like one tower's).
 
   Returns:
     The `RemovalAudit` of the worst (x, x′, params) found.
@@ -468,10 +466,10 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     raise ValueError(f"num_steps must be an integer ≥ 0, got {num_steps!r}.")
   grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
   x, x_prime, mask = _prepare(loss, x, x_prime, None)
-  reference = _reference(method, reference_inputs, projection_rank, embed_fn)
+  reference = _reference(method, reference_inputs, projection_rank, embed_fn, positive_embed_fn)
   keys = _model_keys(model_key)
-  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, None, reference,
-                    bool(keys))
+  core = _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping, positive_embed_fn,
+                    reference, bool(keys))
   points = _restart_points(params, x, x_prime, key, int(num_restarts), float(init_scale),
                            bool(optimize_params))
   if num_steps == 0 and not optimize_params:
@@ -501,7 +499,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
   return max_removal_ratio(embed_fn, p, loss, clip_norm, bx, bxp, method=method, chunk=chunk,
                            cosine_eps=cosine_eps, num_groups=num_groups, group_seed=group_seed,
                            extra_views_fn=extra_views_fn, reference_inputs=reference_inputs,
-                           projection_rank=projection_rank, model_key=model_key)
+                           projection_rank=projection_rank, model_key=model_key,
+                           positive_embed_fn=positive_embed_fn)
 
 
 def _replacement_core(embed_fn, loss, clip_norm, method, cosine_eps, num_groups, group_seed):

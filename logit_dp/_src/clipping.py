@@ -37,6 +37,7 @@ from logit_dp._src import checks
 from logit_dp._src import clip_stats
 from logit_dp._src import collective as collective_lib
 from logit_dp._src import grad_fn as grad_fn_lib
+from logit_dp._src import grouped
 from logit_dp._src import mechanisms
 from logit_dp._src import methods
 from logit_dp._src import numerics
@@ -344,7 +345,8 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
 
 def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, method: str = "ghost",
                  **kwargs) -> grad_fn_lib.ClippedGradFn:
-  """`clipped_grad` with a clip method, or `naive_clipped_grad` for method="naive".
+  """`clipped_grad` with a clip method, `naive_clipped_grad` for method="naive" or
+  `grouped_clipped_grad` for method="dp_gcl" (num_groups= in kwargs; one device).
 
   method: a `mechanisms.PRIVATE_METHODS` entry (or a `methods.ClipMethod`); kwargs: the
   chosen builder's keywords.
@@ -352,6 +354,15 @@ def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, method: str =
   if isinstance(method, methods.ClipMethod):
     return clipped_grad(embed_fn, loss, clip_norm, method, **kwargs)
   mechanisms.check_method(method, mechanisms.PRIVATE_METHODS)
-  if mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.NAIVE_DP:
+  mechanism = mechanisms.Mechanism.of_method(method)
+  if mechanism is mechanisms.Mechanism.NAIVE_DP:
     return naive_clipped_grad(embed_fn, loss, clip_norm, **kwargs)
+  if mechanism is mechanisms.Mechanism.DP_GCL:
+    if kwargs.pop("axis_name", None) is not None:
+      raise ValueError("method='dp_gcl' runs on one device: its groups' gradients are not "
+                       "sharded (use a Logit-DP clip method or 'naive' on a mesh).")
+    if "num_groups" not in kwargs:
+      raise ValueError("method='dp_gcl' needs num_groups= (G ≥ 1).")
+    return grouped.grouped_clipped_grad(embed_fn, loss, clip_norm, kwargs.pop("num_groups"),
+                                        **kwargs)
   return clipped_grad(embed_fn, loss, clip_norm, method, **kwargs)

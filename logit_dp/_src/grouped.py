@@ -28,6 +28,9 @@ have the same groups except g(r), which gains r. Every other L_g is a function o
 members only, so ḡ(S') − ḡ(S) = clip(∇L_{g(r)}(S')) − clip(∇L_{g(r)}(S)), and both terms
 have norm ≤ B: ‖ḡ(S') − ḡ(S)‖₂ ≤ 2B. Adding N(0, (σ·2B)²I) is then the Poisson-subsampled
 Gaussian mechanism with noise multiplier σ that `logit_dp.accounting` accounts for.
+Two towers (positive_embed_fn: v̂_r = n(Φ'(x'_r))) change nothing in this argument: L_g still
+reads w and its own members' records only, so the sensitivity is the same 2B
+(docs/METHOD.md, "DP-GCL").
 """
 
 from __future__ import annotations
@@ -73,6 +76,19 @@ def check_num_groups(num_groups) -> int:
                                                     (int, np.integer)) or num_groups < 1:
     raise ValueError(f"num_groups must be an integer ≥ 1, got {num_groups!r}.")
   return int(num_groups)
+
+
+def num_groups_for(expected_batch_size: float, group_size) -> int:
+  """G = max(1, round(E[n] / s)) for the expected group size s > 0; ValueError otherwise."""
+  if group_size is None:
+    raise ValueError("method='dp_gcl' needs group_size= (the expected records per group).")
+  if isinstance(group_size, bool) or not isinstance(group_size,
+                                                    (int, float, np.integer, np.floating)):
+    raise ValueError("group_size must be a number > 0 (the expected records per DP-GCL group), "
+                     f"got {group_size!r}.")
+  if not 0 < float(group_size) < float("inf"):
+    raise ValueError(f"group_size must be a finite number > 0, got {group_size!r}.")
+  return max(1, int(round(float(expected_batch_size) / float(group_size))))
 
 
 def assign_groups(record_ids: jax.Array, key: jax.Array, num_groups: int) -> jax.Array:
@@ -167,13 +183,14 @@ def _embed_rows(embed_fn, params, xs, eps, chunk):
 def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: int, *,
                          microbatch_size: int | None = None,
                          cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                         positive_embed_fn: EmbedFn | None = None,
                          stochastic: bool = False) -> GroupedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
 
   grad_fn returns (ℒ, ḡ) with ℒ = Σ_g L_g and ḡ = Σ_g min(1, B/‖∇_w L_g‖)·∇_w L_g, a SUM
   over the G groups of `assign_groups(record_ids, group_key, G)` (see the module docstring
   for L_g). Its L2 sensitivity under adding or removing one record is
-  `grouped_sensitivity(B)` = 2B; noise it with `logit_dp.transform`.
+  `grouped_sensitivity(B)` = 2B, with one tower or two; noise it with `logit_dp.transform`.
 
   Computation: one forward pass for the loss and its cotangents ∂ℒ/∂û_i, ∂ℒ/∂v̂_i, ∂ℒ/∂ŵ_im
   (each embedding enters only its own group's loss, so these are the group losses'
@@ -191,18 +208,24 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       group sizes are random (Binomial). G = 1 without extra views is Naive-DP.
     microbatch_size: records per chunk of the per-record gradients and embeddings.
     cosine_eps: ε of the cosine similarity n(u) = u/√(‖u‖² + ε²).
-    stochastic: embed_fn is embed_fn(params, x, key) (dropout) and grad_fn takes key=, as in
-      `logit_dp.clipped_grad`: x_r, x'_r and extra view m of record r (row r of the batch) are
-      embedded alone with fold_in(fold_in(key, v), r) for v = 0, 1 and 3 + m, in every pass.
+    positive_embed_fn: two towers (dual encoder), as in `logit_dp.clipped_grad`: x_prime is
+      embedded by positive_embed_fn(params, x_prime) -> (n, d), x by embed_fn, params one
+      pytree holding both towers; x and x_prime may be pytrees (e.g. token ids and a mask).
+      v̂_r = n(Φ'(x'_r)) and p_r takes J'_r from that tower; the sensitivity is the same 2B
+      (docs/METHOD.md, "DP-GCL"). Extra views are one tower's (ValueError with two).
+    stochastic: embed_fn (and positive_embed_fn) is embed_fn(params, x, key) (dropout) and
+      grad_fn takes key=, as in `logit_dp.clipped_grad`: x_r, x'_r and extra view m of record
+      r (row r of the batch) are embedded alone with fold_in(fold_in(key, v), r) for
+      v = 0, 1 and 3 + m, in every pass.
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and contribute exactly
   nothing. record_ids: (n,) integer ids of the records (unique among valid rows; the
   sampler's indices). group_key: the JAX key of the assignment (public, data-independent).
   extra_views: optional (n, k, ...) extra augmented views of each record (same example
-  shape as x). Called eagerly, grad_fn raises ValueError when a valid record has non-finite
-  inputs or embeddings; under jit such records are dropped (the same as removing them).
-  ``grad_fn.with_stats`` returns (ℒ, ḡ, `ClipStats`) over the norms ‖∇_w L_g‖ of the groups
-  with a valid record (NON-PRIVATE diagnostics).
+  shape as x; one tower only). Called eagerly, grad_fn raises ValueError when a valid record
+  has non-finite inputs or embeddings; under jit such records are dropped (the same as
+  removing them). ``grad_fn.with_stats`` returns (ℒ, ḡ, `ClipStats`) over the norms
+  ‖∇_w L_g‖ of the groups with a valid record (NON-PRIVATE diagnostics).
   """
   if not isinstance(loss, losses_lib.Contrastive):
     raise ValueError(f"grouped_clipped_grad needs logit_dp.losses.contrastive(τ), got {loss!r}: "
@@ -210,32 +233,46 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   bound = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
   num_groups = check_num_groups(num_groups)
   checks.check_microbatch(microbatch_size)
+  checks.check_positive_embed_fn(positive_embed_fn)
   stochastic = stochastic_lib.check_stochastic(stochastic)
   stochastic_lib.check_signature(embed_fn, stochastic)
   temperature = float(loss.temperature)
+  two_towers = positive_embed_fn is not None and positive_embed_fn is not embed_fn
 
   def body(params, x, x_prime, mask, group_ids, extra_views, with_stats, key):
     # Low-precision models are evaluated in float32, as in clipped_grad (`precision`).
     params, x, x_prime, extra_views = precision.widen((params, x, x_prime, extra_views))
-    n = x.shape[0]
+    if two_towers and extra_views is not None:
+      raise ValueError("extra_views are augmented views embedded by the one tower; with two "
+                       "towers (positive_embed_fn=) pass extra_views=None.")
+    n = rows_lib.num_rows(x)
     k = 0 if extra_views is None else extra_views.shape[1]
-    views = jnp.zeros((n, 0) + x.shape[1:], x.dtype) if extra_views is None else extra_views
-    inputs_ok = _finite_rows(x, x_prime, views)
-    x, x_prime, views = (_zero_rows(inputs_ok, a) for a in (x, x_prime, views))
-    fn = embed_fn
+    views = extra_views if k else None
+    inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
+    if views is not None:
+      inputs_ok = inputs_ok & _finite_rows(views)
+    x, x_prime, views = (rows_lib.where_rows(inputs_ok, a) for a in (x, x_prime, views))
+    fn = positive_fn = embed_fn
+    if two_towers:
+      positive_fn = cast(EmbedFn, positive_embed_fn)
     if key is not None:  # every example with its own key (`stochastic`), in every pass
-      fn = stochastic_lib.PerExample(cast(stochastic_lib.StochasticEmbedFn, embed_fn),
-                                     stochastic_lib.key_impl(key))
+      impl = stochastic_lib.key_impl(key)
+      fn = stochastic_lib.PerExample(cast(stochastic_lib.StochasticEmbedFn, embed_fn), impl)
+      positive_fn = fn if not two_towers else stochastic_lib.PerExample(
+          cast(stochastic_lib.StochasticEmbedFn, positive_embed_fn), impl)
       rows = jnp.arange(n)
       x = stochastic_lib.attach(x, key, stochastic_lib.VIEW_X, rows)
       x_prime = stochastic_lib.attach(x_prime, key, stochastic_lib.VIEW_X_PRIME, rows)
-      view_keys = jax.vmap(lambda m: stochastic_lib.example_keys(key, 3 + m, rows),
-                           out_axes=1)(jnp.arange(k))  # (n, k, *key_shape)
-      views = stochastic_lib.Keyed(views, view_keys)
-    embed = lambda xs: _embed_rows(fn, params, xs, cosine_eps, microbatch_size)
-    u, v = embed(x), embed(x_prime)
-    flat_views = jax.tree_util.tree_map(lambda a: a.reshape((n * k,) + a.shape[2:]), views)
-    w = embed(flat_views).reshape(n, k, -1) if k else None
+      if views is not None:
+        view_keys = jax.vmap(lambda m: stochastic_lib.example_keys(key, 3 + m, rows),
+                             out_axes=1)(jnp.arange(k))  # (n, k, *key_shape)
+        views = stochastic_lib.Keyed(views, view_keys)
+    embed = lambda f, xs: _embed_rows(f, params, xs, cosine_eps, microbatch_size)
+    u, v = embed(fn, x), embed(positive_fn, x_prime)
+    w = None
+    if views is not None:
+      flat_views = jax.tree_util.tree_map(lambda a: a.reshape((n * k,) + a.shape[2:]), views)
+      w = embed(fn, flat_views).reshape(n, k, -1)
     ok = inputs_ok & _finite_rows(u, v, *(() if w is None else (w,)))
     valid = mask & ok
     num_nonfinite = jnp.sum(mask & ~ok)
@@ -247,13 +284,22 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       return jnp.sum(grouped_contrastive_row_losses(u, v, w, valid, group_ids, temperature))
 
     loss_value, cots = jax.value_and_grad(total_loss, argnums=(0, 1, 2) if k else (0, 1))(u, v, w)
-    cot_w = cots[2] if k else jnp.zeros((n, 0, u.shape[1]), u.dtype)
+    cot_w = cots[2] if k else None
+    one = lambda a: a[None]
 
     def record_grad(xr, xpr, viewsr, cur, cvr, cwr):
-      examples = jax.tree_util.tree_map(lambda a, b, c: jnp.concatenate([a[None], b[None], c]), xr,
-                                        xpr, viewsr)
+      if two_towers:  # each tower embeds its own view of the record
+        embeds = lambda p: (numerics.normalize(fn(p, jax.tree_util.tree_map(one, xr)), cosine_eps),
+                            numerics.normalize(positive_fn(p, jax.tree_util.tree_map(one, xpr)),
+                                               cosine_eps))
+        _, vjp = jax.vjp(embeds, params)
+        return vjp((cur[None], cvr[None]))[0]
+      parts = (xr, xpr) + (() if viewsr is None else (viewsr,))
+      examples = jax.tree_util.tree_map(
+          lambda *a: jnp.concatenate([a[0][None], a[1][None]] + list(a[2:])), *parts)
       _, vjp = jax.vjp(lambda p: numerics.normalize(fn(p, examples), cosine_eps), params)
-      return vjp(jnp.concatenate([cur[None], cvr[None], cwr]))[0]
+      cotangents = [cur[None], cvr[None]] + ([] if cwr is None else [cwr])
+      return vjp(jnp.concatenate(cotangents))[0]
 
     def accumulate(acc, rows):
       xr, xpr, viewsr, cur, cvr, cwr, keep, gid = rows
@@ -293,15 +339,15 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
                    key=None):
     key = stochastic_lib.check_key(key, stochastic, "grouped_clipped_grad")
     x, x_prime, mask = checks.check_pair_inputs(x, x_prime, mask, loss.min_batch_size)
-    ids = _check_record_ids(record_ids, mask, x.shape[0])
-    if extra_views is not None:
+    ids = _check_record_ids(record_ids, mask, rows_lib.num_rows(x))
+    if extra_views is not None and not two_towers:  # two towers: the core refuses them
       extra_views = _check_extra_views(extra_views, x)
     groups = assign_groups(ids, group_key, num_groups)
     return (params, x, x_prime, mask, groups, extra_views) + ((key,) if stochastic else ())
 
   def check_model(params, x, x_prime, mask, groups, extra_views, key=None):
-    del x_prime, mask, groups, extra_views  # the same model embeds every view
-    checks.check_embed_fn(embed_fn, params, x, key=key)
+    del mask, groups, extra_views
+    checks.check_towers(embed_fn, positive_embed_fn, params, x, x_prime, key)
 
   return grad_fn_lib.ClippedGradFn(
       core=jax.jit(numerics.full_float32(core)), check_inputs=check_inputs, check_model=check_model,

@@ -9,8 +9,8 @@ adding or removing one pair record (noise N(0, (σC)²) makes a step private):
 * Naive-DP (`naive_clipped_grad`): the whole batch gradient clipped to B; C = 2B.
 * DP-GCL (`grouped_clipped_grad`): each group's gradient clipped to B; C = 2B.
 
-The method names accepted by `make_private` (`PRIVATE_METHODS`: a clip method for Logit-DP, or
-"naive"), by the audits (`AUDITED_METHODS`: also "dp_gcl") and the experiments' names
+The method names accepted by `make_private` and the audits (`PRIVATE_METHODS`: a clip method for
+Logit-DP, "naive" or "dp_gcl"; `AUDITED_METHODS` is the same list) and the experiments' names
 (`Mechanism` values: "logit_dp", "naive_dp", "dp_gcl") all map to a `Mechanism` here.
 """
 
@@ -63,10 +63,10 @@ class Mechanism(enum.Enum):
     raise ValueError(f"method must be one of {AUDITED_METHODS}, got {method!r}.")
 
 
-#: Methods accepted by `make_private`: the Logit-DP clip methods and Naive-DP.
-PRIVATE_METHODS = methods.METHODS + (NAIVE_METHOD,)
-#: Methods the removal audits accept: those of `make_private` and DP-GCL.
-AUDITED_METHODS = PRIVATE_METHODS + (GROUPED_METHOD,)
+#: Methods accepted by `make_private`: the Logit-DP clip methods, Naive-DP and DP-GCL.
+PRIVATE_METHODS = methods.METHODS + (NAIVE_METHOD, GROUPED_METHOD)
+#: Methods the removal audits accept: those of `make_private`.
+AUDITED_METHODS = PRIVATE_METHODS
 
 
 def check_method(method: str, allowed: tuple[str, ...]) -> str:

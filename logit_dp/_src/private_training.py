@@ -38,6 +38,7 @@ import optax
 from logit_dp._src import accounting
 from logit_dp._src import clipping
 from logit_dp._src import distributed
+from logit_dp._src import grouped as grouped_lib
 from logit_dp._src import ledger as ledger_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import sensitivity as sensitivity_lib
@@ -171,8 +172,10 @@ class PrivateTraining(NamedTuple):
 
   Attributes:
     grad_fn: a `ClippedGradFn`, grad_fn(params, x, x_prime, mask) -> (ℒ, ḡ), ḡ the SUM
-      of clipped pair gradients (`clipped_grad`) or the clipped batch gradient
-      (`naive_clipped_grad` for method="naive"); ``grad_fn.mechanism`` says which.
+      of clipped pair gradients (`clipped_grad`), the clipped batch gradient
+      (`naive_clipped_grad` for method="naive") or the sum of clipped group gradients
+      (`grouped_clipped_grad` for method="dp_gcl", which also takes record_ids= and
+      group_key=); ``grad_fn.mechanism`` says which.
     optimizer: optax chain ḡ → + N(0, (σC)²) → [× 1/E[n] if mean] → optimizer.
       Its state holds the noise key: checkpoint it, keep it secret.
     sampler: the Poisson sampler (rate q, secret seed) bound to the ledger
@@ -186,10 +189,14 @@ class PrivateTraining(NamedTuple):
     clip_norm: B.
     sampling_rate: q = expected_batch_size / num_records.
     steps: T, the number of steps σ is calibrated for.
-    method: the gradient method ("ghost", "triangle", "projected", "materialize", "naive").
+    method: the gradient method ("ghost", "triangle", "projected", "materialize", "naive",
+      "dp_gcl").
     model_key: a stochastic model (stochastic=True): the secret key its randomness is drawn
       from, split from the training key apart from the noise key; step t's key is
       fold_in(model_key, t), handed to grad_fn by `make_train_step`. None otherwise.
+    group_key: DP-GCL (method="dp_gcl"): the key of the group assignment, independent of the
+      data; step t groups its records by `assign_groups(record_ids, fold_in(group_key, t), G)`
+      (`make_train_step`). None otherwise.
 
   The training loop (every released step recorded before it happens; the step gathers
   the batch's records and masks its padding itself)::
@@ -198,6 +205,8 @@ class PrivateTraining(NamedTuple):
     opt_state = private.optimizer.init(params)
     for batch in private.batches():          # steps ledger.steps, ..., T − 1
       params, opt_state, loss = train_step(params, opt_state, batch, (x_all, x_prime_all))
+
+  (method="dp_gcl": the step groups the batch's records by their indices.)
   """
   grad_fn: Callable
   optimizer: optax.GradientTransformation
@@ -210,6 +219,7 @@ class PrivateTraining(NamedTuple):
   steps: int
   method: str
   model_key: Any = None
+  group_key: Any = None
 
   def batches(self, steps: int | None = None) -> Iterator[PoissonBatch]:
     """Yields the Poisson batches of steps ledger.steps, …, T − 1, recording each first.
@@ -283,6 +293,10 @@ class PrivateTraining(NamedTuple):
                       jit: bool = True) -> Callable:
     """train_step(params, opt_state, batch, (x_all, x_prime_all)) -> (params, opt_state, ℒ).
 
+    With method="dp_gcl" the records are grouped by their indices (``batch.indices``),
+    hashed into groups with fold_in(group_key, t) at step t; the array form below then
+    takes them as ``record_ids=``.
+
     One private update of a batch that `batches` handed out: the step gathers
     its records, x = x_all[batch.indices] and x′ = x_prime_all[batch.indices] (a
     jax.Array on its device, any other array on the host, so only the batch is sent),
@@ -330,15 +344,17 @@ class PrivateTraining(NamedTuple):
         raise ValueError(f"{name} must be one of {REPORT_POLICIES}, got {value!r}.")
     grad_fn, optimizer, ledger = self.grad_fn, self.optimizer, self.ledger
     with_num_dropped = getattr(grad_fn, "with_num_dropped", None)
-    model_key = self.model_key
+    model_key, group_key = self.model_key, self.group_key
     loop = _loop(ledger)
     num_records = self.sampler.num_records
     synchronous = "error" in (on_nonfinite, on_empty)
     deferred = not synchronous and "warn" in (on_nonfinite, on_empty)
 
-    def update(params, opt_state, x, x_prime, mask, step):
+    def update(params, opt_state, x, x_prime, mask, step, record_ids):
       # A stochastic model: the randomness of step t, fold_in(model_key, t), never released.
       key = {} if model_key is None else {"key": jax.random.fold_in(model_key, step)}
+      if group_key is not None:  # DP-GCL: the records regrouped at every step
+        key.update(record_ids=record_ids, group_key=jax.random.fold_in(group_key, step))
       if with_num_dropped is None:
         loss_value, grads = grad_fn(params, x, x_prime, mask, **key)
         num_dropped = jnp.zeros((), jnp.int32)
@@ -386,7 +402,7 @@ class PrivateTraining(NamedTuple):
         return returned_count[1]
       return _host_int(count)
 
-    def train_step(params, opt_state, batch, data, mask=None):
+    def train_step(params, opt_state, batch, data, mask=None, *, record_ids=None):
       if isinstance(batch, PoissonBatch):
         if mask is not None:
           raise TypeError("train_step(params, opt_state, batch, (x_all, x_prime_all)) masks "
@@ -397,9 +413,14 @@ class PrivateTraining(NamedTuple):
               "recorded), once; this one was used already, is another run's, or was drawn by "
               "hand. A pipeline with its own batches calls train_step(params, opt_state, x, "
               "x_prime, mask) after ledger.record_steps(1).")
+        if record_ids is not None:
+          raise TypeError("train_step(params, opt_state, batch, (x_all, x_prime_all)) groups "
+                          "the records by batch.indices itself: pass no record_ids.")
         indices = np.asarray(batch.indices)
         mask = np.asarray(batch.mask)
         x, x_prime = _gather(data, indices, num_records)
+        if group_key is not None:
+          record_ids = indices
       else:
         if mask is None:
           raise TypeError(
@@ -410,6 +431,9 @@ class PrivateTraining(NamedTuple):
               "would be trained on.")
         x, x_prime = batch, data
         mask = _check_mask(mask, x)
+        if (record_ids is None) != (group_key is None):
+          raise ValueError("record_ids= is required by method='dp_gcl' (pass batch.indices) "
+                           f"and taken by it only; this run's method is {self.method!r}.")
       released = released_count(opt_state)
       if released < ledger.released_updates:
         raise UnrecordedStepError(
@@ -426,7 +450,7 @@ class PrivateTraining(NamedTuple):
             "Draw the batches with PrivateTraining.batches(), which records each step, or call "
             "ledger.record_steps(1) before the update on the low-level path.")
       params_out, state_out, loss_value, flags = update(params, opt_state, x, x_prime, mask,
-                                                        released)
+                                                        released, record_ids)
       if synchronous:
         report(released + 1, flags)  # raises before anything is released
       ledger.released_updates = released + 1
@@ -546,16 +570,18 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                  steps: int | None = None, method: str = "ghost", mean: bool = False,
                  microbatch_size: int | None = None, accountant: str = "pld", noise_key: Any = None,
                  sampler_seed: int | None = None, max_batch_size: int | None = None,
-                 overflow: str = "error", **grad_kwargs) -> PrivateTraining:
+                 overflow: str = "error", group_size: float | None = None,
+                 **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
   σ = `accounting.noise_multiplier(ε, δ_acc, q, T, accountant)` with δ_acc = δ minus
   the padded batches' overflow term (`PrivacyLedger.calibrated`);
   C = `sensitivity(loss, B, batch_size=None)` (`naive_sensitivity(B)` = 2B for
-  method="naive"); optimizer = chain(`transform(σ, C, noise_key)`,
-  [`optax.scale(1 / expected_batch_size)` if mean], optimizer). The noise is
-  added to the summed ḡ first; the mean and the optimizer are post-processing.
+  method="naive", `grouped_sensitivity(B)` = 2B for method="dp_gcl");
+  optimizer = chain(`transform(σ, C, noise_key)`, [`optax.scale(1 / expected_batch_size)`
+  if mean], optimizer). The noise is added to the summed ḡ first; the mean and the
+  optimizer are post-processing.
 
   Formal guarantees. Neighbouring datasets differ by adding or removing one
   pair record (x_i, x'_i) (`dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE`).
@@ -580,7 +606,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     optimizer: any optax optimizer; it receives the noisy ḡ (or ḡ / E[n]).
     epochs, steps: exactly one; epochs gives T = ⌈epochs / q⌉.
     method: "ghost" (default), "triangle", "projected" (needs reference_inputs= in
-      grad_kwargs), "materialize" or "naive" (Naive-DP).
+      grad_kwargs), "materialize", "naive" (Naive-DP) or "dp_gcl" (DP-GCL,
+      `grouped_clipped_grad`: needs group_size; one device, no extra views; train_step groups
+      the records by batch.indices).
     mean: scale the noisy sum by 1 / expected_batch_size before the optimizer.
     microbatch_size: passed to `clipped_grad` / `naive_clipped_grad`.
     accountant: "pld" (default) or "rdp", used for σ and by the ledger.
@@ -592,6 +620,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
       `secrets`, as noise_key (read it from ``sampler.seed`` to resume; keep
       it secret).
     max_batch_size, overflow: passed to `PoissonSampler`.
+    group_size: method="dp_gcl" only (and required there): the expected group size s > 0;
+      G = max(1, round(expected_batch_size / s)) hash groups. The
+      group key is split from the training key, as model_key (`PrivateTraining.group_key`).
     **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps,
       reference_inputs and projection_rank for "projected";
       positive_embed_fn for a two-tower model, with the same C; stochastic=True for a
@@ -623,6 +654,13 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     raise ValueError(f"sampler_seed must be an integer ≥ 0 or None, got {sampler_seed!r}.")
   b = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
 
+  grouped = mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL
+  if "num_groups" in grad_kwargs:
+    raise ValueError("make_private takes group_size= (the expected group size), not num_groups.")
+  if grouped:
+    grad_kwargs["num_groups"] = grouped_lib.num_groups_for(expected_batch_size, group_size)
+  elif group_size is not None:
+    raise ValueError(f"group_size is for method='dp_gcl' only, not {method!r}.")
   grad_fn = clipping.private_grad(embed_fn, loss, b, method, microbatch_size=microbatch_size,
                                   **grad_kwargs)
   c = grad_fn.sensitivity(batch_size=None)
@@ -637,11 +675,13 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   sampler = BudgetedSampler.bind(poisson, ledger)
   sigma = ledger.noise_multiplier
   key = jax.random.key(_secret_seed()) if noise_key is None else noise_key
-  model_key = None
+  model_key = group_key = None
   if grad_fn.stochastic:  # two independent keys: the noise's and the model's randomness
     key, model_key = jax.random.split(key)
+  if grouped:  # the group assignment's key: independent of the data and of the noise
+    key, group_key = jax.random.split(key)
   scale_by = float(expected_batch_size) if mean else None
   tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
                          noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
-                         steps=t, method=method, model_key=model_key)
+                         steps=t, method=method, model_key=model_key, group_key=group_key)
