@@ -728,7 +728,7 @@ def test_dp_gcl_sensitivity_groups_and_train_step_are_those_of_grouped_clipped_g
     np.testing.assert_allclose(float(loss_value), float(want_loss), rtol=1e-6)
     params, opt_state = new_params, new_state
   with pytest.raises(ValueError, match="record_ids"):
-    train_step(params, opt_state, x[:8], xp[:8])
+    train_step(params, opt_state, x[:8], xp[:8], jnp.ones(8, bool))
 
 
 def test_dp_gcl_two_towers_train_end_to_end():
@@ -781,7 +781,8 @@ def test_record_ids_only_with_dp_gcl():
   pt = _setup(steps=2)
   pt.ledger.record_steps(1)
   with pytest.raises(ValueError, match="record_ids"):
-    pt.make_train_step()(params, pt.optimizer.init(params), x[:8], xp[:8], record_ids=jnp.arange(8))
+    pt.make_train_step()(params, pt.optimizer.init(params), x[:8], xp[:8],
+                         jnp.ones(8, bool), record_ids=jnp.arange(8))
 
 
 def test_dp_gcl_with_dropout_gets_the_model_key_of_the_step():
