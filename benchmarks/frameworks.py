@@ -301,11 +301,11 @@ def measure(arch: str, n: int, frameworks, methods, repeats: int, compile_repeat
         if method == "nonprivate":
           fn = make_nonprivate()
         else:
-          extra = {}
+          clip_method = method
           if method == "projected":
-            extra = dict(reference_inputs=jax.random.uniform(jax.random.PRNGKey(7), (4,) + shape),
-                         projection_rank=16)
-          fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, method, **extra)
+            clip_method = logit_dp.clip_methods.Projected(
+                reference_inputs=jax.random.uniform(jax.random.PRNGKey(7), (4,) + shape), rank=16)
+          fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, clip_method)
         compiled, seconds, cpu_seconds = _compiled(fn, args)
         executables[framework, method] = (compiled, args)
         key = framework, method

@@ -57,8 +57,10 @@ def compile_variants(embed_fn, reference, rank: int, args: tuple, variants: dict
     setattr(module, attribute, value)
     try:
       fn = jax.jit(
-          logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=reference,
-                                projection_rank=rank, microbatch_size=microbatch_size))
+          logit_dp.clipped_grad(
+              embed_fn, loss, 1.0,
+              logit_dp.clip_methods.Projected(reference_inputs=reference, rank=rank),
+              microbatch_size=microbatch_size))
       fns[name] = fn.lower(*args).compile()  # traced now, under this variant
     finally:
       setattr(module, attribute, saved)

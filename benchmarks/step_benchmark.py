@@ -185,12 +185,12 @@ def make_step(spec: str, embed_fn, n: int, args, example_shape=None):
         logit_dp.transform(args.noise_multiplier, logit_dp.naive_sensitivity(args.clip_norm), key),
         adam)
   else:
-    extra = {}
+    clip_method = method
     if method == "projected":
-      extra = dict(reference_inputs=reference_inputs(example_shape, args),
-                   projection_rank=args.projection_rank)
-    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=method, microbatch_size=mb,
-                                  **extra)
+      clip_method = logit_dp.clip_methods.Projected(
+          reference_inputs=reference_inputs(example_shape, args), rank=args.projection_rank)
+    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=clip_method,
+                                  microbatch_size=mb)
     c = logit_dp.sensitivity(loss, args.clip_norm, batch_size=n)
     tx = optax.chain(logit_dp.transform(args.noise_multiplier, c, key), adam)
 

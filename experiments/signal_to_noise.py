@@ -114,11 +114,11 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
 
   grads, sensitivities = {}, {}
   for method in logit_dp_methods:
-    kwargs = (dict(reference_inputs=reference_inputs, projection_rank=projection_rank)
-              if method == "projected" else {})
-    grads[f"logit_dp_{method}"] = logit_dp.clipped_grad(apply_fn, loss, clip_norm, method,
-                                                        microbatch_size=500, **kwargs)(params, x,
-                                                                                       x_prime)[1]
+    clip_method = (logit_dp.clip_methods.Projected(reference_inputs=reference_inputs,
+                                                   rank=projection_rank)
+                   if method == "projected" else method)
+    grads[f"logit_dp_{method}"] = logit_dp.clipped_grad(apply_fn, loss, clip_norm, clip_method,
+                                                        microbatch_size=500)(params, x, x_prime)[1]
     sensitivities[f"logit_dp_{method}"] = logit_dp.sensitivity(loss, clip_norm, batch_size=None)
   grads["naive_dp"] = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm,
                                                   microbatch_size=500)(params, x, x_prime)[1]

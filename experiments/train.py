@@ -330,11 +330,12 @@ def reference_inputs(config):
   return jnp.asarray(data_lib.to_float(images))
 
 
-def _clip_method_kwargs(config) -> dict[str, Any]:
+def clip_method(config) -> str | logit_dp.clip_methods.ClipMethod:
+  """config.clip_method, with its reference inputs and rank for "projected"."""
   if config.clip_method != "projected":
-    return {}
-  return dict(reference_inputs=reference_inputs(config),
-              projection_rank=int(config.projection.rank))
+    return config.clip_method
+  return logit_dp.clip_methods.Projected(reference_inputs=reference_inputs(config),
+                                         rank=int(config.projection.rank))
 
 
 def make_method(config, method: str, apply_fn, num_records: int, noise_key):
@@ -377,14 +378,12 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
     grad_fn = logit_dp.grouped_clipped_grad(apply_fn, loss, bound, dp_gcl_num_groups(config),
                                             **microbatch)
   elif mechanism is logit_dp.Mechanism.LOGIT_DP:
-    extra = _clip_method_kwargs(config)
     if mesh is None:
-      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound, method=config.clip_method,
-                                      **microbatch, **extra)
+      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound, method=clip_method(config),
+                                      **microbatch)
     else:
       grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh,
-                                                          method=config.clip_method, **microbatch,
-                                                          **extra)
+                                                          method=clip_method(config), **microbatch)
   elif mesh is None:
     grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=bound, **microbatch)
   else:

@@ -8,8 +8,8 @@ import pytest
 
 import logit_dp
 from conftest import make_model
+from helpers import clip_method
 from helpers import clip_norm_in_a_gap
-from helpers import method_kwargs
 from helpers import reference_grad
 
 LOSS = logit_dp.losses.contrastive(temperature=0.5)
@@ -52,8 +52,8 @@ def _check(stats, norms, valid, clip_norm, rtol):
 
 
 def _grad_fns(method, embed_fn, x, **kwargs):
-  return logit_dp.clipped_grad(embed_fn, LOSS, kwargs.pop("clip_norm"), method,
-                               **method_kwargs(method, x), **kwargs)
+  return logit_dp.clipped_grad(embed_fn, LOSS, kwargs.pop("clip_norm"), clip_method(method, x),
+                               **kwargs)
 
 
 _SLOW = pytest.mark.slow
@@ -66,9 +66,8 @@ _SLOW = pytest.mark.slow
 def test_stats_are_those_of_the_norms_clipping_used(method):
   # The norms clipping uses (allowances and bounds included) are `pair_grad_norms`.
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
-  used = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, **method_kwargs(method, x)),
-      np.float64)
+  used = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(method, x)),
+                    np.float64)
   clip_norm = clip_norm_in_a_gap(used)
   fn = _grad_fns(method, embed_fn, x, clip_norm=clip_norm)
   loss, grads, stats = fn.with_stats(params, x, x_prime, MASK)

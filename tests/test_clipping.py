@@ -10,7 +10,7 @@ import pytest
 
 import logit_dp
 from conftest import make_model
-from helpers import method_kwargs
+from helpers import clip_method
 from helpers import reference_grad
 from helpers import rel_err
 from helpers import tree_norm
@@ -37,8 +37,8 @@ def test_infinite_clip_norm_is_jax_grad(kind, loss_name, method):
   embed_fn, params, x, x_prime = make_model(kind, n=6)
   loss = LOSSES[loss_name]
   ref_loss, ref_grads = reference_grad(embed_fn, loss, params, x, x_prime)
-  value, grads = logit_dp.clipped_grad(embed_fn, loss, jnp.inf, method=method,
-                                       **method_kwargs(method, x))(params, x, x_prime)
+  value, grads = logit_dp.clipped_grad(embed_fn, loss, jnp.inf,
+                                       method=clip_method(method, x))(params, x, x_prime)
   np.testing.assert_allclose(value, ref_loss, rtol=1e-5)
   assert rel_err(grads, ref_grads) < 1e-5
 
@@ -101,7 +101,7 @@ def test_mask_padding_contributes_nothing(method):
   keep = np.flatnonzero(np.asarray(mask))
   padded_x = x.at[~mask].set(jnp.nan)  # garbage in padded rows must not leak
   padded_xp = x_prime.at[~mask].set(1e30)
-  fn = logit_dp.clipped_grad(embed_fn, loss, 0.5, method=method, **method_kwargs(method, x))
+  fn = logit_dp.clipped_grad(embed_fn, loss, 0.5, method=clip_method(method, x))
   value_masked, grads_masked = fn(params, padded_x, padded_xp, mask)
   value_small, grads_small = fn(params, x[keep], x_prime[keep])
   np.testing.assert_allclose(value_masked, value_small, rtol=1e-5)
@@ -151,8 +151,8 @@ def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precisi
   # The clip factors and ḡ come from different passes: on a GPU, where JAX's default for
   # float32 is TF32, they must still both be float32-accurate.
   embed_fn, params, x, x_prime = make_model("conv", n=4)
-  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method, microbatch_size=2,
-                             **method_kwargs(method, x))
+  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=clip_method(method, x),
+                             microbatch_size=2)
   highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
   with jax.default_matmul_precision("bfloat16"):
     precisions = _contraction_precisions(jax.make_jaxpr(fn)(params, x, x_prime).jaxpr)
@@ -220,8 +220,8 @@ def test_zero_embedding_gives_finite_gradients():
   x = jnp.array([[0.0, 0, 0, 0], [1, 2, 0, 1], [0, 1, 1, 0]])
   x_prime = jnp.array([[1.0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
   for method in logit_dp.METHODS:
-    value, grads = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method,
-                                         **method_kwargs(method, x))(params, x, x_prime)
+    value, grads = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0,
+                                         method=clip_method(method, x))(params, x, x_prime)
     assert np.isfinite(value) and np.all(np.isfinite(grads["scale"]))
 
 

@@ -15,9 +15,9 @@ import pytest
 import logit_dp
 from conftest import MLP
 from conftest import SmallConv
+from helpers import clip_method
 from helpers import flat
 from helpers import float64_clipped_reference
-from helpers import method_kwargs
 from helpers import rel_err
 from logit_dp._src import numerics
 
@@ -152,8 +152,8 @@ def test_float32_diagonal_norms_of_near_identical_pairs_are_within_10_percent(
   truth = near_identical_truth
   norms = lambda **kw: np.diag(
       np.asarray(
-          logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size=3,
-                                   **method_kwargs(method, x), **kw), np.float64))
+          logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(method, x),
+                                   microbatch_size=3, **kw), np.float64))
   got, in_float32 = norms(), norms(float64_positive_pairs=False)
   for values in (got, in_float32):
     assert np.all(values >= truth), np.min(values / truth)

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import logit_dp
 from benchmarks import frameworks
+from helpers import clip_method
 from helpers import flat
-from helpers import method_kwargs
 from helpers import rel_err
 from logit_dp._src import layerwise
 
@@ -160,8 +160,7 @@ def test_triangle_and_projected(framework, no_float_allowance):
   np.testing.assert_allclose(np.sort(flat(grad)), np.sort(flat(linen_grad)), rtol=1e-4, atol=1e-7)
   truth = _float64_pair_norms(embed_fn, params, x, x_prime)
   projected = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
-                               **method_kwargs("projected", x)))
+      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, clip_method("projected", x)))
   assert np.all(projected >= truth * (1 - 1e-5))
   np.testing.assert_allclose(np.diag(projected), np.diag(truth), rtol=1e-4)
 

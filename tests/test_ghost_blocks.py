@@ -163,10 +163,9 @@ def test_block_sizes_fit_the_budget(multiple):
 
 
 def test_memory_budget_is_checked():
-  embed_fn, _, _, _ = make_model("mlp", 4)
   for bad in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match="memory_budget"):
-      logit_dp.clipped_grad(embed_fn, LOSS, 1.0, memory_budget=bad)
+      logit_dp.clip_methods.Ghost(memory_budget=bad)
 
 
 def _temp_bytes(fn, *args) -> int:
@@ -184,8 +183,8 @@ def test_blocked_temporaries_do_not_grow_with_n_like_one_block():
   example_bytes = chunking.factor_bytes_per_example(plan, 5, jax.tree_util.tree_leaves(params))
   temp = {}
   for name, budget in (("one block", None), ("blocked", 12 * example_bytes)):
-    fn = logit_dp.clipped_grad(model.apply, LOSS, 1.0, "ghost", microbatch_size=4,
-                               memory_budget=budget)
+    fn = logit_dp.clipped_grad(model.apply, LOSS, 1.0,
+                               logit_dp.clip_methods.Ghost(memory_budget=budget), microbatch_size=4)
     temp[name] = [
         _temp_bytes(fn.core, params, x[:n], x[:n], jnp.ones((n,), bool)) for n in (16, 64)
     ]

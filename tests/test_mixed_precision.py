@@ -55,11 +55,10 @@ def test_low_precision_model_is_clipped_in_float32_against_float64(method, dtype
   """Every pair's clip norm is ≥ its float64 norm (so each clipped pair gradient has norm ≤ B),
   and ḡ is the float64 sum clipped by those norms to float32 accuracy, returned in float32."""
   embed_fn, params, x, x_prime, reference = _problem(dtype)
-  kwargs = dict(reference_inputs=reference, projection_rank=16) if method == "projected" else {}
-  norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, **kwargs),
-                     np.float64)
-  loss_value, grads = logit_dp.clipped_grad(embed_fn, LOSS, CLIP_NORM, method, **kwargs)(params, x,
-                                                                                         x_prime)
+  if method == "projected":
+    method = logit_dp.clip_methods.Projected(reference_inputs=reference, rank=16)
+  norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method), np.float64)
+  loss_value, grads = logit_dp.clipped_grad(embed_fn, LOSS, CLIP_NORM, method)(params, x, x_prime)
   with jax.enable_x64(True):
     truth, reference_grads = float64_clipped_reference(embed_fn, LOSS, params, x, x_prime,
                                                        CLIP_NORM, clip_by=norms)

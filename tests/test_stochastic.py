@@ -16,8 +16,8 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import logit_dp
+from helpers import clip_method
 from helpers import flat
-from helpers import method_kwargs
 from logit_dp import audit
 from logit_dp import distributed
 from logit_dp._src import checks
@@ -154,8 +154,8 @@ def test_plain_norms_of_every_method_are_float64_truth(no_float_allowance):
   norms = {
       m:
           np.asarray(
-              logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, m, key=key,
-                                       float_allowance=False, **method_kwargs(m, x)))
+              logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(m, x), key=key,
+                                       float_allowance=False))
       for m in ("materialize", "ghost", "triangle")
   }
   np.testing.assert_allclose(norms["materialize"], truth, rtol=1e-4, atol=atol)
@@ -175,12 +175,13 @@ def test_plain_projected_and_blocked_ghost_norms_are_float64_truth(no_float_allo
   truth, _, _ = _brute_force(embed_fn, params, x, x_prime, key, 1.0, float64=True)
   atol = 1e-5 * float(np.max(truth))
   projected = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", key=key,
-                               float_allowance=False, **method_kwargs("projected", x)))
+      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, clip_method("projected", x), key=key,
+                               float_allowance=False))
   assert np.all(projected >= truth * (1 - 1e-5) - atol)
   np.testing.assert_allclose(np.diag(projected), np.diag(truth), rtol=1e-4, atol=atol)
-  blocked = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "ghost", key=key,
-                                     float_allowance=False, microbatch_size=4, memory_budget=1)
+  blocked = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime,
+                                     logit_dp.clip_methods.Ghost(memory_budget=1), key=key,
+                                     float_allowance=False, microbatch_size=4)
   np.testing.assert_allclose(blocked, truth, rtol=1e-4, atol=atol)
 
 
@@ -228,8 +229,7 @@ def test_every_clipped_pair_gradient_stays_within_the_clip_norm():
   clip = float(np.min(truth)) / 2  # every pair clipped
   for method in logit_dp.METHODS:
     norms = np.asarray(
-        logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, key=key,
-                                 **method_kwargs(method, x)))
+        logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(method, x), key=key))
     assert np.all(truth * np.minimum(1.0, clip / norms) <= clip * (1 + 1e-7))
 
 

@@ -130,11 +130,16 @@ class _Reference:
 
 def _reference(method, reference_inputs, projection_rank, embed_fn,
                positive_embed_fn=None) -> _Reference | None:
-  """`checks.check_projection`'s checks (also for "naive" and "dp_gcl", which never reach
-  clipped_grad), its result as a cache key."""
-  spec = checks.check_projection(method, reference_inputs, projection_rank, positive_embed_fn,
-                                 embed_fn)
-  return None if spec is None else _Reference(*spec)
+  """The reference of method="projected" checked by `methods.Projected` (reference_inputs for
+  another method, also "naive" and "dp_gcl", which never reach clipped_grad: ValueError), as a
+  cache key."""
+  if method != methods.Projected.name:
+    if reference_inputs is not None:
+      raise ValueError(f"reference_inputs are used by method='projected' only, not {method!r}.")
+    return None
+  projected = methods.Projected(reference_inputs=reference_inputs,
+                                rank=projection_rank).for_model(embed_fn, positive_embed_fn)
+  return _Reference(projected.reference_inputs, projected.rank)
 
 
 @functools.lru_cache(maxsize=64)
@@ -161,11 +166,10 @@ def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, pos
       return fn.core(params, x, x_prime, mask, groups, views)
 
     return grouped_core
-  projected = {} if reference is None else dict(reference_inputs=reference.inputs,
-                                                projection_rank=reference.rank)
+  if reference is not None:
+    method = methods.Projected(reference_inputs=reference.inputs, rank=reference.rank)
   fn = clipping.private_grad(embed_fn, loss, clip_norm, method, cosine_eps=cosine_eps,
-                             positive_embed_fn=positive_embed_fn, stochastic=stochastic,
-                             **projected)
+                             positive_embed_fn=positive_embed_fn, stochastic=stochastic)
   return fn.core
 
 
@@ -198,7 +202,12 @@ def _gaps_jit(core, params, x, x_prime, mask, chunk, keys=()):
 
 
 def _check_method(method: str) -> str:
-  return mechanisms.check_method(method, mechanisms.AUDITED_METHODS)
+  """method if it names a clip method (registered), "naive" or "dp_gcl"; ValueError otherwise."""
+  if isinstance(method, str):
+    mechanisms.Mechanism.of_method(method)
+    return method
+  raise ValueError(f"method must be the name of a clip method, 'naive' or 'dp_gcl', got "
+                   f"{method!r}.")
 
 
 def _prepare(loss, x, x_prime, mask):

@@ -34,6 +34,7 @@ from logit_dp._src import clipping
 from logit_dp._src import distributed
 from logit_dp._src import ledger as ledger_lib
 from logit_dp._src import mechanisms
+from logit_dp._src import methods
 from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src.checks import EmptyBatchWarning
 from logit_dp._src.ledger import BudgetedSampler
@@ -96,7 +97,7 @@ class PrivateTraining(NamedTuple):
     clip_norm: B.
     sampling_rate: q = expected_batch_size / num_records.
     steps: T, the number of steps σ is calibrated for.
-    method: the gradient method ("ghost", "triangle", "projected", "materialize", "naive").
+    method: the gradient method's name (a clip method's, e.g. "ghost", or "naive").
     model_key: a stochastic model (stochastic=True): the secret key its randomness is drawn
       from, split from the training key apart from the noise key; step t's key is
       fold_in(model_key, t), handed to grad_fn by `make_train_step`. None otherwise.
@@ -306,10 +307,11 @@ def _secret_seed() -> int:
 def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: float,
                  target_delta: float, num_records: int, expected_batch_size: float,
                  optimizer: optax.GradientTransformation, epochs: float | None = None,
-                 steps: int | None = None, method: str = "ghost", mean: bool = False,
-                 microbatch_size: int | None = None, accountant: str = "pld", noise_key: Any = None,
-                 sampler_seed: int | None = None, max_batch_size: int | None = None,
-                 overflow: str = "error", **grad_kwargs) -> PrivateTraining:
+                 steps: int | None = None, method: str | methods.ClipMethod = "ghost",
+                 mean: bool = False, microbatch_size: int | None = None, accountant: str = "pld",
+                 noise_key: Any = None, sampler_seed: int | None = None,
+                 max_batch_size: int | None = None, overflow: str = "error",
+                 **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
@@ -342,8 +344,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     expected_batch_size: E[n] = q·N of the Poisson batches.
     optimizer: any optax optimizer; it receives the noisy ḡ (or ḡ / E[n]).
     epochs, steps: exactly one; epochs gives T = ⌈epochs / q⌉.
-    method: "ghost" (default), "triangle", "projected" (needs reference_inputs= in
-      grad_kwargs), "materialize" or "naive" (Naive-DP).
+    method: a clip method of `clipped_grad` (an object such as
+      ``clip_methods.Projected(reference_inputs=public_x)``, or a registered name: "ghost",
+      the default, "triangle", "materialize") or "naive" (Naive-DP).
     mean: scale the noisy sum by 1 / expected_batch_size before the optimizer.
     microbatch_size: passed to `clipped_grad` / `naive_clipped_grad`.
     accountant: "pld" (default) or "rdp", used for σ and by the ledger.
@@ -355,8 +358,7 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
       `secrets`, as noise_key (read it from ``sampler.seed`` to resume; keep
       it secret).
     max_batch_size, overflow: passed to `PoissonSampler`.
-    **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps,
-      reference_inputs and projection_rank for "projected";
+    **grad_kwargs: other `clipped_grad` arguments (cosine_eps;
       positive_embed_fn for a two-tower model, with the same C; stochastic=True for a
       model embed_fn(params, x, key) with dropout: the training key is then split into the
       noise key and ``model_key``, and each step's model randomness is
@@ -367,7 +369,7 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   """
   if not callable(embed_fn):
     raise ValueError(f"embed_fn must be callable, got {embed_fn!r}.")
-  mechanisms.check_method(method, PRIVATE_METHODS)
+  mechanisms.check_private_method(method)
   if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
     raise ValueError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}.")
   if not isinstance(mean, bool):
@@ -407,4 +409,4 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
                          noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
-                         steps=t, method=method, model_key=model_key)
+                         steps=t, method=grad_fn.method, model_key=model_key)
