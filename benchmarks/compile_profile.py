@@ -81,8 +81,8 @@ def profile(arch: str, n: int, repeats: int) -> dict:
 
   def make_nonprivate():
     def nonprivate(p, anchors, positives, mask):
-      z = lambda w: loss(logit_dp.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)),
-                         mask)
+      z = lambda w: loss(
+          logit_dp.losses.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)), mask)
       return jax.value_and_grad(z)(p)
 
     return nonprivate

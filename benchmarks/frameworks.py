@@ -287,8 +287,8 @@ def measure(arch: str, n: int, frameworks, methods, repeats: int, compile_repeat
     def make_nonprivate(embed_fn=embed_fn):
       """A new function (traced and compiled afresh): jax.value_and_grad of the loss."""
       def nonprivate(p, anchors, positives, mask):
-        z = lambda w: loss(logit_dp.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)),
-                           mask)
+        z = lambda w: loss(
+            logit_dp.losses.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)), mask)
         return jax.value_and_grad(z)(p)
 
       return nonprivate

@@ -42,8 +42,8 @@ def compile_variants(embed_fn, reference, rank: int, args: tuple, variants: dict
   loss = logit_dp.losses.contrastive(temperature=1.0)
 
   def non_private(params, x, x_prime):
-    return jax.value_and_grad(
-        lambda p: loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime))))(params)
+    return jax.value_and_grad(lambda p: loss(
+        logit_dp.losses.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime))))(params)
 
   fns = {
       "non_private":

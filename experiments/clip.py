@@ -187,8 +187,8 @@ def make_towers(config, vocab_size: int, image_shape, tokens_one):
 def zero_shot(embed_images, embed_texts, params, images, labels, class_tokens,
               batch_size: int) -> dict[str, float]:
   """Top-1 / top-5 accuracy of argmax_c cos(image, text_c) over the class-name texts."""
-  texts = logit_dp.normalize(embed_texts(params, class_tokens))
-  embed = jax.jit(lambda p, x: jnp.matmul(logit_dp.normalize(embed_images(p, x)), texts.T))
+  texts = logit_dp.losses.normalize(embed_texts(params, class_tokens))
+  embed = jax.jit(lambda p, x: jnp.matmul(logit_dp.losses.normalize(embed_images(p, x)), texts.T))
   scores = np.concatenate([
       np.asarray(embed(params, images[i:i + batch_size]))
       for i in range(0, len(labels), batch_size)
@@ -219,8 +219,8 @@ def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, A
   # Diagnostic on the initial parameters and 64 TEST pairs (never on training records, which
   # would release something not covered by the guarantee): the share of pair norms above B.
   test_texts = jax.tree_util.tree_map(lambda a: a[ds["y_test"][:64]], tokens)
-  initial_norms = logit_dp.pair_grad_norms(embed_images, params, ds["x_test"][:64], test_texts,
-                                           positive_embed_fn=embed_texts)
+  initial_norms = logit_dp.clip_methods.pair_grad_norms(embed_images, params, ds["x_test"][:64],
+                                                        test_texts, positive_embed_fn=embed_texts)
   clipped_at_start = float(np.mean(np.asarray(initial_norms) > config.clip_norm))
   opt_state = private.optimizer.init(params)
   train_step = private.make_train_step(on_nonfinite=config.get("on_nonfinite_rows", "warn"))
@@ -239,8 +239,8 @@ def train_logit_dp(config, ds, tokens, towers, workdir: str, log) -> dict[str, A
       noise_multiplier=private.noise_multiplier, sensitivity=private.sensitivity,
       clip_norm=private.clip_norm, sampling_rate=private.sampling_rate,
       clipped_at_start=clipped_at_start, method=private.method, train_seconds=time.time() - start,
-      shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params,
-                                                   ds["x_test"][:64], test_texts))
+      shared_parameters=logit_dp.clip_methods.shared_parameters(embed_images, embed_texts, params,
+                                                                ds["x_test"][:64], test_texts))
 
 
 def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
@@ -253,7 +253,7 @@ def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
   @jax.jit
   def step_fn(params, opt_state, x, texts, mask):
     objective = lambda p: loss(
-        logit_dp.cosine_similarity(embed_images(p, x), embed_texts(p, texts)), mask)
+        logit_dp.losses.cosine_similarity(embed_images(p, x), embed_texts(p, texts)), mask)
     value, grads = jax.value_and_grad(objective)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value

@@ -102,7 +102,7 @@ def main(argv):
 
   def test_stats(params):
     za, zb = apply_fn(params, xa_te), apply_fn(params, xb_te)
-    z = logit_dp.cosine_similarity(za, zb)
+    z = logit_dp.losses.cosine_similarity(za, zb)
     n = z.shape[0]
     off = (jnp.sum(z) - jnp.trace(z)) / (n * n - n)
     return float(loss(z)), float(off)
@@ -120,8 +120,8 @@ def main(argv):
     report.update(num_reference=FLAGS.num_reference, projection_rank=FLAGS.projection_rank)
   b0 = batches[0]
   xa0, xb0 = jnp.asarray(x_tr[b0[:, 0]]), jnp.asarray(x_tr[b0[:, 1]])
-  true_grad = jax.grad(
-      lambda p: loss(logit_dp.cosine_similarity(apply_fn(p, xa0), apply_fn(p, xb0))))(params0)
+  true_grad = jax.grad(lambda p: loss(
+      logit_dp.losses.cosine_similarity(apply_fn(p, xa0), apply_fn(p, xb0))))(params0)
   for b_str in FLAGS.clip_norms:
     clip = float(b_str)
     t0 = time.time()

@@ -62,7 +62,7 @@ def pair_norm_report(config, params_by_name, x, xp, methods=("ghost", "triangle"
   @jax.jit
   def batch_grad_norm(params):
     def total(p):
-      return loss(logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, xp)))
+      return loss(logit_dp.losses.cosine_similarity(apply_fn(p, x), apply_fn(p, xp)))
 
     g = jax.grad(total)(params)
     return jnp.sqrt(sum(jnp.sum(leaf * leaf) for leaf in jax.tree_util.tree_leaves(g)))
@@ -73,9 +73,9 @@ def pair_norm_report(config, params_by_name, x, xp, methods=("ghost", "triangle"
     exact = None
     for m in methods:
       norms = np.asarray(
-          logit_dp.pair_grad_norms(apply_fn, params, x, xp,
-                                   method=projection if m == "projected" else m,
-                                   microbatch_size=config.get("microbatch_size")))
+          logit_dp.clip_methods.pair_grad_norms(apply_fn, params, x, xp,
+                                                method=projection if m == "projected" else m,
+                                                microbatch_size=config.get("microbatch_size")))
       out[name][m] = norm_summary(norms)
       if m == "ghost":
         exact = norms

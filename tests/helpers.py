@@ -24,7 +24,7 @@ def reference_grad(embed_fn, loss, params, x, x_prime, mask=None):
   import logit_dp
 
   def total(p):
-    return loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)), mask)
+    return loss(logit_dp.losses.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)), mask)
 
   return jax.value_and_grad(total)(params)
 

@@ -65,7 +65,7 @@ def _brute_force(embed_fn, params, x, x_prime, clip_norm):
   """ḡ = Σ_ij τ_ij·min(1, B/‖g_ij‖)·g_ij from jax.grad of ℒ and of each Z_ij, in float64 sums,
   with the norms ‖g_ij‖·(1 + MARGIN) ExactSlow clips by."""
   def z(p):
-    return logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime))
+    return logit_dp.losses.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime))
 
   tau = np.asarray(jax.grad(lambda zz: LOSS(zz))(z(params)), np.float64)
   total = 0.0
@@ -81,8 +81,10 @@ def test_a_registered_method_resolves_by_name_and_clips_like_the_brute_force_sum
   assert "exact-slow" in clip_methods.names()
   assert clip_methods.resolve("exact-slow") == registered()
   embed_fn, params, x, x_prime = make_model("mlp", n=N)
-  exact = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "exact-slow"))
-  reference = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
+  exact = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "exact-slow"))
+  reference = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
   np.testing.assert_allclose(exact, reference * (1 + MARGIN), rtol=1e-4)
   clip_norm = float(np.median(exact))
   grad_fn = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm, "exact-slow")

@@ -86,8 +86,9 @@ def test_a_method_object_gives_what_its_name_gives(name):
   loss_b, grads_b = by_object(params, x, x_prime)
   assert float(loss_a) == float(loss_b)
   np.testing.assert_array_equal(_flat(grads_a), _flat(grads_b))
-  norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, methods.resolve(name))
-  np.testing.assert_array_equal(norms, logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, name))
+  norms = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, methods.resolve(name))
+  np.testing.assert_array_equal(
+      norms, logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, name))
 
 
 @pytest.mark.parametrize("name", ["ghost", "materialize", "triangle", "projected"])
@@ -144,8 +145,8 @@ def test_gradient_functions_carry_their_mechanism_and_sensitivity():
   embed_fn, params, x, x_prime = make_model("mlp", n=N)
   clip_norm = 0.3
   logit = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm, "triangle")
-  naive = logit_dp.naive_clipped_grad(embed_fn, LOSS, clip_norm)
-  grouped = logit_dp.grouped_clipped_grad(embed_fn, LOSS, clip_norm, 2)
+  naive = logit_dp.baselines.naive_clipped_grad(embed_fn, LOSS, clip_norm)
+  grouped = logit_dp.baselines.grouped_clipped_grad(embed_fn, LOSS, clip_norm, 2)
   assert isinstance(logit, logit_dp.ClippedGradFn)
   assert (logit.mechanism, logit.method) == (logit_dp.Mechanism.LOGIT_DP, "triangle")
   assert (naive.mechanism, naive.method) == (logit_dp.Mechanism.NAIVE_DP, "naive")
@@ -193,7 +194,7 @@ def test_sharded_method_naive_is_the_naive_flag():
 
   # Naive-DP: the whole-batch gradient clipped to B, against jax.grad of the loss itself.
   def total(p):
-    return LOSS(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)))
+    return LOSS(logit_dp.losses.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)))
 
   want = _flat(jax.grad(total)(params))
   want = want * min(1.0, 0.1 / np.linalg.norm(want))

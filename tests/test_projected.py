@@ -40,7 +40,7 @@ def _conv_problem(seed=0, spread=0.3, num_reference=3, dim=GRAM_FORM_DIM):
   return model.apply, model.init(k3, x[:1]), x, x_prime, reference
 
 
-def _float64_jacobians(embed_fn, params, xs, eps=logit_dp.DEFAULT_COSINE_EPS):
+def _float64_jacobians(embed_fn, params, xs, eps=logit_dp.losses.DEFAULT_COSINE_EPS):
   """(unit embeddings (m, d), Jacobians (m, d, p)) in float64, by jax.jacrev per example."""
   with jax.enable_x64(True):
     p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
@@ -96,9 +96,9 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
   """k = m·(d − 1), the reference rows' rank: their span, well defined in float32 too."""
   embed_fn, params, x, x_prime, reference, rank, (true, triangle, projected, scale) = conv_case
   got = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime,
-                               Projected(reference_inputs=reference, rank=rank),
-                               float_allowance=False), np.float64)
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                            Projected(reference_inputs=reference, rank=rank),
+                                            float_allowance=False), np.float64)
   off = ~np.eye(N, dtype=bool)
   want = np.minimum(projected, triangle)
   # float32 without allowances: the perpendicular parts a − ‖Q̃ᵀJ_iᵀv̂_j‖² cancel terms of
@@ -117,10 +117,11 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
 def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_case):
   embed_fn, params, x, x_prime, reference, _, (true, _, _, _) = conv_case
   got = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime,
-                               Projected(reference_inputs=reference, rank=7), microbatch_size=3),
-      np.float64)
-  tri = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"), np.float64)
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                            Projected(reference_inputs=reference, rank=7),
+                                            microbatch_size=3), np.float64)
+  tri = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"),
+                   np.float64)
   assert np.all(got >= true * (1 - 2.0 ** -23)), np.min(got / true)
   assert np.all(got <= tri)
 
@@ -183,8 +184,9 @@ def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   both = jnp.concatenate([x, x_prime])
   true, triangle, _, scale = _float64_truth(embed_fn, params, x, x_prime, both, rank=2 * N * 5)
   got = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime,
-                               Projected(reference_inputs=both, rank=2 * N * 5)), np.float64)
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                            Projected(reference_inputs=both, rank=2 * N * 5)),
+      np.float64)
   assert np.all(got >= true * (1 - 2.0 ** -23))
   off = ~np.eye(N, dtype=bool)
   # Above the truth by at most the float32 allowances, √ε_G·s per Gram half and the vector
@@ -200,10 +202,11 @@ def test_each_pair_norm_depends_on_its_own_pair_only():
   subspace comes from the public reference, never from the batch)."""
   embed_fn, params, x, x_prime, reference = _conv_problem(seed=3)
   projected = Projected(reference_inputs=reference, rank=10)
-  full = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, projected))
+  full = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, projected))
   for k in (0, 5):
     keep = np.flatnonzero(np.arange(N) != k)
-    part = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x[keep], x_prime[keep], projected))
+    part = np.asarray(
+        logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x[keep], x_prime[keep], projected))
     np.testing.assert_allclose(part, full[np.ix_(keep, keep)], rtol=1e-6)
 
 
@@ -213,12 +216,12 @@ def test_clipped_grad_is_the_clipped_sum_of_materialised_pair_gradients():
   reference = jax.random.normal(jax.random.PRNGKey(11), (3,) + x.shape[1:])
   loss = logit_dp.losses.contrastive(temperature=0.5)
   projected = Projected(reference_inputs=reference, rank=8)
-  norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, projected))
+  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, projected))
   clip_norm = float(np.median(norms))
   _, got = logit_dp.clipped_grad(embed_fn, loss, clip_norm, projected)(params, x, x_prime)
 
-  unit = lambda p, a: logit_dp.normalize(embed_fn(p, a[None]))[0]
-  z = logit_dp.cosine_similarity(embed_fn(params, x), embed_fn(params, x_prime))
+  unit = lambda p, a: logit_dp.losses.normalize(embed_fn(p, a[None]))[0]
+  z = logit_dp.losses.cosine_similarity(embed_fn(params, x), embed_fn(params, x_prime))
   weights = jax.grad(loss)(z) * jnp.minimum(1.0, clip_norm / norms)
 
   def weighted_pair_grad(i, j):
@@ -330,7 +333,7 @@ def test_make_private_trains_with_projected():
       np.isfinite(np.concatenate([np.ravel(u) for u in jax.tree_util.tree_leaves(updates)])))
   assert private.sensitivity == logit_dp.sensitivity(logit_dp.losses.contrastive(temperature=1.0),
                                                      1.0, batch_size=None)
-  assert logit_dp.METHODS[-1] == "projected"
+  assert logit_dp.clip_methods.METHODS[-1] == "projected"
 
 
 def _one_mlp_two_ways():
@@ -369,14 +372,15 @@ def test_the_basis_stops_at_the_numerical_rank(x64, tolerance):
       fresh = lambda p, xs, f=embed_fn: f(p, xs)
       norms.append(
           np.asarray(
-              logit_dp.pair_grad_norms(fresh, cast(params), x, x_prime,
-                                       Projected(reference_inputs=reference, rank=32)), np.float64))
+              logit_dp.clip_methods.pair_grad_norms(fresh, cast(params), x, x_prime,
+                                                    Projected(reference_inputs=reference, rank=32)),
+              np.float64))
       batch = make_batch(fresh, cast(params), reference, reference)
       q, eta = bounds.projection_tangents(batch, reference, 32)
       column_mass = sum(np.sum(np.abs(np.asarray(t).reshape(32, -1)), axis=1) for t in q)
       assert np.count_nonzero(column_mass) == 24 and float(eta) < 1e-3
     exact = np.asarray(
-        logit_dp.pair_grad_norms(models[0][0], cast(models[0][1]), x, x_prime, "materialize",
-                                 float_allowance=False), np.float64)
+        logit_dp.clip_methods.pair_grad_norms(models[0][0], cast(models[0][1]), x, x_prime,
+                                              "materialize", float_allowance=False), np.float64)
   assert np.max(np.abs(norms[0] / norms[1] - 1)) < tolerance
   assert np.all(norms[0] >= exact) and np.all(norms[1] >= exact)

@@ -3,7 +3,7 @@
 `logit_dp.sensitivity` is a proof (Theorem 3.3 of Kong, Muñoz Medina & Ribero
 2025, with the corrected contrastive constant, see `losses.Contrastive`). This
 module tests it numerically on the code that is actually run: it calls the
-same jitted core as `logit_dp.clipped_grad` / `logit_dp.naive_clipped_grad`,
+same jitted core as `logit_dp.clipped_grad` / `logit_dp.baselines.naive_clipped_grad`,
 removes each pair k in turn (by masking it out, which the clipping tests show is
 identical to deleting it) and compares the largest change with the bound.
 
@@ -12,8 +12,8 @@ identical to deleting it) and compares the largest change with the bound.
     ratio∞ = max_k gap_k / C(∞)           (C(∞) = sensitivity(loss, B), the Poisson bound)
 
 For Naive-DP the bound is 2B for every n. A ratio above 1 is a privacy bug.
-DP-GCL (method="dp_gcl", `logit_dp.grouped_clipped_grad`) is audited against its 2B with
-record ids 0..n−1 grouped by `logit_dp.assign_groups` (key PRNGKey(group_seed)): removing
+DP-GCL (method="dp_gcl", `logit_dp.baselines.grouped_clipped_grad`) is audited against its 2B with
+record ids 0..n−1 grouped by `logit_dp.baselines.assign_groups` (key PRNGKey(group_seed)): removing
 record k by masking it keeps every other record's group, which is what removing it from a
 Poisson batch does under that assignment. Its extra views, if any, come from
 ``extra_views_fn(x, x_prime) -> (n, k, ...)`` (row r a function of record r only), so the
@@ -232,8 +232,9 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
     embed_fn, params, loss, clip_norm: as for `logit_dp.clipped_grad`.
     x, x_prime: the batch, (n, ...) each.
     mask: optional (n,) bool of valid pairs (invalid ones get gap 0).
-    method: a `logit_dp.METHODS` entry, "naive" for `naive_clipped_grad` or "dp_gcl" for
-      `grouped_clipped_grad` (with num_groups, group_seed, extra_views_fn: see the module doc).
+    method: the name of a clip method (`logit_dp.clip_methods.names`), "naive" for
+      `naive_clipped_grad` or "dp_gcl" for `grouped_clipped_grad` (with num_groups,
+      group_seed, extra_views_fn: see the module doc).
     chunk: removals computed at once (None: all n, vmapped).
     cosine_eps, positive_embed_fn: as for `logit_dp.clipped_grad` (two towers: x, x_prime
       may be pytrees).
@@ -410,7 +411,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     learning_rate: Adam step size.
     init_scale: scale of the random restarts.
     optimize_params: also move the parameters w (the bound holds for every w).
-    method: a `logit_dp.METHODS` entry, "naive" or "dp_gcl" (both audited against 2B).
+    method: the name of a clip method (`logit_dp.clip_methods.names`), "naive" or "dp_gcl"
+      (both audited against 2B).
     chunk: removals computed at once (None: all n).
     cosine_eps: as for `logit_dp.clipped_grad`.
     num_groups, group_seed, extra_views_fn: the DP-GCL configuration (method="dp_gcl").

@@ -122,9 +122,8 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       drawing its randomness (dropout, stochastic depth) from key; grad_fn then takes
       key= (required): a fresh key at every step, independent of the noise key, never
       released. Example i of view v (0: x, 1: x_prime) is embedded alone with
-      fold_in(fold_in(key, v), i), i its row in the global batch, in every pass
-      (`logit_dp._src.stochastic`); the sensitivity and the accounting are unchanged
-      (docs/PRIVACY.md).
+      fold_in(fold_in(key, v), i), i its row in the global batch, in every pass; the
+      sensitivity and the accounting are unchanged (docs/PRIVACY.md).
     float64_positive_pairs: form the norms of the n positive pairs (x_i, x'_i) by one
       backward pass each with params and inputs widened to float64, rounded up to
       float32 (`pair_terms.diagonal_norms`; convolutions run as matrix products, which
@@ -223,18 +222,25 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 
-  method, microbatch_size and **deprecated_options as in `clipped_grad`.
+  Args:
+    embed_fn: embed_fn(params, x) -> (n, d), as in `clipped_grad`.
+    params: the parameters the norms are taken at.
+    x: the first views, n examples along axis 0.
+    x_prime: the second views, n examples along axis 0.
+    method: a clip method (object or registered name), as in `clipped_grad`.
+    microbatch_size: examples per chunk, as in `clipped_grad`.
+    cosine_eps: ε of the cosine similarity, as in `clipped_grad`.
+    float_allowance: include the float allowance that keeps every norm at or above the true
+      norm (the default, what clipping uses; docs/PRIVACY.md); False returns the computed
+      values without it (for comparing methods; never clip by them).
+    positive_embed_fn: the tower of x_prime, as in `clipped_grad`.
+    key: the key of a stochastic embed_fn(params, x, key) (as
+      ``clipped_grad(..., stochastic=True)`` with this key); None: embed_fn(params, x).
+    float64_positive_pairs: form the positive pairs' norms in float64, as in `clipped_grad`.
+    **deprecated_options: the deprecated method keywords of `clipped_grad`.
 
-  With float_allowance (the default, what clipping uses) every norm includes the float
-  allowance that keeps it at or above the true norm (docs/PRIVACY.md), scaled to the unit
-  roundoff of the dtype the norms are computed in: relative ~1e-4 on ordinary float32 pairs,
-  more on pairs whose gradient nearly cancels; the positive pairs are formed in float64 unless
-  float64_positive_pairs=False (see `clipped_grad`).
-  float_allowance=False returns the computed values without it (for comparing methods; never
-  clip by them).
-  positive_embed_fn: the tower of x_prime, as in `clipped_grad`. key: a stochastic
-  embed_fn(params, x, key) (as
-  `clipped_grad(..., stochastic=True)` with this key); None: embed_fn(params, x).
+  Returns:
+    The (n, n) norms, row i for x_i and column j for x'_j.
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
@@ -274,7 +280,7 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
                        stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
-  Sensitivity 2B under add-or-remove-one (`logit_dp.naive_sensitivity`). Same
+  Sensitivity 2B under add-or-remove-one (`logit_dp.baselines.naive_sensitivity`). Same
   signature and mask/axis/two-tower/stochastic semantics as `clipped_grad`, and the same
   precision: embed_fn and the backward pass are traced at
   `jax.default_matmul_precision("highest")`, so that ‖∇ℒ‖ and the clipped gradient agree on

@@ -43,9 +43,6 @@ from logit_dp._src.noise import AddNoiseState
 from logit_dp._src.sampling import PoissonBatch
 from logit_dp._src.sampling import PoissonSampler
 
-#: Methods accepted by `make_private`: the Logit-DP ones and the Naive-DP baseline.
-PRIVATE_METHODS = mechanisms.PRIVATE_METHODS
-
 #: What `PrivateTraining.make_train_step` does on non-finite rows or an empty batch.
 REPORT_POLICIES = ("warn", "error", "ignore")
 
@@ -339,11 +336,13 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     embed_fn: embed_fn(params, x) -> (n, d), acting on examples independently.
     loss: a loss from `logit_dp.losses`.
     clip_norm: B > 0, finite.
-    target_epsilon, target_delta: the (ε, δ) to reach after T steps.
+    target_epsilon: ε > 0, the ε to reach after T steps.
+    target_delta: δ ∈ (0, 1), the δ to reach after T steps (a UserWarning when δ ≥ 1/N).
     num_records: N, the number of pair records.
     expected_batch_size: E[n] = q·N of the Poisson batches.
     optimizer: any optax optimizer; it receives the noisy ḡ (or ḡ / E[n]).
-    epochs, steps: exactly one; epochs gives T = ⌈epochs / q⌉.
+    epochs: passes over the data, T = ⌈epochs / q⌉ steps (pass epochs or steps, not both).
+    steps: T, the number of steps (pass epochs or steps, not both).
     method: a clip method of `clipped_grad` (an object such as
       ``clip_methods.Projected(reference_inputs=public_x)``, or a registered name: "ghost",
       the default, "triangle", "materialize") or "naive" (Naive-DP).
@@ -357,7 +356,10 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     sampler_seed: integer seed of the Poisson sampler; None draws one with
       `secrets`, as noise_key (read it from ``sampler.seed`` to resume; keep
       it secret).
-    max_batch_size, overflow: passed to `PoissonSampler`.
+    max_batch_size: the padded batch size of `sampling.PoissonSampler` (None: large enough
+      that a batch overflows it with a small probability, which δ accounts for).
+    overflow: what a larger Poisson batch does, "error" (default) or "truncate"
+      (`sampling.PoissonSampler`).
     **grad_kwargs: other `clipped_grad` arguments (cosine_eps;
       positive_embed_fn for a two-tower model, with the same C; stochastic=True for a
       model embed_fn(params, x, key) with dropout: the training key is then split into the
