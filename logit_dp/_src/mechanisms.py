@@ -71,8 +71,8 @@ def check_private_method(method: str | methods.ClipMethod) -> str | methods.Clip
   registered name) or "naive"; ValueError otherwise."""
   if methods.is_method(method) or method == NAIVE_METHOD:
     return method
-  raise ValueError(f"method must be a ClipMethod object or one of {methods.names()} or "
-                   f"{NAIVE_METHOD!r}, got {method!r}.")
+  raise ValueError(f"method must be one of {methods.names() + (NAIVE_METHOD,)} or a ClipMethod "
+                   f"object, got {method!r}.")
 
 
 def check_method(method: str, allowed: tuple[str, ...]) -> str:
