@@ -169,6 +169,9 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   `optax.apply_updates` does). Clip norms carry float allowances scaled to the
   unit roundoff of the lowest precision embed_fn computes in (float64 runs get
   float64's; docs/PRIVACY.md).
+
+  Returns:
+    A `ClippedGradFn`: grad_fn(params, x, x_prime, mask=None[, key=]) -> (ℒ, ḡ).
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)

@@ -35,8 +35,14 @@ def register(method_class: type[ClipMethod]) -> type[ClipMethod]:
   """Registers a `ClipMethod` subclass under its ``name`` (usable as a class decorator).
 
   The name then works wherever a method name does (`clipped_grad`, `make_private`, the
-  audits), resolved to ``method_class()``. Registering the same class again does nothing;
-  another class under a taken name is a ValueError.
+  audits), resolved to ``method_class()``. Registering the same class again does nothing.
+
+  Args:
+    method_class: the `ClipMethod` subclass; its class attribute ``name`` is neither taken by
+      another class nor "naive" or "dp_gcl" (ValueError otherwise).
+
+  Returns:
+    method_class.
   """
   if not (isinstance(method_class, type) and issubclass(method_class, ClipMethod)):
     raise TypeError(f"register takes a ClipMethod subclass, got {method_class!r}.")
@@ -90,13 +96,21 @@ def is_method(method) -> bool:
 
 def resolve(method: str | ClipMethod, *, embed_fn=None, positive_embed_fn=None, stacklevel: int = 2,
             **deprecated_options) -> ClipMethod:
-  """The `ClipMethod` of a registered name (its default object) or the object itself, checked
-  against the model (`ClipMethod.for_model`) when embed_fn is given.
+  """The `ClipMethod` of a registered name (its default object) or the object itself.
 
-  deprecated_options: the keywords `clipped_grad` took before the methods held their options
-  (memory_budget, pair_block_size, reference_inputs, projection_rank), applied to a method name
-  with a DeprecationWarning (warned at `stacklevel`); options another method takes are ignored,
-  except reference_inputs (ValueError). With a method object they are a ValueError.
+  Args:
+    method: a registered name or a `ClipMethod` object.
+    embed_fn: the model; when given, the method is checked against it
+      (`ClipMethod.for_model`).
+    positive_embed_fn: the tower of x_prime (None: one tower), checked with embed_fn.
+    stacklevel: where the DeprecationWarning of deprecated_options points.
+    **deprecated_options: the keywords `clipped_grad` took before the methods held their
+      options (memory_budget, pair_block_size, reference_inputs, projection_rank), applied to a
+      method name with a DeprecationWarning; options another method takes are ignored, except
+      reference_inputs (ValueError). With a method object they are a ValueError.
+
+  Returns:
+    The `ClipMethod`.
   """
   options = {k: v for k, v in deprecated_options.items() if v is not None}
   unknown = sorted(set(options) - set(_DEPRECATED_OPTIONS))
