@@ -197,8 +197,8 @@ def run_input_canary_audit(*, epsilon: float, noise_scale: float, num_canaries: 
             loss_value / jnp.maximum(jnp.sum(mask), 1))
 
   def canary_log_prob(params):
-    z = logit_dp.cosine_similarity(model.apply(params, jnp.asarray(canary_x)),
-                                   model.apply(params, jnp.asarray(canary_xp)))
+    z = logit_dp.losses.cosine_similarity(model.apply(params, jnp.asarray(canary_x)),
+                                          model.apply(params, jnp.asarray(canary_xp)))
     return np.asarray(jnp.diagonal(jax.nn.log_softmax(z / temperature, axis=1)))
 
   params, noise_state, opt_state = params0, noise.init(params0), opt.init(params0)

@@ -11,7 +11,7 @@ time (the gradients of these variants are not valid; they measure what the part 
 compile):
 
   no diagonal   the diagonal pairs' vector norms (pair_terms.with_diagonal)
-  no cross      the cross terms of the pair norms (pair_terms.ghost_terms keeps a and b only)
+  no cross      the cross terms of the pair norms (ghost.ghost_terms keeps a and b only)
 
 The variants patch the library's internal modules (logit_dp/_src).
 """
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import logit_dp
 from benchmarks import frameworks
 from logit_dp._src import pair_terms
+from logit_dp._src.methods import ghost
 
 VARIANTS = ("ghost", "no diagonal", "no cross")
 
@@ -38,7 +39,7 @@ VARIANTS = ("ghost", "no diagonal", "no cross")
 @contextlib.contextmanager
 def _left_out(variant: str):
   """The library with one part of the ghost computation left out (nothing for "ghost")."""
-  saved = (pair_terms.with_diagonal, pair_terms.ghost_terms)
+  saved = (pair_terms.with_diagonal, ghost.ghost_terms)
   if variant == "no diagonal":
     pair_terms.with_diagonal = lambda batch, norms, *args: norms
   elif variant == "no cross":
@@ -47,11 +48,11 @@ def _left_out(variant: str):
       anchor, positive = pair_terms.quadratic_terms(f_u.gram, f_v.gram, u_rows, v_columns)
       return anchor, positive, jnp.zeros_like(anchor)
 
-    pair_terms.ghost_terms = without_cross
+    ghost.ghost_terms = without_cross
   try:
     yield
   finally:
-    pair_terms.with_diagonal, pair_terms.ghost_terms = saved
+    pair_terms.with_diagonal, ghost.ghost_terms = saved
 
 
 def _stages(fn, args) -> dict:
@@ -80,8 +81,8 @@ def profile(arch: str, n: int, repeats: int) -> dict:
 
   def make_nonprivate():
     def nonprivate(p, anchors, positives, mask):
-      z = lambda w: loss(logit_dp.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)),
-                         mask)
+      z = lambda w: loss(
+          logit_dp.losses.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)), mask)
       return jax.value_and_grad(z)(p)
 
     return nonprivate

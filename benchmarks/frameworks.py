@@ -287,8 +287,8 @@ def measure(arch: str, n: int, frameworks, methods, repeats: int, compile_repeat
     def make_nonprivate(embed_fn=embed_fn):
       """A new function (traced and compiled afresh): jax.value_and_grad of the loss."""
       def nonprivate(p, anchors, positives, mask):
-        z = lambda w: loss(logit_dp.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)),
-                           mask)
+        z = lambda w: loss(
+            logit_dp.losses.cosine_similarity(embed_fn(w, anchors), embed_fn(w, positives)), mask)
         return jax.value_and_grad(z)(p)
 
       return nonprivate
@@ -301,11 +301,11 @@ def measure(arch: str, n: int, frameworks, methods, repeats: int, compile_repeat
         if method == "nonprivate":
           fn = make_nonprivate()
         else:
-          extra = {}
+          clip_method = method
           if method == "projected":
-            extra = dict(reference_inputs=jax.random.uniform(jax.random.PRNGKey(7), (4,) + shape),
-                         projection_rank=16)
-          fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, method, **extra)
+            clip_method = logit_dp.clip_methods.Projected(
+                reference_inputs=jax.random.uniform(jax.random.PRNGKey(7), (4,) + shape), rank=16)
+          fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, clip_method)
         compiled, seconds, cpu_seconds = _compiled(fn, args)
         executables[framework, method] = (compiled, args)
         key = framework, method

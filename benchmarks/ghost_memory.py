@@ -40,8 +40,9 @@ UNBOUNDED = 1 << 50  # bytes: every batch in one block (the path before the bloc
 
 def _ghost_memory(embed_fn, params, x, x_prime, microbatch_size, memory_budget) -> dict:
   loss = logit_dp.losses.contrastive(temperature=1.0)
-  grad_fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, "ghost", microbatch_size=microbatch_size
-                                  or None, memory_budget=memory_budget)
+  grad_fn = logit_dp.clipped_grad(embed_fn, loss, 1.0,
+                                  logit_dp.clip_methods.Ghost(memory_budget=memory_budget),
+                                  microbatch_size=microbatch_size or None)
   mask = jnp.ones((x.shape[0],), bool)
   t0 = time.perf_counter()
   compiled = grad_fn.core.lower(params, x, x_prime, mask).compile()

@@ -72,12 +72,12 @@ def pair_multiply_adds(plan, d: int) -> int:
 
 def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
             temperature: float = 1.0) -> dict:
-  from logit_dp._src import chunking  # pylint: disable=g-import-not-at-top
   from logit_dp._src import collective  # pylint: disable=g-import-not-at-top
   from logit_dp._src import layerwise as L  # pylint: disable=g-import-not-at-top
   from logit_dp._src import methods  # pylint: disable=g-import-not-at-top
   from logit_dp._src import numerics  # pylint: disable=g-import-not-at-top
   from logit_dp._src import pair_batch  # pylint: disable=g-import-not-at-top
+  from logit_dp._src.methods import ghost  # pylint: disable=g-import-not-at-top
 
   embed_fn, params, x, xp, p = sb.build_problem("embedding", n, image_size)
   loss = logit_dp.losses.contrastive(temperature=temperature)
@@ -131,13 +131,13 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
   record("factors", factors, params, x, xp)
   f_u, f_v, u, v = jax.jit(factors)(params, x, xp)
   out["flat_params"] = int(f_v.flat.shape[-1])
-  record("flat cross", lambda fu, fv, uu, vv: chunking.flat_cross_terms(fu.flat, uu, fv.flat, vv),
-         f_u, f_v, u, v)
+  record("flat cross", lambda fu, fv, uu, vv: ghost.flat_cross_terms(fu.flat, uu, fv.flat, vv), f_u,
+         f_v, u, v)
   for i in range(len(f_u.ghost_patches)):
 
     def layer_cross(fu, fv, uu, vv, i=i):
-      return chunking.ghost_layer_cross_terms(fu.ghost_patches[i], fu.ghost_deltas[i], uu,
-                                              fv.ghost_patches[i], fv.ghost_deltas[i], vv)
+      return ghost.ghost_layer_cross_terms(fu.ghost_patches[i], fu.ghost_deltas[i], uu,
+                                           fv.ghost_patches[i], fv.ghost_deltas[i], vv)
 
     t, p_i = f_u.ghost_patches[i].shape[1:]
     record(f"ghost layer {i} (T={t}, P={p_i}, C={f_u.ghost_deltas[i].shape[-1]})", layer_cross, f_u,

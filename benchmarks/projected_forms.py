@@ -42,8 +42,8 @@ def compile_variants(embed_fn, reference, rank: int, args: tuple, variants: dict
   loss = logit_dp.losses.contrastive(temperature=1.0)
 
   def non_private(params, x, x_prime):
-    return jax.value_and_grad(
-        lambda p: loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime))))(params)
+    return jax.value_and_grad(lambda p: loss(
+        logit_dp.losses.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime))))(params)
 
   fns = {
       "non_private":
@@ -57,8 +57,10 @@ def compile_variants(embed_fn, reference, rank: int, args: tuple, variants: dict
     setattr(module, attribute, value)
     try:
       fn = jax.jit(
-          logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=reference,
-                                projection_rank=rank, microbatch_size=microbatch_size))
+          logit_dp.clipped_grad(
+              embed_fn, loss, 1.0,
+              logit_dp.clip_methods.Projected(reference_inputs=reference, rank=rank),
+              microbatch_size=microbatch_size))
       fns[name] = fn.lower(*args).compile()  # traced now, under this variant
     finally:
       setattr(module, attribute, saved)

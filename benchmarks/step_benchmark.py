@@ -8,7 +8,7 @@ For every model and batch size n it builds, in ONE process, the jitted full step
     updates = chain(logit_dp.transform(σ, C), adam).update(g)   # non-private: adam only
     params  = apply_updates(params, updates)
 
-for non-private training, Naive-DP, and every Logit-DP method in `logit_dp.METHODS`
+for non-private training, Naive-DP, and every Logit-DP method in `logit_dp.clip_methods.METHODS`
 ("ghost", "triangle", "materialize", ...), compiles each ahead of time, runs each once
 (warm-up), and then times `--repeats` runs of all of them INTERLEAVED (round r runs
 method 1, method 2, ... once each), with `jax.block_until_ready`. It reports the median
@@ -142,14 +142,14 @@ def build_problem(model_name: str, n: int, image_size: int, seed: int = 0, embed
 def parse_method(spec: str) -> tuple[str, int | None]:
   name, _, mb = spec.partition("@")
   name = name.strip()
-  if name not in (BASELINE, NAIVE) + tuple(logit_dp.METHODS):
+  if name not in (BASELINE, NAIVE) + tuple(logit_dp.clip_methods.METHODS):
     raise ValueError(f"unknown method {name!r}: use {BASELINE}, {NAIVE} or one of "
-                     f"{logit_dp.METHODS} (optionally with @microbatch_size)")
+                     f"{logit_dp.clip_methods.METHODS} (optionally with @microbatch_size)")
   return name, (int(mb) if mb else None)
 
 
 def default_methods(model_name: str) -> list[str]:
-  dp = [m for m in logit_dp.METHODS if m != "materialize"]
+  dp = [m for m in logit_dp.clip_methods.METHODS if m != "materialize"]
   dp = ["ghost"] + [m for m in dp if m != "ghost"] if "ghost" in dp else dp
   dp.append("materialize")
   if model_name == "resnet18":
@@ -174,23 +174,24 @@ def make_step(spec: str, embed_fn, n: int, args, example_shape=None):
 
     def grads(params, x, x_prime):
       def total(p):
-        return loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)))
+        return loss(logit_dp.losses.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)))
 
       return jax.value_and_grad(total)(params)
 
     tx = adam
   elif method == NAIVE:
-    grads = logit_dp.naive_clipped_grad(embed_fn, loss, args.clip_norm, microbatch_size=mb)
+    grads = logit_dp.baselines.naive_clipped_grad(embed_fn, loss, args.clip_norm,
+                                                  microbatch_size=mb)
     tx = optax.chain(
-        logit_dp.transform(args.noise_multiplier, logit_dp.naive_sensitivity(args.clip_norm), key),
-        adam)
+        logit_dp.transform(args.noise_multiplier,
+                           logit_dp.baselines.naive_sensitivity(args.clip_norm), key), adam)
   else:
-    extra = {}
+    clip_method = method
     if method == "projected":
-      extra = dict(reference_inputs=reference_inputs(example_shape, args),
-                   projection_rank=args.projection_rank)
-    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=method, microbatch_size=mb,
-                                  **extra)
+      clip_method = logit_dp.clip_methods.Projected(
+          reference_inputs=reference_inputs(example_shape, args), rank=args.projection_rank)
+    grads = logit_dp.clipped_grad(embed_fn, loss, args.clip_norm, method=clip_method,
+                                  microbatch_size=mb)
     c = logit_dp.sensitivity(loss, args.clip_norm, batch_size=n)
     tx = optax.chain(logit_dp.transform(args.noise_multiplier, c, key), adam)
 
@@ -871,7 +872,7 @@ def parse_args(argv):
   p.add_argument(
       "--methods", default=None,
       help="comma-separated method specs (default: nonprivate, naive, and every "
-      "logit_dp.METHODS; on resnet18 with microbatch 8)")
+      "logit_dp.clip_methods.METHODS; on resnet18 with microbatch 8)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--materialize-repeats", type=int, default=1)
   p.add_argument("--time-budget-s", type=float, default=300.0,

@@ -9,7 +9,6 @@ The quickstart notebook is rendered from its stored outputs (nothing executes at
 the API reference is generated from the docstrings (Google style, read by napoleon).
 """
 
-import importlib
 import os
 import re
 import sys
@@ -53,16 +52,6 @@ nb_execution_mode = "off"
 autosummary_generate = True
 autosummary_ignore_module_all = False
 autosummary_imported_members = True
-# Names `logit_dp` re-exports from a submodule are described on the submodule's page only.
-API_SUBMODULES = ("clip_methods", "losses", "accounting", "sampling", "ledger", "audit",
-                  "distributed", "models")
-autosummary_context = {
-    "described_in_submodule": {
-        name: f"logit_dp.{module}" for module in reversed(API_SUBMODULES)
-        for name in importlib.import_module(f"logit_dp.{module}").__all__
-        if name in logit_dp.__all__
-    }
-}
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 napoleon_google_docstring = True

@@ -53,7 +53,7 @@ def main(argv):
       jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params))
 
   def unit(w, xe):
-    return logit_dp.normalize(apply_fn(unravel(w), xe[None]))[0]
+    return logit_dp.losses.normalize(apply_fn(unravel(w), xe[None]))[0]
 
   jacobians = jax.jit(jax.vmap(jax.jacrev(unit), in_axes=(None, 0)))
   j_u, j_v, j_ref = jacobians(flat, xa), jacobians(flat, xb), jacobians(flat, reference)

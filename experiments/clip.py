@@ -204,8 +204,8 @@ def make_towers(config, vocab_size: int, image_shape, tokens_one):
 def zero_shot(embed_images, embed_texts, params, images, labels, class_tokens,
               batch_size: int) -> dict[str, float]:
   """Top-1 / top-5 accuracy of argmax_c cos(image, text_c) over the class-name texts."""
-  texts = logit_dp.normalize(embed_texts(params, class_tokens))
-  embed = jax.jit(lambda p, x: jnp.matmul(logit_dp.normalize(embed_images(p, x)), texts.T))
+  texts = logit_dp.losses.normalize(embed_texts(params, class_tokens))
+  embed = jax.jit(lambda p, x: jnp.matmul(logit_dp.losses.normalize(embed_images(p, x)), texts.T))
   scores = np.concatenate([
       np.asarray(embed(params, images[i:i + batch_size]))
       for i in range(0, len(labels), batch_size)
@@ -261,8 +261,8 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
   elif method == "naive_dp":
     clipped_at_start = float(private.grad_fn.with_stats(params, *test_pairs)[2].fraction_clipped)
   else:
-    initial_norms = logit_dp.pair_grad_norms(embed_images, params, *test_pairs,
-                                             positive_embed_fn=embed_texts)
+    initial_norms = logit_dp.clip_methods.pair_grad_norms(embed_images, params, *test_pairs,
+                                                          positive_embed_fn=embed_texts)
     clipped_at_start = float(np.mean(np.asarray(initial_norms) > config.clip_norm))
   opt_state = private.optimizer.init(params)
   every = int(config.get("checkpoint_every") or 0)
@@ -293,7 +293,8 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
       clipped_at_start=clipped_at_start, method=private.method,
       learning_rate=config.learning_rates[method], temperature=config.temperature,
       train_seconds=time.time() - start, resumed_at_step=first,
-      shared_parameters=logit_dp.shared_parameters(embed_images, embed_texts, params, *test_pairs))
+      shared_parameters=logit_dp.clip_methods.shared_parameters(embed_images, embed_texts, params,
+                                                                *test_pairs))
   if grouped:
     out.update(group_size=config.dp_gcl.group_size, num_groups=private.grad_fn.num_groups)
   return out
@@ -314,7 +315,7 @@ def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
   @jax.jit
   def step_fn(params, opt_state, x, texts, mask):
     objective = lambda p: loss(
-        logit_dp.cosine_similarity(embed_images(p, x), embed_texts(p, texts)), mask)
+        logit_dp.losses.cosine_similarity(embed_images(p, x), embed_texts(p, texts)), mask)
     value, grads = jax.value_and_grad(objective)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value

@@ -59,12 +59,12 @@ class _DiagonalOnly:
     return self.loss(z_kept, mask)
 
 
-def gradient_parts(apply_fn, loss, clip_norm, method, params, x, x_prime, **method_kwargs):
+def gradient_parts(apply_fn, loss, clip_norm, method, params, x, x_prime):
   """ḡ and its positive-pair and negative-pair parts (ḡ = positive + negative: the clip factors
   do not depend on the weights τ_ij, so ḡ is linear in them)."""
   def grad_of(part_loss):
-    return logit_dp.clipped_grad(apply_fn, part_loss, clip_norm, method, microbatch_size=500,
-                                 **method_kwargs)(params, x, x_prime)[1]
+    return logit_dp.clipped_grad(apply_fn, part_loss, clip_norm, method,
+                                 microbatch_size=500)(params, x, x_prime)[1]
 
   parts = {
       name: grad_of(_DiagonalOnly(loss, diag))
@@ -102,7 +102,7 @@ def main(argv):
 
   def test_stats(params):
     za, zb = apply_fn(params, xa_te), apply_fn(params, xb_te)
-    z = logit_dp.cosine_similarity(za, zb)
+    z = logit_dp.losses.cosine_similarity(za, zb)
     n = z.shape[0]
     off = (jnp.sum(z) - jnp.trace(z)) / (n * n - n)
     return float(loss(z)), float(off)
@@ -111,25 +111,25 @@ def main(argv):
   batches = [pairs[rng.choice(len(pairs), FLAGS.batch, replace=False)] for _ in range(FLAGS.steps)]
   report = dict(subset=FLAGS.subset, batch=FLAGS.batch, steps=FLAGS.steps, lr=1e-2,
                 clip_method=FLAGS.clip_method, ln_n_test=float(np.log(len(te_pairs))), runs={})
-  method_kwargs = {}
+  projected = None
   if FLAGS.clip_method == "projected":
     images = data_lib.reference_images("cifar100", "train", FLAGS.num_reference,
                                        npz_dir=FLAGS.npz_dir)
-    method_kwargs = dict(reference_inputs=jnp.asarray(data_lib.to_float(images)),
-                         projection_rank=FLAGS.projection_rank)
+    projected = logit_dp.clip_methods.Projected(
+        reference_inputs=jnp.asarray(data_lib.to_float(images)), rank=FLAGS.projection_rank)
     report.update(num_reference=FLAGS.num_reference, projection_rank=FLAGS.projection_rank)
   b0 = batches[0]
   xa0, xb0 = jnp.asarray(x_tr[b0[:, 0]]), jnp.asarray(x_tr[b0[:, 1]])
-  true_grad = jax.grad(
-      lambda p: loss(logit_dp.cosine_similarity(apply_fn(p, xa0), apply_fn(p, xb0))))(params0)
+  true_grad = jax.grad(lambda p: loss(
+      logit_dp.losses.cosine_similarity(apply_fn(p, xa0), apply_fn(p, xb0))))(params0)
   for b_str in FLAGS.clip_norms:
     clip = float(b_str)
     t0 = time.time()
     method = FLAGS.clip_method if np.isfinite(clip) else "ghost"
-    kwargs = method_kwargs if method == "projected" else {}
-    grad_fn = jax.jit(
-        logit_dp.clipped_grad(apply_fn, loss, clip, method, microbatch_size=500, **kwargs))
-    g0, parts = gradient_parts(apply_fn, loss, clip, method, params0, xa0, xb0, **kwargs)
+    if method == "projected":
+      method = projected
+    grad_fn = jax.jit(logit_dp.clipped_grad(apply_fn, loss, clip, method, microbatch_size=500))
+    g0, parts = gradient_parts(apply_fn, loss, clip, method, params0, xa0, xb0)
     init = dict(norm=_tree_norm(g0), cos_with_true_grad=tree_cosine(g0, true_grad),
                 positive_norm=_tree_norm(parts["positive"]),
                 negative_norm=_tree_norm(parts["negative"]),

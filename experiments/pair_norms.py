@@ -54,15 +54,15 @@ def over_estimate(bound: np.ndarray, exact: np.ndarray) -> dict:
 
 def pair_norm_report(config, params_by_name, x, xp, methods=("ghost", "triangle"), projection=None):
   """{name: {method: norm_summary}} for each parameter set; with "ghost" first, each bound's
-  summary also holds ``over_exact`` (`over_estimate`). projection: the "projected" arguments
-  (reference_inputs, projection_rank)."""
+  summary also holds ``over_exact`` (`over_estimate`). projection: the method object of
+  "projected" (`logit_dp.clip_methods.Projected`, with its reference inputs and rank)."""
   _, apply_fn, _, _ = train.get_model(config.model)
   loss = train.make_loss(config)
 
   @jax.jit
   def batch_grad_norm(params):
     def total(p):
-      return loss(logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, xp)))
+      return loss(logit_dp.losses.cosine_similarity(apply_fn(p, x), apply_fn(p, xp)))
 
     g = jax.grad(total)(params)
     return jnp.sqrt(sum(jnp.sum(leaf * leaf) for leaf in jax.tree_util.tree_leaves(g)))
@@ -73,9 +73,9 @@ def pair_norm_report(config, params_by_name, x, xp, methods=("ghost", "triangle"
     exact = None
     for m in methods:
       norms = np.asarray(
-          logit_dp.pair_grad_norms(apply_fn, params, x, xp, method=m,
-                                   microbatch_size=config.get("microbatch_size"),
-                                   **(projection if m == "projected" else {})))
+          logit_dp.clip_methods.pair_grad_norms(apply_fn, params, x, xp,
+                                                method=projection if m == "projected" else m,
+                                                microbatch_size=config.get("microbatch_size")))
       out[name][m] = norm_summary(norms)
       if m == "ghost":
         exact = norms
@@ -101,8 +101,8 @@ def main(argv):
       params[m] = finetuning.load_pretrained(f.workdir, m, config)
   images = data_lib.reference_images(f.reference, "train", f.num_reference,
                                      npz_dir=config.data.npz_dir)
-  projection = dict(reference_inputs=data_lib.to_float(jnp.asarray(images)),
-                    projection_rank=f.projection_rank)
+  projection = logit_dp.clip_methods.Projected(
+      reference_inputs=data_lib.to_float(jnp.asarray(images)), rank=f.projection_rank)
   report = dict(
       run=os.path.basename(os.path.normpath(f.workdir)), n=int(len(pairs)), split="test",
       reference=dict(data=f.reference, split="train", num_reference=f.num_reference,

@@ -102,29 +102,31 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
   """The report's ``methods`` entries for one batch (see the module docstring)."""
   num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
   n = x.shape[0]
-  true_grad = jax.grad(
-      lambda p: loss(logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, x_prime))))(params)
+  true_grad = jax.grad(lambda p: loss(
+      logit_dp.losses.cosine_similarity(apply_fn(p, x), apply_fn(p, x_prime))))(params)
   record_ids = jnp.arange(n)
   num_groups = max(1, round(n / group_size))
   group_key = jax.random.PRNGKey(0)
 
   def grouped(bound):
-    fn = logit_dp.grouped_clipped_grad(apply_fn, loss, bound, num_groups, microbatch_size=500)
+    fn = logit_dp.baselines.grouped_clipped_grad(apply_fn, loss, bound, num_groups,
+                                                 microbatch_size=500)
     return fn(params, x, x_prime, record_ids=record_ids, group_key=group_key)[1]
 
   grads, sensitivities = {}, {}
   for method in logit_dp_methods:
-    kwargs = (dict(reference_inputs=reference_inputs, projection_rank=projection_rank)
-              if method == "projected" else {})
-    grads[f"logit_dp_{method}"] = logit_dp.clipped_grad(apply_fn, loss, clip_norm, method,
-                                                        microbatch_size=500, **kwargs)(params, x,
-                                                                                       x_prime)[1]
+    clip_method = (logit_dp.clip_methods.Projected(reference_inputs=reference_inputs,
+                                                   rank=projection_rank)
+                   if method == "projected" else method)
+    grads[f"logit_dp_{method}"] = logit_dp.clipped_grad(apply_fn, loss, clip_norm, clip_method,
+                                                        microbatch_size=500)(params, x, x_prime)[1]
     sensitivities[f"logit_dp_{method}"] = logit_dp.sensitivity(loss, clip_norm, batch_size=None)
-  grads["naive_dp"] = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm,
-                                                  microbatch_size=500)(params, x, x_prime)[1]
-  sensitivities["naive_dp"] = logit_dp.naive_sensitivity(clip_norm)
+  grads["naive_dp"] = logit_dp.baselines.naive_clipped_grad(apply_fn, loss, clip_norm,
+                                                            microbatch_size=500)(params, x,
+                                                                                 x_prime)[1]
+  sensitivities["naive_dp"] = logit_dp.baselines.naive_sensitivity(clip_norm)
   grads["dp_gcl"] = grouped(clip_norm)
-  sensitivities["dp_gcl"] = logit_dp.grouped_sensitivity(clip_norm)
+  sensitivities["dp_gcl"] = logit_dp.baselines.grouped_sensitivity(clip_norm)
   out = {}
   for name, g in grads.items():
     norm = float(optax.global_norm(g))

@@ -30,15 +30,15 @@ Privacy: DP methods use Poisson sampling of records with rate q = batch_size / R
 records) and σ from the accountant for (ε, δ) after ``steps = epochs·R/batch_size``
 steps; Logit-DP noise has scale σ·sensitivity(loss, B) (supremum over batch sizes,
 as Poisson batches have random size), Naive-DP σ·2B, DP-GCL σ·2B (the grouped baseline,
-`logit_dp.grouped_clipped_grad`: records hashed into G = round(batch_size /
+`logit_dp.baselines.grouped_clipped_grad`: records hashed into G = round(batch_size /
 config.dp_gcl.group_size) groups by record id, regrouped every step, with
 config.dp_gcl.extra_views augmented views of each record as extra negatives).
 The training loss of a DP run is computed on private data and is not differentially
 private: it is only logged when ``config.log_private_train_loss`` is True, in a column named
-``train_loss_NONPRIVATE_diagnostic``. Likewise the clip statistics (`logit_dp.ClipStats`:
-the fraction of the norms compared with B that exceeded it and their median, for tuning B;
-pair norms for Logit-DP, the batch gradient's for Naive-DP, the groups' for DP-GCL) are
-logged only when ``config.log_clip_stats`` is True, in the columns
+``train_loss_NONPRIVATE_diagnostic``. Likewise the clip statistics
+(`logit_dp.clip_methods.ClipStats`: the fraction of the norms compared with B that exceeded it
+and their median, for tuning B; pair norms for Logit-DP, the batch gradient's for Naive-DP, the
+groups' for DP-GCL) are logged only when ``config.log_clip_stats`` is True, in the columns
 ``fraction_clipped_NONPRIVATE_diagnostic`` and ``median_norm_NONPRIVATE_diagnostic``.
 The curves and tables use the test set.
 """
@@ -331,11 +331,12 @@ def reference_inputs(config):
   return jnp.asarray(data_lib.to_float(images))
 
 
-def _clip_method_kwargs(config) -> dict[str, Any]:
+def clip_method(config) -> str | logit_dp.clip_methods.ClipMethod:
+  """config.clip_method, with its reference inputs and rank for "projected"."""
   if config.clip_method != "projected":
-    return {}
-  return dict(reference_inputs=reference_inputs(config),
-              projection_rank=int(config.projection.rank))
+    return config.clip_method
+  return logit_dp.clip_methods.Projected(reference_inputs=reference_inputs(config),
+                                         rank=int(config.projection.rank))
 
 
 def make_method(config, method: str, apply_fn, num_records: int, noise_key):
@@ -350,7 +351,7 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
 
     def local_grad_fn(params, x, x_prime, mask):
       def total(p):
-        z = logit_dp.cosine_similarity(apply_fn(p, x), apply_fn(p, x_prime))
+        z = logit_dp.losses.cosine_similarity(apply_fn(p, x), apply_fn(p, x_prime))
         return loss(z, mask)
 
       return jax.value_and_grad(total)(params)
@@ -375,19 +376,17 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
     if mesh is not None:
       raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
     dp_gcl_extra_views(config)
-    grad_fn = logit_dp.grouped_clipped_grad(apply_fn, loss, bound, dp_gcl_num_groups(config),
-                                            **microbatch)
+    grad_fn = logit_dp.baselines.grouped_clipped_grad(apply_fn, loss, bound,
+                                                      dp_gcl_num_groups(config), **microbatch)
   elif mechanism is logit_dp.Mechanism.LOGIT_DP:
-    extra = _clip_method_kwargs(config)
     if mesh is None:
-      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound, method=config.clip_method,
-                                      **microbatch, **extra)
+      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound, method=clip_method(config),
+                                      **microbatch)
     else:
       grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh,
-                                                          method=config.clip_method, **microbatch,
-                                                          **extra)
+                                                          method=clip_method(config), **microbatch)
   elif mesh is None:
-    grad_fn = logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=bound, **microbatch)
+    grad_fn = logit_dp.baselines.naive_clipped_grad(apply_fn, loss, clip_norm=bound, **microbatch)
   else:
     grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh, method="naive",
                                                         **microbatch)
@@ -471,7 +470,7 @@ def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx, clip_stats: 
   ``metrics['num_dropped']`` counts the valid pairs the gradient dropped for non-finite
   inputs or embeddings (``grad_fn.with_num_dropped``; 0 where the gradient has no count).
   With clip_stats, ``metrics['fraction_clipped']`` and ``metrics['median_norm']`` are those of
-  ``grad_fn.with_stats`` (`logit_dp.ClipStats`): NON-PRIVATE, like the training loss.
+  ``grad_fn.with_stats`` (`logit_dp.clip_methods.ClipStats`): NON-PRIVATE, like the training loss.
   """
   with_num_dropped = getattr(grad_fn, "with_num_dropped", None)
   stats = None
@@ -574,7 +573,7 @@ def get_eval_loss(config):
     def eval_loss(params, xa_all, xb_all):
       def one(ab):
         xa, xb = ab
-        z = logit_dp.cosine_similarity(apply_fn(params, xa), apply_fn(params, xb))
+        z = logit_dp.losses.cosine_similarity(apply_fn(params, xa), apply_fn(params, xb))
         return loss(z) / xa.shape[0]
 
       return jnp.mean(jax.lax.map(one, (xa_all, xb_all)))
@@ -600,7 +599,7 @@ def save_checkpoint(directory: str, state: TrainState, ledger, max_to_keep: int 
   """The state (with the ledger and the Poisson sampler of a DP run) as one checkpoint."""
   step = int(state.step)
   if ledger is not None:
-    if isinstance(sampler, logit_dp.BudgetedSampler):
+    if isinstance(sampler, logit_dp.ledger.BudgetedSampler):
       sampler = sampler.unbudgeted()
     logit_dp.ledger.save_checkpoint(directory, step, state, ledger, sampler=sampler,
                                     max_to_keep=max_to_keep)
@@ -948,8 +947,8 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
       ledger.epsilon_budget = ledger.delta_budget = None
     try:
       ledger.check_budgets(stop)
-    except logit_dp.PrivacyBudgetExceededError as e:
-      raise logit_dp.PrivacyBudgetExceededError(
+    except logit_dp.ledger.PrivacyBudgetExceededError as e:
+      raise logit_dp.ledger.PrivacyBudgetExceededError(
           f"[{method}] {e} Here: --config.allow_exceeding_budget=True.") from None
     if ledger.steps != start:
       raise ValueError(f"[{method}] the checkpoint's ledger holds {ledger.steps} step(s) and its "
@@ -960,7 +959,7 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     # batch on the device and reports the metrics.
     private_training = logit_dp.PrivateTraining(
         grad_fn=step_fn, optimizer=tx,
-        sampler=logit_dp.BudgetedSampler.bind(batcher.sampler, ledger), ledger=ledger,
+        sampler=logit_dp.ledger.BudgetedSampler.bind(batcher.sampler, ledger), ledger=ledger,
         noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
         clip_norm=info.get("clip_norm"), sampling_rate=info["sampling_rate"], steps=total_steps,
         method=method)

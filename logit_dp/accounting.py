@@ -1,4 +1,6 @@
-"""Privacy accounting (ε, δ, σ) for Logit-DP training; see `logit_dp._src.accounting`."""
+"""Privacy accounting for Poisson-sampled Gaussian steps: the noise multiplier σ of a target
+(ε, δ) (`noise_multiplier`), the ε or δ of σ (`epsilon`, `delta`), and the steps a budget allows
+(`max_steps`), by dp_accounting's PLD or RDP accountant."""
 
 from logit_dp._src.accounting import ACCOUNTANTS
 from logit_dp._src.accounting import DEFAULT_MAX_NOISE_MULTIPLIER

@@ -1,10 +1,14 @@
 """Privacy verification: sensitivity audits and one-run canary ε lower bounds.
 
-See `logit_dp._src.audit` (‖ḡ(X) − ḡ(X∖k)‖ against `logit_dp.sensitivity`, and a
-gradient-ascent search for the worst batch; the same for replacing one pair against the
-replace-one sensitivity) and `logit_dp._src.canary` (the
-one-run audit of Steinke, Nasr & Jagielski 2023 with white-box gradient
-canaries). docs/PRIVACY.md records the results.
+* Removal audits: ‖ḡ(X) − ḡ(X∖k)‖ for every pair k against the sensitivity
+  (`removal_gaps`, `max_removal_ratio`), and a gradient-ascent search for the worst batch
+  (`search_worst_case`).
+* Replace-one audits: ‖ḡ(X) − ḡ(X with pair k replaced)‖ against the replace-one
+  sensitivity (`replacement_gaps`, `search_worst_replacement`).
+* The one-run audit of Steinke, Nasr & Jagielski (2023) with white-box gradient canaries
+  (`GradientCanaries`, `epsilon_lower_bound`).
+
+docs/PRIVACY.md records the results.
 """
 
 from logit_dp._src.audit import RemovalAudit

@@ -1,9 +1,17 @@
-"""The clip methods of Logit-DP as objects; see `logit_dp._src.methods`.
+"""How Logit-DP finds the pair norms it clips by: the clip methods, their registry, and what
+clipping did.
 
-`logit_dp.clipped_grad(..., method=)` takes a name of `METHODS` or one of these objects, e.g.
-``method=clip_methods.Ghost(memory_budget=1 << 30)``.
+`logit_dp.clipped_grad` and `logit_dp.make_private` take a method object holding its options,
+e.g. ``method=clip_methods.Ghost(memory_budget=1 << 30)``, or a registered name for its
+default object ("ghost", "materialize", "triangle"; "projected" needs its reference inputs). A
+new method subclasses `ClipMethod` and is added by `register`. `pair_grad_norms` returns the
+norms a method clips by, `ClipStats` what clipping did on a batch (``grad_fn.with_stats``), and
+`shared_parameters` which parameters two towers share.
 """
 
+from logit_dp._src.clip_stats import QUANTILE_LEVELS
+from logit_dp._src.clip_stats import ClipStats
+from logit_dp._src.clipping import pair_grad_norms
 from logit_dp._src.methods import DEFAULT_PROJECTION_RANK
 from logit_dp._src.methods import METHODS
 from logit_dp._src.methods import ClipMethod
@@ -11,15 +19,24 @@ from logit_dp._src.methods import Ghost
 from logit_dp._src.methods import Materialize
 from logit_dp._src.methods import Projected
 from logit_dp._src.methods import Triangle
+from logit_dp._src.methods import names
+from logit_dp._src.methods import register
 from logit_dp._src.methods import resolve
+from logit_dp._src.two_tower import shared_parameters
 
 __all__ = [
-    "DEFAULT_PROJECTION_RANK",
-    "METHODS",
     "ClipMethod",
+    "ClipStats",
+    "DEFAULT_PROJECTION_RANK",
     "Ghost",
+    "METHODS",
     "Materialize",
     "Projected",
+    "QUANTILE_LEVELS",
     "Triangle",
+    "names",
+    "pair_grad_norms",
+    "register",
     "resolve",
+    "shared_parameters",
 ]

@@ -1,4 +1,6 @@
-"""Data-parallel Logit-DP across devices and hosts; see `logit_dp._src.distributed`."""
+"""Data-parallel Logit-DP across devices and hosts: the batch split along a mesh axis
+(`data_mesh`, `shard_batch`), the pair matrix spanning the global batch
+(`make_sharded_grad_fn`), and one jitted private step (`make_private_train_step`)."""
 
 from logit_dp._src.distributed import DATA_AXIS
 from logit_dp._src.distributed import broadcast_seed

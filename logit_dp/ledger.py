@@ -1,4 +1,6 @@
-"""Privacy ledger saved in every (orbax) checkpoint; see `logit_dp._src.ledger`."""
+"""The privacy ledger: the steps taken and the (ε, δ) they spend (`PrivacyLedger`), a sampler
+that refuses the steps the budget does not allow (`BudgetedSampler`), and orbax checkpoints that
+save and restore the ledger with the training state."""
 
 from logit_dp._src.ledger import LEDGER_FORMAT_VERSION
 from logit_dp._src.ledger import BudgetedSampler

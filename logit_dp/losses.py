@@ -1,9 +1,22 @@
-"""Similarity losses ℒ(Z) = Σ_i ℓ^{(i,n)}(Z_i) with known Logit-DP sensitivity."""
+"""Similarity losses ℒ(Z) = Σ_i ℓ^{(i,n)}(Z_i) with a known Logit-DP sensitivity, and the
+cosine similarity Z_ij = ⟨n(u_i), n(v_j)⟩ they take (n(u) = u/√(‖u‖² + ε²))."""
 
 from logit_dp._src.losses import Contrastive
 from logit_dp._src.losses import LargeSensitivityWarning
 from logit_dp._src.losses import Spreadout
 from logit_dp._src.losses import contrastive
 from logit_dp._src.losses import spreadout
+from logit_dp._src.numerics import DEFAULT_COSINE_EPS
+from logit_dp._src.numerics import cosine_similarity
+from logit_dp._src.numerics import normalize
 
-__all__ = ["Contrastive", "LargeSensitivityWarning", "Spreadout", "contrastive", "spreadout"]
+__all__ = [
+    "Contrastive",
+    "DEFAULT_COSINE_EPS",
+    "LargeSensitivityWarning",
+    "Spreadout",
+    "contrastive",
+    "cosine_similarity",
+    "normalize",
+    "spreadout",
+]

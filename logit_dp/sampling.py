@@ -1,5 +1,5 @@
-"""Poisson batch sampling (matching the accounting) and shuffled batching for
-non-private baselines; see `logit_dp._src.sampling`."""
+"""Poisson batch sampling, padded to a fixed size (what the accounting assumes:
+`PoissonSampler`), and shuffled batches for non-private training (`ShuffledBatcher`)."""
 
 from logit_dp._src.sampling import DEFAULT_OVERFLOW_PROBABILITY
 from logit_dp._src.sampling import OVERFLOW_POLICIES

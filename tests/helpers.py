@@ -26,20 +26,31 @@ def reference_grad(embed_fn, loss, params, x, x_prime, mask=None):
   import logit_dp
 
   def total(p):
-    return loss(logit_dp.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)), mask)
+    return loss(logit_dp.losses.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime)), mask)
 
   return jax.value_and_grad(total)(params)
 
 
+def _reference(x, num_reference: int, seed: int) -> jax.Array:
+  """Reference inputs of "projected": uniform, of x's example shape, drawn independently of x."""
+  shape = (num_reference,) + tuple(jnp.shape(x)[1:])
+  return jax.random.uniform(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+def clip_method(method: str, x, num_reference: int = 4, seed: int = 7):
+  """The clip method to test under a name: "projected" with reference inputs (`_reference`) and
+  rank 16; any other name as it is."""
+  if method != "projected":
+    return method
+  from logit_dp import clip_methods  # pylint: disable=g-import-not-at-top
+  return clip_methods.Projected(reference_inputs=_reference(x, num_reference, seed), rank=16)
+
+
 def method_kwargs(method: str, x, num_reference: int = 4, seed: int = 7) -> dict:
-  """The extra `clipped_grad` arguments a method needs: "projected" gets reference inputs
-  (uniform, of x's example shape, drawn independently of x) and projection rank 16."""
+  """The audits' (`logit_dp.audit`) reference keywords of a method: those of `clip_method`."""
   if method != "projected":
     return {}
-  import jax.numpy as jnp
-  shape = (num_reference,) + tuple(jnp.shape(x)[1:])
-  reference = jax.random.uniform(jax.random.PRNGKey(seed), shape, jnp.float32)
-  return dict(reference_inputs=reference, projection_rank=16)
+  return dict(reference_inputs=_reference(x, num_reference, seed), projection_rank=16)
 
 
 def clip_norm_in_a_gap(norms: np.ndarray) -> float:

@@ -133,7 +133,7 @@ def test_naive_dp_search_approaches_2b_and_never_exceeds_it():
   found = audit.search_worst_case(fn, params, loss, 1e-3, x, x_prime, key=jax.random.PRNGKey(1),
                                   num_restarts=2, num_steps=30, learning_rate=0.1, method="naive")
   assert 0.6 < found.ratio <= 1 + TOL
-  assert found.bound == logit_dp.naive_sensitivity(1e-3)
+  assert found.bound == logit_dp.baselines.naive_sensitivity(1e-3)
 
 
 def test_naive_dp_sensitivity_b_would_be_wrong():
@@ -144,7 +144,7 @@ def test_naive_dp_sensitivity_b_would_be_wrong():
   found = audit.search_worst_case(fn, params, logit_dp.losses.contrastive(0.5), 1e-3, x, x_prime,
                                   key=jax.random.PRNGKey(1), num_restarts=12, num_steps=0,
                                   method="naive")
-  assert found.bound == logit_dp.naive_sensitivity(1e-3) == 2e-3
+  assert found.bound == logit_dp.baselines.naive_sensitivity(1e-3) == 2e-3
   assert 1e-3 < found.max_gap <= found.bound * (1 + TOL)
 
 
@@ -359,7 +359,7 @@ def test_no_private_noise_without_clipping_or_noise():
   with pytest.raises(ValueError, match="no clipping"):
     logit_dp.sensitivity(loss, math.inf)
   with pytest.raises(ValueError, match="no clipping"):
-    logit_dp.naive_sensitivity(math.inf)
+    logit_dp.baselines.naive_sensitivity(math.inf)
   key = jax.random.PRNGKey(0)
   with pytest.raises(ValueError, match="not private"):
     logit_dp.transform(0.0, 1.0, key)
@@ -401,7 +401,7 @@ def test_nonfinite_jacobian_is_dropped_not_released(method):
   x_prime = jnp.array([[1.0, 1.0], [2.0, 1.0], [1.0, 0.0]])
   loss = logit_dp.losses.contrastive(1.0)
   if method == "naive":
-    grad_fn = logit_dp.naive_clipped_grad(_sqrt_embed, loss, 1.0)
+    grad_fn = logit_dp.baselines.naive_clipped_grad(_sqrt_embed, loss, 1.0)
   else:
     grad_fn = logit_dp.clipped_grad(_sqrt_embed, loss, 1.0, method=method)
   _, with_pair = grad_fn(params, x, x_prime)

@@ -186,7 +186,7 @@ def test_profile_floor_counts_the_multiply_adds_xla_counts():
   import jax  # pylint: disable=g-import-not-at-top
 
   from benchmarks import profile_ghost  # pylint: disable=g-import-not-at-top
-  from logit_dp._src import chunking  # pylint: disable=g-import-not-at-top
+  from logit_dp._src.methods import ghost  # pylint: disable=g-import-not-at-top
 
   n = 6  # 8×8 images: conv1 flattened; conv2, conv3 and the dense head ghost layers
   embed_fn, params, x, xp, _ = step_benchmark.build_problem("embedding", n, 8)
@@ -195,10 +195,10 @@ def test_profile_floor_counts_the_multiply_adds_xla_counts():
   assert any(batch.plan.ghost) and not all(batch.plan.ghost)
 
   def cross_terms(fu, fv, u, v):
-    total = chunking.flat_cross_terms(fu.flat, u, fv.flat, v)
+    total = ghost.flat_cross_terms(fu.flat, u, fv.flat, v)
     for a_u, dl_u, a_v, dl_v in zip(fu.ghost_patches, fu.ghost_deltas, fv.ghost_patches,
                                     fv.ghost_deltas):
-      total += chunking.ghost_layer_cross_terms(a_u, dl_u, u, a_v, dl_v, v)
+      total += ghost.ghost_layer_cross_terms(a_u, dl_u, u, a_v, dl_v, v)
     return total
 
   analysis = jax.jit(cross_terms).lower(f_u, f_v, batch.u_loc, batch.v).compile().cost_analysis()

@@ -34,7 +34,7 @@ def test_positive_and_negative_parts_add_up_and_match_jax_grad(clip_norm):
   if not np.isfinite(clip_norm):
     # Unclipped, the positive part is jax.grad through the diagonal Z_ii only.
     def diagonal_loss(p):
-      z = logit_dp.cosine_similarity(_embed(p, x), _embed(p, x_prime))
+      z = logit_dp.losses.cosine_similarity(_embed(p, x), _embed(p, x_prime))
       eye = jnp.eye(12, dtype=bool)
       return loss(jnp.where(eye, z, jax.lax.stop_gradient(z)))
 
@@ -44,7 +44,7 @@ def test_positive_and_negative_parts_add_up_and_match_jax_grad(clip_norm):
       np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6)
   else:
     # Every pair clipped to B: each part is at most (Σ of its |τ_ij|)·B in norm.
-    z = logit_dp.cosine_similarity(_embed(params, x), _embed(params, x_prime))
+    z = logit_dp.losses.cosine_similarity(_embed(params, x), _embed(params, x_prime))
     tau = jax.grad(loss)(z)
     pos_bound = float(jnp.sum(jnp.abs(jnp.diag(tau)))) * clip_norm
     assert float(optax.global_norm(parts["positive"])) <= pos_bound * (1 + 1e-5)
@@ -91,8 +91,8 @@ def test_signal_to_noise_measures_against_the_library_and_jax_grad():
   small = signal_to_noise.measure(_embed, params, x, x_prime, loss, 1e-3, 2.0, ["ghost"],
                                   group_size=4.0)
   assert small["logit_dp_ghost"]["sensitivity"] == logit_dp.sensitivity(loss, 1e-3)
-  assert small["naive_dp"]["sensitivity"] == logit_dp.naive_sensitivity(1e-3)
-  assert small["dp_gcl"]["sensitivity"] == logit_dp.grouped_sensitivity(1e-3) == 2e-3
+  assert small["naive_dp"]["sensitivity"] == logit_dp.baselines.naive_sensitivity(1e-3)
+  assert small["dp_gcl"]["sensitivity"] == logit_dp.baselines.grouped_sensitivity(1e-3) == 2e-3
   assert small["dp_gcl"]["grad_norm"] <= 4 * 1e-3 * (1 + 1e-6)
   for m in small.values():
     assert m["snr"] == pytest.approx(m["grad_norm"] / (2.0 * m["sensitivity"] * p ** 0.5))

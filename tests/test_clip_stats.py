@@ -8,8 +8,8 @@ import pytest
 
 import logit_dp
 from conftest import make_model
+from helpers import clip_method
 from helpers import clip_norm_in_a_gap
-from helpers import method_kwargs
 from helpers import reference_grad
 
 LOSS = logit_dp.losses.contrastive(temperature=0.5)
@@ -21,8 +21,8 @@ def _pair_norms(embed_fn, params, x, x_prime, positive_embed_fn=None):
   positive_embed_fn = positive_embed_fn or embed_fn
 
   def z(p, xi, xj):
-    u = logit_dp.normalize(embed_fn(p, xi[None]))[0]
-    v = logit_dp.normalize(positive_embed_fn(p, xj[None]))[0]
+    u = logit_dp.losses.normalize(embed_fn(p, xi[None]))[0]
+    v = logit_dp.losses.normalize(positive_embed_fn(p, xj[None]))[0]
     return jnp.dot(u, v)
 
   n = x.shape[0]
@@ -37,7 +37,7 @@ def _pair_norms(embed_fn, params, x, x_prime, positive_embed_fn=None):
 def _expected(norms: np.ndarray, valid: np.ndarray, clip_norm: float):
   counted = norms[np.ix_(valid, valid)].ravel()
   return (counted.size, int(np.sum(counted > clip_norm)),
-          np.quantile(counted, logit_dp.QUANTILE_LEVELS))
+          np.quantile(counted, logit_dp.clip_methods.QUANTILE_LEVELS))
 
 
 def _check(stats, norms, valid, clip_norm, rtol):
@@ -52,8 +52,8 @@ def _check(stats, norms, valid, clip_norm, rtol):
 
 
 def _grad_fns(method, embed_fn, x, **kwargs):
-  return logit_dp.clipped_grad(embed_fn, LOSS, kwargs.pop("clip_norm"), method,
-                               **method_kwargs(method, x), **kwargs)
+  return logit_dp.clipped_grad(embed_fn, LOSS, kwargs.pop("clip_norm"), clip_method(method, x),
+                               **kwargs)
 
 
 _SLOW = pytest.mark.slow
@@ -62,12 +62,13 @@ _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
+    "method",
+    [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.clip_methods.METHODS])
 def test_stats_are_those_of_the_norms_clipping_used(method):
   # The norms clipping uses (allowances and bounds included) are `pair_grad_norms`.
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   used = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, **method_kwargs(method, x)),
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(method, x)),
       np.float64)
   clip_norm = clip_norm_in_a_gap(used)
   fn = _grad_fns(method, embed_fn, x, clip_norm=clip_norm)
@@ -157,7 +158,7 @@ def test_empty_batch_reports_no_valid_pair():
 def test_dropped_rows_are_counted_and_not_in_the_norms():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   bad = x.at[1].set(jnp.nan)
-  used = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime), np.float64)
+  used = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime), np.float64)
   clip_norm = clip_norm_in_a_gap(used)
   fn = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm)
   _, _, stats = fn.with_stats(params, bad, x_prime, MASK)
@@ -176,7 +177,7 @@ def test_naive_dp_reports_its_one_norm(clip_norm):
   _, ref = reference_grad(embed_fn, LOSS, params, x, x_prime, MASK)
   norm = np.sqrt(sum(
       np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree_util.tree_leaves(ref)))
-  fn = logit_dp.naive_clipped_grad(embed_fn, LOSS, clip_norm)
+  fn = logit_dp.baselines.naive_clipped_grad(embed_fn, LOSS, clip_norm)
   _, _, stats = fn.with_stats(params, x, x_prime, MASK)
   assert int(stats.num_norms) == 1 and int(stats.num_valid) == 5
   assert int(stats.num_clipped) == int(norm > clip_norm)
@@ -186,7 +187,7 @@ def test_naive_dp_reports_its_one_norm(clip_norm):
 def test_stats_are_a_pytree_and_log_as_numbers():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   _, _, stats = logit_dp.clipped_grad(embed_fn, LOSS, 1.0).with_stats(params, x, x_prime)
-  assert isinstance(stats, logit_dp.ClipStats)
+  assert isinstance(stats, logit_dp.clip_methods.ClipStats)
   logged = stats.as_dict()
   assert logged["num_norms"] == 36
   assert logged["norm_median"] == float(stats.median_norm)

@@ -10,7 +10,7 @@ import pytest
 
 import logit_dp
 from conftest import make_model
-from helpers import method_kwargs
+from helpers import clip_method
 from helpers import reference_grad
 from helpers import rel_err
 from helpers import tree_norm
@@ -24,21 +24,22 @@ _SLOW = pytest.mark.slow
 # The default run keeps the mlp with each method on the contrastive loss, and ghost on spreadout;
 # the conv net's layers are checked against jax.grad by test_layerwise, test_ghost_blocks and
 # test_float32_norms. The rest of the grid is slow.
-_DEFAULT_INFINITE_CLIP = {("mlp", m, "contrastive") for m in logit_dp.METHODS
+_DEFAULT_INFINITE_CLIP = {("mlp", m, "contrastive") for m in logit_dp.clip_methods.METHODS
                          } | {("mlp", "ghost", "spreadout")}
 
 
 @pytest.mark.parametrize("kind,method,loss_name", [
     pytest.param(kind, method, loss_name, marks=() if
                  (kind, method, loss_name) in _DEFAULT_INFINITE_CLIP else _SLOW)
-    for kind in ("mlp", "conv") for method in logit_dp.METHODS for loss_name in sorted(LOSSES)
+    for kind in ("mlp", "conv") for method in logit_dp.clip_methods.METHODS
+    for loss_name in sorted(LOSSES)
 ])
 def test_infinite_clip_norm_is_jax_grad(kind, loss_name, method):
   embed_fn, params, x, x_prime = make_model(kind, n=6)
   loss = LOSSES[loss_name]
   ref_loss, ref_grads = reference_grad(embed_fn, loss, params, x, x_prime)
-  value, grads = logit_dp.clipped_grad(embed_fn, loss, jnp.inf, method=method,
-                                       **method_kwargs(method, x))(params, x, x_prime)
+  value, grads = logit_dp.clipped_grad(embed_fn, loss, jnp.inf,
+                                       method=clip_method(method, x))(params, x, x_prime)
   np.testing.assert_allclose(value, ref_loss, rtol=1e-5)
   assert rel_err(grads, ref_grads) < 1e-5
 
@@ -54,7 +55,7 @@ def test_infinite_clip_norm_is_jax_grad(kind, loss_name, method):
 def test_ghost_matches_materialize_with_clipping(kind, loss_name, no_float_allowance):
   embed_fn, params, x, x_prime = make_model(kind, n=8, seed=1)
   loss = LOSSES[loss_name]
-  norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
+  norms = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize")
   clip_norm = float(jnp.median(norms))  # about half of the pairs are clipped
   _, exact = logit_dp.clipped_grad(embed_fn, loss, clip_norm, method="materialize")(params, x,
                                                                                     x_prime)
@@ -70,14 +71,14 @@ def test_ghost_matches_materialize_with_clipping(kind, loss_name, no_float_allow
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=_SLOW) for k in ("mlp", "conv")])
 def test_ghost_pair_norms_match_materialized_pair_gradients(kind):
   embed_fn, params, x, x_prime = make_model(kind, n=7, seed=2)
-  ghost = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost",
-                                   float_allowance=False)
-  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize",
-                                   float_allowance=False)
+  ghost = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost",
+                                                float_allowance=False)
+  exact = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize",
+                                                float_allowance=False)
   # Independent check of one entry: the norm of jax.grad of Z_ij.
   i, j = 3, 5
-  z = lambda p: logit_dp.cosine_similarity(embed_fn(p, x[i:i + 1]), embed_fn(p, x_prime[j:j + 1]))[
-      0, 0]
+  z = lambda p: logit_dp.losses.cosine_similarity(embed_fn(p, x[i:i + 1]),
+                                                  embed_fn(p, x_prime[j:j + 1]))[0, 0]
   np.testing.assert_allclose(exact[i, j], tree_norm(jax.grad(z)(params)), rtol=1e-5)
   np.testing.assert_allclose(ghost, exact, rtol=1e-4)
 
@@ -85,15 +86,16 @@ def test_ghost_pair_norms_match_materialized_pair_gradients(kind):
 @pytest.mark.parametrize("kind", ["mlp", pytest.param("conv", marks=_SLOW)])
 def test_triangle_bound_is_an_upper_bound_and_clips_every_pair_to_b(kind):
   embed_fn, params, x, x_prime = make_model(kind, n=7, seed=3)
-  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize",
-                                   float_allowance=False)
-  bound = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="triangle")
+  exact = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method="materialize",
+                                                float_allowance=False)
+  bound = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method="triangle")
   assert np.all(np.asarray(bound) >= np.asarray(exact) * (1 - 1e-5))
   assert np.any(np.asarray(bound) > np.asarray(exact) * 1.01)  # a real bound, not the exact norm
 
 
 @pytest.mark.parametrize(
-    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
+    "method",
+    [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.clip_methods.METHODS])
 def test_mask_padding_contributes_nothing(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=9, seed=4)
   loss = LOSSES["contrastive"]
@@ -101,7 +103,7 @@ def test_mask_padding_contributes_nothing(method):
   keep = np.flatnonzero(np.asarray(mask))
   padded_x = x.at[~mask].set(jnp.nan)  # garbage in padded rows must not leak
   padded_xp = x_prime.at[~mask].set(1e30)
-  fn = logit_dp.clipped_grad(embed_fn, loss, 0.5, method=method, **method_kwargs(method, x))
+  fn = logit_dp.clipped_grad(embed_fn, loss, 0.5, method=clip_method(method, x))
   value_masked, grads_masked = fn(params, padded_x, padded_xp, mask)
   value_small, grads_small = fn(params, x[keep], x_prime[keep])
   np.testing.assert_allclose(value_masked, value_small, rtol=1e-5)
@@ -126,10 +128,10 @@ def test_naive_clipped_grad_is_jax_grad_clipped_to_b(kind):
   embed_fn, params, x, x_prime = make_model(kind, n=6)
   loss = LOSSES["contrastive"]
   _, ref = reference_grad(embed_fn, loss, params, x, x_prime)
-  _, unclipped = logit_dp.naive_clipped_grad(embed_fn, loss, jnp.inf)(params, x, x_prime)
+  _, unclipped = logit_dp.baselines.naive_clipped_grad(embed_fn, loss, jnp.inf)(params, x, x_prime)
   assert rel_err(unclipped, ref) < 1e-5
   clip_norm = tree_norm(ref) / 3
-  _, clipped = logit_dp.naive_clipped_grad(embed_fn, loss, clip_norm)(params, x, x_prime)
+  _, clipped = logit_dp.baselines.naive_clipped_grad(embed_fn, loss, clip_norm)(params, x, x_prime)
   np.testing.assert_allclose(tree_norm(clipped), clip_norm, rtol=1e-5)
   assert rel_err(jax.tree_util.tree_map(lambda g: 3 * g, clipped), ref) < 1e-5
 
@@ -146,13 +148,14 @@ def _contraction_precisions(jaxpr):
 
 
 @pytest.mark.parametrize(
-    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
+    "method",
+    [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.clip_methods.METHODS])
 def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precision(method):
   # The clip factors and ḡ come from different passes: on a GPU, where JAX's default for
   # float32 is TF32, they must still both be float32-accurate.
   embed_fn, params, x, x_prime = make_model("conv", n=4)
-  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method, microbatch_size=2,
-                             **method_kwargs(method, x))
+  fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=clip_method(method, x),
+                             microbatch_size=2)
   highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
   with jax.default_matmul_precision("bfloat16"):
     precisions = _contraction_precisions(jax.make_jaxpr(fn)(params, x, x_prime).jaxpr)
@@ -166,7 +169,8 @@ def test_naive_dp_contracts_at_full_float32_whatever_the_ambient_precision():
   # ‖∇ℒ‖ and the clipped gradient: every contraction of the core (and of the statistics' core)
   # at "highest", whatever the ambient default.
   embed_fn, params, x, x_prime = make_model("conv", n=4)
-  fn = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, microbatch_size=2)
+  fn = logit_dp.baselines.naive_clipped_grad(embed_fn, LOSSES["contrastive"], 1.0,
+                                             microbatch_size=2)
   mask = jnp.ones((4,), bool)
   highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
   with jax.default_matmul_precision("bfloat16"):
@@ -219,9 +223,9 @@ def test_zero_embedding_gives_finite_gradients():
   params = {"scale": jnp.ones((4,))}
   x = jnp.array([[0.0, 0, 0, 0], [1, 2, 0, 1], [0, 1, 1, 0]])
   x_prime = jnp.array([[1.0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
-  for method in logit_dp.METHODS:
-    value, grads = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=method,
-                                         **method_kwargs(method, x))(params, x, x_prime)
+  for method in logit_dp.clip_methods.METHODS:
+    value, grads = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0,
+                                         method=clip_method(method, x))(params, x, x_prime)
     assert np.isfinite(value) and np.all(np.isfinite(grads["scale"]))
 
 
@@ -232,7 +236,8 @@ def test_nonfinite_embeddings_raise_eagerly_and_are_masked_under_jit():
   with pytest.raises(ValueError, match="non-finite"):
     fn(params, bad, x_prime)
   with pytest.raises(ValueError, match="non-finite"):
-    logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], 1.0)(params, bad, x_prime)
+    logit_dp.baselines.naive_clipped_grad(embed_fn, LOSSES["contrastive"], 1.0)(params, bad,
+                                                                                x_prime)
   value, grads = jax.jit(fn)(params, bad, x_prime)
   mask = jnp.arange(5) != 2
   expected_value, expected = fn(params, x, x_prime, mask)
@@ -273,14 +278,14 @@ def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
   from logit_dp._src import layerwise
   embed_fn, params, x, x_prime = make_model("conv", n=13)
   monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d: True)
-  exact = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
-                                   float_allowance=False)
+  exact = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
+                                                float_allowance=False)
   norms = {}
   for accelerator in (False, True):
     monkeypatch.setattr(chunking, "on_accelerator", lambda a=accelerator: a)
     fresh = lambda p, xs: embed_fn(p, xs)  # a new function: nothing compiled is reused
-    norms[accelerator] = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost",
-                                                  float_allowance=False)
+    norms[accelerator] = logit_dp.clip_methods.pair_grad_norms(fresh, params, x, x_prime, "ghost",
+                                                               float_allowance=False)
   # Other chunk shapes round differently; small norms carry the cancellation of
   # ‖g‖² = a + b + 2c (atol, as in test_layerwise._check_norms).
   atol = 1e-5 * float(np.max(exact))

@@ -47,7 +47,7 @@ def _enough_devices():
 def _batch(kind="mlp", n=N, seed=0):
   embed_fn, params, x, x_prime = make_model(kind, n, seed)
   # A clip norm below most pair norms, so that clipping changes the result.
-  norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost")
+  norms = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method="ghost")
   return embed_fn, params, x, x_prime, float(np.quantile(np.asarray(norms), 0.4))
 
 
@@ -151,7 +151,7 @@ def test_materialize_sharded():
 def test_naive_sharded():
   embed_fn, params, x, x_prime, _ = _batch()
   loss = LOSSES["contrastive"]
-  single = logit_dp.naive_clipped_grad(embed_fn, loss, 0.1)
+  single = logit_dp.baselines.naive_clipped_grad(embed_fn, loss, 0.1)
   sharded = distributed.make_sharded_grad_fn(embed_fn, loss, 0.1, distributed.data_mesh(8),
                                              naive=True)
   out = sharded(params, x, x_prime, MASK)
@@ -188,15 +188,15 @@ def test_direct_shard_map_default_check_vma(method):
 @pytest.mark.slow  # make_sharded_grad_fn(naive=True) runs the same under check_vma=True
 def test_direct_shard_map_default_check_vma_naive():
   embed_fn, params, x, x_prime, clip_norm = _batch()
-  grad_fn = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm,
-                                        axis_name="data")
+  grad_fn = logit_dp.baselines.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm,
+                                                  axis_name="data")
   mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
   fn = jax.jit(
       jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
                     out_specs=(P(), P())))
   mask = jnp.asarray(MASK)
-  expected = logit_dp.naive_clipped_grad(embed_fn, LOSSES["contrastive"], clip_norm)(params, x,
-                                                                                     x_prime, mask)
+  expected = logit_dp.baselines.naive_clipped_grad(embed_fn, LOSSES["contrastive"],
+                                                   clip_norm)(params, x, x_prime, mask)
   _assert_matches(fn(params, x, x_prime, mask), expected)
 
 
@@ -382,7 +382,8 @@ def test_data_mesh_and_padding_helpers():
 def test_sharded_stats_and_num_dropped_are_those_of_the_global_batch(method, naive):
   embed_fn, params, x, x_prime, _ = _batch()
   loss = LOSSES["contrastive"]
-  used = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method), np.float64)
+  used = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method),
+                    np.float64)
   clip_norm = clip_norm_in_a_gap(used)
   sharded = distributed.make_sharded_grad_fn(embed_fn, loss, clip_norm, distributed.data_mesh(4),
                                              method=method, naive=naive)
@@ -399,7 +400,7 @@ def test_sharded_stats_and_num_dropped_are_those_of_the_global_batch(method, nai
   assert int(stats.num_norms) == counted.size
   assert int(stats.num_clipped) == int(np.sum(counted > clip_norm))
   np.testing.assert_allclose(np.asarray(stats.quantiles),
-                             np.quantile(counted, logit_dp.QUANTILE_LEVELS), rtol=1e-5)
+                             np.quantile(counted, logit_dp.clip_methods.QUANTILE_LEVELS), rtol=1e-5)
   # with_num_dropped on the global batch: the same (ℒ, ḡ) and the dropped row.
   plain_value, plain_grads, dropped = sharded.with_num_dropped(params, bad, x_prime, MASK)
   assert int(dropped) == 1

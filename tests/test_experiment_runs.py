@@ -82,7 +82,7 @@ def test_paper_hparams_config_clips_each_method_with_its_own_bound():
   loss = train.make_loss(cfg)
   key = jax.random.PRNGKey(2)
   want = dict(logit_dp=logit_dp.clipped_grad(apply_fn, loss, clip_norm=1e-5, method="triangle"),
-              naive_dp=logit_dp.naive_clipped_grad(apply_fn, loss, clip_norm=1e-4))
+              naive_dp=logit_dp.baselines.naive_clipped_grad(apply_fn, loss, clip_norm=1e-4))
   sens = dict(logit_dp=logit_dp.sensitivity(loss, 1e-5, batch_size=None), naive_dp=2e-4)
   for m in ("logit_dp", "naive_dp"):
     grad_fn, _, info = train.make_method(cfg, m, apply_fn, 25_000, key)

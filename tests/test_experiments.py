@@ -216,7 +216,7 @@ def test_run_past_the_privacy_budget_is_refused_unless_allowed(tmp_path):
   cfg = tiny.get_config()
   cfg.methods = ("logit_dp",)
   cfg.noise_multiplier = 0.3  # far less noise than target_epsilon allows
-  with pytest.raises(logit_dp.PrivacyBudgetExceededError, match="allow_exceeding_budget"):
+  with pytest.raises(logit_dp.ledger.PrivacyBudgetExceededError, match="allow_exceeding_budget"):
     train.train_and_evaluate(cfg, str(tmp_path / "refused"), quiet=True)
   cfg.allow_exceeding_budget = True
   result = train.train_and_evaluate(cfg, str(tmp_path / "allowed"), quiet=True)["logit_dp"]
@@ -440,7 +440,8 @@ def test_dp_gcl_trains_privately_beside_the_other_methods(pretrained, tmp_path):
   assert result["finished"] and result["total_steps"] == ref["logit_dp"]["total_steps"]
   assert result["noise_multiplier"] == ref["logit_dp"]["noise_multiplier"] > 0
   assert 0.9 * cfg.target_epsilon < result["epsilon"] <= cfg.target_epsilon
-  assert result["sensitivity"] == logit_dp.grouped_sensitivity(cfg.clip_norm) == 2 * cfg.clip_norm
+  assert result["sensitivity"] == logit_dp.baselines.grouped_sensitivity(
+      cfg.clip_norm) == 2 * cfg.clip_norm
   assert train.dp_gcl_num_groups(cfg) == 8  # round(32 / 4)
   assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["linear_probe"] <= 1.0
   initial = train.get_model(cfg.model)[3](train._keys(cfg.seed)["init"],

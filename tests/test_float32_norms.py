@@ -16,11 +16,13 @@ import pytest
 
 import logit_dp
 from conftest import SmallConv
+from helpers import clip_method
 from helpers import make_batch
 from helpers import method_kwargs
 from logit_dp import audit
 from logit_dp._src import numerics
 from logit_dp._src import pair_terms
+from logit_dp._src.methods import ghost
 
 N = 8
 _TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +42,7 @@ def _problem(family: str, seed: int = 0):
   return model.apply, model.init(k3, x[:1]), x, x_prime
 
 
-def _float64_truth(embed_fn, params, x, x_prime, eps=logit_dp.DEFAULT_COSINE_EPS):
+def _float64_truth(embed_fn, params, x, x_prime, eps=logit_dp.losses.DEFAULT_COSINE_EPS):
   """‖∇_w Z_ij‖ in float64: jax.grad of each Z_ij separately (independent of the library)."""
   with jax.enable_x64(True):
     p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
@@ -81,19 +83,21 @@ def truths():
 
 # The default run keeps the diagonal stress (near-identical views) for every method and the
 # off-diagonal one for ghost; the rest is slow.
-_DEFAULT_FAMILIES = {"near_identical": logit_dp.METHODS, "near_identical_off_diagonal": ("ghost",)}
+_DEFAULT_FAMILIES = {
+    "near_identical": logit_dp.clip_methods.METHODS, "near_identical_off_diagonal": ("ghost",)
+}
 
 
 @pytest.mark.parametrize("family,method", [
     pytest.param(family, method, marks=() if method in _DEFAULT_FAMILIES.get(family, ()) else _SLOW)
-    for family in FAMILIES for method in logit_dp.METHODS
+    for family in FAMILIES for method in logit_dp.clip_methods.METHODS
 ])
 def test_clip_norms_are_never_below_the_float64_truth(truths, method, family):
   embed_fn, params, x, x_prime = _problem(family)
   truth = truths[family]
   got = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size=3,
-                               **method_kwargs(method, x)), np.float64)
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(method, x),
+                                            microbatch_size=3), np.float64)
   assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)
   if method not in ("triangle",
                     "projected"):  # an exact method over-estimates by no more than its allowance
@@ -109,8 +113,7 @@ def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
   """Without the vector form, ‖g_ii‖² = a + b + 2c of near-identical views is mostly rounding."""
   embed_fn, params, x, x_prime = _problem("near_identical")
   batch, (f_u, f_v) = _batch_and_factors(embed_fn, params, x, x_prime)
-  a, b, c = (
-      np.asarray(t, np.float64) for t in pair_terms.ghost_terms(f_u, batch.u_loc, f_v, batch.v))
+  a, b, c = (np.asarray(t, np.float64) for t in ghost.ghost_terms(f_u, batch.u_loc, f_v, batch.v))
   gram_form = np.sqrt(np.maximum(np.diag(a + b + 2 * c), 0.0))
   truth = np.diag(truths["near_identical"])
   assert np.max(np.abs(gram_form - truth) / truth) > 0.1
@@ -121,7 +124,8 @@ def test_the_stress_is_real_gram_forms_lose_the_diagonal_norms(truths):
 def test_triangle_takes_the_diagonal_pairs_from_their_vectors(truths):
   """The positives are not over-clipped by the triangle bound (it over-estimated them 22-64×)."""
   embed_fn, params, x, x_prime = _problem("near_identical")
-  tri = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"), np.float64)
+  tri = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"),
+                   np.float64)
   truth = truths["near_identical"]
   _, factors = _batch_and_factors(embed_fn, params, x, x_prime)
   s_u, s_v = (np.asarray(pair_terms.jacobian_norms(f.gram), np.float64) for f in factors)
@@ -133,7 +137,8 @@ def test_triangle_takes_the_diagonal_pairs_from_their_vectors(truths):
 
 
 @pytest.mark.parametrize(
-    "method", [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.METHODS])
+    "method",
+    [m if m == "ghost" else pytest.param(m, marks=_SLOW) for m in logit_dp.clip_methods.METHODS])
 def test_tiny_clip_norm_on_near_identical_positives_respects_the_sensitivity(method):
   embed_fn, params, x, x_prime = _problem("near_identical")
   loss = logit_dp.losses.contrastive(temperature=1.0)
@@ -164,12 +169,14 @@ def test_the_audit_search_catches_gram_norms_without_the_allowances(monkeypatch)
 @pytest.mark.slow  # a float64 compilation of the conv net's materialised pair gradients
 def test_materialize_runs_with_x64_enabled_and_float32_params():
   embed_fn, params, x, x_prime = _problem("unrelated")
-  expected = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
+  expected = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
   loss = logit_dp.losses.contrastive(temperature=1.0)
   _, ref = logit_dp.clipped_grad(embed_fn, loss, 0.1, "materialize")(params, x, x_prime)
   with jax.enable_x64(True):
     fresh = lambda p, xs: embed_fn(p, xs)
-    got = np.asarray(logit_dp.pair_grad_norms(fresh, params, x, x_prime, "materialize"))
+    got = np.asarray(logit_dp.clip_methods.pair_grad_norms(fresh, params, x, x_prime,
+                                                           "materialize"))
     _, grads = logit_dp.clipped_grad(fresh, loss, 0.1, "materialize")(params, x, x_prime)
   np.testing.assert_allclose(got, expected, rtol=1e-5)
   for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):

@@ -15,9 +15,9 @@ import pytest
 import logit_dp
 from conftest import MLP
 from conftest import SmallConv
+from helpers import clip_method
 from helpers import flat
 from helpers import float64_clipped_reference
-from helpers import method_kwargs
 from helpers import rel_err
 from logit_dp._src import numerics
 
@@ -80,7 +80,7 @@ def _mlp_problem(seed: int = 0):
   return model.apply, model.init(k3, x[:1]), x, x_prime
 
 
-def _float64_jacobian_norms(embed_fn, params, xs, eps=logit_dp.DEFAULT_COSINE_EPS):
+def _float64_jacobian_norms(embed_fn, params, xs, eps=logit_dp.losses.DEFAULT_COSINE_EPS):
   """‖J_e‖_F of the normalised embedding per example, by jax.jacrev in float64 (under x64)."""
   flat, unravel = jax.flatten_util.ravel_pytree(_as64(params))
 
@@ -104,11 +104,11 @@ def test_float64_runs_clip_by_norms_within_the_float64_allowance(method):
     truth, _ = float64_clipped_reference(fresh, LOSS, params, x, x_prime, 1.0)
     clip_norm = 0.5 * float(np.min(truth))  # every pair is clipped
     _, reference = float64_clipped_reference(fresh, LOSS, params, x, x_prime, clip_norm)
-    got = np.asarray(logit_dp.pair_grad_norms(fresh, p64, x64, xp64, method))
+    got = np.asarray(logit_dp.clip_methods.pair_grad_norms(fresh, p64, x64, xp64, method))
     _, grads = logit_dp.clipped_grad(fresh, LOSS, clip_norm, method)(p64, x64, xp64)
     scale = (_float64_jacobian_norms(fresh, params, x)[:, None]
              + _float64_jacobian_norms(fresh, params, x_prime)[None, :])
-    z = logit_dp.cosine_similarity(fresh(p64, x64), fresh(p64, xp64))
+    z = logit_dp.losses.cosine_similarity(fresh(p64, x64), fresh(p64, xp64))
     tau = np.abs(np.asarray(jax.grad(LOSS)(z, jnp.ones((N,), bool))))
   per_unit = numerics.vector_error(jnp.float64)
   if method == "ghost":  # Gram forms: √(ε_G)·S_ij on top
@@ -139,9 +139,10 @@ def near_identical_truth():
             for leaf in jax.tree_util.tree_leaves(g)))
 
 
-@pytest.mark.parametrize(
-    "method",
-    [m if m == "ghost" else pytest.param(m, marks=pytest.mark.slow) for m in logit_dp.METHODS])
+@pytest.mark.parametrize("method", [
+    m if m == "ghost" else pytest.param(m, marks=pytest.mark.slow)
+    for m in logit_dp.clip_methods.METHODS
+])
 def test_float32_diagonal_norms_of_near_identical_pairs_are_within_10_percent(
     method, near_identical_truth):
   """The positives' clip norms of a float32 convolutional model, as shipped (formed in
@@ -152,8 +153,8 @@ def test_float32_diagonal_norms_of_near_identical_pairs_are_within_10_percent(
   truth = near_identical_truth
   norms = lambda **kw: np.diag(
       np.asarray(
-          logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, microbatch_size=3,
-                                   **method_kwargs(method, x), **kw), np.float64))
+          logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(
+              method, x), microbatch_size=3, **kw), np.float64))
   got, in_float32 = norms(), norms(float64_positive_pairs=False)
   for values in (got, in_float32):
     assert np.all(values >= truth), np.min(values / truth)
@@ -173,8 +174,8 @@ def test_two_tower_diagonal_norms_of_near_identical_pairs_are_within_10_percent(
   tower = lambda p, xs: model.apply(scale(p), xs)
   got = np.diag(
       np.asarray(
-          logit_dp.pair_grad_norms(model.apply, params, x, x_prime, "ghost",
-                                   positive_embed_fn=tower), np.float64))
+          logit_dp.clip_methods.pair_grad_norms(model.apply, params, x, x_prime, "ghost",
+                                                positive_embed_fn=tower), np.float64))
   with jax.enable_x64(True):
     p64, x64, xp64 = _as64((params, x, x_prime))
     unit = lambda f, p, xe: (lambda u: u / jnp.sqrt(jnp.sum(u * u) + 1e-12))(f(p, xe[None])[0])

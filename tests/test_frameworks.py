@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import logit_dp
 from benchmarks import frameworks
+from helpers import clip_method
 from helpers import flat
-from helpers import method_kwargs
 from helpers import rel_err
 from logit_dp._src import layerwise
 
@@ -52,7 +52,7 @@ def _float64_pair_norms(embed_fn, params, x, x_prime, positive_embed_fn=None):
 
     def unit(fn, w, xe):
       e = fn(unravel(w), xe[None])[0]
-      return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.DEFAULT_COSINE_EPS ** 2)
+      return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.losses.DEFAULT_COSINE_EPS ** 2)
 
     u = jax.vmap(lambda xe: unit(embed_fn, w, xe))(x64)
     v = jax.vmap(lambda xe: unit(positive_embed_fn, w, xe))(xp64)
@@ -67,7 +67,8 @@ def _float64_grad(embed_fn, params, x, x_prime, mask):
   with jax.enable_x64(True):
     p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
     x64, xp64 = jnp.asarray(x, jnp.float64), jnp.asarray(x_prime, jnp.float64)
-    total = lambda p: LOSS(logit_dp.cosine_similarity(embed_fn(p, x64), embed_fn(p, xp64)), mask)
+    total = lambda p: LOSS(logit_dp.losses.cosine_similarity(embed_fn(p, x64), embed_fn(p, xp64)),
+                           mask)
     return flat(jax.grad(total)(p64))
 
 
@@ -110,10 +111,13 @@ def test_ghost_norms_are_materialize_and_float64_truth(framework, model):
   embed_fn, params, x, x_prime = _problem(framework, model)
   truth = _float64_pair_norms(embed_fn, params, x, x_prime)
   exact = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize", float_allowance=False))
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
+                                            float_allowance=False))
   ghost = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "ghost", float_allowance=False))
-  triangle = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"))
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
+                                            float_allowance=False))
+  triangle = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"))
   # float32 Gram forms lose ~1e-7·max² to cancellation (as in test_layerwise._check_norms).
   atol = 1e-5 * float(np.max(truth))
   np.testing.assert_allclose(exact, truth, rtol=1e-4, atol=atol)
@@ -130,7 +134,8 @@ def test_clipped_grad_with_mask_and_microbatches(framework, model, no_float_allo
   every pair norm, ḡ = float64 jax.grad of the loss."""
   embed_fn, params, x, x_prime = _problem(framework, model)
   mask = jnp.asarray([True, True, False, True, True, True])
-  norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
+  norms = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize"))
   clip = float(np.median(norms))
   _, exact = logit_dp.clipped_grad(embed_fn, LOSS, clip, "materialize")(params, x, x_prime, mask)
   _, ghost = logit_dp.clipped_grad(embed_fn, LOSS, clip, "ghost", microbatch_size=4)(params, x,
@@ -151,8 +156,8 @@ def test_triangle_and_projected(framework, no_float_allowance):
   parameter layout moves the bound)."""
   embed_fn, params, x, x_prime = _problem(framework, "mlp")
   linen_fn, linen_params, _, _ = _problem("linen", "mlp")
-  got = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle")
-  want = logit_dp.pair_grad_norms(linen_fn, linen_params, x, x_prime, "triangle")
+  got = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "triangle")
+  want = logit_dp.clip_methods.pair_grad_norms(linen_fn, linen_params, x, x_prime, "triangle")
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   _, grad = logit_dp.clipped_grad(embed_fn, LOSS, 0.5, "triangle")(params, x, x_prime)
   _, linen_grad = logit_dp.clipped_grad(linen_fn, LOSS, 0.5, "triangle")(linen_params, x, x_prime)
@@ -160,8 +165,8 @@ def test_triangle_and_projected(framework, no_float_allowance):
   np.testing.assert_allclose(np.sort(flat(grad)), np.sort(flat(linen_grad)), rtol=1e-4, atol=1e-7)
   truth = _float64_pair_norms(embed_fn, params, x, x_prime)
   projected = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
-                               **method_kwargs("projected", x)))
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                            clip_method("projected", x)))
   assert np.all(projected >= truth * (1 - 1e-5))
   np.testing.assert_allclose(np.diag(projected), np.diag(truth), rtol=1e-4)
 
@@ -179,7 +184,8 @@ def test_permuted_kernels_contract_like_jax(framework, model, mode, monkeypatch)
   assert all(layer.kernel_axes is not None for layer in batch.plan.layers)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   factors = batch.factors(x)
-  embed = lambda p: jax.vmap(lambda xe: logit_dp.normalize(embed_fn(p, xe[None])[0], batch.eps))(x)
+  embed = lambda p: jax.vmap(lambda xe: logit_dp.losses.normalize(
+      embed_fn(p, xe[None])[0], batch.eps))(x)
   cotangents = jax.random.normal(jax.random.PRNGKey(7), (x.shape[0], batch.u.shape[-1]))
   grads = layerwise.factors_transpose(batch.plan, factors, cotangents, leaves)
   want = jax.tree_util.tree_leaves(jax.vjp(embed, params)[1](cotangents)[0])
@@ -211,9 +217,10 @@ def test_two_towers(framework):
   positive_embed_fn = lambda p, x: positive_fn(p["positive"], x)
   kwargs = dict(positive_embed_fn=positive_embed_fn, float_allowance=False)
   truth = _float64_pair_norms(embed_fn, params, x, x_prime, positive_embed_fn)
-  exact = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
-                                              **kwargs))
-  ghost = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "ghost", **kwargs))
+  exact = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize", **kwargs))
+  ghost = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost", **kwargs))
   atol = 1e-5 * float(np.max(truth))
   np.testing.assert_allclose(exact, truth, rtol=1e-4, atol=atol)
   np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=atol)
@@ -265,5 +272,6 @@ def test_layers_inside_sub_jaxprs_are_found():
   assert [(layer.kind, len(layer.leaves)) for layer in plan.layers] == [("dense", 2), ("dense", 1)]
   truth = _float64_pair_norms(_nested_embed, params, x, x_prime)
   ghost = np.asarray(
-      logit_dp.pair_grad_norms(_nested_embed, params, x, x_prime, "ghost", float_allowance=False))
+      logit_dp.clip_methods.pair_grad_norms(_nested_embed, params, x, x_prime, "ghost",
+                                            float_allowance=False))
   np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))

@@ -48,10 +48,12 @@ def _one_block(kind):
   """(problem, clip norm, norms, ḡ of one block, norms and ḡ of materialize) on n = 7 pairs."""
   embed_fn, params, x, x_prime = make_model(kind, N, seed=1)
   exact = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize", float_allowance=False))
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
+                                            float_allowance=False))
   clip_norm = float(np.quantile(exact, 0.4))
   one = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "ghost", float_allowance=False))
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
+                                            float_allowance=False))
   grads = {
       method: logit_dp.clipped_grad(embed_fn, LOSS, clip_norm, method)(params, x, x_prime, MASK)[1]
       for method in ("ghost", "materialize")
@@ -68,8 +70,8 @@ def test_blocked_ghost_matches_one_block_and_materialize(kind, blocks, monkeypat
   _force_blocks(monkeypatch, *blocks)
   fresh = _fresh(embed_fn)
   norms = np.asarray(
-      logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost", microbatch_size=2,
-                               float_allowance=False))
+      logit_dp.clip_methods.pair_grad_norms(fresh, params, x, x_prime, "ghost", microbatch_size=2,
+                                            float_allowance=False))
   atol = 1e-5 * float(np.max(exact))  # small norms carry the cancellation of a + b + 2c
   np.testing.assert_allclose(norms, one, rtol=1e-5, atol=atol)
   np.testing.assert_allclose(norms, exact, rtol=1e-4, atol=atol)
@@ -93,7 +95,7 @@ def test_blocked_unclipped_ghost_is_float64_jax_grad(blocks, monkeypatch):
                                             (params, x, x_prime))
 
     def total(p):
-      z = logit_dp.cosine_similarity(embed_fn(p, x64), embed_fn(p, xp64))
+      z = logit_dp.losses.cosine_similarity(embed_fn(p, x64), embed_fn(p, xp64))
       return LOSS(z, jnp.asarray(MASK))
 
     truth = jax.grad(total)(p64)
@@ -163,10 +165,9 @@ def test_block_sizes_fit_the_budget(multiple):
 
 
 def test_memory_budget_is_checked():
-  embed_fn, _, _, _ = make_model("mlp", 4)
   for bad in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match="memory_budget"):
-      logit_dp.clipped_grad(embed_fn, LOSS, 1.0, memory_budget=bad)
+      logit_dp.clip_methods.Ghost(memory_budget=bad)
 
 
 def _temp_bytes(fn, *args) -> int:
@@ -184,8 +185,8 @@ def test_blocked_temporaries_do_not_grow_with_n_like_one_block():
   example_bytes = chunking.factor_bytes_per_example(plan, 5, jax.tree_util.tree_leaves(params))
   temp = {}
   for name, budget in (("one block", None), ("blocked", 12 * example_bytes)):
-    fn = logit_dp.clipped_grad(model.apply, LOSS, 1.0, "ghost", microbatch_size=4,
-                               memory_budget=budget)
+    fn = logit_dp.clipped_grad(model.apply, LOSS, 1.0,
+                               logit_dp.clip_methods.Ghost(memory_budget=budget), microbatch_size=4)
     temp[name] = [
         _temp_bytes(fn.core, params, x[:n], x[:n], jnp.ones((n,), bool)) for n in (16, 64)
     ]
@@ -213,7 +214,8 @@ def test_ring_matches_one_device(k, blocks, monkeypatch):
   require_devices(k)
   embed_fn, params, x, x_prime = make_model("conv", N_SHARDED)
   clip_norm = float(
-      np.quantile(np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime)), 0.4))
+      np.quantile(np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime)),
+                  0.4))
   expected = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm)(params, x, x_prime, MASK_SHARDED)
   _force_blocks(monkeypatch, *blocks)
   sharded = distributed.make_sharded_grad_fn(_fresh(embed_fn), LOSS, clip_norm,

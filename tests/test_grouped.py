@@ -1,4 +1,4 @@
-"""DP-GCL (`logit_dp.grouped_clipped_grad`): gradients, group assignment, sensitivity audits.
+"""DP-GCL (`baselines.grouped_clipped_grad`): gradients, group assignment, sensitivity audits.
 
 The reference is written independently of the implementation: for every group a Python loop
 builds each anchor's logits (own-group positives, other members' extra views), jax.grad of the
@@ -54,7 +54,7 @@ def make(kind, n, seed, d_in=3, dim=3, scale=1.0, k=0):
   return fn, params, x, x_prime, views
 
 
-def _unit(e, eps=logit_dp.DEFAULT_COSINE_EPS):
+def _unit(e, eps=logit_dp.losses.DEFAULT_COSINE_EPS):
   return e / jnp.sqrt(jnp.sum(e * e, axis=-1, keepdims=True) + eps * eps)
 
 
@@ -89,8 +89,9 @@ def reference(fn, params, x, x_prime, views, valid, groups, temperature, clip_no
 
 @functools.cache
 def _grad_fn(fn, clip_norm, num_groups, temperature, microbatch_size):
-  return logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(temperature), clip_norm,
-                                       num_groups, microbatch_size=microbatch_size)
+  return logit_dp.baselines.grouped_clipped_grad(fn, logit_dp.losses.contrastive(temperature),
+                                                 clip_norm, num_groups,
+                                                 microbatch_size=microbatch_size)
 
 
 def _grads(fn, params, x, x_prime, views, mask, ids, clip_norm, num_groups, temperature=0.7,
@@ -117,7 +118,7 @@ def test_gradient_matches_the_brute_force_reference_in_float64(no_norm_allowance
     mask = np.ones(11, bool)
     mask[[2, 7]] = False
     ids = jnp.asarray([5, 90, 3, 41, 17, 8, 66, 12, 30, 2, 77])
-    groups = logit_dp.assign_groups(ids, KEY, 3)
+    groups = logit_dp.baselines.assign_groups(ids, KEY, 3)
     assert len(np.unique(np.asarray(groups)[mask])) == 3  # every group is used
     ref_loss, ref = reference(fn, params, x, x_prime, views, mask, groups, 0.7, clip_norm)
     loss, got = _grads(fn, params, x, x_prime, views, jnp.asarray(mask), ids, clip_norm, 3,
@@ -133,8 +134,9 @@ def test_float32_gradient_matches_the_float64_reference(no_norm_allowance):
   loss, got = _grads(fn, params, x, x_prime, views, None, ids, 0.2, 2)
   with jax.enable_x64(True):
     cast = lambda t: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), t)
-    ref_loss, ref = reference(fn, cast(params), cast(x), cast(x_prime), cast(views),
-                              np.ones(8, bool), logit_dp.assign_groups(ids, KEY, 2), 0.7, 0.2)
+    ref_loss, ref = reference(fn, cast(params), cast(x), cast(x_prime),
+                              cast(views), np.ones(8, bool),
+                              logit_dp.baselines.assign_groups(ids, KEY, 2), 0.7, 0.2)
   assert rel_err(got, ref) < 2e-6
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
 
@@ -144,10 +146,11 @@ def test_one_group_without_extra_views_is_naive_dp(no_norm_allowance):
   fn, params, x, x_prime, _ = make("mlp", 9, seed=4)
   loss = logit_dp.losses.contrastive(0.5)
   for clip_norm in (1e-3,):  # clipped; unclipped is the brute-force test at B = 1e3
-    got_loss, got = logit_dp.grouped_clipped_grad(fn, loss, clip_norm,
-                                                  1)(params, x, x_prime, record_ids=jnp.arange(9),
-                                                     group_key=KEY)
-    ref_loss, ref = logit_dp.naive_clipped_grad(fn, loss, clip_norm)(params, x, x_prime)
+    got_loss, got = logit_dp.baselines.grouped_clipped_grad(fn, loss, clip_norm,
+                                                            1)(params, x, x_prime,
+                                                               record_ids=jnp.arange(9),
+                                                               group_key=KEY)
+    ref_loss, ref = logit_dp.baselines.naive_clipped_grad(fn, loss, clip_norm)(params, x, x_prime)
     assert rel_err(got, ref) < 1e-6
     np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-6)
 
@@ -161,7 +164,7 @@ def test_released_group_gradients_never_exceed_b_in_float64(scale, spread, log_c
   fn, params, x, _, views = make("mlp", 8, seed=5, scale=scale, k=2)
   x_prime = x + spread * scale * jax.random.normal(jax.random.PRNGKey(9), x.shape)
   ids = jnp.arange(8)
-  groups = np.asarray(logit_dp.assign_groups(ids, KEY, 2))
+  groups = np.asarray(logit_dp.baselines.assign_groups(ids, KEY, 2))
   one_group = jnp.asarray(groups == groups[0])
   # The unclipped group gradient (float32) and its norm in float64.
   _, unclipped = _grads(fn, params, x, x_prime, views, one_group, ids, 1e30, 2)
@@ -174,17 +177,18 @@ def test_released_group_gradients_never_exceed_b_in_float64(scale, spread, log_c
 
 def test_assignment_depends_only_on_the_record_id():
   ids = np.random.default_rng(0).choice(50_000, size=300, replace=False)
-  groups = np.asarray(logit_dp.assign_groups(jnp.asarray(ids), KEY, 7))
+  groups = np.asarray(logit_dp.baselines.assign_groups(jnp.asarray(ids), KEY, 7))
   # A subset (other records not sampled) and a permuted superset keep every group.
-  subset = np.asarray(logit_dp.assign_groups(jnp.asarray(ids[::3]), KEY, 7))
+  subset = np.asarray(logit_dp.baselines.assign_groups(jnp.asarray(ids[::3]), KEY, 7))
   np.testing.assert_array_equal(subset, groups[::3])
   superset = np.concatenate([ids, [50_001, 50_002]])[::-1]
   np.testing.assert_array_equal(
-      np.asarray(logit_dp.assign_groups(jnp.asarray(superset), KEY, 7))[2:], groups[::-1])
+      np.asarray(logit_dp.baselines.assign_groups(jnp.asarray(superset), KEY, 7))[2:], groups[::-1])
   # Another key regroups; the buckets are uniform (chi-square over 20,000 ids).
-  other = np.asarray(logit_dp.assign_groups(jnp.asarray(ids), jax.random.PRNGKey(4), 7))
+  other = np.asarray(logit_dp.baselines.assign_groups(jnp.asarray(ids), jax.random.PRNGKey(4), 7))
   assert np.mean(other != groups) > 0.7
-  counts = np.bincount(np.asarray(logit_dp.assign_groups(jnp.arange(20_000), KEY, 7)), minlength=7)
+  counts = np.bincount(np.asarray(logit_dp.baselines.assign_groups(jnp.arange(20_000), KEY, 7)),
+                       minlength=7)
   assert scipy.stats.chisquare(counts).pvalue > 1e-4
   assert groups.min() >= 0 and groups.max() < 7
 
@@ -195,7 +199,7 @@ def test_adding_a_record_changes_only_its_own_group():
   order of the rows."""
   fn, params, x, x_prime, views = make("mlp", 12, seed=6, k=1)
   ids = jnp.asarray([3, 9, 14, 20, 22, 31, 40, 41, 57, 60, 72, 88])
-  groups = np.asarray(logit_dp.assign_groups(ids, KEY, 3))
+  groups = np.asarray(logit_dp.baselines.assign_groups(ids, KEY, 3))
   r = 4  # record 22 joins at position 4: S is the batch without it
   keep = np.arange(12) != r
   run = lambda rows, mask=None: _grads(fn, params, x[rows], x_prime[rows], views[rows], mask, ids[
@@ -219,8 +223,8 @@ def test_groups_by_position_in_the_batch_are_not_private(no_norm_allowance):
   batches, stays within 2B."""
   fn, params, x, x_prime, _ = make("mlp", 12, seed=1)
   clip_norm, num_groups = 1e-3, 6
-  core = logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(0.5), clip_norm,
-                                       num_groups).core
+  core = logit_dp.baselines.grouped_clipped_grad(fn, logit_dp.losses.contrastive(0.5), clip_norm,
+                                                 num_groups).core
   ids = np.arange(12)
 
   def released(rows, groups):
@@ -233,7 +237,7 @@ def test_groups_by_position_in_the_batch_are_not_private(no_norm_allowance):
     return np.arange(m) // 2
 
   def by_hash(rows):
-    return np.asarray(logit_dp.assign_groups(jnp.asarray(ids[rows]), KEY, num_groups))
+    return np.asarray(logit_dp.baselines.assign_groups(jnp.asarray(ids[rows]), KEY, num_groups))
 
   full = np.arange(12)
   position_gaps, hash_gaps = [], []
@@ -258,7 +262,7 @@ def test_removal_audit_stays_within_2b(kind, k, num_groups, clip_norm):
   result = audit.max_removal_ratio(fn, params, logit_dp.losses.contrastive(0.5), clip_norm, x,
                                    x_prime, method="dp_gcl", num_groups=num_groups,
                                    extra_views_fn=views_fn)
-  assert result.bound == result.bound_sup == logit_dp.grouped_sensitivity(clip_norm)
+  assert result.bound == result.bound_sup == logit_dp.baselines.grouped_sensitivity(clip_norm)
   assert 0 < result.ratio <= 1 + TOL
   searched = audit.search_worst_case(fn, params, logit_dp.losses.contrastive(0.5), clip_norm, x,
                                      x_prime, key=jax.random.PRNGKey(2), num_restarts=6,
@@ -305,7 +309,7 @@ def test_masked_rows_contribute_nothing_even_if_not_finite():
 
 def test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit():
   fn, params, x, x_prime, _ = make("mlp", 6, seed=11)
-  grad_fn = logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(), 0.1, 2)
+  grad_fn = logit_dp.baselines.grouped_clipped_grad(fn, logit_dp.losses.contrastive(), 0.1, 2)
   ids = jnp.arange(6)
   bad = x.at[2, 0].set(jnp.nan)
   with pytest.raises(ValueError, match="non-finite"):
@@ -326,7 +330,7 @@ def test_stats_are_the_norms_of_the_groups_with_a_valid_record(no_norm_allowance
   mask = np.ones(11, bool)
   mask[[2, 7]] = False
   ids = jnp.asarray([5, 90, 3, 41, 17, 8, 66, 12, 30, 2, 77])
-  groups = np.asarray(logit_dp.assign_groups(ids, KEY, 4))
+  groups = np.asarray(logit_dp.baselines.assign_groups(ids, KEY, 4))
   used = np.unique(groups[mask])
   norms = np.array([
       tree_norm(
@@ -335,13 +339,14 @@ def test_stats_are_the_norms_of_the_groups_with_a_valid_record(no_norm_allowance
   ])
   ordered = np.sort(norms)
   clip_norm = float((ordered[0] + ordered[1]) / 2)
-  grad_fn = logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(0.7), clip_norm, 4)
+  grad_fn = logit_dp.baselines.grouped_clipped_grad(fn, logit_dp.losses.contrastive(0.7), clip_norm,
+                                                    4)
   loss, grads, stats = grad_fn.with_stats(params, x, x_prime, jnp.asarray(mask), record_ids=ids,
                                           group_key=KEY, extra_views=views)
   assert int(stats.num_valid) == 9 and int(stats.num_dropped) == 0
   assert int(stats.num_norms) == len(used) and int(stats.num_clipped) == len(used) - 1
   np.testing.assert_allclose(np.asarray(stats.quantiles),
-                             np.quantile(norms, logit_dp.QUANTILE_LEVELS), rtol=1e-5)
+                             np.quantile(norms, logit_dp.clip_methods.QUANTILE_LEVELS), rtol=1e-5)
   plain_loss, plain = grad_fn(params, x, x_prime, jnp.asarray(mask), record_ids=ids, group_key=KEY,
                               extra_views=views)
   np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-6)
@@ -351,7 +356,7 @@ def test_stats_are_the_norms_of_the_groups_with_a_valid_record(no_norm_allowance
 @pytest.mark.slow  # test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit jits by default
 def test_jit_matches_eager():
   fn, params, x, x_prime, views = make("linear", 7, seed=12, k=1)
-  grad_fn = logit_dp.grouped_clipped_grad(fn, logit_dp.losses.contrastive(), 0.3, 2)
+  grad_fn = logit_dp.baselines.grouped_clipped_grad(fn, logit_dp.losses.contrastive(), 0.3, 2)
   ids = jnp.arange(7) * 2
   eager = grad_fn(params, x, x_prime, record_ids=ids, group_key=KEY, extra_views=views)
   jitted = jax.jit(
@@ -368,9 +373,10 @@ def test_bad_arguments_raise_value_error():
               dict(num_groups=1.5), dict(num_groups=True), dict(microbatch_size=0)):
     args = dict(loss=contrastive, clip_norm=1.0, num_groups=2) | bad
     with pytest.raises(ValueError):
-      logit_dp.grouped_clipped_grad(fn, args["loss"], args["clip_norm"], args["num_groups"],
-                                    microbatch_size=bad.get("microbatch_size"))
-  grad_fn = logit_dp.grouped_clipped_grad(fn, contrastive, 1.0, 2)
+      logit_dp.baselines.grouped_clipped_grad(fn, args["loss"], args["clip_norm"],
+                                              args["num_groups"],
+                                              microbatch_size=bad.get("microbatch_size"))
+  grad_fn = logit_dp.baselines.grouped_clipped_grad(fn, contrastive, 1.0, 2)
   ids = jnp.arange(5)
   call = lambda **kw: grad_fn(params, kw.pop("x", x), x_prime, kw.pop("mask", None),
                               **(dict(record_ids=ids, group_key=KEY) | kw))
@@ -386,10 +392,10 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match=match):
       call(**kwargs)
   with pytest.raises(ValueError):
-    logit_dp.assign_groups(jnp.asarray([0.5, 1.0]), KEY, 2)
+    logit_dp.baselines.assign_groups(jnp.asarray([0.5, 1.0]), KEY, 2)
   with pytest.raises(ValueError):
-    logit_dp.grouped_sensitivity(-1.0)
-  assert logit_dp.grouped_sensitivity(0.25) == 0.5
+    logit_dp.baselines.grouped_sensitivity(-1.0)
+  assert logit_dp.baselines.grouped_sensitivity(0.25) == 0.5
   with pytest.raises(ValueError, match="dp_gcl"):
     audit.max_removal_ratio(fn, params, contrastive, 1.0, x, x_prime, method="dp_gcl")
   with pytest.raises(ValueError, match="dp_gcl"):

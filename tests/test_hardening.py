@@ -120,7 +120,7 @@ def test_a_jitted_function_may_close_over_the_batch():
 @pytest.mark.parametrize("method", ["ghost", pytest.param("naive", marks=pytest.mark.slow)])
 def test_nan_parameters_under_jit_give_a_nan_loss_and_count_the_dropped_rows(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=5)
-  grad_fn = (logit_dp.naive_clipped_grad(embed_fn, LOSS, 1.0)
+  grad_fn = (logit_dp.baselines.naive_clipped_grad(embed_fn, LOSS, 1.0)
              if method == "naive" else logit_dp.clipped_grad(embed_fn, LOSS, 1.0, method=method))
   nan_params = jax.tree_util.tree_map(lambda a: jnp.full_like(a, jnp.nan), params)
   loss, grads, dropped = jax.jit(grad_fn.with_num_dropped)(nan_params, x, x_prime)

@@ -221,15 +221,17 @@ MODES = {"all_ghost": True, "all_flat": False}
 def _check_norms(embed_fn, params, x, x_prime, monkeypatch, modes=MODES):
   """Ghost pair norms equal materialised ones, and triangle bounds them, in every layer mode."""
   exact = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize", float_allowance=False))
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
+                                            float_allowance=False))
   for mode, ghost_everywhere in modes.items():
     with monkeypatch.context() as patch:
       if ghost_everywhere is not None:
         patch.setattr(layerwise, "use_ghost", lambda layer, d, g=ghost_everywhere: g)
         assert all(g == ghost_everywhere for g in _plan(embed_fn, params, x).ghost)
       fresh = lambda p, xs: embed_fn(p, xs)  # a new function: no compiled plan is reused
-      ghost = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "ghost", float_allowance=False)
-      bound = logit_dp.pair_grad_norms(fresh, params, x, x_prime, "triangle")
+      ghost = logit_dp.clip_methods.pair_grad_norms(fresh, params, x, x_prime, "ghost",
+                                                    float_allowance=False)
+      bound = logit_dp.clip_methods.pair_grad_norms(fresh, params, x, x_prime, "triangle")
     # ‖g‖² = a + b + 2c in float32 loses ~1e-7·(a + b) to cancellation, so the relative error
     # of a norm far below the batch's largest grows as 1e-7·(max/‖g‖)²; atol covers that.
     np.testing.assert_allclose(ghost, exact, rtol=1e-4, atol=1e-5 * float(np.max(exact)),
@@ -318,7 +320,7 @@ def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic,
 def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix(no_float_allowance):
   embed_fn, params, x, x_prime = _problem(MixedNet(), (6, 6, 2))
   loss = logit_dp.losses.contrastive(temperature=0.5)
-  norms = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "materialize")
+  norms = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize")
   clip = float(np.median(np.asarray(norms)))
   _, ghost = logit_dp.clipped_grad(embed_fn, loss, clip, "ghost")(params, x, x_prime)
   _, exact = logit_dp.clipped_grad(embed_fn, loss, clip, "materialize")(params, x, x_prime)
@@ -329,7 +331,7 @@ def test_clipped_grad_matches_materialize_on_fallback_and_factored_mix(no_float_
 def test_looped_and_vmapped_backward_passes_give_the_same_factors(monkeypatch):
   embed_fn, params, x, _ = _problem(ConvNet(CONV_CONFIGS["same_stride2"]), (7, 6, 3))
   plan = _plan(embed_fn, params, x)
-  normalize = logit_dp.normalize
+  normalize = logit_dp.losses.normalize
   factors = {}
   for min_batch in (1, 10 ** 9):
     monkeypatch.setattr(layerwise, "_LOOPED_MIN_BATCH", min_batch)

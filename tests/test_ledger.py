@@ -265,7 +265,7 @@ def test_checkpoint_keeps_the_sampler_with_the_ledger(tmp_path):
   state = {"w": jnp.arange(3.0)}
   ledger_lib.save_checkpoint(str(tmp_path), 3, state, led)  # without a sampler
   assert ledger_lib.restore_sampler(str(tmp_path)) is None
-  budgeted = logit_dp.BudgetedSampler.bind(sampler, led)
+  budgeted = logit_dp.ledger.BudgetedSampler.bind(sampler, led)
   ledger_lib.save_checkpoint(str(tmp_path), 4, state, led, sampler=budgeted)
   restored = ledger_lib.restore_sampler(str(tmp_path))
   assert restored == sampler and type(restored) is sampling.PoissonSampler
@@ -283,17 +283,17 @@ def test_budgeted_sampler_refuses_past_the_budget_and_records_nothing():
   sampler = sampling.PoissonSampler(num_records=300, sampling_rate=0.05, seed=3)
   budget = accounting.epsilon(SIGMA, DELTA, 0.05, 4)
   led = PrivacyLedger.for_sampler(sampler, SIGMA, DELTA, epsilon_budget=budget)
-  budgeted = logit_dp.BudgetedSampler.bind(sampler, led)
+  budgeted = logit_dp.ledger.BudgetedSampler.bind(sampler, led)
   for t in range(4):
     np.testing.assert_array_equal(budgeted(t).indices, sampler(t).indices)
   with pytest.raises(PrivacyBudgetExceededError, match="step 5"):
     budgeted(4)
   assert led.steps == 0
-  unlimited = logit_dp.BudgetedSampler.bind(sampler,
-                                            PrivacyLedger.for_sampler(sampler, SIGMA, DELTA))
+  unlimited = logit_dp.ledger.BudgetedSampler.bind(sampler,
+                                                   PrivacyLedger.for_sampler(sampler, SIGMA, DELTA))
   np.testing.assert_array_equal(unlimited(100).indices, sampler(100).indices)
   with pytest.raises(TypeError, match="PrivacyLedger"):
-    logit_dp.BudgetedSampler(num_records=300, sampling_rate=0.05)
+    logit_dp.ledger.BudgetedSampler(num_records=300, sampling_rate=0.05)
   with pytest.raises(ValueError, match="step must be"):
     budgeted(-1)
 

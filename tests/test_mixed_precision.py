@@ -48,18 +48,18 @@ def test_low_precision_inputs_are_accepted_and_widened():
 @pytest.mark.parametrize("method,dtype", [
     pytest.param(method, dtype, marks=() if
                  (method, dtype) == ("ghost", jnp.bfloat16) else pytest.mark.slow,
-                 id=f"{method}-{jnp.dtype(dtype).name}") for method in logit_dp.METHODS
+                 id=f"{method}-{jnp.dtype(dtype).name}") for method in logit_dp.clip_methods.METHODS
     for dtype in (jnp.bfloat16, jnp.float16)
 ])
 def test_low_precision_model_is_clipped_in_float32_against_float64(method, dtype):
   """Every pair's clip norm is ≥ its float64 norm (so each clipped pair gradient has norm ≤ B),
   and ḡ is the float64 sum clipped by those norms to float32 accuracy, returned in float32."""
   embed_fn, params, x, x_prime, reference = _problem(dtype)
-  kwargs = dict(reference_inputs=reference, projection_rank=16) if method == "projected" else {}
-  norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, **kwargs),
+  if method == "projected":
+    method = logit_dp.clip_methods.Projected(reference_inputs=reference, rank=16)
+  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method),
                      np.float64)
-  loss_value, grads = logit_dp.clipped_grad(embed_fn, LOSS, CLIP_NORM, method, **kwargs)(params, x,
-                                                                                         x_prime)
+  loss_value, grads = logit_dp.clipped_grad(embed_fn, LOSS, CLIP_NORM, method)(params, x, x_prime)
   with jax.enable_x64(True):
     truth, reference_grads = float64_clipped_reference(embed_fn, LOSS, params, x, x_prime,
                                                        CLIP_NORM, clip_by=norms)
@@ -95,8 +95,8 @@ def test_dp_gcl_evaluates_a_bfloat16_model_in_float32():
   """DP-GCL widens like clipped_grad: bfloat16 params and inputs give exactly the result of the
   same values cast to float32 first (the cast is exact), in float32."""
   embed_fn, params, x, x_prime, _ = _problem(jnp.bfloat16)
-  grad_fn = logit_dp.grouped_clipped_grad(embed_fn, logit_dp.losses.contrastive(1.0), 0.1,
-                                          num_groups=2)
+  grad_fn = logit_dp.baselines.grouped_clipped_grad(embed_fn, logit_dp.losses.contrastive(1.0), 0.1,
+                                                    num_groups=2)
   kwargs = dict(record_ids=jnp.arange(N), group_key=jax.random.PRNGKey(1))
   loss_low, grads_low = grad_fn(params, x, x_prime, **kwargs)
   wide = lambda t: jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), t)

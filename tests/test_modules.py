@@ -89,3 +89,83 @@ def test_no_module_uses_another_modules_private_names():
           and not node.attr.startswith("__")):
         found.append(f"{name}: {node.value.id}.{node.attr}")
   assert not found, found
+
+
+def _public_modules():
+  import types  # pylint: disable=g-import-not-at-top
+
+  import logit_dp  # pylint: disable=g-import-not-at-top
+  return [logit_dp] + [
+      getattr(logit_dp, name)
+      for name in logit_dp.__all__ if isinstance(getattr(logit_dp, name), types.ModuleType)
+  ]
+
+
+def test_the_top_level_is_small_and_every_public_name_is_exported_once():
+  import types  # pylint: disable=g-import-not-at-top
+
+  import logit_dp  # pylint: disable=g-import-not-at-top
+  assert len(logit_dp.__all__) <= 20
+  where = {}
+  for module in _public_modules():
+    assert len(set(module.__all__)) == len(module.__all__), module.__name__
+    for name in module.__all__:
+      value = getattr(module, name)
+      if callable(value) and not isinstance(value, types.ModuleType):
+        where.setdefault(id(value), []).append(f"{module.__name__}.{name}")
+  twice = [places for places in where.values() if len(places) > 1]
+  assert not twice, twice
+
+
+def test_public_docstrings_do_not_send_the_reader_into_src():
+  found = []
+  for module in _public_modules():
+    if "_src" in (module.__doc__ or ""):
+      found.append(module.__name__)
+    for name in module.__all__:
+      value = getattr(module, name)
+      if callable(value) and "logit_dp._src" in (getattr(value, "__doc__", None) or ""):
+        found.append(f"{module.__name__}.{name}")
+  assert not found, found
+
+
+@pytest.mark.parametrize("name", ["clipped_grad", "make_private", "sensitivity", "transform"])
+def test_top_level_functions_document_each_parameter_on_its_own(name):
+  import inspect  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+
+  import logit_dp  # pylint: disable=g-import-not-at-top
+  fn = getattr(logit_dp, name)
+  args = inspect.getdoc(fn).split("Args:")[1]
+  for parameter in inspect.signature(fn).parameters.values():
+    stars = "**" if parameter.kind is parameter.VAR_KEYWORD else ""
+    assert re.search(rf"^  {re.escape(stars + parameter.name)}:", args, re.M), parameter.name
+
+
+def test_moved_top_level_names_still_work_with_a_deprecation_warning():
+  import importlib  # pylint: disable=g-import-not-at-top
+
+  import logit_dp  # pylint: disable=g-import-not-at-top
+  moved = logit_dp._MOVED  # pylint: disable=protected-access
+  assert len(moved) == 18
+  for name, module in moved.items():
+    assert name not in logit_dp.__all__
+    with pytest.warns(DeprecationWarning, match=f"use logit_dp.{module}.{name}"):
+      value = getattr(logit_dp, name)
+    assert value is getattr(importlib.import_module(f"logit_dp.{module}"), name)
+  with pytest.warns(DeprecationWarning, match="PRIVATE_METHODS is deprecated"):
+    assert logit_dp.PRIVATE_METHODS == ("ghost", "materialize", "triangle", "projected", "naive")
+  with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+    _ = logit_dp.not_a_name
+
+
+def test_the_public_names_do_not_warn():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = (
+      "import warnings; warnings.simplefilter('error')\n"
+      "from logit_dp import *\n"
+      "import logit_dp\n"
+      "for m in logit_dp.__all__:\n"
+      "  for n in getattr(getattr(logit_dp, m), '__all__', ()): getattr(getattr(logit_dp, m), n)\n")
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

@@ -115,11 +115,11 @@ def test_naive_method_uses_naive_gradient_and_sensitivity():
   embed_fn, params = _embed()
   loss = logit_dp.losses.contrastive(temperature=1.0)
   pt = _setup(method="naive")
-  assert pt.sensitivity == logit_dp.naive_sensitivity(1.0) == 2.0
+  assert pt.sensitivity == logit_dp.baselines.naive_sensitivity(1.0) == 2.0
   x = jax.random.normal(jax.random.key(1), (6, 6))
   xp = x + 0.1 * jax.random.normal(jax.random.key(2), (6, 6))
   mask = jnp.array([True] * 5 + [False])
-  want = logit_dp.naive_clipped_grad(embed_fn, loss, 1.0)(params, x, xp, mask)
+  want = logit_dp.baselines.naive_clipped_grad(embed_fn, loss, 1.0)(params, x, xp, mask)
   got = pt.grad_fn(params, x, xp, mask)
   jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
 
@@ -288,7 +288,7 @@ def test_batches_record_each_step_first_and_stop_at_the_budget():
   allowed = _allowed_steps(pt)
   assert 4 <= allowed < 12
   seen = []
-  with pytest.raises(logit_dp.PrivacyBudgetExceededError, match="would spend"):
+  with pytest.raises(logit_dp.ledger.PrivacyBudgetExceededError, match="would spend"):
     for batch in pt.batches(12):  # asks for 12 steps of a run calibrated for 4
       seen.append(np.asarray(batch.indices))
       # Recorded before the batch is handed out.
@@ -340,14 +340,14 @@ def test_sampler_refuses_steps_past_the_budget_even_unrecorded():
   pt = _setup(steps=4)
   allowed = _allowed_steps(pt)
   drawn = 0
-  with pytest.raises(logit_dp.PrivacyBudgetExceededError):
+  with pytest.raises(logit_dp.ledger.PrivacyBudgetExceededError):
     for t in range(12):  # the by-hand loop that forgets ledger.record_steps
       pt.sampler(t)
       drawn += 1
   assert drawn == allowed and pt.ledger.steps == 0
-  assert isinstance(pt.sampler, logit_dp.PoissonSampler)
+  assert isinstance(pt.sampler, logit_dp.sampling.PoissonSampler)
   unbudgeted = pt.sampler.unbudgeted()  # the low-level sampler: no budget
-  assert type(unbudgeted) is logit_dp.PoissonSampler and unbudgeted.seed == pt.sampler.seed
+  assert type(unbudgeted) is logit_dp.sampling.PoissonSampler and unbudgeted.seed == pt.sampler.seed
   np.testing.assert_array_equal(unbudgeted(11).indices, unbudgeted(11).indices)
 
 

@@ -20,6 +20,7 @@ from logit_dp._src import numerics
 from logit_dp._src import pair_terms
 from logit_dp._src import projection
 from logit_dp._src.methods import bounds
+from logit_dp.clip_methods import Projected
 
 N = 8
 
@@ -39,7 +40,7 @@ def _conv_problem(seed=0, spread=0.3, num_reference=3, dim=GRAM_FORM_DIM):
   return model.apply, model.init(k3, x[:1]), x, x_prime, reference
 
 
-def _float64_jacobians(embed_fn, params, xs, eps=logit_dp.DEFAULT_COSINE_EPS):
+def _float64_jacobians(embed_fn, params, xs, eps=logit_dp.losses.DEFAULT_COSINE_EPS):
   """(unit embeddings (m, d), Jacobians (m, d, p)) in float64, by jax.jacrev per example."""
   with jax.enable_x64(True):
     p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
@@ -95,9 +96,9 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
   """k = m·(d − 1), the reference rows' rank: their span, well defined in float32 too."""
   embed_fn, params, x, x_prime, reference, rank, (true, triangle, projected, scale) = conv_case
   got = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
-                               reference_inputs=reference, projection_rank=rank,
-                               float_allowance=False), np.float64)
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                            Projected(reference_inputs=reference, rank=rank),
+                                            float_allowance=False), np.float64)
   off = ~np.eye(N, dtype=bool)
   want = np.minimum(projected, triangle)
   # float32 without allowances: the perpendicular parts a − ‖Q̃ᵀJ_iᵀv̂_j‖² cancel terms of
@@ -116,10 +117,11 @@ def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
 def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_case):
   embed_fn, params, x, x_prime, reference, _, (true, _, _, _) = conv_case
   got = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected",
-                               reference_inputs=reference, projection_rank=7, microbatch_size=3),
-      np.float64)
-  tri = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"), np.float64)
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                            Projected(reference_inputs=reference, rank=7),
+                                            microbatch_size=3), np.float64)
+  tri = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "triangle"),
+                   np.float64)
   assert np.all(got >= true * (1 - 2.0 ** -23)), np.min(got / true)
   assert np.all(got <= tri)
 
@@ -182,8 +184,9 @@ def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   both = jnp.concatenate([x, x_prime])
   true, triangle, _, scale = _float64_truth(embed_fn, params, x, x_prime, both, rank=2 * N * 5)
   got = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", reference_inputs=both,
-                               projection_rank=2 * N * 5), np.float64)
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                            Projected(reference_inputs=both, rank=2 * N * 5)),
+      np.float64)
   assert np.all(got >= true * (1 - 2.0 ** -23))
   off = ~np.eye(N, dtype=bool)
   # Above the truth by at most the float32 allowances, √ε_G·s per Gram half and the vector
@@ -198,12 +201,12 @@ def test_each_pair_norm_depends_on_its_own_pair_only():
   """Privacy: removing a pair record leaves every other pair's clip norm unchanged (the
   subspace comes from the public reference, never from the batch)."""
   embed_fn, params, x, x_prime, reference = _conv_problem(seed=3)
-  kw = dict(reference_inputs=reference, projection_rank=10)
-  full = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", **kw))
+  projected = Projected(reference_inputs=reference, rank=10)
+  full = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, projected))
   for k in (0, 5):
     keep = np.flatnonzero(np.arange(N) != k)
     part = np.asarray(
-        logit_dp.pair_grad_norms(embed_fn, params, x[keep], x_prime[keep], "projected", **kw))
+        logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x[keep], x_prime[keep], projected))
     np.testing.assert_allclose(part, full[np.ix_(keep, keep)], rtol=1e-6)
 
 
@@ -212,13 +215,13 @@ def test_clipped_grad_is_the_clipped_sum_of_materialised_pair_gradients():
   embed_fn, params, x, x_prime = make_model("mlp", n=N, seed=4)
   reference = jax.random.normal(jax.random.PRNGKey(11), (3,) + x.shape[1:])
   loss = logit_dp.losses.contrastive(temperature=0.5)
-  kw = dict(reference_inputs=reference, projection_rank=8)
-  norms = np.asarray(logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", **kw))
+  projected = Projected(reference_inputs=reference, rank=8)
+  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, projected))
   clip_norm = float(np.median(norms))
-  _, got = logit_dp.clipped_grad(embed_fn, loss, clip_norm, "projected", **kw)(params, x, x_prime)
+  _, got = logit_dp.clipped_grad(embed_fn, loss, clip_norm, projected)(params, x, x_prime)
 
-  unit = lambda p, a: logit_dp.normalize(embed_fn(p, a[None]))[0]
-  z = logit_dp.cosine_similarity(embed_fn(params, x), embed_fn(params, x_prime))
+  unit = lambda p, a: logit_dp.losses.normalize(embed_fn(p, a[None]))[0]
+  z = logit_dp.losses.cosine_similarity(embed_fn(params, x), embed_fn(params, x_prime))
   weights = jax.grad(loss)(z) * jnp.minimum(1.0, clip_norm / norms)
 
   def weighted_pair_grad(i, j):
@@ -236,9 +239,9 @@ def test_clipped_grad_is_the_clipped_sum_of_materialised_pair_gradients():
 def test_microbatches_and_jit_give_the_same_gradient():
   embed_fn, params, x, x_prime, reference = _conv_problem(seed=5)
   loss = logit_dp.losses.contrastive(temperature=1.0)
-  kw = dict(reference_inputs=reference, projection_rank=8)
-  _, whole = logit_dp.clipped_grad(embed_fn, loss, 0.05, "projected", **kw)(params, x, x_prime)
-  fn = logit_dp.clipped_grad(embed_fn, loss, 0.05, "projected", microbatch_size=3, **kw)
+  projected = Projected(reference_inputs=reference, rank=8)
+  _, whole = logit_dp.clipped_grad(embed_fn, loss, 0.05, projected)(params, x, x_prime)
+  fn = logit_dp.clipped_grad(embed_fn, loss, 0.05, projected, microbatch_size=3)
   _, micro = jax.jit(fn)(params, x, x_prime)
   assert rel_err(micro, whole) < 1e-5
 
@@ -251,10 +254,10 @@ def test_sharded_over_two_devices_equals_one_device(dim):
   from logit_dp import distributed
   embed_fn, params, x, x_prime, reference = _conv_problem(seed=8, dim=dim)
   loss = logit_dp.losses.contrastive(temperature=1.0)
-  kw = dict(reference_inputs=reference, projection_rank=8)
-  _, single = logit_dp.clipped_grad(embed_fn, loss, 0.05, "projected", **kw)(params, x, x_prime)
+  projected = Projected(reference_inputs=reference, rank=8)
+  _, single = logit_dp.clipped_grad(embed_fn, loss, 0.05, projected)(params, x, x_prime)
   sharded = distributed.make_sharded_grad_fn(embed_fn, loss, 0.05, distributed.data_mesh(2),
-                                             method="projected", **kw)
+                                             method=projected)
   _, got = sharded(params, x, x_prime)
   assert rel_err(got, single) < 1e-5
 
@@ -300,29 +303,29 @@ def test_bad_arguments_raise_value_errors():
   loss = logit_dp.losses.contrastive(temperature=1.0)
   with pytest.raises(ValueError, match="needs reference_inputs"):
     logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected")
-  with pytest.raises(ValueError, match="projected' only"):
-    logit_dp.clipped_grad(embed_fn, loss, 1.0, "triangle", reference_inputs=x)
-  with pytest.raises(ValueError, match="projection_rank"):
-    logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=x, projection_rank=0)
+  with pytest.raises(ValueError, match="rank"):
+    Projected(reference_inputs=x, rank=0)
   with pytest.raises(ValueError, match="finite"):
-    logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=x.at[0, 0].set(np.nan))
+    logit_dp.clipped_grad(embed_fn, loss, 1.0, Projected(reference_inputs=x.at[0, 0].set(np.nan)))
+  with pytest.raises(ValueError, match="at least one example"):
+    logit_dp.clipped_grad(embed_fn, loss, 1.0, Projected(reference_inputs=x[:0]))
   with pytest.raises(ValueError, match="one tower"):
-    logit_dp.clipped_grad(embed_fn, loss, 1.0, "projected", reference_inputs=x,
+    logit_dp.clipped_grad(embed_fn, loss, 1.0, Projected(reference_inputs=x),
                           positive_embed_fn=lambda p, a: embed_fn(p, a) * 2.0)
   with pytest.raises(ValueError, match="projected' only"):
     audit.max_removal_ratio(embed_fn, params, loss, 1.0, x, x_prime, method="ghost",
                             reference_inputs=x)
 
 
-@pytest.mark.slow  # wiring: make_private passes reference_inputs through **grad_kwargs
+@pytest.mark.slow  # wiring: make_private takes the method object
 def test_make_private_trains_with_projected():
   embed_fn, params, x, x_prime = make_model("mlp", n=6)
   import optax
   private = logit_dp.make_private(embed_fn, logit_dp.losses.contrastive(temperature=1.0), 1.0,
                                   target_epsilon=5.0, target_delta=1e-5, num_records=600,
                                   expected_batch_size=6, optimizer=optax.adam(1e-2), steps=10,
-                                  method="projected", noise_key=jax.random.PRNGKey(0),
-                                  sampler_seed=0, reference_inputs=x_prime[:2], projection_rank=4)
+                                  method=Projected(reference_inputs=x_prime[:2], rank=4),
+                                  noise_key=jax.random.PRNGKey(0), sampler_seed=0)
   state = private.optimizer.init(params)
   _, grads = private.grad_fn(params, x, x_prime)
   updates, _ = private.optimizer.update(grads, state, params)
@@ -330,7 +333,7 @@ def test_make_private_trains_with_projected():
       np.isfinite(np.concatenate([np.ravel(u) for u in jax.tree_util.tree_leaves(updates)])))
   assert private.sensitivity == logit_dp.sensitivity(logit_dp.losses.contrastive(temperature=1.0),
                                                      1.0, batch_size=None)
-  assert logit_dp.METHODS[-1] == "projected"
+  assert logit_dp.clip_methods.METHODS[-1] == "projected"
 
 
 def _one_mlp_two_ways():
@@ -369,14 +372,15 @@ def test_the_basis_stops_at_the_numerical_rank(x64, tolerance):
       fresh = lambda p, xs, f=embed_fn: f(p, xs)
       norms.append(
           np.asarray(
-              logit_dp.pair_grad_norms(fresh, cast(params), x, x_prime, "projected",
-                                       reference_inputs=reference, projection_rank=32), np.float64))
+              logit_dp.clip_methods.pair_grad_norms(fresh, cast(params), x, x_prime,
+                                                    Projected(reference_inputs=reference, rank=32)),
+              np.float64))
       batch = make_batch(fresh, cast(params), reference, reference)
       q, eta = bounds.projection_tangents(batch, reference, 32)
       column_mass = sum(np.sum(np.abs(np.asarray(t).reshape(32, -1)), axis=1) for t in q)
       assert np.count_nonzero(column_mass) == 24 and float(eta) < 1e-3
     exact = np.asarray(
-        logit_dp.pair_grad_norms(models[0][0], cast(models[0][1]), x, x_prime, "materialize",
-                                 float_allowance=False), np.float64)
+        logit_dp.clip_methods.pair_grad_norms(models[0][0], cast(models[0][1]), x, x_prime,
+                                              "materialize", float_allowance=False), np.float64)
   assert np.max(np.abs(norms[0] / norms[1] - 1)) < tolerance
   assert np.all(norms[0] >= exact) and np.all(norms[1] >= exact)

@@ -77,7 +77,7 @@ def test_random_similarity_matrices_stay_below_the_constant(loss):
     for _ in range(20):
       u = rng.normal(size=(n, 3))
       v = rng.normal(size=(n, 3))
-      z = logit_dp.cosine_similarity(jnp.asarray(u), jnp.asarray(v))
+      z = logit_dp.losses.cosine_similarity(jnp.asarray(u), jnp.asarray(v))
       worst = max(weight_change(loss, z, k) for k in range(n))
       assert worst <= loss.sensitivity_factor(n) * (1 + 1e-5)
 
@@ -100,7 +100,7 @@ def test_sensitivity_values_supremum_and_monotonicity():
   np.testing.assert_allclose(values[-1], sup, rtol=1e-5)
   assert logit_dp.sensitivity(loss, clip_norm=3.0) == pytest.approx(3 * sup)
   assert logit_dp.sensitivity(logit_dp.losses.spreadout(), 0.5, batch_size=7) == 3.0
-  assert logit_dp.naive_sensitivity(0.25) == 0.5
+  assert logit_dp.baselines.naive_sensitivity(0.25) == 0.5
 
 
 def test_low_temperature_price_is_visible():
@@ -117,7 +117,7 @@ def test_bad_sensitivity_arguments(bad):
   with pytest.raises(ValueError):
     logit_dp.sensitivity(logit_dp.losses.spreadout(), clip_norm=bad)
   with pytest.raises(ValueError):
-    logit_dp.naive_sensitivity(bad)
+    logit_dp.baselines.naive_sensitivity(bad)
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), 1e-4])
@@ -306,7 +306,7 @@ def _brute_force_removal_gaps(embed_fn, params, x, x_prime, loss, clip_norm):
 
     def unit(p, xe):
       e = embed_fn(p, xe[None])[0]
-      return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.DEFAULT_COSINE_EPS ** 2)
+      return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.losses.DEFAULT_COSINE_EPS ** 2)
 
     def pair_grad(i, j):
       g = jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
@@ -331,5 +331,6 @@ def _brute_force_removal_gaps(embed_fn, params, x, x_prime, loss, clip_norm):
 def test_naive_dp_neighbours_within_2b(kind):
   loss = logit_dp.losses.contrastive(0.5)
   embed_fn, params, x, x_prime = make_model(kind, n=6)
-  fn = jax.jit(logit_dp.naive_clipped_grad(embed_fn, loss, 0.1))
-  assert np.all(_neighbour_differences(fn, params, x, x_prime) <= logit_dp.naive_sensitivity(0.1))
+  fn = jax.jit(logit_dp.baselines.naive_clipped_grad(embed_fn, loss, 0.1))
+  assert np.all(
+      _neighbour_differences(fn, params, x, x_prime) <= logit_dp.baselines.naive_sensitivity(0.1))

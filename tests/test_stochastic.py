@@ -18,15 +18,15 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import logit_dp
+from helpers import clip_method
 from helpers import flat
-from helpers import method_kwargs
 from logit_dp import audit
 from logit_dp import distributed
 from logit_dp._src import checks
 
 LOSS = logit_dp.losses.contrastive(temperature=0.5)
 KEEP = 0.7
-EPS = logit_dp.DEFAULT_COSINE_EPS
+EPS = logit_dp.losses.DEFAULT_COSINE_EPS
 
 
 def _keep_mask(key, shape):
@@ -156,8 +156,8 @@ def test_plain_norms_of_every_method_are_float64_truth(no_float_allowance):
   norms = {
       m:
           np.asarray(
-              logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, m, key=key,
-                                       float_allowance=False, **method_kwargs(m, x)))
+              logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(m, x),
+                                                    key=key, float_allowance=False))
       for m in ("materialize", "ghost", "triangle")
   }
   np.testing.assert_allclose(norms["materialize"], truth, rtol=1e-4, atol=atol)
@@ -177,12 +177,14 @@ def test_plain_projected_and_blocked_ghost_norms_are_float64_truth(no_float_allo
   truth, _, _ = _brute_force(embed_fn, params, x, x_prime, key, 1.0, float64=True)
   atol = 1e-5 * float(np.max(truth))
   projected = np.asarray(
-      logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "projected", key=key,
-                               float_allowance=False, **method_kwargs("projected", x)))
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                            clip_method("projected",
+                                                        x), key=key, float_allowance=False))
   assert np.all(projected >= truth * (1 - 1e-5) - atol)
   np.testing.assert_allclose(np.diag(projected), np.diag(truth), rtol=1e-4, atol=atol)
-  blocked = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "ghost", key=key,
-                                     float_allowance=False, microbatch_size=4, memory_budget=1)
+  blocked = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                                  logit_dp.clip_methods.Ghost(memory_budget=1),
+                                                  key=key, float_allowance=False, microbatch_size=4)
   np.testing.assert_allclose(blocked, truth, rtol=1e-4, atol=atol)
 
 
@@ -210,8 +212,8 @@ def test_flax_dropout_norms_and_grad_are_brute_force(framework, no_float_allowan
   x, x_prime = _data()
   key = jax.random.key(5)
   truth, _, _ = _brute_force(embed_fn, params, x, x_prime, key, 1.0)
-  got = logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, "ghost", key=key,
-                                 float_allowance=False)
+  got = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost", key=key,
+                                              float_allowance=False)
   np.testing.assert_allclose(got, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
   clip = float(np.median(truth))
   _, want, _ = _brute_force(embed_fn, params, x, x_prime, key, clip)
@@ -228,10 +230,10 @@ def test_every_clipped_pair_gradient_stays_within_the_clip_norm():
   key = jax.random.key(6)
   truth, _, _ = _brute_force(embed_fn, params, x, x_prime, key, 1.0, float64=True)
   clip = float(np.min(truth)) / 2  # every pair clipped
-  for method in logit_dp.METHODS:
+  for method in logit_dp.clip_methods.METHODS:
     norms = np.asarray(
-        logit_dp.pair_grad_norms(embed_fn, params, x, x_prime, method, key=key,
-                                 **method_kwargs(method, x)))
+        logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, clip_method(method, x),
+                                              key=key))
     assert np.all(truth * np.minimum(1.0, clip / norms) <= clip * (1 + 1e-7))
 
 
@@ -424,8 +426,8 @@ def test_two_towers_with_dropout(method, no_float_allowance):
   key = jax.random.key(11)
   truth, _, _ = _brute_force(anchor, params, x, x_prime, key, 1.0, positive_embed_fn=positive,
                              float64=True)
-  norms = logit_dp.pair_grad_norms(anchor, params, x, x_prime, method, key=key,
-                                   positive_embed_fn=positive, float_allowance=False)
+  norms = logit_dp.clip_methods.pair_grad_norms(anchor, params, x, x_prime, method, key=key,
+                                                positive_embed_fn=positive, float_allowance=False)
   # Disjoint towers: every method is exact (the cross term is 0).
   np.testing.assert_allclose(norms, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
   clip = float(np.median(truth))
@@ -443,8 +445,8 @@ def test_naive_dp_with_dropout_is_the_clipped_brute_force_gradient():
   key = jax.random.key(12)
   _, unclipped, _ = _brute_force(embed_fn, params, x, x_prime, key, np.inf, float64=True)
   clip = 0.5 * float(np.linalg.norm(unclipped))
-  _, got = logit_dp.naive_clipped_grad(embed_fn, LOSS, clip, stochastic=True)(params, x, x_prime,
-                                                                              key=key)
+  _, got = logit_dp.baselines.naive_clipped_grad(embed_fn, LOSS, clip,
+                                                 stochastic=True)(params, x, x_prime, key=key)
   np.testing.assert_allclose(flat(got), unclipped * clip / np.linalg.norm(unclipped), rtol=1e-4,
                              atol=1e-6 * clip)
 
@@ -459,16 +461,16 @@ def test_dp_gcl_with_dropout():
   ids = jnp.arange(6)
   _, unclipped, _ = _brute_force(embed_fn, params, x, x_prime, key, np.inf, float64=True)
   clip = 0.5 * float(np.linalg.norm(unclipped))
-  one_group = logit_dp.grouped_clipped_grad(embed_fn, LOSS, clip, 1, stochastic=True)
+  one_group = logit_dp.baselines.grouped_clipped_grad(embed_fn, LOSS, clip, 1, stochastic=True)
   _, got = one_group(params, x, x_prime, record_ids=ids, group_key=jax.random.key(0), key=key)
   # DP-GCL clips by the norm raised by its float allowance of 2⁻¹².
   scale = clip / (np.linalg.norm(unclipped) * (1 + 2.0 ** -12))
   np.testing.assert_allclose(flat(got), unclipped * scale, rtol=1e-4, atol=1e-6 * clip)
   views = jnp.stack([x + 0.1, x - 0.1], axis=1)
   args = dict(record_ids=ids, group_key=jax.random.key(0), extra_views=views, key=key)
-  whole = logit_dp.grouped_clipped_grad(embed_fn, LOSS, 0.5, 2, stochastic=True)
-  chunked = logit_dp.grouped_clipped_grad(embed_fn, LOSS, 0.5, 2, stochastic=True,
-                                          microbatch_size=4)
+  whole = logit_dp.baselines.grouped_clipped_grad(embed_fn, LOSS, 0.5, 2, stochastic=True)
+  chunked = logit_dp.baselines.grouped_clipped_grad(embed_fn, LOSS, 0.5, 2, stochastic=True,
+                                                    microbatch_size=4)
   want = flat(whole(params, x, x_prime, **args)[1])
   np.testing.assert_allclose(flat(chunked(params, x, x_prime, **args)[1]), want, rtol=1e-5,
                              atol=1e-7 * np.max(np.abs(want)))
@@ -484,7 +486,7 @@ def test_sharded_dropout_equals_single_device(method):
   key = jax.random.key(13)
   mask = jnp.asarray([True] * 5 + [False] + [True] * 2)
   if method == "naive":
-    single = logit_dp.naive_clipped_grad(embed_fn, LOSS, 0.5, stochastic=True)
+    single = logit_dp.baselines.naive_clipped_grad(embed_fn, LOSS, 0.5, stochastic=True)
   else:
     single = logit_dp.clipped_grad(embed_fn, LOSS, 0.5, method, stochastic=True)
   want_loss, want = single(params, x, x_prime, mask, key=key)

@@ -25,7 +25,7 @@ from logit_dp._src import numerics
 from logit_dp._src import pair_terms
 
 # "projected" supports one tower only (a ValueError: test_projected.py).
-TWO_TOWER_METHODS = tuple(m for m in logit_dp.METHODS if m != "projected")
+TWO_TOWER_METHODS = tuple(m for m in logit_dp.clip_methods.METHODS if m != "projected")
 
 N, D, VOCAB, LENGTH = 8, 4, 9, 3
 LOSS = logit_dp.losses.contrastive(temperature=1.0)
@@ -105,7 +105,7 @@ def _truth(kind: str) -> np.ndarray:
   return _float64_truth(*_towers(kind))
 
 
-def _float64_truth(f, g, params, x, x_prime, eps=logit_dp.DEFAULT_COSINE_EPS):
+def _float64_truth(f, g, params, x, x_prime, eps=logit_dp.losses.DEFAULT_COSINE_EPS):
   """‖∇_w Z_ij‖ in float64 by jax.grad of each Z_ij (no library code)."""
   with jax.enable_x64(True):
     p64, x64, xp64 = _to64(params), _to64(x), _to64(x_prime)
@@ -127,7 +127,7 @@ def _reference(f, g, params, x, x_prime, keep):
   take = lambda tree: jax.tree_util.tree_map(lambda a: a[keep], tree)
 
   def total(p):
-    return LOSS(logit_dp.cosine_similarity(f(p, take(x)), g(p, take(x_prime))))
+    return LOSS(logit_dp.losses.cosine_similarity(f(p, take(x)), g(p, take(x_prime))))
 
   return jax.value_and_grad(total)(params)
 
@@ -139,10 +139,10 @@ def _batch(f, g, params, x, x_prime):
 @pytest.mark.slow  # the shared-parameter path is checked against jax.grad by default above
 def test_shared_parameters_are_found_by_tracing():
   f, g, params, x, tokens = _towers("disjoint")
-  assert logit_dp.shared_parameters(f, g, params, x, tokens) == []
+  assert logit_dp.clip_methods.shared_parameters(f, g, params, x, tokens) == []
   f, g, params, x, tokens = _towers("shared")
-  assert logit_dp.shared_parameters(f, g, params, x,
-                                    tokens) == ["['head']['bias']", "['head']['kernel']"]
+  assert logit_dp.clip_methods.shared_parameters(
+      f, g, params, x, tokens) == ["['head']['bias']", "['head']['kernel']"]
   assert _batch(f, g, params, x, tokens).tower_plans.shared  # what the gradient uses
 
 
@@ -171,8 +171,8 @@ def test_clip_norms_are_never_below_the_float64_truth(kind, method):
   f, g, params, x, x_prime = _towers(kind)
   truth = _truth(kind)
   got = np.asarray(
-      logit_dp.pair_grad_norms(f, params, x, x_prime, method, microbatch_size=3,
-                               positive_embed_fn=g), np.float64)
+      logit_dp.clip_methods.pair_grad_norms(f, params, x, x_prime, method, microbatch_size=3,
+                                            positive_embed_fn=g), np.float64)
   assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)
   batch = _batch(f, g, params, x, x_prime)
   s_u = np.asarray(pair_terms.jacobian_norms(batch.factors(batch.x).gram), np.float64)
@@ -196,7 +196,8 @@ def test_clip_norms_are_never_below_the_float64_truth(kind, method):
 @pytest.mark.parametrize("kind", KINDS)
 def test_ghost_and_triangle_match_materialize_with_clipping(kind, no_float_allowance):
   f, g, params, x, tokens = _towers(kind, seed=1)
-  exact = logit_dp.pair_grad_norms(f, params, x, tokens, "materialize", positive_embed_fn=g)
+  exact = logit_dp.clip_methods.pair_grad_norms(f, params, x, tokens, "materialize",
+                                                positive_embed_fn=g)
   clip_norm = float(jnp.median(exact))  # about half of the pairs are clipped
   mask = jnp.array([1, 1, 1, 1, 0, 1, 1, 1], bool)
   grads = {
@@ -225,8 +226,8 @@ def test_a_leaf_used_outside_a_layer_by_the_other_tower_is_shared():
   norms = {}
   for method in ("ghost", "materialize"):
     norms[method] = np.asarray(
-        logit_dp.pair_grad_norms(f, params, x, tokens, method, positive_embed_fn=g,
-                                 float_allowance=False))
+        logit_dp.clip_methods.pair_grad_norms(f, params, x, tokens, method, positive_embed_fn=g,
+                                              float_allowance=False))
   np.testing.assert_allclose(norms["ghost"], norms["materialize"], rtol=1e-4)
 
 
@@ -237,8 +238,8 @@ def test_one_tower_written_as_two_gives_the_one_tower_norms(method):
   with the one-tower computation."""
   f, _, params, x, x_prime = _towers("aligned_shared")
   g = lambda p, xs: f(p, xs)
-  one = logit_dp.pair_grad_norms(f, params, x, x_prime, method)
-  two = logit_dp.pair_grad_norms(f, params, x, x_prime, method, positive_embed_fn=g)
+  one = logit_dp.clip_methods.pair_grad_norms(f, params, x, x_prime, method)
+  two = logit_dp.clip_methods.pair_grad_norms(f, params, x, x_prime, method, positive_embed_fn=g)
   # atol: float32 rounding of the tiny positive norms (~1e-4), far below their 2⁻¹⁸·S
   # allowance (~3e-5 here); the two paths sum the same terms in different orders.
   np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-7)
@@ -315,8 +316,8 @@ def test_make_private_and_naive_take_two_towers():
   updates, _ = private.optimizer.update(grads, state, params)
   assert np.all(np.isfinite(flat(updates)))
   ref_loss, ref_grads = _reference(f, g, params, x, tokens, np.arange(N))
-  value, naive = logit_dp.naive_clipped_grad(f, LOSS, jnp.inf, positive_embed_fn=g)(params, x,
-                                                                                    tokens)
+  value, naive = logit_dp.baselines.naive_clipped_grad(f, LOSS, jnp.inf,
+                                                       positive_embed_fn=g)(params, x, tokens)
   np.testing.assert_allclose(value, ref_loss, rtol=1e-5)
   assert rel_err(naive, ref_grads) < 1e-5
 

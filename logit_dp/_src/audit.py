@@ -3,7 +3,7 @@
 `logit_dp.sensitivity` is a proof (Theorem 3.3 of Kong, Muñoz Medina & Ribero
 2025, with the corrected contrastive constant, see `losses.Contrastive`). This
 module tests it numerically on the code that is actually run: it calls the
-same jitted core as `logit_dp.clipped_grad` / `logit_dp.naive_clipped_grad`,
+same jitted core as `logit_dp.clipped_grad` / `logit_dp.baselines.naive_clipped_grad`,
 removes each pair k in turn (by masking it out, which the clipping tests show is
 identical to deleting it) and compares the largest change with the bound.
 
@@ -12,8 +12,8 @@ identical to deleting it) and compares the largest change with the bound.
     ratio∞ = max_k gap_k / C(∞)           (C(∞) = sensitivity(loss, B), the Poisson bound)
 
 For Naive-DP the bound is 2B for every n. A ratio above 1 is a privacy bug.
-DP-GCL (method="dp_gcl", `logit_dp.grouped_clipped_grad`) is audited against its 2B with
-record ids 0..n−1 grouped by `logit_dp.assign_groups` (key PRNGKey(group_seed)): removing
+DP-GCL (method="dp_gcl", `logit_dp.baselines.grouped_clipped_grad`) is audited against its 2B with
+record ids 0..n−1 grouped by `logit_dp.baselines.assign_groups` (key PRNGKey(group_seed)): removing
 record k by masking it keeps every other record's group, which is what removing it from a
 Poisson batch does under that assignment. Its extra views, if any, come from
 ``extra_views_fn(x, x_prime) -> (n, k, ...)`` (row r a function of record r only), so the
@@ -145,11 +145,16 @@ class _Reference:
 
 def _reference(method, reference_inputs, projection_rank, embed_fn,
                positive_embed_fn=None) -> _Reference | None:
-  """`checks.check_projection`'s checks (also for "naive" and "dp_gcl", which never reach
-  clipped_grad), its result as a cache key."""
-  spec = checks.check_projection(method, reference_inputs, projection_rank, positive_embed_fn,
-                                 embed_fn)
-  return None if spec is None else _Reference(*spec)
+  """The reference of method="projected" checked by `methods.Projected` (reference_inputs for
+  another method, also "naive" and "dp_gcl", which never reach clipped_grad: ValueError), as a
+  cache key."""
+  if method != methods.Projected.name:
+    if reference_inputs is not None:
+      raise ValueError(f"reference_inputs are used by method='projected' only, not {method!r}.")
+    return None
+  projected = methods.Projected(reference_inputs=reference_inputs,
+                                rank=projection_rank).for_model(embed_fn, positive_embed_fn)
+  return _Reference(projected.reference_inputs, projected.rank)
 
 
 @functools.lru_cache(maxsize=64)
@@ -172,11 +177,10 @@ def _make_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, pos
       return fn.core(params, x, x_prime, mask, groups, views, *keys)
 
     return grouped_core
-  projected = {} if reference is None else dict(reference_inputs=reference.inputs,
-                                                projection_rank=reference.rank)
+  if reference is not None:
+    method = methods.Projected(reference_inputs=reference.inputs, rank=reference.rank)
   fn = clipping.private_grad(embed_fn, loss, clip_norm, method, cosine_eps=cosine_eps,
-                             positive_embed_fn=positive_embed_fn, stochastic=stochastic,
-                             **projected)
+                             positive_embed_fn=positive_embed_fn, stochastic=stochastic)
   return fn.core
 
 
@@ -232,7 +236,12 @@ def _replacement_gaps_jit(core, params, x, x_prime, y, y_prime, mask, chunk):
 
 
 def _check_method(method: str) -> str:
-  return mechanisms.check_method(method, mechanisms.AUDITED_METHODS)
+  """method if it names a clip method (registered), "naive" or "dp_gcl"; ValueError otherwise."""
+  if isinstance(method, str):
+    mechanisms.Mechanism.of_method(method)
+    return method
+  raise ValueError(f"method must be the name of a clip method, 'naive' or 'dp_gcl', got "
+                   f"{method!r}.")
 
 
 def _prepare(loss, x, x_prime, mask, dtype=jnp.float32):
@@ -257,8 +266,9 @@ def removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, 
     embed_fn, params, loss, clip_norm: as for `logit_dp.clipped_grad`.
     x, x_prime: the batch, (n, ...) each.
     mask: optional (n,) bool of valid pairs (invalid ones get gap 0).
-    method: a `logit_dp.METHODS` entry, "naive" for `naive_clipped_grad` or "dp_gcl" for
-      `grouped_clipped_grad` (with num_groups, group_seed, extra_views_fn: see the module doc).
+    method: the name of a clip method (`logit_dp.clip_methods.names`), "naive" for
+      `naive_clipped_grad` or "dp_gcl" for `grouped_clipped_grad` (with num_groups,
+      group_seed, extra_views_fn: see the module doc).
     chunk: removals computed at once (None: all n, vmapped).
     cosine_eps, positive_embed_fn: as for `logit_dp.clipped_grad` (two towers: x, x_prime
       may be pytrees).
@@ -446,7 +456,8 @@ def search_worst_case(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pr
     learning_rate: Adam step size.
     init_scale: scale of the random restarts.
     optimize_params: also move the parameters w (the bound holds for every w).
-    method: a `logit_dp.METHODS` entry, "naive" or "dp_gcl" (both audited against 2B).
+    method: the name of a clip method (`logit_dp.clip_methods.names`), "naive" or "dp_gcl"
+      (both audited against 2B).
     chunk: removals computed at once (None: all n).
     cosine_eps: as for `logit_dp.clipped_grad`.
     num_groups, group_seed, extra_views_fn: the DP-GCL configuration (method="dp_gcl").

@@ -11,8 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logit_dp._src import precision
-from logit_dp._src import projection
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import stochastic as stochastic_lib
 
@@ -273,40 +271,6 @@ def check_positive_embed_fn(positive_embed_fn) -> None:
   """ValueError unless positive_embed_fn is callable or None."""
   if positive_embed_fn is not None and not callable(positive_embed_fn):
     raise ValueError(f"positive_embed_fn must be callable or None, got {positive_embed_fn!r}.")
-
-
-def check_projection(method: str, reference_inputs, projection_rank, positive_embed_fn,
-                     embed_fn) -> tuple[Any, int] | None:
-  """(reference_inputs as float arrays, k) for "projected", None otherwise; ValueError when
-  "projected" has no (finite, non-empty) reference inputs, another method is given them, or
-  there are two towers (disjoint towers are exact at triangle's cost already)."""
-  if method != "projected":
-    if reference_inputs is not None:
-      raise ValueError(f"reference_inputs are used by method='projected' only, not {method!r}.")
-    return None
-  if reference_inputs is None:
-    raise ValueError("method='projected' needs reference_inputs: a few PUBLIC inputs (examples "
-                     "along axis 0) whose Jacobians span the subspace of its bound.")
-  if positive_embed_fn is not None and positive_embed_fn is not embed_fn:
-    raise ValueError("method='projected' supports one tower; with two towers use 'triangle' "
-                     "(exact for towers sharing no parameter) or 'ghost'.")
-  rank = projection.check_rank(projection_rank)
-  reference = as_inputs(reference_inputs, "reference_inputs", np)
-  if rows_lib.num_rows(reference) < 1:
-    raise ValueError("reference_inputs must hold at least one example.")
-  for leaf in jax.tree_util.tree_leaves(reference):
-    if not np.all(np.isfinite(leaf)):
-      raise ValueError("reference_inputs must be finite (they are public inputs, not masked).")
-  return precision.widen(jax.tree_util.tree_map(jnp.asarray, reference)), rank
-
-
-def check_memory_budget(memory_budget) -> int | None:
-  """memory_budget if a positive integer (bytes) or None; ValueError otherwise."""
-  if memory_budget is not None and (isinstance(memory_budget, bool)
-                                    or not isinstance(memory_budget, int) or memory_budget < 1):
-    raise ValueError(
-        f"memory_budget must be a positive integer (bytes) or None, got {memory_budget!r}.")
-  return memory_budget
 
 
 def check_microbatch(microbatch_size) -> int | None:

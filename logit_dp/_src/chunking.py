@@ -1,9 +1,10 @@
 """How much of a pair computation is held at once: row chunks, blocks of pairs, memory budgets.
 
 The pair terms of "ghost" (cross-Grams over flattened parameters, per-layer pair terms of
-ghost layers) and of "projected" are formed for chunks of rows against all columns, each
-chunk holding about a fixed number of floats (`row_chunks`); on an accelerator the chunks are
-`ACCELERATOR_CHUNK_SCALE` times larger and not capped in rows (`backend_chunk_limits`).
+ghost layers: `methods.ghost`) and of "projected" are formed for chunks of rows against all
+columns, each chunk holding about a fixed number of floats (`row_chunks`); on an accelerator
+the chunks are `ACCELERATOR_CHUNK_SCALE` times larger and not capped in rows
+(`backend_chunk_limits`).
 "ghost" holds the Jacobian factors of r rows and c columns at once (`ghost_block_sizes`) within
 a memory budget (`default_memory_budget`, `factor_bytes_per_example`).
 """
@@ -126,44 +127,6 @@ def row_chunks_sum(specs) -> jax.Array:
     part = unchunk_rows(map_chunks(fn, tuple(rows), chunk), n_rows)
     total = part if total is None else total + part
   return cast(jax.Array, total)
-
-
-def flat_cross_spec(flat_rows, u_rows, flat_columns, v) -> tuple:
-  """The `row_chunks` arguments of `flat_cross_terms`."""
-  n, d, _ = flat_columns.shape
-  return (lambda f, u: layerwise.flat_cross(f, u, flat_columns, v), (flat_rows, u_rows), n * d * d,
-          CROSS_GRAM_CHUNK_FLOATS, None)
-
-
-def flat_cross_terms(flat_rows, u_rows, flat_columns, v) -> jax.Array:
-  """`layerwise.flat_cross` for all local rows, in row chunks of about CROSS_GRAM_CHUNK_FLOATS."""
-  return row_chunks(*flat_cross_spec(flat_rows, u_rows, flat_columns, v))
-
-
-def ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v) -> tuple:
-  """The `row_chunks` arguments of `ghost_layer_cross_terms`."""
-  deltas_rows, deltas_columns = layerwise.ghost_cross_layouts(deltas_rows, deltas_columns)
-  d, n, t, c = deltas_columns.shape
-  # The loop's inputs flattened to two axes and reshaped inside it: XLA gives a factor with a
-  # size-1 axis (the one position of a dense layer) a layout of its own and would copy every
-  # such loop input on entry.
-  row_shapes = a_rows.shape[1:], deltas_rows.shape[1:]
-  a_columns_flat, deltas_columns_flat = a_columns.reshape(n, -1), deltas_columns.reshape(d, -1)
-
-  def fn(a, delta, u):
-    a, delta = (b.reshape((b.shape[0],) + shape) for b, shape in zip((a, delta), row_shapes))
-    return layerwise.ghost_layer_cross(a, delta, u, a_columns_flat.reshape(a_columns.shape),
-                                       deltas_columns_flat.reshape(deltas_columns.shape), v)
-
-  rows = tuple(b.reshape(b.shape[0], -1) for b in (a_rows, deltas_rows)) + (u_rows,)
-  row_floats = n * (t * t + 2 * t * c + d)
-  return fn, rows, row_floats, GHOST_LAYER_CHUNK_FLOATS, GHOST_LAYER_CHUNK_ROWS
-
-
-def ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v) -> jax.Array:
-  """`layerwise.ghost_layer_cross` of one layer for all local rows, in small row chunks."""
-  return row_chunks(
-      *ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v))
 
 
 def vectors_per_block(params, count: int) -> int:

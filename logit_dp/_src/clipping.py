@@ -48,8 +48,6 @@ from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src import stochastic as stochastic_lib
 
 DEFAULT_COSINE_EPS = numerics.DEFAULT_COSINE_EPS
-DEFAULT_PROJECTION_RANK = methods.DEFAULT_PROJECTION_RANK
-METHODS = methods.METHODS
 
 
 def build_grad_fn(core, embed_fn: checks.EmbedFn, loss, clip_norm: float,
@@ -88,11 +86,10 @@ def build_grad_fn(core, embed_fn: checks.EmbedFn, loss, clip_norm: float,
 
 def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                  method: str | methods.ClipMethod = "ghost", *, microbatch_size: int | None = None,
-                 pair_block_size: int | None = None, memory_budget: int | None = None,
                  axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-                 positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
-                 projection_rank: int = methods.DEFAULT_PROJECTION_RANK, stochastic: bool = False,
-                 float64_positive_pairs: bool = True) -> grad_fn_lib.ClippedGradFn:
+                 positive_embed_fn: checks.EmbedFn | None = None, stochastic: bool = False,
+                 float64_positive_pairs: bool = True,
+                 **deprecated_options) -> grad_fn_lib.ClippedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
   ḡ = Σ_ij τ_ij·min(1, B/‖∇_w Z_ij‖)·∇_w Z_ij, a pytree like params; it is a SUM
@@ -104,32 +101,17 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
     loss: a loss from `logit_dp.losses` (any loss(Z, mask) works for the
       gradient, but only those have a known sensitivity).
     clip_norm: B > 0; jnp.inf disables clipping (ḡ = ∇ℒ, not private).
-    method: "ghost" (exact pair norms from per-example Jacobians, default),
-      "materialize" (Algorithm 1, n² backward passes: the reference) or
-      "triangle" (clips by an upper bound of the pair norm: cheaper, private,
-      clips more than needed; the negative pairs more than the exact diagonal, which
-      for the contrastive loss biases ḡ towards collapsed embeddings when most pairs
-      are clipped: docs/METHOD.md) or
-      "projected" (a tighter upper bound at about triangle's cost: exact on the
-      subspace spanned by the Jacobians of public `reference_inputs`, triangle on
-      the rest; bound/norm ≈ 1.1 where triangle's is ≈ 5.7: docs/METHOD.md);
-      or a `methods.ClipMethod` object (its options checked as the keywords are).
+    method: a clip method (`logit_dp.clip_methods`): an object holding its options, e.g.
+      ``clip_methods.Ghost(memory_budget=1 << 30)`` or
+      ``clip_methods.Projected(reference_inputs=public_x)``, or the name of a registered
+      method for its default object: "ghost" (exact pair norms from per-example Jacobians,
+      the default), "materialize" (Algorithm 1, n² backward passes: the reference),
+      "triangle" (clips by an upper bound of the pair norm: cheaper, private, clips more
+      than needed) or "projected" (needs its reference inputs: pass the object).
     microbatch_size: process examples in chunks of this size (forward,
       Jacobians, backward) to bound memory. The pair matrix still spans the
       whole batch, so every negative is kept and the noise, added once to ḡ,
       is unchanged: this is gradient accumulation without changing the mechanism.
-    pair_block_size: pairs per block for "materialize" (default: ~4M floats).
-    memory_budget: "ghost" only: bytes of per-example Jacobian factors held at
-      once (default `default_memory_budget()`: 4 GiB on the CPU, a quarter of an
-      accelerator's memory). The pair norms are computed in blocks of r rows × c
-      columns holding (r + c)·F bytes of factors (F per example,
-      `factor_bytes_per_example`; r + 2c under axis_name, where column blocks pass
-      around a ring of devices), the column factors recomputed once per row
-      block; when both views' factors of the whole (local) batch fit, that is
-      one block and nothing is recomputed. Memory then grows with n only as the
-      n·d embeddings and the n² pair scalars (τ, norms, λ); one microbatch's
-      forward and backward passes (microbatch_size, or at most c examples when
-      blocked) and the pair-term chunks come on top (docs/METHOD.md).
     axis_name: call inside `jax.shard_map` over this mesh axis with the batch
       split across devices; the pair matrix spans the global batch and every
       device returns the same global (ℒ, ḡ).
@@ -140,20 +122,12 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       (found by tracing which leaves each output depends on) get exact pair
       norms at the cost of "triangle" (the cross term is 0); shared parameters
       use the general computation. Same sensitivity as one tower.
-    reference_inputs: "projected" only (and required there): PUBLIC inputs
-      (examples along axis 0, like x), e.g. 64 images of a public data set. Their
-      Jacobians at the current params span the subspace Q̃; it never depends on the
-      private batch, so each pair's clip factor depends on that pair only. Costs
-      m·d·p floats for their Jacobians (m examples, p parameters).
-    projection_rank: "projected": k, the dimension of the subspace (at most m·d);
-      the per-example projections hold n·d·k floats.
     stochastic: embed_fn (and positive_embed_fn) is embed_fn(params, x, key) -> (n, d),
       drawing its randomness (dropout, stochastic depth) from key; grad_fn then takes
       key= (required): a fresh key at every step, independent of the noise key, never
       released. Example i of view v (0: x, 1: x_prime) is embedded alone with
-      fold_in(fold_in(key, v), i), i its row in the global batch, in every pass
-      (`logit_dp._src.stochastic`); the sensitivity and the accounting are unchanged
-      (docs/PRIVACY.md).
+      fold_in(fold_in(key, v), i), i its row in the global batch, in every pass; the
+      sensitivity and the accounting are unchanged (docs/PRIVACY.md).
     float64_positive_pairs: form the norms of the n positive pairs (x_i, x'_i) by one
       backward pass each with params and inputs widened to float64, rounded up to
       float32 (`pair_terms.diagonal_norms`; convolutions run as matrix products, which
@@ -163,6 +137,9 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       its own computation dtype (e.g. flax's dtype=jnp.float32) keeps it, with the
       allowance of that dtype; stochastic models keep theirs (their random draws would
       differ).
+    **deprecated_options: memory_budget, pair_block_size, reference_inputs and
+      projection_rank, the options of a method name from before the methods held them:
+      deprecated (a DeprecationWarning), set them in the method object instead.
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and
   contribute exactly nothing. x and x_prime are arrays or pytrees of arrays
@@ -197,6 +174,9 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   unit roundoff of the lowest precision embed_fn computes in (float64 runs get
   float64's; docs/PRIVACY.md). Float64 arrays made while x64 was enabled and passed
   inside ``jax.enable_x64(False)`` are computed in float32, as jnp computes them there.
+
+  Returns:
+    A `ClippedGradFn`: grad_fn(params, x, x_prime, mask=None[, key=]) -> (ℒ, ḡ).
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
@@ -204,9 +184,8 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)
   stochastic_lib.check_stochastic(stochastic)
-  clip = methods.resolve(method, memory_budget=memory_budget, pair_block_size=pair_block_size,
-                         reference_inputs=reference_inputs, projection_rank=projection_rank,
-                         embed_fn=embed_fn, positive_embed_fn=positive_embed_fn)
+  clip = methods.resolve(method, embed_fn=embed_fn, positive_embed_fn=positive_embed_fn,
+                         stacklevel=3, **deprecated_options)
   collective = collective_lib.Collective(axis_name)
 
   def body(params, x, x_prime, mask, with_stats, key):
@@ -215,9 +194,9 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                                                 cosine_eps, microbatch_size, collective,
                                                 positive_embed_fn, key, float64_positive_pairs,
                                                 clip.embeds_with_factors)
-    keyed_clip = methods.with_key(clip, key)
+    keyed_clip = clip.with_key(key)
     if with_stats:
-      grads, norms = keyed_clip.clipped_grad_and_norms(batch, tau[batch.rows], clip_norm)
+      norms, grads = keyed_clip.norms_and_clipped_grad(batch, tau[batch.rows], clip_norm)
       return (collective.replicated(loss_value), grads,
               clip_stats.pair_stats(batch, norms, clip_norm))
     grads = keyed_clip.clipped_grad(batch, tau[batch.rows], clip_norm)
@@ -246,34 +225,37 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
                     method: str | methods.ClipMethod = "ghost", *,
                     microbatch_size: int | None = None,
                     cosine_eps: float = numerics.DEFAULT_COSINE_EPS, float_allowance: bool = True,
-                    memory_budget: int | None = None,
-                    positive_embed_fn: checks.EmbedFn | None = None, reference_inputs: Any = None,
-                    projection_rank: int = methods.DEFAULT_PROJECTION_RANK, key: Any = None,
-                    float64_positive_pairs: bool = True) -> jax.Array:
+                    positive_embed_fn: checks.EmbedFn | None = None, key: Any = None,
+                    float64_positive_pairs: bool = True, **deprecated_options) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 
-  microbatch_size and memory_budget ("ghost": bytes of Jacobian factors held at once) as in
-  `clipped_grad`.
+  Args:
+    embed_fn: embed_fn(params, x) -> (n, d), as in `clipped_grad`.
+    params: the parameters the norms are taken at.
+    x: the first views, n examples along axis 0.
+    x_prime: the second views, n examples along axis 0.
+    method: a clip method (object or registered name), as in `clipped_grad`.
+    microbatch_size: examples per chunk, as in `clipped_grad`.
+    cosine_eps: ε of the cosine similarity, as in `clipped_grad`.
+    float_allowance: include the float allowance that keeps every norm at or above the true
+      norm (the default, what clipping uses; docs/PRIVACY.md); False returns the computed
+      values without it (for comparing methods; never clip by them).
+    positive_embed_fn: the tower of x_prime, as in `clipped_grad`.
+    key: the key of a stochastic embed_fn(params, x, key) (as
+      ``clipped_grad(..., stochastic=True)`` with this key); None: embed_fn(params, x).
+    float64_positive_pairs: form the positive pairs' norms in float64, as in `clipped_grad`.
+    **deprecated_options: the deprecated method keywords of `clipped_grad`.
 
-  With float_allowance (the default, what clipping uses) every norm includes the float
-  allowance that keeps it at or above the true norm (docs/PRIVACY.md), scaled to the unit
-  roundoff of the dtype the norms are computed in: relative ~1e-4 on ordinary float32 pairs,
-  more on pairs whose gradient nearly cancels; the positive pairs are formed in float64 unless
-  float64_positive_pairs=False (see `clipped_grad`).
-  float_allowance=False returns the computed values without it (for comparing methods; never
-  clip by them).
-  positive_embed_fn: the tower of x_prime, and reference_inputs, projection_rank
-  ("projected"), as in `clipped_grad`. key: a stochastic embed_fn(params, x, key) (as
-  `clipped_grad(..., stochastic=True)` with this key); None: embed_fn(params, x).
+  Returns:
+    The (n, n) norms, row i for x_i and column j for x'_j.
   """
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)
-  clip = methods.resolve(method, memory_budget=memory_budget, reference_inputs=reference_inputs,
-                         projection_rank=projection_rank, embed_fn=embed_fn,
-                         positive_embed_fn=positive_embed_fn)
+  clip = methods.resolve(method, embed_fn=embed_fn, positive_embed_fn=positive_embed_fn,
+                         stacklevel=3, **deprecated_options)
   x, x_prime, _ = checks.check_pair_inputs(x, x_prime, None, 1)
   if key is not None:
     key = stochastic_lib.check_key(key, True, "pair_grad_norms")
@@ -299,7 +281,7 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine
                                collective=collective_lib.Collective(None),
                                positive_embed_fn=positive_embed_fn,
                                float64_positive_pairs=float64_positive_pairs)
-  return methods.with_key(clip, key).pair_norms(batch, allowance)
+  return clip.with_key(key).pair_norms(batch, allowance)
 
 
 def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
@@ -309,7 +291,7 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
                        stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
-  Sensitivity 2B under add-or-remove-one (`logit_dp.naive_sensitivity`). Same
+  Sensitivity 2B under add-or-remove-one (`logit_dp.baselines.naive_sensitivity`). Same
   signature and mask/axis/two-tower/stochastic semantics as `clipped_grad`, and the same
   precision: embed_fn and the backward pass are traced at
   `jax.default_matmul_precision("highest")`, so that ‖∇ℒ‖ and the clipped gradient agree on
@@ -343,18 +325,15 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
                        "naive_clipped_grad", axis_name, positive_embed_fn, stats_core, stochastic)
 
 
-def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, method: str = "ghost",
-                 **kwargs) -> grad_fn_lib.ClippedGradFn:
+def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
+                 method: str | methods.ClipMethod = "ghost", **kwargs) -> grad_fn_lib.ClippedGradFn:
   """`clipped_grad` with a clip method, `naive_clipped_grad` for method="naive" or
   `grouped_clipped_grad` for method="dp_gcl" (num_groups= in kwargs; one device).
 
-  method: a `mechanisms.PRIVATE_METHODS` entry (or a `methods.ClipMethod`); kwargs: the
-  chosen builder's keywords.
+  method: a clip method (object or registered name) or "naive"
+  (`mechanisms.check_private_method`); kwargs: the chosen builder's keywords.
   """
-  if isinstance(method, methods.ClipMethod):
-    return clipped_grad(embed_fn, loss, clip_norm, method, **kwargs)
-  mechanisms.check_method(method, mechanisms.PRIVATE_METHODS)
-  mechanism = mechanisms.Mechanism.of_method(method)
+  mechanism = mechanisms.Mechanism.of_method(mechanisms.check_private_method(method))
   if mechanism is mechanisms.Mechanism.NAIVE_DP:
     return naive_clipped_grad(embed_fn, loss, clip_norm, **kwargs)
   if mechanism is mechanisms.Mechanism.DP_GCL:

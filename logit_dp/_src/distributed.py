@@ -378,8 +378,8 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: s
   Args:
     embed_fn, loss, clip_norm: as in `logit_dp.clipped_grad`.
     mesh: a mesh with axis `axis_name` (e.g. `data_mesh()`).
-    method: a `logit_dp.PRIVATE_METHODS` entry, as in `make_private`: a clip method of
-      `clipped_grad` (Logit-DP) or "naive" (`naive_clipped_grad`, Naive-DP).
+    method: as in `make_private`: a clip method of `clipped_grad` (Logit-DP; an object or a
+      registered name) or "naive" (`naive_clipped_grad`, Naive-DP).
     naive: True is the same as method="naive".
     axis_name: the mesh axis the batch is split along.
     **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device),

@@ -4,13 +4,13 @@ Three mechanisms release a clipped gradient ḡ, each with its own L2 sensitivit
 adding or removing one pair record (noise N(0, (σC)²) makes a step private):
 
 * Logit-DP (`clipped_grad`): every pair gradient ∇_w Z_ij clipped to B, weighted by
-  τ_ij = ∂ℒ/∂Z_ij; C = `sensitivity(loss, B)`. It takes a clip method (`methods.METHODS`:
-  how the pair norms are found).
+  τ_ij = ∂ℒ/∂Z_ij; C = `sensitivity(loss, B)`. It takes a clip method (`methods`: how the
+  pair norms are found; a `methods.ClipMethod` object or a registered name).
 * Naive-DP (`naive_clipped_grad`): the whole batch gradient clipped to B; C = 2B.
 * DP-GCL (`grouped_clipped_grad`): each group's gradient clipped to B; C = 2B.
 
-The method names accepted by `make_private` and the audits (`PRIVATE_METHODS`: a clip method for
-Logit-DP, "naive" or "dp_gcl"; `AUDITED_METHODS` is the same list) and the experiments' names
+The methods accepted by `make_private` and the audits (`check_private_method`: a clip method
+for Logit-DP, "naive" or "dp_gcl"; `AUDITED_METHODS` lists the names) and the experiments' names
 (`Mechanism` values: "logit_dp", "naive_dp", "dp_gcl") all map to a `Mechanism` here.
 """
 
@@ -52,21 +52,34 @@ class Mechanism(enum.Enum):
     return sensitivity_lib.grouped_sensitivity(clip_norm, **relation)
 
   @classmethod
-  def of_method(cls, method: str) -> Mechanism:
-    """The mechanism of a method name: a clip method (Logit-DP), "naive" or "dp_gcl"."""
-    if method in methods.REGISTRY:
+  def of_method(cls, method) -> Mechanism:
+    """The mechanism of a method: a clip method (object or registered name: Logit-DP),
+    "naive" or "dp_gcl"."""
+    if methods.is_method(method):
       return cls.LOGIT_DP
     if method == NAIVE_METHOD:
       return cls.NAIVE_DP
     if method == GROUPED_METHOD:
       return cls.DP_GCL
-    raise ValueError(f"method must be one of {AUDITED_METHODS}, got {method!r}.")
+    raise ValueError(f"method must be one of {methods.names() + (NAIVE_METHOD, GROUPED_METHOD)}, "
+                     f"got {method!r}.")
 
 
-#: Methods accepted by `make_private`: the Logit-DP clip methods, Naive-DP and DP-GCL.
+#: Method names accepted by `make_private`: the built-in clip methods, Naive-DP and DP-GCL (and
+#: any clip method registered since, `check_private_method`).
 PRIVATE_METHODS = methods.METHODS + (NAIVE_METHOD, GROUPED_METHOD)
 #: Methods the removal audits accept: those of `make_private`.
 AUDITED_METHODS = PRIVATE_METHODS
+
+
+def check_private_method(method: str | methods.ClipMethod) -> str | methods.ClipMethod:
+  """method if `make_private` takes it: a clip method (a `methods.ClipMethod` object or a
+  registered name), "naive" or "dp_gcl"; ValueError otherwise."""
+  if methods.is_method(method) or method in (NAIVE_METHOD, GROUPED_METHOD):
+    return method
+  raise ValueError(f"method must be one of {methods.names() + (NAIVE_METHOD, GROUPED_METHOD)} "
+                   "or a ClipMethod "
+                   f"object, got {method!r}.")
 
 
 def check_method(method: str, allowed: tuple[str, ...]) -> str:

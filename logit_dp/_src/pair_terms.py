@@ -5,8 +5,8 @@ With J_i = ∂û_i/∂w and J'_j = ∂v̂_j/∂w (d×p per-example Jacobians) an
     ‖g_ij‖² = a + b + 2c,  a = v̂_jᵀK_i v̂_j,  b = û_iᵀK'_j û_i,  c = v̂_jᵀ (J_i J'_jᵀ) û_i,
 
 K_i = J_i J_iᵀ. The per-example Jacobians come as per-layer factors (`layerwise.Factors`);
-the cross term c is a cross-Gram over the flattened parameters plus per-layer pair terms of
-ghost layers (`chunking.flat_cross_terms`, `chunking.ghost_layer_cross_terms`). The triangle
+the cross term c, which only "ghost" forms, is a cross-Gram over the flattened parameters plus
+per-layer pair terms of ghost layers (`methods.ghost.ghost_terms`). The triangle
 bound √a + √b ≥ ‖g_ij‖ needs only the Grams K_i. Diagonal pairs (x_i, x'_i) are formed as
 vectors in float64 and normed directly (`diagonal_norms`).
 """
@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from logit_dp._src import chunking
-from logit_dp._src import layerwise
 from logit_dp._src import numerics
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import stochastic
@@ -34,21 +33,6 @@ def quadratic_terms(k_local, k_prime, u_local, v) -> tuple[jax.Array, jax.Array]
   anchor = jnp.einsum("ikl,jk,jl->ij", k_local, v, v, precision=numerics.HIGHEST)
   positive = jnp.einsum("jkl,ik,il->ij", k_prime, u_local, u_local, precision=numerics.HIGHEST)
   return anchor, positive
-
-
-def ghost_terms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors,
-                v_columns) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(a, b, c) with ‖g_ij‖² = a + b + 2c for the rows i of f_u and the columns j of f_v,
-  each (rows, columns): a = v̂_jᵀK_i v̂_j, b = û_iᵀK'_j û_i, c = v̂_jᵀ J_i J'_jᵀ û_i."""
-  anchor, positive = quadratic_terms(f_u.gram, f_v.gram, u_rows, v_columns)
-  specs = []
-  if f_v.flat.shape[-1]:
-    specs.append(chunking.flat_cross_spec(f_u.flat, u_rows, f_v.flat, v_columns))
-  for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas, f_v.ghost_patches,
-                                        f_v.ghost_deltas):
-    specs.append(chunking.ghost_layer_cross_spec(a_u, delta_u, u_rows, a_v, delta_v, v_columns))
-  cross = chunking.row_chunks_sum(specs) if specs else jnp.zeros_like(anchor)
-  return anchor, positive, cross
 
 
 def jacobian_norms(gram: jax.Array) -> jax.Array:
@@ -115,13 +99,3 @@ def with_diagonal(batch: pair_batch.PairBatch, norms, values, offset, at_home) -
   r, c = norms.shape
   on_diagonal = jnp.arange(r)[:, None] == offset + jnp.arange(c)[None, :]
   return jnp.where(on_diagonal & at_home, values[None, :], norms)
-
-
-def block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns,
-                gram_error: float) -> jax.Array:
-  """min(√(a + b + 2c + ε_G S_ij²), triangle bound) for the rows of f_u and columns of f_v."""
-  anchor, positive, cross = ghost_terms(f_u, u_rows, f_v, v_columns)
-  s_rows, s_columns = jacobian_norms(f_u.gram), jacobian_norms(f_v.gram)
-  scale = s_rows[:, None] + s_columns[None, :]
-  gram_norms = jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0) + gram_error * scale ** 2)
-  return jnp.minimum(gram_norms, triangle_bound(anchor, positive, s_rows, s_columns, gram_error))

@@ -41,6 +41,7 @@ from logit_dp._src import distributed
 from logit_dp._src import grouped as grouped_lib
 from logit_dp._src import ledger as ledger_lib
 from logit_dp._src import mechanisms
+from logit_dp._src import methods
 from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src.checks import EmptyBatchWarning
 from logit_dp._src.ledger import BudgetedSampler
@@ -49,9 +50,6 @@ from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.noise import AddNoiseState
 from logit_dp._src.sampling import PoissonBatch
 from logit_dp._src.sampling import PoissonSampler
-
-#: Methods accepted by `make_private`: the Logit-DP ones and the Naive-DP baseline.
-PRIVATE_METHODS = mechanisms.PRIVATE_METHODS
 
 #: What `PrivateTraining.make_train_step` does on non-finite rows or an empty batch.
 REPORT_POLICIES = ("warn", "error", "ignore")
@@ -189,8 +187,7 @@ class PrivateTraining(NamedTuple):
     clip_norm: B.
     sampling_rate: q = expected_batch_size / num_records.
     steps: T, the number of steps σ is calibrated for.
-    method: the gradient method ("ghost", "triangle", "projected", "materialize", "naive",
-      "dp_gcl").
+    method: the gradient method's name (a clip method's, e.g. "ghost", "naive" or "dp_gcl").
     model_key: a stochastic model (stochastic=True): the secret key its randomness is drawn
       from, split from the training key apart from the noise key; step t's key is
       fold_in(model_key, t), handed to grad_fn by `make_train_step`. None otherwise.
@@ -567,10 +564,11 @@ def _secret_seed() -> int:
 def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: float,
                  target_delta: float, num_records: int, expected_batch_size: float,
                  optimizer: optax.GradientTransformation, epochs: float | None = None,
-                 steps: int | None = None, method: str = "ghost", mean: bool = False,
-                 microbatch_size: int | None = None, accountant: str = "pld", noise_key: Any = None,
-                 sampler_seed: int | None = None, max_batch_size: int | None = None,
-                 overflow: str = "error", group_size: float | None = None,
+                 steps: int | None = None, method: str | methods.ClipMethod = "ghost",
+                 mean: bool = False, microbatch_size: int | None = None, accountant: str = "pld",
+                 noise_key: Any = None, sampler_seed: int | None = None,
+                 max_batch_size: int | None = None, overflow: str = "error",
+                 group_size: float | None = None,
                  **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
@@ -600,15 +598,17 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     embed_fn: embed_fn(params, x) -> (n, d), acting on examples independently.
     loss: a loss from `logit_dp.losses`.
     clip_norm: B > 0, finite.
-    target_epsilon, target_delta: the (ε, δ) to reach after T steps.
+    target_epsilon: ε > 0, the ε to reach after T steps.
+    target_delta: δ ∈ (0, 1), the δ to reach after T steps (a UserWarning when δ ≥ 1/N).
     num_records: N, the number of pair records.
     expected_batch_size: E[n] = q·N of the Poisson batches.
     optimizer: any optax optimizer; it receives the noisy ḡ (or ḡ / E[n]).
-    epochs, steps: exactly one; epochs gives T = ⌈epochs / q⌉.
-    method: "ghost" (default), "triangle", "projected" (needs reference_inputs= in
-      grad_kwargs), "materialize", "naive" (Naive-DP) or "dp_gcl" (DP-GCL,
-      `grouped_clipped_grad`: needs group_size; one device, no extra views; train_step groups
-      the records by batch.indices).
+    epochs: passes over the data, T = ⌈epochs / q⌉ steps (pass epochs or steps, not both).
+    steps: T, the number of steps (pass epochs or steps, not both).
+    method: a clip method of `clipped_grad` (an object such as
+      ``clip_methods.Projected(reference_inputs=public_x)``, or a registered name: "ghost",
+      the default, "triangle", "materialize"), "naive" (Naive-DP) or "dp_gcl" (DP-GCL, `grouped_clipped_grad`: needs
+      group_size; one device, no extra views; train_step groups the records by batch.indices).
     mean: scale the noisy sum by 1 / expected_batch_size before the optimizer.
     microbatch_size: passed to `clipped_grad` / `naive_clipped_grad`.
     accountant: "pld" (default) or "rdp", used for σ and by the ledger.
@@ -619,12 +619,14 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     sampler_seed: integer seed of the Poisson sampler; None draws one with
       `secrets`, as noise_key (read it from ``sampler.seed`` to resume; keep
       it secret).
-    max_batch_size, overflow: passed to `PoissonSampler`.
+    max_batch_size: the padded batch size of `sampling.PoissonSampler` (None: large enough
+      that a batch overflows it with a small probability, which δ accounts for).
+    overflow: what a larger Poisson batch does, "error" (default) or "truncate"
+      (`sampling.PoissonSampler`).
     group_size: method="dp_gcl" only (and required there): the expected group size s > 0;
       G = max(1, round(expected_batch_size / s)) hash groups. The
       group key is split from the training key, as model_key (`PrivateTraining.group_key`).
-    **grad_kwargs: other `clipped_grad` arguments (pair_block_size, cosine_eps,
-      reference_inputs and projection_rank for "projected";
+    **grad_kwargs: other `clipped_grad` arguments (cosine_eps;
       positive_embed_fn for a two-tower model, with the same C; stochastic=True for a
       model embed_fn(params, x, key) with dropout: the training key is then split into the
       noise key and ``model_key``, and each step's model randomness is
@@ -635,7 +637,7 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   """
   if not callable(embed_fn):
     raise ValueError(f"embed_fn must be callable, got {embed_fn!r}.")
-  mechanisms.check_method(method, PRIVATE_METHODS)
+  mechanisms.check_private_method(method)
   if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
     raise ValueError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}.")
   if not isinstance(mean, bool):
@@ -684,4 +686,5 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
                          noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
-                         steps=t, method=method, model_key=model_key, group_key=group_key)
+                         steps=t, method=grad_fn.method, model_key=model_key,
+                         group_key=group_key)

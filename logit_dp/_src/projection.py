@@ -57,7 +57,7 @@ MAX_ORTHONORMALITY_ERROR = 0.25
 def check_rank(rank) -> int:
   """rank as an int; ValueError unless it is a positive integer."""
   if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
-    raise ValueError(f"projection_rank must be a positive integer, got {rank!r}.")
+    raise ValueError(f"rank (of the projected bound) must be a positive integer, got {rank!r}.")
   return int(rank)
 
 

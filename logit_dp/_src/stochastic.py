@@ -1,7 +1,7 @@
 """Stochastic embedding functions: dropout, stochastic depth, random augmentation inside the model.
 
 A stochastic model is ``embed_fn(params, x, key) -> (n, d)``, declared with ``stochastic=True``
-on the builder (`logit_dp.clipped_grad`, `logit_dp.naive_clipped_grad`, ...); its gradient
+on the builder (`logit_dp.clipped_grad`, `logit_dp.baselines.naive_clipped_grad`, ...); its gradient
 function then takes ``key=`` at every call. From that one key every example gets its own,
 
     k_i = fold_in(fold_in(key, view), i)    (view 0: x, 1: x_prime, 2: public reference inputs),

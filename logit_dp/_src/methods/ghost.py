@@ -1,11 +1,11 @@
 """"ghost": exact pair norms from per-example Jacobian factors, in blocks of pairs.
 
-‖g_ij‖² = a + b + 2c (`pair_terms`), never n²·p floats: the cross term is an (nd)×(nd)
-cross-Gram over the flattened parameters plus per-layer pair terms of ghost layers, in row
-chunks. The rows' and columns' factors are held r and c examples at a time within a memory
-budget (`chunking.ghost_block_sizes`); under a shard_map axis the column blocks pass around the
-ring of devices. Two towers: `towers.pair_norms` (exact at triangle's cost for towers that
-share no parameter).
+‖g_ij‖² = a + b + 2c (`pair_terms`), never n²·p floats: the cross term c is an (nd)×(nd)
+cross-Gram over the flattened parameters plus per-layer pair terms of ghost layers
+(`ghost_terms`), in row chunks (`chunking.row_chunks`). The rows' and columns' factors are
+held r and c examples at a time within a memory budget (`chunking.ghost_block_sizes`); under a
+shard_map axis the column blocks pass around the ring of devices. Two towers:
+`towers.pair_norms` (exact at triangle's cost for towers that share no parameter).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from logit_dp._src import chunking
+from logit_dp._src import layerwise
 from logit_dp._src import numerics
 from logit_dp._src import pair_batch
 from logit_dp._src import pair_terms
@@ -31,15 +32,23 @@ class Ghost(base.ClipMethod):
   """Exact pair norms (min with the triangle bound, diagonal pairs from vectors).
 
   Attributes:
-    memory_budget: bytes of Jacobian factors held at once (None: `chunking.default_memory_budget`).
+    memory_budget: bytes of Jacobian factors held at once, a positive integer (None:
+      `chunking.default_memory_budget`).
   """
   name: ClassVar[str] = "ghost"
   memory_budget: int | None = None
 
+  def __post_init__(self):
+    if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
+                                           or not isinstance(self.memory_budget, int)
+                                           or self.memory_budget < 1):
+      raise ValueError("memory_budget must be a positive integer (bytes) or None, got "
+                       f"{self.memory_budget!r}.")
+
   def pair_norms_with_factors(self, batch, allowance) -> base.NormsAndFactors:
     """See `base.ClipMethod.pair_norms_with_factors`."""
     if batch.two_tower:
-      return towers.pair_norms(batch, cross_terms=True, allowance=allowance)
+      return towers.pair_norms(batch, flat_cross_terms, allowance=allowance)
     tau = jnp.zeros((batch.u_loc.shape[0], batch.u.shape[0]), batch.u_loc.dtype)
     return ghost_blocks(batch, tau, math.inf, allowance, self.memory_budget,
                         with_grads=False)[0], None
@@ -49,18 +58,11 @@ class Ghost(base.ClipMethod):
     `_one_block` contracts the factors of both views, computed in one pass."""
     return _block_sizes(batch, self.memory_budget)[2]
 
-  def clipped_grad(self, batch, tau_local, clip_norm) -> Any:
-    """See `base.ClipMethod.clipped_grad`."""
+  def norms_and_clipped_grad(self, batch, tau_local, clip_norm) -> tuple[jax.Array, Any]:
+    """See `base.ClipMethod.norms_and_clipped_grad`."""
     if batch.two_tower:
-      return super().clipped_grad(batch, tau_local, clip_norm)
-    return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget)[1]
-
-  def clipped_grad_and_norms(self, batch, tau_local, clip_norm) -> tuple[Any, jax.Array]:
-    """See `base.ClipMethod.clipped_grad_and_norms`."""
-    if batch.two_tower:
-      return super().clipped_grad_and_norms(batch, tau_local, clip_norm)
-    norms, grads = ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget)
-    return grads, norms
+      return super().norms_and_clipped_grad(batch, tau_local, clip_norm)
+    return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget)
 
 
 jax.tree_util.register_dataclass(Ghost, data_fields=[], meta_fields=["memory_budget"])
@@ -94,7 +96,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   device's x_prime its factors f_v are computed (again for every row block) and passed around
   the ring of devices (`collective.Collective.ring_shift`, k steps: it comes home last), so
   that every device pairs its rows with every column. Per block: the norms
-  (`pair_terms.block_norms`, the diagonal pairs from their vectors,
+  (`block_norms`, the diagonal pairs from their vectors,
   `pair_terms.diagonal_norms`, when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
   cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
   column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
@@ -158,7 +160,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
       def ring_step(s, carry):
         norms_rows, cot_u, (f_v, v_columns, cot_v) = carry
         owner = (me - s) % k  # the device whose columns are passing
-        block = pair_terms.block_norms(f_u, u_rows, f_v, v_columns, gram_error)
+        block = block_norms(f_u, u_rows, f_v, v_columns, gram_error)
         block = pair_terms.with_diagonal(batch, block,
                                          diagonal_values(f_u, f_v, start, start - a * r),
                                          start - a * r, home & (s == 0))
@@ -202,7 +204,7 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
     factors = batch.stacked_factors((batch.x, batch.x_prime), chunk)
   f_u, f_v = (jax.tree_util.tree_map(lambda a, view=view: a[view], factors) for view in (0, 1))
   u, v = batch.u_loc, batch.v_loc
-  norms = pair_terms.block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
+  norms = block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
   diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
   scale = pair_terms.jacobian_norms(f_u.gram) + pair_terms.jacobian_norms(f_v.gram)
   diagonal = pair_terms.with_allowance(diagonal, diagonal_error, scale, allowance)
@@ -215,3 +217,68 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
       jnp.matmul(lam.T, u, precision=numerics.HIGHEST)
   ])
   return norms, batch.c.psum(batch.factor_backward(factors, cot, stacked=True))
+
+
+def block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns,
+                gram_error: float) -> jax.Array:
+  """min(√(a + b + 2c + ε_G S_ij²), triangle bound) for the rows of f_u and columns of f_v."""
+  anchor, positive, cross = ghost_terms(f_u, u_rows, f_v, v_columns)
+  s_rows, s_columns = pair_terms.jacobian_norms(f_u.gram), pair_terms.jacobian_norms(f_v.gram)
+  scale = s_rows[:, None] + s_columns[None, :]
+  gram_norms = jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0) + gram_error * scale ** 2)
+  return jnp.minimum(gram_norms,
+                     pair_terms.triangle_bound(anchor, positive, s_rows, s_columns, gram_error))
+
+
+def ghost_terms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors,
+                v_columns) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(a, b, c) with ‖g_ij‖² = a + b + 2c for the rows i of f_u and the columns j of f_v,
+  each (rows, columns): a = v̂_jᵀK_i v̂_j, b = û_iᵀK'_j û_i, c = v̂_jᵀ J_i J'_jᵀ û_i."""
+  anchor, positive = pair_terms.quadratic_terms(f_u.gram, f_v.gram, u_rows, v_columns)
+  specs = []
+  if f_v.flat.shape[-1]:
+    specs.append(flat_cross_spec(f_u.flat, u_rows, f_v.flat, v_columns))
+  for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas, f_v.ghost_patches,
+                                        f_v.ghost_deltas):
+    specs.append(ghost_layer_cross_spec(a_u, delta_u, u_rows, a_v, delta_v, v_columns))
+  cross = chunking.row_chunks_sum(specs) if specs else jnp.zeros_like(anchor)
+  return anchor, positive, cross
+
+
+def flat_cross_spec(flat_rows, u_rows, flat_columns, v) -> tuple:
+  """The `row_chunks` arguments of `flat_cross_terms`."""
+  n, d, _ = flat_columns.shape
+  return (lambda f, u: layerwise.flat_cross(f, u, flat_columns, v), (flat_rows, u_rows), n * d * d,
+          chunking.CROSS_GRAM_CHUNK_FLOATS, None)
+
+
+def flat_cross_terms(flat_rows, u_rows, flat_columns, v) -> jax.Array:
+  """`layerwise.flat_cross` for all local rows, in row chunks of about
+  `chunking.CROSS_GRAM_CHUNK_FLOATS` floats."""
+  return chunking.row_chunks(*flat_cross_spec(flat_rows, u_rows, flat_columns, v))
+
+
+def ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v) -> tuple:
+  """The `row_chunks` arguments of `ghost_layer_cross_terms`."""
+  deltas_rows, deltas_columns = layerwise.ghost_cross_layouts(deltas_rows, deltas_columns)
+  d, n, t, c = deltas_columns.shape
+  # The loop's inputs flattened to two axes and reshaped inside it: XLA gives a factor with a
+  # size-1 axis (the one position of a dense layer) a layout of its own and would copy every
+  # such loop input on entry.
+  row_shapes = a_rows.shape[1:], deltas_rows.shape[1:]
+  a_columns_flat, deltas_columns_flat = a_columns.reshape(n, -1), deltas_columns.reshape(d, -1)
+
+  def fn(a, delta, u):
+    a, delta = (b.reshape((b.shape[0],) + shape) for b, shape in zip((a, delta), row_shapes))
+    return layerwise.ghost_layer_cross(a, delta, u, a_columns_flat.reshape(a_columns.shape),
+                                       deltas_columns_flat.reshape(deltas_columns.shape), v)
+
+  rows = tuple(b.reshape(b.shape[0], -1) for b in (a_rows, deltas_rows)) + (u_rows,)
+  row_floats = n * (t * t + 2 * t * c + d)
+  return fn, rows, row_floats, chunking.GHOST_LAYER_CHUNK_FLOATS, chunking.GHOST_LAYER_CHUNK_ROWS
+
+
+def ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v) -> jax.Array:
+  """`layerwise.ghost_layer_cross` of one layer for all local rows, in small row chunks."""
+  return chunking.row_chunks(
+      *ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v))

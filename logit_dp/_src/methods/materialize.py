@@ -31,17 +31,20 @@ class Materialize(base.ClipMethod):
   name: ClassVar[str] = "materialize"
   pair_block_size: int | None = None
 
+  def __post_init__(self):
+    if self.pair_block_size is not None and (isinstance(self.pair_block_size, bool)
+                                             or not isinstance(self.pair_block_size, int)
+                                             or self.pair_block_size < 1):
+      raise ValueError("pair_block_size must be a positive integer or None, got "
+                       f"{self.pair_block_size!r}.")
+
   def pair_norms_with_factors(self, batch, allowance) -> base.NormsAndFactors:
     """See `base.ClipMethod.pair_norms_with_factors`."""
     tau = jnp.zeros((batch.u_loc.shape[0], batch.u.shape[0]), batch.u_loc.dtype)
-    return materialize(batch, tau, math.inf, self.pair_block_size, allowance)[1], None
+    return materialize(batch, tau, math.inf, self.pair_block_size, allowance)[0], None
 
-  def clipped_grad(self, batch, tau_local, clip_norm) -> Any:
-    """See `base.ClipMethod.clipped_grad`."""
-    return materialize(batch, tau_local, clip_norm, self.pair_block_size)[0]
-
-  def clipped_grad_and_norms(self, batch, tau_local, clip_norm) -> tuple[Any, jax.Array]:
-    """See `base.ClipMethod.clipped_grad_and_norms`."""
+  def norms_and_clipped_grad(self, batch, tau_local, clip_norm) -> tuple[jax.Array, Any]:
+    """See `base.ClipMethod.norms_and_clipped_grad`."""
     return materialize(batch, tau_local, clip_norm, self.pair_block_size)
 
 
@@ -49,13 +52,13 @@ jax.tree_util.register_dataclass(Materialize, data_fields=[], meta_fields=["pair
 
 
 def materialize(batch: pair_batch.PairBatch, tau_local_rows, clip_norm, pair_block_size,
-                allowance: float = 1.0) -> tuple[Any, jax.Array]:
+                allowance: float = 1.0) -> tuple[jax.Array, Any]:
   """Algorithm 1: every pair gradient by its own backward pass, in blocks of pairs.
 
   Each norm is raised by the vector allowance allowance·`numerics.vector_error`·(‖J_i‖_F +
   ‖J'_j‖_F); the diagonal pairs (x_i, x'_i) take their vector-formed norms instead
   (`pair_terms.diagonal_norms`), the gradients ḡ is summed from stay those of the blocks.
-  Returns (ḡ summed over local rows and psum-ed over devices, norms (n_local, n)).
+  Returns (norms (n_local, n), ḡ summed over local rows and psum-ed over devices).
   """
   x_prime_all = batch.c.gather(batch.x_prime)
   s_local = pair_terms.jacobian_norms(batch.factors(batch.x).gram)
@@ -108,4 +111,4 @@ def materialize(batch: pair_batch.PairBatch, tau_local_rows, clip_norm, pair_blo
                 exact.reshape(-1)[flat]))
   grads, norms = jax.lax.scan(step, zeros, blocks)
   norms = norms.reshape(-1)[:num_pairs].reshape(n_local, n)
-  return batch.c.psum(grads), norms
+  return norms, batch.c.psum(grads)

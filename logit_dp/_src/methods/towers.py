@@ -4,14 +4,16 @@ With S the parameters both towers share (`two_tower.tower_plans`):
 
 * S = ∅ (disjoint towers): ‖g_ij‖² = a + b exactly, from the per-example Grams alone,
   i.e. at the cost of "triangle"; "ghost" and "triangle" both use it.
-* S ≠ ∅: "ghost" adds the cross-Gram over the columns of S only
-  (`chunking.flat_cross_terms`), "triangle" keeps its bound √a + √b.
+* S ≠ ∅: "ghost" adds the cross-Gram over the columns of S only (its
+  `ghost.flat_cross_terms`, passed in as cross_terms), "triangle" keeps its bound √a + √b.
 
 Diagonal pairs are formed as vectors, as with one tower (`pair_terms.diagonal_norms`),
 so no Gram form loses a small positive-pair norm to cancellation.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +26,15 @@ from logit_dp._src import rows as rows_lib
 from logit_dp._src import two_tower
 
 
-def pair_norms(batch, cross_terms: bool,
+def pair_norms(batch, cross_terms: Callable | None,
                allowance: float = 1.0) -> tuple[jax.Array, tuple[layerwise.Factors, ...] | None]:
   """(norms (n_local, n), factors or None) for clipping the pair gradients of two towers.
 
   Off the diagonal, disjoint towers: √(a + b + ε_G S_ij²) (exact up to the float
   allowance, ε_G = allowance·`numerics.gram_error`, S_ij = ‖J_i‖_F + ‖J'_j‖_F); shared
-  leaves: with cross_terms ("ghost") min(√(a + b + 2c + ε_G S_ij²), triangle bound), without
-  ("triangle") the bound. Diagonal: ‖g_ii‖ from vectors (`pair_terms.diagonal_norms`).
+  leaves: with cross_terms ("ghost": cross_terms(flat_rows, u_rows, flat_columns, v) -> the
+  (n_local, n) cross terms c) min(√(a + b + 2c + ε_G S_ij²), triangle bound), without (None,
+  "triangle") the bound. Diagonal: ‖g_ii‖ from vectors (`pair_terms.diagonal_norms`).
   factors (of the local rows of both towers) are returned when the cross terms computed them
   (shared leaves), for ḡ from the factors; None means ḡ by backward passes.
   batch: a `pair_batch.PairBatch` (which builds its plans with this module).
@@ -41,13 +44,13 @@ def pair_norms(batch, cross_terms: bool,
   eps_gram = allowance * numerics.gram_error(batch.norm_dtype)
   n_local = rows_lib.num_rows(batch.x)
   factors = None
-  if cross_terms and plans.shared:
+  if cross_terms is not None and plans.shared:
     f_u = batch.factors(batch.x)
     f_v_local = batch.factors(batch.x_prime, positive=True)
     factors = (f_u, f_v_local)
     k_local, k_prime_local = f_u.gram, f_v_local.gram
-    cross = chunking.flat_cross_terms(f_u.flat[..., cols_u], batch.u_loc,
-                                      c.gather(f_v_local.flat[..., cols_v]), batch.v)
+    cross = cross_terms(f_u.flat[..., cols_u], batch.u_loc, c.gather(f_v_local.flat[..., cols_v]),
+                        batch.v)
   else:
     # Grams microbatch by microbatch; no factors are kept.
     def chunk_terms(x_chunk, x_prime_chunk):

@@ -26,7 +26,7 @@ class Triangle(base.ClipMethod):
   def pair_norms_with_factors(self, batch, allowance) -> base.NormsAndFactors:
     """See `base.ClipMethod.pair_norms_with_factors`."""
     if batch.two_tower:
-      return towers.pair_norms(batch, cross_terms=False, allowance=allowance)
+      return towers.pair_norms(batch, None, allowance=allowance)
     return bounds.bound_norms(batch, allowance), None
 
 
