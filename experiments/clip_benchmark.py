@@ -325,7 +325,7 @@ def time_steps(config, data_dir: str | None, num_steps: int = 3, quiet: bool = T
       @jax.jit
       def plain_step(p, state, x, t, mask, optimizer=optimizer):
         objective = lambda q: loss(
-            logit_dp.cosine_similarity(embed_images(q, x), embed_texts(q, t)), mask)
+            logit_dp.losses.cosine_similarity(embed_images(q, x), embed_texts(q, t)), mask)
         grads = jax.grad(objective)(p)
         updates, state = optimizer.update(grads, state, p)
         return optax.apply_updates(p, updates), state

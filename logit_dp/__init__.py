@@ -104,7 +104,8 @@ def __getattr__(name: str):
   if name == "PRIVATE_METHODS":
     warnings.warn(
         "logit_dp.PRIVATE_METHODS is deprecated: make_private takes a clip method "
-        "(logit_dp.clip_methods.names(), or a ClipMethod object) or 'naive'.", DeprecationWarning,
+        "(logit_dp.clip_methods.names(), or a ClipMethod object), 'naive' or 'dp_gcl'.",
+        DeprecationWarning,
         stacklevel=2)
     return importlib.import_module("logit_dp._src.mechanisms").PRIVATE_METHODS
   raise AttributeError(f"module 'logit_dp' has no attribute {name!r}")

@@ -250,7 +250,7 @@ def _brute_force_gbar(embed_fn, params, x, x_prime, loss, clip_norm):
 
   def unit(p, xe):
     e = embed_fn(p, xe[None])[0]
-    return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.DEFAULT_COSINE_EPS ** 2)
+    return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.losses.DEFAULT_COSINE_EPS ** 2)
 
   def pair_grad(i, j):
     return flat(jax.grad(lambda p: jnp.dot(unit(p, x[i]), unit(p, x_prime[j])))(params))

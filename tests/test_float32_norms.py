@@ -203,7 +203,7 @@ clip_norm = 0.05  # every pair clipped
 
 def norms_and_grads(*args):
   embed_fn = lambda p, xs: model.apply(p, xs)  # fresh: nothing cached from the other scope
-  return (np.asarray(logit_dp.pair_grad_norms(embed_fn, *args)),
+  return (np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, *args)),
           logit_dp.clipped_grad(embed_fn, loss, clip_norm)(*args)[1])
 
 
@@ -221,8 +221,8 @@ for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want
 plain = lambda p, xs: jnp.tanh(xs @ p["w"]) @ p["w2"]  # traced without flax's own casts
 plain_params = {"w": np.float32(np.eye(5, 6)), "w2": np.float32(np.eye(6, 3))}
 with jax.enable_x64(False):
-  norms = np.asarray(logit_dp.pair_grad_norms(plain, plain_params, x, x_prime))
-  want_norms = np.asarray(logit_dp.pair_grad_norms(plain, plain_params, x32, x_prime32))
+  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(plain, plain_params, x, x_prime))
+  want_norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(plain, plain_params, x32, x_prime32))
 np.testing.assert_array_equal(norms, want_norms)
 
 if sys.argv[1] == "disabled":

@@ -487,12 +487,12 @@ def test_two_towers_match_the_brute_force_reference_in_float64(no_norm_allowance
     mask = np.ones(11, bool)
     mask[[2, 7]] = False
     ids = jnp.asarray([5, 90, 3, 41, 17, 8, 66, 12, 30, 2, 77])
-    groups = logit_dp.assign_groups(ids, KEY, 3)
+    groups = logit_dp.baselines.assign_groups(ids, KEY, 3)
     assert len(np.unique(np.asarray(groups)[mask])) == 3
     ref_loss, ref = reference_two_towers(lambda p, i: f(p, x[i:i + 1])[0],
                                          lambda p, i: f_prime(p, _row(texts, i))[0], params, mask,
                                          groups, 0.7, clip_norm)
-    grad_fn = logit_dp.grouped_clipped_grad(f, logit_dp.losses.contrastive(0.7), clip_norm, 3,
+    grad_fn = logit_dp.baselines.grouped_clipped_grad(f, logit_dp.losses.contrastive(0.7), clip_norm, 3,
                                             microbatch_size=microbatch, positive_embed_fn=f_prime)
     loss, got = grad_fn(params, x, texts, jnp.asarray(mask), record_ids=ids, group_key=KEY)
     assert flat(got).dtype == np.float64 and rel_err(got, ref) < 1e-10
@@ -510,13 +510,13 @@ def test_stochastic_two_towers_match_the_brute_force_reference_in_float64(no_nor
     key = jax.random.key(11)
     row_key = lambda view, i: jax.random.fold_in(jax.random.fold_in(key, view), i)
     ids = jnp.arange(9) * 7
-    groups = logit_dp.assign_groups(ids, KEY, 2)
+    groups = logit_dp.baselines.assign_groups(ids, KEY, 2)
     ref_loss, ref = reference_two_towers(lambda p, i: f(p, x[i:i + 1], row_key(0, i))[0],
                                          lambda p, i: f_prime(p, _row(texts, i), row_key(1, i))[0],
                                          params, np.ones(9, bool), groups, 0.5, 0.05)
     loss_fn = logit_dp.losses.contrastive(0.5)
     for microbatch in (None, 4):
-      grad_fn = logit_dp.grouped_clipped_grad(f, loss_fn, 0.05, 2, positive_embed_fn=f_prime,
+      grad_fn = logit_dp.baselines.grouped_clipped_grad(f, loss_fn, 0.05, 2, positive_embed_fn=f_prime,
                                               stochastic=True, microbatch_size=microbatch)
       loss, got = grad_fn(params, x, texts, record_ids=ids, group_key=KEY, key=key)
       assert rel_err(got, ref) < 1e-10, microbatch
@@ -545,7 +545,7 @@ def test_two_tower_removal_audit_stays_within_2b(kind, num_groups, clip_norm):
   loss = logit_dp.losses.contrastive(0.5)
   result = audit.max_removal_ratio(f, params, loss, clip_norm, x, x_prime, method="dp_gcl",
                                    num_groups=num_groups, positive_embed_fn=f_prime)
-  assert result.bound == result.bound_sup == logit_dp.grouped_sensitivity(clip_norm)
+  assert result.bound == result.bound_sup == logit_dp.baselines.grouped_sensitivity(clip_norm)
   assert 0.5 < result.ratio <= 1 + TOL
   searched = audit.search_worst_case(f, params, loss, clip_norm, x, x_prime,
                                      key=jax.random.PRNGKey(2), num_restarts=6, num_steps=0,
@@ -579,8 +579,8 @@ def test_two_tower_bad_arguments_raise_value_error():
   f, f_prime, params, x, texts = two_towers("shared", 5, seed=13)
   contrastive = logit_dp.losses.contrastive()
   with pytest.raises(ValueError, match="positive_embed_fn"):
-    logit_dp.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn="text")
-  grad_fn = logit_dp.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn=f_prime)
+    logit_dp.baselines.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn="text")
+  grad_fn = logit_dp.baselines.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn=f_prime)
   with pytest.raises(ValueError, match="extra_views"):
     grad_fn(params, x, texts, record_ids=jnp.arange(5), group_key=KEY, extra_views=x[:, None])
   with pytest.raises(ValueError, match="same number"):

@@ -325,13 +325,13 @@ def test_a_loop_over_a_spent_budget_raises_instead_of_training_nothing():
   assert len(list(pt.batches())) == 1 and pt.ledger.steps == 4
   eps = _dp_accounting_epsilon(pt.noise_multiplier, pt.sampling_rate, 4, pt.ledger.target_delta)
   for steps in (None, 2, 4):  # the planned T = 4 steps are spent
-    with pytest.raises(logit_dp.PrivacyBudgetExceededError,
+    with pytest.raises(logit_dp.ledger.PrivacyBudgetExceededError,
                        match=rf"budget of T = 4 steps is spent.*ε, δ\) = \({eps:.4g}"):
       pt.batches(steps)
   assert pt.ledger.steps == 4
   # Past T while the ε budget lasts (test_batches_record_each_step_first_and_stop_at_the_budget),
   # then refused at the budget.
-  with pytest.raises(logit_dp.PrivacyBudgetExceededError, match="would spend"):
+  with pytest.raises(logit_dp.ledger.PrivacyBudgetExceededError, match="would spend"):
     list(pt.batches(steps=allowed + 1))
   assert pt.ledger.steps == allowed
 
@@ -470,14 +470,14 @@ def test_no_train_step_releases_a_noise_count_twice(tmp_path, monkeypatch):
     step(params, init_state, *rows(batch))  # count 0, released with the checkpoint's run
   step(params, fresh_state, *rows(batch))  # count 2: continues
   # A checkpoint written before the ledger recorded released updates (format version 1).
-  old_to_dict = logit_dp.PrivacyLedger.to_dict
+  old_to_dict = logit_dp.ledger.PrivacyLedger.to_dict
 
   def version_1(ledger):
     out = old_to_dict(ledger)
     del out["released_updates"]
     return {**out, "format_version": 1}
 
-  monkeypatch.setattr(logit_dp.PrivacyLedger, "to_dict", version_1)
+  monkeypatch.setattr(logit_dp.ledger.PrivacyLedger, "to_dict", version_1)
   pt.save_checkpoint(tmp_path / "old", (params, states[3]))
   monkeypatch.undo()
   (_, old_state), from_old = _setup(steps=6).restore_checkpoint(tmp_path / "old",
@@ -704,7 +704,7 @@ def test_dp_gcl_sensitivity_groups_and_train_step_are_those_of_grouped_clipped_g
   loss = logit_dp.losses.contrastive(temperature=1.0)
   pt = _setup(method="dp_gcl", group_size=4, steps=4, noise_key=jax.random.key(1), sampler_seed=3,
               optimizer=_recorder())
-  assert pt.sensitivity == logit_dp.grouped_sensitivity(1.0) == 2.0
+  assert pt.sensitivity == logit_dp.baselines.grouped_sensitivity(1.0) == 2.0
   assert pt.grad_fn.mechanism is logit_dp.Mechanism.DP_GCL and pt.grad_fn.num_groups == 5
   assert pt.method == "dp_gcl" and pt.group_key is not None
   x, xp = _data()
@@ -717,7 +717,7 @@ def test_dp_gcl_sensitivity_groups_and_train_step_are_those_of_grouped_clipped_g
     else:
       new_params, new_state, loss_value = train_step(params, opt_state, xs, xps, batch.mask,
                                                      record_ids=batch.indices)
-    want_loss, want = logit_dp.grouped_clipped_grad(
+    want_loss, want = logit_dp.baselines.grouped_clipped_grad(
         embed_fn, loss, 1.0, 5)(params, xs, xps, batch.mask, record_ids=batch.indices,
                                 group_key=jax.random.fold_in(pt.group_key, t))
     zeros = jax.tree_util.tree_map(jnp.zeros_like, want)
@@ -807,7 +807,7 @@ def test_dp_gcl_with_dropout_gets_the_model_key_of_the_step():
   xs, xps = x[batch.indices], xp[batch.indices]
   _, new_state, _ = pt.make_train_step()(params, opt_state, xs, xps, batch.mask,
                                          record_ids=batch.indices)
-  _, want = logit_dp.grouped_clipped_grad(embed, loss, 1.0, 4, stochastic=True)(
+  _, want = logit_dp.baselines.grouped_clipped_grad(embed, loss, 1.0, 4, stochastic=True)(
       params, xs, xps, batch.mask, record_ids=batch.indices,
       group_key=jax.random.fold_in(pt.group_key, 0), key=jax.random.fold_in(pt.model_key, 0))
   noise = pt.optimizer.update(jax.tree_util.tree_map(jnp.zeros_like, want), opt_state,

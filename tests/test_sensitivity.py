@@ -217,8 +217,8 @@ def test_sensitivity_under_each_neighboring_relation():
                                                                 neighboring_relation=REPLACE_ONE)
   spread = logit_dp.clipped_grad(embed_fn, logit_dp.losses.spreadout(), clip_norm)
   assert (spread.sensitivity(), spread.sensitivity(REPLACE_ONE)) == (3.0, 4.0)
-  naive = logit_dp.naive_clipped_grad(embed_fn, loss, clip_norm)
-  grouped = logit_dp.grouped_clipped_grad(embed_fn, loss, clip_norm, 4)
+  naive = logit_dp.baselines.naive_clipped_grad(embed_fn, loss, clip_norm)
+  grouped = logit_dp.baselines.grouped_clipped_grad(embed_fn, loss, clip_norm, 4)
   for fn in (naive, grouped):
     assert [fn.sensitivity(r) for r in dp_accounting.NeighboringRelation] == [1.0, 1.0, 1.0]
   # A loss with only the removal constant gets 2C, valid for every loss.
@@ -230,7 +230,7 @@ def test_sensitivity_under_each_neighboring_relation():
     with pytest.raises(TypeError, match="NeighboringRelation"):
       logit.sensitivity(bad)
   with pytest.raises(TypeError, match="NeighboringRelation"):
-    logit_dp.naive_sensitivity(1.0, neighboring_relation="add_or_remove_one")
+    logit_dp.baselines.naive_sensitivity(1.0, neighboring_relation="add_or_remove_one")
 
 
 def _neighbour_differences(fn, params, x, x_prime):

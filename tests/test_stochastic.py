@@ -352,8 +352,8 @@ def _private(fn, stochastic):
 @pytest.mark.parametrize(
     "make", [
         functools.partial(logit_dp.clipped_grad, loss=LOSS, clip_norm=0.3),
-        functools.partial(logit_dp.naive_clipped_grad, loss=LOSS, clip_norm=0.3),
-        functools.partial(logit_dp.grouped_clipped_grad, loss=LOSS, clip_norm=0.3, num_groups=2),
+        functools.partial(logit_dp.baselines.naive_clipped_grad, loss=LOSS, clip_norm=0.3),
+        functools.partial(logit_dp.baselines.grouped_clipped_grad, loss=LOSS, clip_norm=0.3, num_groups=2),
         _private,
     ], ids=["clipped_grad", "naive_clipped_grad", "grouped_clipped_grad", "make_private"])
 def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_when_built(make):
@@ -367,9 +367,9 @@ def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_when_built
     logit_dp.clipped_grad(_deterministic, LOSS, 0.3, positive_embed_fn=plain_dropout)
   x, x_prime = _data()
   with pytest.raises(TypeError, match=r"requires a third argument.*pass stochastic=True"):
-    logit_dp.pair_grad_norms(plain_dropout, _plain_params(), x, x_prime)
+    logit_dp.clip_methods.pair_grad_norms(plain_dropout, _plain_params(), x, x_prime)
   with pytest.raises(TypeError, match=r"declared stochastic=True.*drop stochastic=True"):
-    logit_dp.pair_grad_norms(_deterministic, _plain_params(), x, x_prime, key=jax.random.key(0))
+    logit_dp.clip_methods.pair_grad_norms(_deterministic, _plain_params(), x, x_prime, key=jax.random.key(0))
 
 
 def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_on_first_call():
