@@ -5,7 +5,7 @@ import sys
 
 # `experiments/` is not an installed package: make the repository root importable
 # (also when pytest is started as `pytest` rather than `python -m pytest`).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import csv
 import io
@@ -24,7 +24,7 @@ from experiments.configs import tiny
 from experiments.configs import tiny_finetune
 from helpers import save_config_started_before
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
