@@ -112,6 +112,7 @@ def test_resnet18_cpu_config_trains_at_tiny_size(tmp_path):
   assert res["logit_dp"]["learning_rate"] == 1e-4
 
 
+@pytest.mark.slow  # a tiny training run with projected clipping (test_projected: the library's)
 def test_projected_config_trains_at_tiny_size_with_public_reference_inputs(tmp_path):
   cfg = _tiny_like(cifar10_embedding_net_projected.get_config())
   cfg.methods = ("logit_dp",)
