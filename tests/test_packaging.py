@@ -32,7 +32,7 @@ def _requirements(specs):
 def _imported_distributions(*folders):
   """The distributions that the Python files under ``folders`` import at the top level of a
   module name (standard library and first-party modules left out), by import name."""
-  first_party = {"logit_dp", "experiments", "benchmarks", "tools", "tests"}
+  first_party = {"logit_dp", "experiments", "benchmarks", "tests"}
   local = set()
   names = set()
   for folder in folders:
@@ -79,7 +79,7 @@ def test_experiments_extra_covers_the_experiment_imports():
   extras = {k: _requirements(v) for k, v in project["optional-dependencies"].items()}
   covered = set(core) | set(extras["experiments"])
   optional = {"tensorflow_datasets": "tfds"}  # imported lazily by the tfds data source only
-  for name, dists in _imported_distributions("experiments", "benchmarks", "tools").items():
+  for name, dists in _imported_distributions("experiments", "benchmarks").items():
     if name in optional:
       assert canonicalize_name(name) in extras[optional[name]]
       continue
