@@ -4,7 +4,7 @@
 # To fix what can be fixed mechanically: bash .ci/lint.sh --fix
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY_DIRS=(logit_dp tests benchmarks experiments tools)
+PY_DIRS=(logit_dp tests benchmarks experiments)
 
 if [[ "${1:-}" == "--fix" ]]; then
   yapf --in-place --recursive --parallel "${PY_DIRS[@]}"

@@ -6,10 +6,12 @@ r"""Fine-tuning on CIFAR-100 (20 coarse labels) on top of frozen pre-trained enc
 
 For every method pre-trained in ``pretrain_workdir`` (Logit-DP, Naive-DP, non-private),
 freezes its encoder, trains the 64-32-20 head and reports test accuracy and the
-per-class metrics, absolute and relative to the non-private encoder.
+per-class metrics, absolute and relative to the non-private encoder. Each invocation is timed
+in ``workdir/wallclock.json`` (``experiments.workdirs.timed_attempt``).
 """
 
 import os
+import shlex
 import sys
 
 if __package__ in (None, ""):
@@ -23,6 +25,7 @@ from ml_collections import config_flags
 from experiments import compilation_cache
 from experiments import finetuning
 from experiments import train
+from experiments import workdirs
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 config_flags.DEFINE_config_file("config", os.path.join(_HERE, "configs", "cifar100_finetune.py"),
@@ -38,7 +41,9 @@ def main(argv):
                                                          "finetune")
   print(f"workdir: {workdir}")
   compilation_cache.enable_from_flags(workdir)
-  finetuning.finetune_and_evaluate(flags.FLAGS.config, workdir)
+  with workdirs.timed_attempt(workdir, shlex.join(sys.argv)) as attempt:
+    finetuning.finetune_and_evaluate(flags.FLAGS.config, workdir)
+    attempt["returncode"] = 0
   print(f"results: {os.path.join(workdir, 'results.md')}")
 
 

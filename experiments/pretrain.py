@@ -19,11 +19,15 @@ two simulated CPU devices each, on one machine::
 Trains every method in ``config.methods`` with the same seed and data, prints the
 comparison table and writes the results folder (see ``experiments.train``).
 Re-running with the same ``--workdir`` resumes from the last checkpoint, or says "finished,
-nothing to do" when every method has been trained and evaluated. Progress: a bar on a
+nothing to do" when every method has been trained and evaluated. Each invocation is timed in
+``workdir/wallclock.json`` (its command line, seconds, return code and commit:
+``experiments.workdirs.timed_attempt``). Progress: a bar on a
 terminal, plain lines when the output goes to a file; the first step says it is compiling.
 """
 
+import contextlib
 import os
+import shlex
 import sys
 
 if __package__ in (None, ""):  # `python experiments/pretrain.py`: make the repo importable
@@ -36,6 +40,7 @@ from ml_collections import config_flags
 
 from experiments import compilation_cache
 from experiments import train
+from experiments import workdirs
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 config_flags.DEFINE_config_file("config", os.path.join(_HERE, "configs", "default.py"),
@@ -71,7 +76,10 @@ def main(argv):
   if primary:
     print(f"workdir: {workdir}")
   compilation_cache.enable_from_flags(workdir)
-  train.train_and_evaluate(flag.config, workdir)
+  timed = workdirs.timed_attempt(workdir, shlex.join(sys.argv)) if primary else None
+  with timed or contextlib.nullcontext({}) as attempt:
+    train.train_and_evaluate(flag.config, workdir)
+    attempt["returncode"] = 0
   if primary:
     print(f"results: {os.path.join(workdir, 'results.md')}")
 

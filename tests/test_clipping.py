@@ -156,9 +156,10 @@ def test_private_gradient_contracts_at_full_float32_whatever_the_ambient_precisi
   embed_fn, params, x, x_prime = make_model("conv", n=4)
   fn = logit_dp.clipped_grad(embed_fn, LOSSES["contrastive"], 1.0, method=clip_method(method, x),
                              microbatch_size=2)
+  mask = jnp.ones((4,), bool)
   highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
-  with jax.default_matmul_precision("bfloat16"):
-    precisions = _contraction_precisions(jax.make_jaxpr(fn)(params, x, x_prime).jaxpr)
+  with jax.default_matmul_precision("bfloat16"):  # the traced core: no eager input checks to run
+    precisions = _contraction_precisions(jax.make_jaxpr(fn.core)(params, x, x_prime, mask).jaxpr)
     ambient = _contraction_precisions(jax.make_jaxpr(embed_fn)(params, x).jaxpr)
   assert ambient and all(p != highest for p in ambient)  # the context does change the default
   assert len(precisions) > 10

@@ -92,7 +92,8 @@ def _float64_jacobian_norms(embed_fn, params, xs, eps=logit_dp.losses.DEFAULT_CO
   return np.sqrt(np.sum(np.asarray(jac) ** 2, axis=(1, 2)))
 
 
-@pytest.mark.parametrize("method", ["ghost", pytest.param("materialize", marks=pytest.mark.slow)])
+@pytest.mark.slow  # float64 end to end; float32's allowances: test_float32_norms, by default
+@pytest.mark.parametrize("method", ["ghost", "materialize"])
 def test_float64_runs_clip_by_norms_within_the_float64_allowance(method):
   """x64 with float64 params and inputs, every pair clipped: each norm lies between the exact
   float64 norm and it plus the float64 allowance (with float32's allowances the norms and ḡ

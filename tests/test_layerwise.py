@@ -296,7 +296,7 @@ def _leaf_names(params, indices):
         (TiedNet(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         (KernelAlsoUsedElsewhere(), (5,), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
         (ExamplesNotLeading(), (3, 5), {("Dense_0", "bias"), ("Dense_0", "kernel")}),
-        # Slow: a conv + GroupNorm mix of the cases before and after it (44 s under load). The
+        # Slow: a conv + GroupNorm mix of the cases before and after it (44 s on 2 CPU cores). The
         # circular conv is a convolution of the padded input: recognised like any other.
         pytest.param(MixedNet(), (6, 6, 2), {("GroupNorm_0", "bias"), ("GroupNorm_0", "scale"),
                                              ("scale",)}, marks=pytest.mark.slow),

@@ -46,6 +46,7 @@ def test_committed_notebook_has_its_outputs():
   sources = "".join(c.source for c in code)
   assert "matplotlib.use(" not in sources
   assert "noise_key=" not in sources and "sampler_seed=" not in sources
+  assert not any("execution" in c.metadata for c in code), "no execution timestamps"
 
 
 @pytest.mark.slow  # a training run in a kernel; test_private_training runs make_private's loop

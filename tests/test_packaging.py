@@ -32,7 +32,7 @@ def _requirements(specs):
 def _imported_distributions(*folders):
   """The distributions that the Python files under ``folders`` import at the top level of a
   module name (standard library and first-party modules left out), by import name."""
-  first_party = {"logit_dp", "experiments", "benchmarks", "tools", "tests"}
+  first_party = {"logit_dp", "experiments", "benchmarks", "tests"}
   local = set()
   names = set()
   for folder in folders:
@@ -80,7 +80,7 @@ def test_experiments_extra_covers_the_experiment_imports():
   covered = set(core) | set(extras["experiments"])
   # Imported lazily: by the tfds data source, by the jax_privacy tests (which skip without it).
   optional = {"tensorflow_datasets": "tfds", "jax_privacy": "jax-privacy"}
-  for name, dists in _imported_distributions("experiments", "benchmarks", "tools").items():
+  for name, dists in _imported_distributions("experiments", "benchmarks").items():
     if name in optional:
       assert canonicalize_name(name) in extras[optional[name]]
       continue

@@ -1,4 +1,4 @@
-"""The embedding-net run reduced to fit a 2-core CPU in ~20 minutes (docs/results_in_detail.md).
+"""The embedding-net run sized for a 2-core CPU, ~20 minutes (docs/results_in_detail.md).
 
 Same sampling rate q = 0.4, same T = 50 steps, same ε = 5 / δ = 1e-5 and therefore the
 same noise multiplier σ as the paper's run (batch 10,000 of 25,000 pair records):

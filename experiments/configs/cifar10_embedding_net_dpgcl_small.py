@@ -1,4 +1,4 @@
-"""DP-GCL beside Logit-DP and Naive-DP, reduced to a loaded 2-core CPU (~15 minutes).
+"""DP-GCL beside Logit-DP and Naive-DP, sized for a 2-core CPU (~15 minutes).
 
 The embedding-net run of `cifar10_embedding_net_cpu` made smaller: a random 4,000-image subset
 of the CIFAR-10 train split (2,000 same-class pair records), expected batch 800, so the

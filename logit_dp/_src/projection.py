@@ -101,8 +101,8 @@ def as_tangent_leaves(q: jax.Array, leaves) -> list:
 
 # Embedding dimensions up to this use the Gram form of the pair terms (`gram_norms`), larger
 # ones the vector form (`vector_norms`): per pair d²k multiply-adds in matrix products against
-# 2dk in memory-bound ones. On the loaded 2-core CPU at n = 4,000 (full Logit-DP step,
-# benchmarks/projected_forms.py, docs/BENCHMARKS.md) the Gram form was 0.86× the vector form's
+# 2dk in memory-bound ones. On 2 CPU cores at n = 4,000 (full Logit-DP step,
+# benchmarks/projected_forms.py, docs/BENCHMARKS.md) the Gram form takes 0.86× the vector form's
 # time at d = 8 and 1.08× at d = 16.
 GRAM_FORM_MAX_DIM = 8
 

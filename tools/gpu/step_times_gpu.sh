@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Step times on one GPU, in one call of at most 10 minutes: every method side by side in one
-# process per model (benchmarks/step_benchmark.py: compiled ahead of time, timed interleaved,
-# ratios to the non-private step of the same process).
+# Step times on one GPU, in under 10 minutes: every method side by side in one process per model
+# (benchmarks/step_benchmark.py: compiled ahead of time, timed interleaved, ratios to the
+# non-private step of the same process).
 #
 #   embedding  the paper's embedding net (d = 8), n = 10,000, 1,000, 4,096 (10,000 first: the
 #              headline): non-private, Naive-DP, triangle, projected, ghost (exact norms)
@@ -19,25 +19,19 @@
 # and writes its JSON after every n, so a stage cut off keeps the sizes it finished and the
 # stages after it still run. On an H100 compilation takes most of it (docs/BENCHMARKS.md: ~25 s
 # for ghost, ~60 s for ResNet-18's ghost), so the embedding stage's last size (4,096) and
-# n = 25,000's projected are the first to go if the limits are short; rerun one stage on the
-# same warm machine with the others' limits at 0 (e.g. EMBEDDING_S=0 N25000_S=0 MEMORY_S=0; its
-# compilation cache, outside RESULTS, is still there). RESULTS gets at most 7 files (the device
-# tool brings back 8): step_times.{md,json,log} and the four stages' JSON.
+# n = 25,000's projected are the first to go if the limits are short; rerun one stage with the
+# others' limits at 0 (e.g. EMBEDDING_S=0 N25000_S=0 MEMORY_S=0; the compilation cache,
+# STEP_TIMES_CACHE outside RESULTS, keeps the compiled steps). RESULTS gets
+# step_times.{md,json,log} and the four stages' JSON.
 #
 #   bash tools/gpu/step_times_gpu.sh RESULTS_DIR
 #
-# On the device (jax with CUDA is in its image; dp-accounting is not, and logit_dp imports it):
-#   here, once:  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#                  --implementation cp --platform manylinux2014_x86_64 -d .whl \
-#                  dp-accounting==0.6.0          # .whl/ is git-ignored: name it in carry
-#   one call, carry [".whl"], timeout_s 600:  bash tools/gpu/step_times_gpu.sh $OUT
-# The script installs .whl/*.whl into /tmp/step_times_site when dp_accounting does not import.
 # Expected (H100, docs/BENCHMARKS.md): ghost at n = 10,000 took 1.5-2.5 s a step, so n = 25,000
 # (6.25× the pairs) 10-15 s.
 #
 # STEP_TIMES_TINY=1 runs every stage at n = 8 and 16 on 16×16 images (the CPU test of the script,
-# tests/test_tools.py, which also narrows EMBEDDING_METHODS, BIG_METHODS, RESNET_METHODS and
-# MEMORY_METHODS to keep the compilations short).
+# tests/benchmarks/test_gpu_scripts.py, which also narrows EMBEDDING_METHODS, BIG_METHODS,
+# RESNET_METHODS and MEMORY_METHODS to keep the compilations short).
 set -u
 RES=${1:?usage: step_times_gpu.sh RESULTS_DIR}
 mkdir -p "$RES"
@@ -47,12 +41,6 @@ export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 CACHE=${STEP_TIMES_CACHE:-/tmp/step_times_jax_cache}  # outside RESULTS: many small files
 LOG=$RES/step_times.log
-
-if ! python3 -c "import dp_accounting" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/step_times_site .whl/*.whl
-  export PYTHONPATH=/tmp/step_times_site${PYTHONPATH:+:$PYTHONPATH}
-fi
 
 if [[ ${STEP_TIMES_TINY:-0} == 1 ]]; then
   SIZES=8,16 BIG=16 RESNET_N=4 MEMORY_N=16 IMAGE=16 MEM_GB=8

@@ -3,7 +3,7 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import json
 import re
@@ -25,7 +25,7 @@ from experiments.configs import cifar10_resnet18
 from experiments.configs import cifar10_resnet18_cpu
 from experiments.configs import tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tiny_like(config):
@@ -112,6 +112,7 @@ def test_resnet18_cpu_config_trains_at_tiny_size(tmp_path):
   assert res["logit_dp"]["learning_rate"] == 1e-4
 
 
+@pytest.mark.slow  # a tiny training run with projected clipping (test_projected: the library's)
 def test_projected_config_trains_at_tiny_size_with_public_reference_inputs(tmp_path):
   cfg = _tiny_like(cifar10_embedding_net_projected.get_config())
   cfg.methods = ("logit_dp",)

@@ -13,7 +13,7 @@ import tarfile
 
 # `experiments/` is not an installed package: make the repository root importable
 # (also when pytest is started as `pytest` rather than `python -m pytest`).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax
 import jax.numpy as jnp

@@ -3,10 +3,12 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import glob
 import json
 import math
+import shlex
 
 import numpy as np
 import pytest
@@ -17,7 +19,6 @@ from experiments.configs import cifar10_embedding_net_triangle
 from experiments.configs import cifar10_embedding_net_tuned
 from experiments.configs import tiny
 from experiments.configs import tune_cifar100
-from tools import run_queue
 
 # ---------------------------------------------------------------------------
 # The search logic on the real 17-candidate config, with a scripted trainer (no training).
@@ -242,7 +243,7 @@ def _parse_config_flags(config_arg: str, *overrides: str):
 
 
 def test_every_npz_config_takes_the_data_folder_from_the_command_line(scripted_search):
-  """As pretrain.py, finetune.py and tools/run_queue.py pass it: ``--config.data.npz_dir=DIR``.
+  """As pretrain.py and finetune.py take it: ``--config.data.npz_dir=DIR``.
   The tuned config once lost the placeholder's type in a copy and refused the flag."""
   configs = os.path.join(os.path.dirname(tune.__file__), "configs")
   search = os.path.join(scripted_search["results"], "search.json")
@@ -259,16 +260,22 @@ def test_every_npz_config_takes_the_data_folder_from_the_command_line(scripted_s
   assert "cifar10_embedding_net_tuned.py" in checked and len(checked) >= 10, checked
 
 
-def test_every_published_run_line_parses_with_the_committed_search():
-  """What tools/run_queue.py runs: each line's config with its overrides, the tuned config reading
-  the committed search.json (a config default added later must not make a tuned line fail)."""
+def test_every_published_pretraining_command_parses_with_the_committed_search():
+  """Each published run's command (its wallclock.json) with today's configs, the tuned config
+  reading the committed search.json (a config default added later must not make a published run
+  fail to reproduce)."""
   repo = os.path.dirname(os.path.dirname(tune.__file__))
   parsed = 0
-  for name, config, overrides in run_queue.read_queue(
-      os.path.join(repo, "tools", "published_runs.txt")):
-    if config == "finetune":
+  for path in sorted(glob.glob(os.path.join(repo, "docs", "results", "*", "wallclock.json"))):
+    with open(path) as f:
+      script, *args = shlex.split(json.load(f)["command"])
+    if not script.endswith("pretrain.py"):
       continue
-    cfg = _parse_config_flags(os.path.join(repo, config), *overrides)
+    (config,) = (a.split("=", 1)[1] for a in args if a.startswith("--config="))
+    overrides = [a for a in args if a.startswith("--config.")]
+    cfg = _parse_config_flags(
+        os.path.join(repo, "experiments", "configs", os.path.basename(config)), *overrides)
+    name = os.path.basename(os.path.dirname(path))
     assert cfg.seed == int(name.rsplit("_s", 1)[1]), name
     if "--config.delta_includes_overflow=False" in overrides:
       assert cfg.delta_includes_overflow is False

@@ -3,7 +3,7 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import json
 import re
@@ -18,10 +18,8 @@ from experiments import train
 from experiments.configs import cifar10_embedding_net_dpgcl
 from experiments.configs import cifar10_embedding_net_triangle
 from experiments.configs import tiny
-from tools import run_queue
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PUBLISHED_RUNS = os.path.join(REPO, "tools", "published_runs.txt")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = "cifar10_embnet:5=cifar10_embnet_triangle"
 DOC = f"# t\n<!-- generated:curve:{SPEC} -->\n<!-- /generated:curve:{SPEC} -->\n"
 ALL = ("logit_dp", "naive_dp", "dp_gcl", "non_private")
@@ -244,41 +242,3 @@ def test_dpgcl_config_trains_every_method_at_tiny_size(tmp_path):
   res = train.train_and_evaluate(cfg, str(tmp_path), quiet=True)
   assert set(res) == set(ALL) and all(r["steps"] == 1 for r in res.values())
   assert res["dp_gcl"]["sensitivity"] == 2.0 and res["dp_gcl"]["learning_rate"] == 1e-2
-
-
-def test_published_run_lines_after_the_search():
-  runs = run_queue.read_queue(PUBLISHED_RUNS)
-  q = [(n, c, o) for n, c, o in runs if n.startswith(("cifar10_embnet_tuned", "cifar100_ft_tuned"))]
-  names = [n for n, _, _ in q]
-  curve = {f"cifar10_embnet_tuned_eps{e}_s{s}" for e in (1, 2, 8) for s in (0, 1, 2)}
-  tuned = {f"cifar10_embnet_tuned_s{s}" for s in (0, 1, 2)}
-  finetune = {f"cifar100_ft_tuned_s{s}" for s in (0, 1, 2)}
-  assert len(names) == len(set(names)) and set(names) == curve | tuned | finetune
-  for name, config, overrides in q:
-    if name in finetune:
-      assert config == "finetune" and overrides == [name.replace("cifar100_ft", "cifar10_embnet")]
-      continue
-    assert config == "experiments/configs/cifar10_embedding_net_tuned.py"
-    assert f"--config.seed={name.rsplit('_s', 1)[1]}" in overrides
-    if name in curve:  # every private method, σ recalibrated for ε; non-private is the ε = 5 run's
-      e = name.split("_eps")[1].split("_s")[0]
-      assert f"--config.target_epsilon={e}.0" in overrides
-      assert "--config.methods=('logit_dp','naive_dp','dp_gcl')" in overrides
-    else:
-      assert not any(
-          o.startswith(("--config.target_epsilon", "--config.methods")) for o in overrides)
-  # Each seed's ε = 5 run comes before its curve runs.
-  for s in (0, 1, 2):
-    assert names.index(f"cifar10_embnet_tuned_s{s}") < names.index(
-        f"cifar10_embnet_tuned_eps1_s{s}")
-
-
-def test_dpgcl_run_lines_pair_with_the_triangle_seeds():
-  queue = run_queue.read_queue(PUBLISHED_RUNS)
-  q = {n: (c, o) for n, c, o in queue}
-  for s in (0, 1, 2):
-    config, overrides = q[f"cifar10_embnet_dpgcl_s{s}"]
-    assert config == "experiments/configs/cifar10_embedding_net_dpgcl.py"
-    assert "--config.methods=('dp_gcl',)" in overrides and f"--config.seed={s}" in overrides
-    assert q[f"cifar10_embnet_triangle_s{s}"][0] == (
-        "experiments/configs/cifar10_embedding_net_triangle.py")

@@ -5,7 +5,7 @@ import sys
 
 # `experiments/` is not an installed package: make the repository root importable
 # (also when pytest is started as `pytest` rather than `python -m pytest`).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import csv
 import io
@@ -24,7 +24,7 @@ from experiments.configs import tiny
 from experiments.configs import tiny_finetune
 from helpers import save_config_started_before
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,7 @@ def _params_equal(a, b):
       np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
+@pytest.mark.slow  # the tiny pipeline run (pretrained); the library's steps are tested in tests/
 def test_pretrain_results_folder(pretrained):
   workdir, results = pretrained
   assert set(results) == {"logit_dp", "naive_dp", "non_private"}
@@ -62,6 +63,7 @@ def test_pretrain_results_folder(pretrained):
   assert "Logit-DP" in table and "Naive-DP" in table and "rel. acc" in table
 
 
+@pytest.mark.slow  # the tiny pipeline run (pretrained); the library's steps are tested in tests/
 def test_privacy_of_dp_runs(pretrained):
   _, results = pretrained
   cfg = tiny.get_config()
@@ -80,8 +82,8 @@ def test_privacy_of_dp_runs(pretrained):
 
 # logit_dp is slow: test_ledger.test_kill_and_resume_reports_the_same_epsilon_and_noise resumes
 # the noise and the ledger by default.
-@pytest.mark.parametrize("method",
-                         [pytest.param("logit_dp", marks=pytest.mark.slow), "non_private"])
+@pytest.mark.slow  # the tiny pipeline run (pretrained) and a resumed one
+@pytest.mark.parametrize("method", ["logit_dp", "non_private"])
 def test_resume_matches_uninterrupted_run(pretrained, tmp_path, method):
   ref_dir, ref = pretrained
   cfg = tiny.get_config()
@@ -130,6 +132,7 @@ def test_a_row_is_logged_at_every_checkpoint(tmp_path):
     assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 2, 3, 4]
 
 
+@pytest.mark.slow  # the tiny pipeline run (pretrained); the library's steps are tested in tests/
 def test_signal_to_noise_measures_at_a_runs_trained_parameters(pretrained):
   from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
   workdir, results = pretrained
@@ -146,6 +149,7 @@ def test_signal_to_noise_measures_at_a_runs_trained_parameters(pretrained):
     signal_to_noise.load_params(f"{workdir}:non_private", other, x)
 
 
+@pytest.mark.slow  # a tiny training run
 def test_signal_to_noise_initial_parameters_are_those_a_run_of_the_seed_starts_from(tmp_path):
   """"initial (seed S)" is where seed S's runs start: a run of seed 3 whose updates are zero
   (learning rate 0) ends at exactly the measured parameters."""
@@ -161,6 +165,7 @@ def test_signal_to_noise_initial_parameters_are_those_a_run_of_the_seed_starts_f
       signal_to_noise.load_params(None, cfg, np.zeros((1, 8, 8, 1)))[0], unmoved)
 
 
+@pytest.mark.slow  # two tiny training runs
 def test_untrained_baseline_added_to_a_finished_run(tmp_path):
   """Adding "untrained" to a finished run evaluates the seed's initial parameters and keeps the
   finished method's results (train time included) as they were."""
@@ -189,6 +194,7 @@ def test_untrained_baseline_added_to_a_finished_run(tmp_path):
   assert "params" in fresh
 
 
+@pytest.mark.slow  # the tiny pipeline run (pretrained); the library's steps are tested in tests/
 def test_resume_refuses_a_different_config(pretrained):
   workdir, _ = pretrained
   cfg = tiny.get_config()
@@ -240,6 +246,7 @@ def test_num_devices_flag_reproduces_the_single_device_run(pretrained, tmp_path,
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # two tiny training runs; the library's secret seeds: test_private_training
 def test_privacy_seeds_are_secret_by_default_and_survive_a_resume(tmp_path):
   cfg = tiny.get_config()
   cfg.methods = ("logit_dp",)
@@ -290,10 +297,10 @@ def test_private_train_loss_only_as_labelled_diagnostic(tmp_path):
   assert "train_loss_NONPRIVATE_diagnostic" in header
 
 
-# Slow: the sharded statistics are compared with the global batch's by test_distributed.
-@pytest.mark.parametrize(
-    "method,num_devices",
-    [("logit_dp", 1), pytest.param("naive_dp", 2, marks=pytest.mark.slow)])
+# Slow: tiny training runs; the statistics themselves are tested by test_clip_stats and, sharded,
+# by test_distributed.
+@pytest.mark.slow
+@pytest.mark.parametrize("method,num_devices", [("logit_dp", 1), ("naive_dp", 2)])
 def test_clip_stats_only_as_labelled_diagnostics(tmp_path, method, num_devices):
   cfg = tiny.get_config()
   cfg.methods = (method,)
@@ -310,7 +317,7 @@ def test_clip_stats_only_as_labelled_diagnostics(tmp_path, method, num_devices):
     assert float(row["median_norm_NONPRIVATE_diagnostic"]) > 0.0
 
 
-@pytest.mark.slow  # a second pipeline run; train_head and standardize are tested by default below
+@pytest.mark.slow  # a second pipeline run; train_head and standardize are tested below
 def test_finetune_on_frozen_encoders(pretrained, tmp_path):
   workdir, _ = pretrained
   cfg = tiny_finetune.get_config()
@@ -325,6 +332,7 @@ def test_finetune_on_frozen_encoders(pretrained, tmp_path):
   assert saved["logit_dp"]["epsilon"] == pytest.approx(results["logit_dp"]["epsilon"])
 
 
+@pytest.mark.slow  # a tiny training run and a head
 def test_head_on_standardised_embeddings(tmp_path):
   """Standardising uses the train split's statistics; it rescues embeddings with a large offset.
 
@@ -348,7 +356,7 @@ def test_head_on_standardised_embeddings(tmp_path):
   assert np.mean(pred == y_te) > 0.95
 
 
-@pytest.mark.slow  # test_experiment_runs.test_run_queue_runs_skips_and_publishes runs pretrain.py
+@pytest.mark.slow  # subprocesses; tests/benchmarks/test_gpu_scripts.py runs pretrain.py too
 def test_scripts_from_the_command_line(pretrained, tmp_path):
   """Both absl entry points, as a user runs them (cheap settings)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -471,6 +479,7 @@ def test_a_run_started_before_the_dp_gcl_config_resumes(tmp_path):
     train.check_resumable(cfg, str(tmp_path))
 
 
+@pytest.mark.slow  # the tiny pipeline run (pretrained); the library's steps are tested in tests/
 def test_embedding_geometry_of_a_finished_run(pretrained):
   """The diagnostic's statistics against a direct computation on the run's own encoders."""
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
@@ -537,6 +546,7 @@ def test_geometry_block_renders_every_method_of_every_report(tmp_path):
 # -- Loud where it matters: finished workdirs, progress, non-finite rows. --------------------
 
 
+@pytest.mark.slow  # the tiny pipeline run (pretrained); the library's steps are tested in tests/
 def test_rerunning_a_finished_workdir_says_nothing_to_do(pretrained, capsys):
   workdir, results = pretrained
   table = os.path.join(workdir, "results.md")

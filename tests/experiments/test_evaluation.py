@@ -5,7 +5,7 @@ import sys
 
 # `experiments/` is not an installed package: make the repository root importable
 # (also when pytest is started as `pytest` rather than `python -m pytest`).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np
 import pytest

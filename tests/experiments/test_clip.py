@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +17,7 @@ from experiments.configs import clip_cifar10
 from experiments.configs import clip_cifar100
 from experiments.configs import clip_tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAMES = ["apple", "maple_tree", "lawn_mower", "sea", "aquarium_fish"]
 
 

@@ -1,1 +1,0 @@
-"""Contributor tools: the run driver and the accelerator scripts (see tools/README.md)."""
