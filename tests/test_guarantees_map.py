@@ -8,7 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `test_x.py::test_name` or, after one, `::test_name` (the same file).
-_REFERENCE = re.compile(r"`(test_\w+\.py)?::(test_\w+)")
+_REFERENCE = re.compile(r"`((?:\w+/)?test_\w+\.py)?::(test_\w+)")
 
 
 def _references():

@@ -54,6 +54,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import pathlib
 from typing import Any
 
 from logit_dp._src import accounting
@@ -506,8 +507,7 @@ def state_differences(directory, step: int, template: Any) -> list[str]:
   """How the state saved in checkpoint ``step`` differs from ``template``: one line per leaf
   held by only one of them, or with another shape (read from the checkpoint's metadata)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  path = epath.Path(os.path.abspath(os.fspath(directory))) / str(step) / _STATE_ITEM
+  path = pathlib.Path(os.path.abspath(os.fspath(directory))) / str(step) / _STATE_ITEM
   stored = ocp.StandardCheckpointHandler().metadata(path).tree
   saved = _leaf_shapes(stored, is_leaf=lambda a: hasattr(a, "shape"))
   wanted = _leaf_shapes(template)
