@@ -35,6 +35,7 @@ Jacobians. For example::
 from logit_dp import accounting
 from logit_dp import audit
 from logit_dp import clip_methods
+from logit_dp import contrast_clipping
 from logit_dp import distributed
 from logit_dp import ledger
 from logit_dp import losses
@@ -90,6 +91,7 @@ __all__ = [
     "assign_groups",
     "audit",
     "clip_methods",
+    "contrast_clipping",
     "distributed",
     "ledger",
     "sampling",

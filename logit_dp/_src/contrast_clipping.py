@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -120,40 +120,56 @@ def _weights(z: jax.Array, temperature: float, valid: jax.Array,
   return s, same
 
 
-def clipped_sums(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array,
-                 x_prime: jax.Array, *, clip_terms: str = "contrast", mask: jax.Array | None = None,
-                 group_ids: jax.Array | None = None, row_block: int = 8,
-                 jacobian_block: int = 32) -> dict[str, jax.Array]:
+class DenseBatch(NamedTuple):
+  """A batch's normalised embeddings and their dense per-example Jacobians (flat parameters)."""
+  u: jax.Array  # (n, d) n(Φ_w(x_i))
+  jac_u: jax.Array  # (n, d, p) ∂û_i/∂w
+  v: jax.Array  # (n, d) n(Φ_w(x'_j))
+  jac_v: jax.Array  # (n, d, p) ∂v̂_j/∂w
+  unravel: Callable  # flat (p,) -> params pytree
+
+
+def dense_batch(embed_fn: EmbedFn, params, x: jax.Array, x_prime: jax.Array,
+                jacobian_block: int = 32) -> DenseBatch:
+  """`DenseBatch` of n pairs: 2n per-example Jacobians by `jax.jacrev`, ``jacobian_block`` at a
+  time."""
+  u, jac_u, unravel = normalized_jacobians(embed_fn, params, x, jacobian_block)
+  v, jac_v, _ = normalized_jacobians(embed_fn, params, x_prime, jacobian_block)
+  return DenseBatch(u, jac_u, v, jac_v, unravel)
+
+
+def clipped_sums(batch: DenseBatch, loss, clip_norm: float, *, clip_terms: str = "contrast",
+                 mask: jax.Array | None = None, group_ids: jax.Array | None = None,
+                 row_block: int = 8) -> dict[str, jax.Array]:
   """The rows' clipped sums R_i (flat, (n, p)) and the clipped terms' norms, materialised.
 
   clip_terms="contrast": R_i = Σ_{j≠i} (s_ij/τ)·min(1, B/‖D_ij‖)·D_ij, norms ‖D_ij‖;
   clip_terms="pair": R_i = Σ_j τ_ij·min(1, B/‖g_ij‖)·g_ij (Logit-DP), norms ‖g_ij‖.
   s is the softmax of row i over its valid columns (of its own group with ``group_ids``).
+  g_ij = J_iᵀv̂_j + J'_jᵀû_i is formed as a vector and normed without a float allowance.
 
   Args:
-    embed_fn: Φ(params, x) -> (m, d) embeddings.
+    batch: `dense_batch` of the n pairs.
     loss: a `losses.Contrastive`.
     clip_norm: B (math.inf: no clipping).
-    params, x, x_prime: parameters and the n pairs.
     clip_terms: "contrast" or "pair".
     mask: (n,) booleans, the valid pairs (default all).
     group_ids: (n,) integers, each pair's group (default one group).
-    row_block: rows whose n clipped terms are formed at once.
-    jacobian_block: examples per vectorised Jacobian computation.
+    row_block: rows whose n clipped terms are formed at once (row_block·n·p floats).
 
   Returns:
-    {"rows": (n, p) R_i, "norms": (n, n) the clipped terms' norms (0 off the valid set),
-     "weights": (n, n) the coefficients of the clipped terms, "z": (n, n) similarities}.
+    {"rows": (n, p) R_i, "norms": (n, n) the clipped terms' norms (0 outside the pairs of
+     valid same-group rows), "weights": (n, n) the coefficients of the clipped terms before
+     clipping, "z": (n, n) similarities}.
   """
   if not isinstance(loss, losses_lib.Contrastive):
     raise TypeError(f"contrast clipping needs a logit_dp.losses.contrastive loss, got {loss!r}.")
   if clip_terms not in CLIP_TERMS:
     raise ValueError(f"clip_terms must be one of {CLIP_TERMS}, got {clip_terms!r}.")
   b = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
-  n = x.shape[0]
+  u, jac_u, v, jac_v = batch.u, batch.jac_u, batch.v, batch.jac_v
+  n = u.shape[0]
   valid = jnp.ones((n,), bool) if mask is None else jnp.asarray(mask, bool)
-  u, jac_u, _ = normalized_jacobians(embed_fn, params, x, jacobian_block)
-  v, jac_v, _ = normalized_jacobians(embed_fn, params, x_prime, jacobian_block)
   z = jnp.matmul(u, v.T, precision=numerics.HIGHEST)
   s, same = _weights(z, loss.temperature, valid, group_ids)
   eye = jnp.eye(n, dtype=bool)
@@ -185,6 +201,19 @@ def clipped_sums(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array
   return dict(rows=rows_sum, norms=jnp.where(same, norms, 0.0), weights=weights, z=z)
 
 
+def group_sums(rows: jax.Array, group_ids: jax.Array,
+               group_clip_norm: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """(Σ_h min(1, K/‖G_h‖)·G_h, the (n,) norms ‖G_h‖ (0 for absent groups)), G_h = Σ_{i∈h} R_i."""
+  n = rows.shape[0]
+  _, dense_ids = jnp.unique(jnp.asarray(group_ids), return_inverse=True, size=n)
+  sums = jax.ops.segment_sum(rows, dense_ids.reshape(-1), num_segments=n)
+  norms = jnp.sqrt(jnp.sum(sums * sums, axis=1))
+  if group_clip_norm is not None:
+    k = sensitivity_lib.check_clip_norm(group_clip_norm, allow_inf=True)
+    sums = sums * numerics.clip_factor(norms, k)[:, None]
+  return jnp.sum(sums, axis=0), norms
+
+
 def contrast_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array,
                           x_prime: jax.Array, *, clip_terms: str = "contrast",
                           mask: jax.Array | None = None, group_ids: jax.Array | None = None,
@@ -198,22 +227,12 @@ def contrast_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, params, x: 
   """
   if group_clip_norm is not None and group_ids is None:
     raise ValueError("group_clip_norm needs group_ids (each pair's group).")
-  out = clipped_sums(embed_fn, loss, clip_norm, params, x, x_prime, clip_terms=clip_terms,
-                     mask=mask, group_ids=group_ids, row_block=row_block,
-                     jacobian_block=jacobian_block)
-  rows = out["rows"]
+  batch = dense_batch(embed_fn, params, x, x_prime, jacobian_block)
+  rows = clipped_sums(batch, loss, clip_norm, clip_terms=clip_terms, mask=mask,
+                      group_ids=group_ids, row_block=row_block)["rows"]
   if group_ids is None:
-    total = jnp.sum(rows, axis=0)
-  else:
-    group_ids = jnp.asarray(group_ids)
-    num_segments = x.shape[0]
-    _, dense_ids = jnp.unique(group_ids, return_inverse=True, size=num_segments)
-    sums = jax.ops.segment_sum(rows, dense_ids.reshape(-1), num_segments=num_segments)
-    if group_clip_norm is not None:
-      k = sensitivity_lib.check_clip_norm(group_clip_norm, allow_inf=True)
-      sums = sums * numerics.clip_factor(jnp.sqrt(jnp.sum(sums * sums, axis=1)), k)[:, None]
-    total = jnp.sum(sums, axis=0)
-  return ravel_pytree(params)[1](total)
+    return batch.unravel(jnp.sum(rows, axis=0))
+  return batch.unravel(group_sums(rows, group_ids, group_clip_norm)[0])
 
 
 def removal_gaps(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array,
