@@ -241,19 +241,18 @@ def removal_gaps(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array
                  group_clip_norm: float | None = None) -> jax.Array:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, pair k deleted (not masked), as an (n,) array."""
   n = x.shape[0]
-  flat = lambda tree: ravel_pytree(tree)[0]
-  kwargs = dict(clip_terms=clip_terms, group_clip_norm=group_clip_norm, row_block=n)
-  full = flat(contrast_clipped_grad(embed_fn, loss, clip_norm, params, x, x_prime,
-                                    group_ids=group_ids, **kwargs))
-  gaps = []
-  for k in range(n):
-    keep = jnp.arange(n) != k
-    kept = jnp.nonzero(keep, size=n - 1)[0]
-    ids = None if group_ids is None else jnp.asarray(group_ids)[kept]
-    smaller = flat(contrast_clipped_grad(embed_fn, loss, clip_norm, params, x[kept],
-                                         x_prime[kept], group_ids=ids, **kwargs))
-    gaps.append(jnp.sqrt(jnp.sum((full - smaller)**2)))
-  return jnp.stack(gaps)
+
+  def grad(p, xs, xps, ids):
+    g = contrast_clipped_grad(embed_fn, loss, clip_norm, p, xs, xps, clip_terms=clip_terms,
+                              group_ids=ids, group_clip_norm=group_clip_norm, row_block=n)
+    return ravel_pytree(g)[0]
+
+  full = grad(params, x, x_prime, group_ids)
+  kept = jnp.stack([jnp.concatenate([jnp.arange(k), jnp.arange(k + 1, n)]) for k in range(n)])
+  ids = None if group_ids is None else jnp.asarray(group_ids)[kept]
+  smaller = jax.vmap(grad, in_axes=(None, 0, 0, None if ids is None else 0))(params, x[kept],
+                                                                             x_prime[kept], ids)
+  return jnp.sqrt(jnp.sum((full[None] - smaller)**2, axis=1))
 
 
 def search_worst_case(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array,
