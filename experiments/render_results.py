@@ -649,17 +649,19 @@ def contrast_snr_table(reports) -> str:
       "SNR = ‖ḡ‖ / (σΔ√p) of one batch ÷ that of Logit-DP with exact norms; in brackets "
       "SNR·cos(ḡ, ∇ℒ) ÷ the same for Logit-DP with exact norms (the part of the signal along "
       "∇ℒ). B: the config's for every method, or each method's own norms' quantile. Grouped "
-      "contrast clipping with expected group size s: K the median of its group sums' norms." +
-      _config_changes(reports[0]), "", "| parameters | n | B | " +
-      " | ".join(_CONTRAST_LABELS.get(n, n.replace("grouped_contrast_s", "grouped contrast, s = "))
-                 for n in names) + " |", "|---|---|---|" + "---|" * len(names)
+      "contrast clipping with expected group size s: K the median of its group sums' norms."
+      + _config_changes(reports[0]), "", "| parameters | n | B | " + " | ".join(
+          _CONTRAST_LABELS.get(n, n.replace("grouped_contrast_s", "grouped contrast, s = "))
+          for n in names) + " |", "|---|---|---|" + "---|" * len(names)
   ]
   for r in reports:
     m = r["methods"]
     base = m["logit_dp_exact"]
     along = base["snr"] * base["cos_with_true_grad"]
-    cells = [f"{m[n]['snr'] / base['snr']:.2f} ({m[n]['snr'] * m[n]['cos_with_true_grad'] / along:+.2f})"
-             for n in names]
+    cells = [
+        f"{m[n]['snr'] / base['snr']:.2f} ({m[n]['snr'] * m[n]['cos_with_true_grad'] / along:+.2f})"
+        for n in names
+    ]
     q = r.get("clip_quantile")
     bound = f"{r['clip_norm']:g}" if q is None else f"{q:g}-quantile"
     lines.append(f"| {r['parameters']} | {r['n']:,} | {bound} | " + " | ".join(cells) + " |")

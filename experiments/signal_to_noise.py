@@ -75,8 +75,9 @@ def _define_flags():
                     "Expected group sizes of grouped contrast clipping.")
   flags.DEFINE_float("group_quantile", 0.5, "K of grouped contrast clipping: this quantile of "
                      "its group sums' norms.")
-  flags.DEFINE_float("clip_quantile", None, "Each method's B at this quantile of its own norms "
-                     "(0.1, 0.5 or 0.9); default: the config's B for every method.")
+  flags.DEFINE_float(
+      "clip_quantile", None, "Each method's B at this quantile of its own norms "
+      "(0.1, 0.5 or 0.9); default: the config's B for every method.")
 
 
 def parse_overrides(items) -> dict:
@@ -118,7 +119,7 @@ def load_params(params_from: str | None, config, x):
 
 def _entry(g, true_grad, delta: float, sigma: float, num_params: int, clip_norm: float) -> dict:
   norm = float(optax.global_norm(g))
-  noise_norm = sigma * delta * num_params**0.5
+  noise_norm = sigma * delta * num_params ** 0.5
   cos = clip_bias.tree_cosine(g, true_grad)
   return dict(grad_norm=norm, sensitivity=delta, noise_norm=noise_norm, snr=norm / noise_norm,
               cos_with_true_grad=cos, snr_along_true_grad=norm * cos / noise_norm,
@@ -129,8 +130,8 @@ def _quantile(norms, where, q: float) -> float:
   return float(np.quantile(np.asarray(norms)[np.asarray(where)], q))
 
 
-def measure_contrast(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float,
-                     true_grad, clip_quantile: float | None = None, group_sizes=(8, 32),
+def measure_contrast(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, true_grad,
+                     clip_quantile: float | None = None, group_sizes=(8, 32),
                      group_quantile: float = 0.5) -> dict:
   """Entries for Logit-DP with exact norms, contrast clipping and grouped contrast clipping."""
   cc = logit_dp.contrast_clipping
@@ -139,15 +140,15 @@ def measure_contrast(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma
   batch = cc.dense_batch(apply_fn, params, x, x_prime)
   off_diagonal = ~np.eye(n, dtype=bool)
   out = {}
-  for name, terms, where in (("logit_dp_exact", "pair", np.ones((n, n), bool)),
-                             ("contrast", "contrast", off_diagonal)):
+  for name, terms, where in (("logit_dp_exact", "pair", np.ones(
+      (n, n), bool)), ("contrast", "contrast", off_diagonal)):
     bound = clip_norm
     if clip_quantile is not None:
       norms = cc.clipped_sums(batch, loss, math.inf, clip_terms=terms)["norms"]
       bound = _quantile(norms, where, clip_quantile)
     rows = cc.clipped_sums(batch, loss, bound, clip_terms=terms)["rows"]
-    delta = (logit_dp.sensitivity(loss, bound) if terms == "pair" else
-             cc.contrast_sensitivity(loss, bound))
+    delta = (logit_dp.sensitivity(loss, bound) if terms == "pair" else cc.contrast_sensitivity(
+        loss, bound))
     out[name] = _entry(batch.unravel(jnp.sum(rows, 0)), true_grad, delta, sigma, num_params, bound)
   contrast_bound = out["contrast"]["clip_norm"]
   for size in group_sizes:
@@ -196,8 +197,7 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
     if clip_quantile not in logit_dp.QUANTILE_LEVELS:
       raise ValueError(f"--clip_quantile must be one of {logit_dp.QUANTILE_LEVELS}.")
     clip_norm = extra["logit_dp_exact"]["clip_norm"]
-    fn = logit_dp.grouped_clipped_grad(apply_fn, loss, _UNCLIPPED, num_groups,
-                                       microbatch_size=500)
+    fn = logit_dp.grouped_clipped_grad(apply_fn, loss, _UNCLIPPED, num_groups, microbatch_size=500)
     stats = fn.with_stats(params, x, x_prime, record_ids=record_ids, group_key=group_key)[2]
     gcl_clip_norm = float(stats.quantiles[logit_dp.QUANTILE_LEVELS.index(clip_quantile)])
 
@@ -249,13 +249,13 @@ def main(argv):
                                       npz_dir=FLAGS.npz_dir)))
   t0 = time.time()
   methods = measure(apply_fn, params, x, x_prime, logit_dp.losses.contrastive(config.temperature),
-                    float(config.clip_norm), sigma, FLAGS.logit_dp_methods, reference,
-                    projection.rank, float(config.dp_gcl.group_size), FLAGS.contrast,
-                    FLAGS.clip_quantile, [int(v) for v in FLAGS.contrast_group_sizes],
-                    FLAGS.group_quantile)
-  report = dict(n=FLAGS.n, clip_norm=float(config.clip_norm), clip_quantile=FLAGS.clip_quantile, temperature=config.temperature,
-                noise_multiplier=sigma, parameters=described, overrides=overrides, methods=methods,
-                seconds=time.time() - t0)
+                    float(config.clip_norm), sigma,
+                    FLAGS.logit_dp_methods, reference, projection.rank,
+                    float(config.dp_gcl.group_size), FLAGS.contrast, FLAGS.clip_quantile,
+                    [int(v) for v in FLAGS.contrast_group_sizes], FLAGS.group_quantile)
+  report = dict(n=FLAGS.n, clip_norm=float(config.clip_norm), clip_quantile=FLAGS.clip_quantile,
+                temperature=config.temperature, noise_multiplier=sigma, parameters=described,
+                overrides=overrides, methods=methods, seconds=time.time() - t0)
   for name, m in methods.items():
     print(name, json.dumps(m), flush=True)
   if FLAGS.out:

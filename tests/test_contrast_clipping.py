@@ -42,9 +42,10 @@ def make(kind, n, seed, scale=1.0):
     params = {"w": jax.random.normal(k[0], (3, 3), f64)}
     fn = linear
   else:
-    params = {"w1": jax.random.normal(k[0], (3, 4), f64),
-              "b1": 0.1 * jax.random.normal(k[1], (4,), f64),
-              "w2": jax.random.normal(k[2], (4, 3), f64)}
+    params = {
+        "w1": jax.random.normal(k[0], (3, 4), f64), "b1": 0.1 * jax.random.normal(k[1], (4,), f64),
+        "w2": jax.random.normal(k[2], (4, 3), f64)
+    }
     fn = mlp
   x = scale * jax.random.normal(k[3], (n, 3), f64)
   x_prime = x + 0.3 * scale * jax.random.normal(k[4], (n, 3), f64)
@@ -137,8 +138,10 @@ def test_grouped_sum_matches_the_brute_force():
   got = cc.contrast_clipped_grad(fn, loss, 0.02, params, x, x_prime, group_ids=groups,
                                  group_clip_norm=0.004)
   np.testing.assert_allclose(flat(got), expected, rtol=1e-10, atol=1e-14)
-  per_group = [np.linalg.norm(brute_force(fn, loss, 0.02, params, x[groups == h],
-                                          x_prime[groups == h])[0]) for h in range(3)]
+  per_group = [
+      np.linalg.norm(brute_force(fn, loss, 0.02, params, x[groups == h], x_prime[groups == h])[0])
+      for h in range(3)
+  ]
   assert max(per_group) > 0.004  # the group clip is active
 
 
@@ -164,7 +167,7 @@ def test_constant_is_logit_dp_minus_one_row_term(tau):
                                logit_dp.sensitivity(loss, 3.0, n) - 3.0 / tau, rtol=1e-12)
   a = math.exp(2 / tau)
   np.testing.assert_allclose(cc.contrast_sensitivity_factor(tau), (1 + 2 * a) / tau)
-  assert cc.contrast_sensitivity(loss, 1.0, 10**6) < cc.contrast_sensitivity(loss, 1.0)
+  assert cc.contrast_sensitivity(loss, 1.0, 10 ** 6) < cc.contrast_sensitivity(loss, 1.0)
   np.testing.assert_allclose(cc.contrast_sensitivity(loss, 1.0, group_clip_norm=0.1), 0.2)
   np.testing.assert_allclose(cc.contrast_sensitivity(loss, 1.0, group_clip_norm=math.inf),
                              (1 + 2 * a) / tau)
@@ -221,13 +224,13 @@ def test_constructed_batch_approaches_the_supremum():
 
 
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
-@hypothesis.given(
-    kind=st.sampled_from(["linear", "mlp"]), n=st.integers(2, 6), tau=st.floats(0.3, 3.0),
-    log_b=st.floats(-3, 1), scale=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 99))
+@hypothesis.given(kind=st.sampled_from(["linear", "mlp"]), n=st.integers(2, 6),
+                  tau=st.floats(0.3, 3.0), log_b=st.floats(-3, 1),
+                  scale=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 99))
 def test_random_batches_stay_below_the_constant(kind, n, tau, log_b, scale, seed):
   fn, params, x, x_prime = make(kind, n, seed, scale)
   loss = logit_dp.losses.contrastive(tau)
-  b = 10.0**log_b
+  b = 10.0 ** log_b
   gaps = np.asarray(cc.removal_gaps(fn, loss, b, params, x, x_prime))
   assert np.all(np.isfinite(gaps))
   assert gaps.max() <= cc.contrast_sensitivity(loss, b, n) * (1 + 1e-9)
@@ -240,8 +243,8 @@ def test_grouped_removal_stays_within_two_group_clip_norms():
     fn, params, x, x_prime = make("mlp", 8, seed)
     groups = logit_dp.assign_groups(jnp.arange(8), jax.random.PRNGKey(seed), 2)
     k = 0.002
-    gaps = np.asarray(cc.removal_gaps(fn, loss, 0.01, params, x, x_prime, group_ids=groups,
-                                      group_clip_norm=k))
+    gaps = np.asarray(
+        cc.removal_gaps(fn, loss, 0.01, params, x, x_prime, group_ids=groups, group_clip_norm=k))
     assert gaps.max() <= cc.contrast_sensitivity(loss, 0.01, group_clip_norm=k) * (1 + 1e-9)
     worst = max(worst, gaps.max() / (2 * k))
   assert worst > 0.5  # K alone would be violated

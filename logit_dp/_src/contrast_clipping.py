@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -186,8 +186,8 @@ def clipped_sums(batch: DenseBatch, loss, clip_norm: float, *, clip_terms: str =
   def block_terms(args):
     rows, real_rows = args
     # g_ij = J_iᵀv̂_j + J'_jᵀû_i for i in the block, every j: (r, n, p).
-    g = (jnp.einsum("rdp,jd->rjp", jac_u[rows], v, precision=hp) +
-         jnp.einsum("jdp,rd->rjp", jac_v, u[rows], precision=hp))
+    g = (jnp.einsum("rdp,jd->rjp", jac_u[rows], v, precision=hp)
+         + jnp.einsum("jdp,rd->rjp", jac_v, u[rows], precision=hp))
     if clip_terms == "contrast":
       g = g - g[jnp.arange(rows.shape[0]), rows][:, None, :]
     norms = jnp.sqrt(jnp.sum(g * g, axis=-1))
@@ -228,8 +228,8 @@ def contrast_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, params, x: 
   if group_clip_norm is not None and group_ids is None:
     raise ValueError("group_clip_norm needs group_ids (each pair's group).")
   batch = dense_batch(embed_fn, params, x, x_prime, jacobian_block)
-  rows = clipped_sums(batch, loss, clip_norm, clip_terms=clip_terms, mask=mask,
-                      group_ids=group_ids, row_block=row_block)["rows"]
+  rows = clipped_sums(batch, loss, clip_norm, clip_terms=clip_terms, mask=mask, group_ids=group_ids,
+                      row_block=row_block)["rows"]
   if group_ids is None:
     return batch.unravel(jnp.sum(rows, axis=0))
   return batch.unravel(group_sums(rows, group_ids, group_clip_norm)[0])
@@ -252,7 +252,7 @@ def removal_gaps(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array
   ids = None if group_ids is None else jnp.asarray(group_ids)[kept]
   smaller = jax.vmap(grad, in_axes=(None, 0, 0, None if ids is None else 0))(params, x[kept],
                                                                              x_prime[kept], ids)
-  return jnp.sqrt(jnp.sum((full[None] - smaller)**2, axis=1))
+  return jnp.sqrt(jnp.sum((full[None] - smaller) ** 2, axis=1))
 
 
 def search_worst_case(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array,
@@ -283,17 +283,17 @@ def search_worst_case(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.
   def gaps_of(state):
     xs, xps, ps = state
     return removal_gaps(embed_fn, loss, clip_norm, ps, xs, xps, clip_terms=clip_terms,
-                        group_ids=group_ids,
-                        group_clip_norm=group_clip_norm)
+                        group_ids=group_ids, group_clip_norm=group_clip_norm)
 
   def objective(state):
-    return -jax.nn.logsumexp(jnp.log(gaps_of(state)**2 + 1e-30))
+    return -jax.nn.logsumexp(jnp.log(gaps_of(state) ** 2 + 1e-30))
 
   grad_fn = jax.jit(jax.value_and_grad(objective))
   gaps_fn = jax.jit(gaps_of)
   optimizer = optax.adam(learning_rate)
   key = jax.random.PRNGKey(seed)
-  best = dict(ratio=-1.0)
+  best: dict[str, Any] = dict(ratio=-1.0)
+  best_ratio = -1.0
   for restart in range(num_restarts):
     key, kx, kxp, kp = jax.random.split(key, 4)
     if restart == 0:
@@ -312,9 +312,11 @@ def search_worst_case(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.
     opt_state = optimizer.init(state)
     for step in range(num_steps + 1):
       gap = float(jnp.max(gaps_fn(state)))
-      if gap / bound > best["ratio"]:
-        best = dict(ratio=gap / bound, ratio_sup=gap / bound_sup, bound=bound, x=state[0],
-                    x_prime=state[1], params=state[2])
+      if gap / bound > best_ratio:
+        best_ratio = gap / bound
+        xs_now, xps_now, params_now = state
+        best = dict(ratio=best_ratio, ratio_sup=gap / bound_sup, bound=bound, x=xs_now,
+                    x_prime=xps_now, params=params_now)
       if step == num_steps:
         break
       _, grads = grad_fn(state)
@@ -322,5 +324,5 @@ def search_worst_case(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.
       if not move_params:
         grads = (grads[0], grads[1], jax.tree_util.tree_map(jnp.zeros_like, grads[2]))
       updates, opt_state = optimizer.update(grads, opt_state)
-      state = optax.apply_updates(state, updates)
+      state = cast(tuple, optax.apply_updates(state, updates))
   return best
