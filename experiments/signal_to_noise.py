@@ -174,6 +174,11 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
             contrast: bool = False, clip_quantile: float | None = None,
             contrast_group_sizes=(8, 32), group_quantile: float = 0.5) -> dict:
   """The report's ``methods`` entries for one batch (see the module docstring)."""
+  if clip_quantile is not None:
+    if not contrast:
+      raise ValueError("--clip_quantile needs --contrast (the exact pair norms).")
+    if clip_quantile not in logit_dp.QUANTILE_LEVELS:
+      raise ValueError(f"--clip_quantile must be one of {logit_dp.QUANTILE_LEVELS}.")
   num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
   n = x.shape[0]
   true_grad = jax.grad(
@@ -192,10 +197,6 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
     extra = measure_contrast(apply_fn, params, x, x_prime, loss, clip_norm, sigma, true_grad,
                              clip_quantile, contrast_group_sizes, group_quantile)
   if clip_quantile is not None:
-    if not contrast:
-      raise ValueError("--clip_quantile needs --contrast (the exact pair norms).")
-    if clip_quantile not in logit_dp.QUANTILE_LEVELS:
-      raise ValueError(f"--clip_quantile must be one of {logit_dp.QUANTILE_LEVELS}.")
     clip_norm = extra["logit_dp_exact"]["clip_norm"]
     fn = logit_dp.grouped_clipped_grad(apply_fn, loss, _UNCLIPPED, num_groups, microbatch_size=500)
     stats = fn.with_stats(params, x, x_prime, record_ids=record_ids, group_key=group_key)[2]
