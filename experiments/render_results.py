@@ -22,6 +22,7 @@ B clips, from experiments/pair_norms.py), ``clip_bias:<file in results_dir>`` (w
 every pair does to ḡ, from experiments/clip_bias.py), ``signal_to_noise:<file in results_dir>``
 (one step's clipped sum against its noise, from experiments/signal_to_noise.py),
 ``signal_to_noise_summary:<file>,<file>…`` (its SNR per method over several reports),
+``contrast_snr:<file>,<file>…`` (contrast clipping's SNR against Logit-DP's, same reports),
 ``geometry:<file>,<file>…`` (how spread out the runs' test embeddings are, from
 experiments/embedding_geometry.py),
 ``zero_shot:<group>`` (the two-tower runs of experiments/clip.py),
@@ -636,6 +637,39 @@ def signal_to_noise_summary_table(reports) -> str:
   return "\n".join(lines)
 
 
+_CONTRAST_LABELS = {
+    "logit_dp_exact": "Logit-DP, exact norms", "logit_dp_projected": "Logit-DP, projected",
+    "contrast": "contrast clipping", "dp_gcl": "DP-GCL", "naive_dp": "Naive-DP"
+}
+
+
+def contrast_snr_table(reports) -> str:
+  """SNR of contrast clipping beside Logit-DP and DP-GCL, as a multiple of Logit-DP with exact
+  norms (signal_to_noise.py --contrast)."""
+  names = [n for n in reports[0]["methods"] if n != "naive_dp"]
+  lines = [
+      "SNR = ‖ḡ‖ / (σΔ√p) of one batch ÷ that of Logit-DP with exact norms; in brackets "
+      "SNR·cos(ḡ, ∇ℒ) ÷ the same for Logit-DP with exact norms (the part of the signal along "
+      "∇ℒ). B: the config's for every method, or each method's own norms' quantile. Grouped "
+      "contrast clipping with expected group size s: K the median of its group sums' norms."
+      + _config_changes(reports[0]), "", "| parameters | n | B | " + " | ".join(
+          _CONTRAST_LABELS.get(n, n.replace("grouped_contrast_s", "grouped contrast, s = "))
+          for n in names) + " |", "|---|---|---|" + "---|" * len(names)
+  ]
+  for r in reports:
+    m = r["methods"]
+    base = m["logit_dp_exact"]
+    along = base["snr"] * base["cos_with_true_grad"]
+    cells = [
+        f"{m[n]['snr'] / base['snr']:.2f} ({m[n]['snr'] * m[n]['cos_with_true_grad'] / along:+.2f})"
+        for n in names
+    ]
+    q = r.get("clip_quantile")
+    bound = f"{r['clip_norm']:g}" if q is None else f"{q:g}-quantile"
+    lines.append(f"| {r['parameters']} | {r['n']:,} | {bound} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def geometry_table(reports) -> str:
   """How spread out each run's test embeddings are, per method (embedding_geometry.py)."""
   if len({r["n"] for r in reports}) > 1:
@@ -661,7 +695,8 @@ _REPORT_TABLES = {
 }
 # Blocks over several JSON reports (comma-separated files).
 _MULTI_REPORT_TABLES = {
-    "signal_to_noise_summary": signal_to_noise_summary_table, "geometry": geometry_table
+    "signal_to_noise_summary": signal_to_noise_summary_table, "geometry": geometry_table,
+    "contrast_snr": contrast_snr_table
 }
 
 

@@ -8,9 +8,20 @@ N(0, (σΔ)²I) on p parameters, Δ the method's sensitivity (`logit_dp.sensitiv
 
     ‖ḡ‖,  Δ,  SNR = ‖ḡ‖ / (σΔ√p)   (the noise's norm is ≈ σΔ√p),
     cos(ḡ, ∇ℒ)                      (∇ℒ: the unclipped full-batch InfoNCE gradient),
+    SNR·cos(ḡ, ∇ℒ)                  (the part of the signal along ∇ℒ),
 
 and for DP-GCL also cos(ḡ, Σ_g ∇L_g) with its own unclipped group sum (clip norm 10³⁰): whether
 clipping the groups turns their sum. Groups: expected size 8 (G = n/8), no extra views.
+
+``--contrast`` adds contrast clipping (`logit_dp.contrast_clipping`: the contrasts
+D_ij = g_ij − g_ii clipped instead of the pair gradients, Δ = (1 + 2e^{2/τ})/τ·B), Logit-DP with
+exact norms computed the same way ("logit_dp_exact"), and grouped contrast clipping for each
+``--contrast_group_sizes`` s (negatives from the own group, G = n/s hash groups as DP-GCL's,
+each group's sum clipped to K, Δ = min(2K, (1 + 2e^{2/τ})/τ·B); K the ``--group_quantile`` of
+its group sums' norms). These are materialised (dense per-example Jacobians, n² contrasts):
+use n of about 10³. ``--clip_quantile=q`` sets every method's B to the q-quantile of its own
+norms (pair gradients, contrasts, group gradients; q ∈ {0.1, 0.5, 0.9}) instead of the config's;
+the library's Logit-DP methods then take the exact pair norms' quantile.
 
     python -m experiments.signal_to_noise --npz_dir=DIR --n=10000 \
         --out=docs/results/signal_to_noise.json
@@ -23,6 +34,7 @@ the config, e.g. ``--set temperature=2.0 --set clip_norm=3.0 --set model.embeddi
 
 import ast
 import json
+import math
 import os
 import time
 
@@ -34,6 +46,7 @@ from absl import app
 from absl import flags
 
 import logit_dp
+import logit_dp.contrast_clipping  # a research reference, not imported by logit_dp
 from experiments import clip_bias
 from experiments import data as data_lib
 from experiments import finetuning
@@ -58,6 +71,14 @@ def _define_flags():
   flags.DEFINE_multi_string(
       "set", [], "key=value: a change of the config (dotted key, Python "
       "literal value), e.g. temperature=2.0.")
+  flags.DEFINE_bool("contrast", False, "Also measure contrast clipping (materialised).")
+  flags.DEFINE_list("contrast_group_sizes", ["8", "32"],
+                    "Expected group sizes of grouped contrast clipping.")
+  flags.DEFINE_float("group_quantile", 0.5, "K of grouped contrast clipping: this quantile of "
+                     "its group sums' norms.")
+  flags.DEFINE_float(
+      "clip_quantile", None, "Each method's B at this quantile of its own norms "
+      "(0.1, 0.5 or 0.9); default: the config's B for every method.")
 
 
 def parse_overrides(items) -> dict:
@@ -97,9 +118,68 @@ def load_params(params_from: str | None, config, x):
   return params, f"{method} trained ({os.path.basename(os.path.normpath(workdir))})"
 
 
+def _entry(g, true_grad, delta: float, sigma: float, num_params: int, clip_norm: float) -> dict:
+  norm = float(optax.global_norm(g))
+  noise_norm = sigma * delta * num_params ** 0.5
+  cos = clip_bias.tree_cosine(g, true_grad)
+  return dict(grad_norm=norm, sensitivity=delta, noise_norm=noise_norm, snr=norm / noise_norm,
+              cos_with_true_grad=cos, snr_along_true_grad=norm * cos / noise_norm,
+              clip_norm=clip_norm)
+
+
+def _quantile(norms, where, q: float) -> float:
+  return float(np.quantile(np.asarray(norms)[np.asarray(where)], q))
+
+
+def measure_contrast(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, true_grad,
+                     clip_quantile: float | None = None, group_sizes=(8, 32),
+                     group_quantile: float = 0.5) -> dict:
+  """Entries for Logit-DP with exact norms, contrast clipping and grouped contrast clipping."""
+  cc = logit_dp.contrast_clipping
+  num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
+  n = x.shape[0]
+  batch = cc.dense_batch(apply_fn, params, x, x_prime)
+  off_diagonal = ~np.eye(n, dtype=bool)
+  out = {}
+  for name, terms, where in (("logit_dp_exact", "pair", np.ones(
+      (n, n), bool)), ("contrast", "contrast", off_diagonal)):
+    bound = clip_norm
+    if clip_quantile is not None:
+      norms = cc.clipped_sums(batch, loss, math.inf, clip_terms=terms)["norms"]
+      bound = _quantile(norms, where, clip_quantile)
+    rows = cc.clipped_sums(batch, loss, bound, clip_terms=terms)["rows"]
+    delta = (logit_dp.sensitivity(loss, bound) if terms == "pair" else cc.contrast_sensitivity(
+        loss, bound))
+    out[name] = _entry(batch.unravel(jnp.sum(rows, 0)), true_grad, delta, sigma, num_params, bound)
+  contrast_bound = out["contrast"]["clip_norm"]
+  for size in group_sizes:
+    num_groups = max(1, round(n / size))
+    group_ids = logit_dp.baselines.assign_groups(jnp.arange(n), jax.random.PRNGKey(0), num_groups)
+    same = np.asarray(group_ids)[:, None] == np.asarray(group_ids)[None, :]
+    bound = contrast_bound
+    if clip_quantile is not None:
+      norms = cc.clipped_sums(batch, loss, math.inf, group_ids=group_ids)["norms"]
+      bound = _quantile(norms, same & off_diagonal, clip_quantile)
+    rows = cc.clipped_sums(batch, loss, bound, group_ids=group_ids)["rows"]
+    group_norms = np.asarray(cc.group_sums(rows, group_ids)[1])
+    k = float(np.quantile(group_norms[group_norms > 0], group_quantile))
+    total = cc.group_sums(rows, group_ids, k)[0]
+    delta = cc.contrast_sensitivity(loss, bound, group_clip_norm=k)
+    entry = _entry(batch.unravel(total), true_grad, delta, sigma, num_params, bound)
+    out[f"grouped_contrast_s{size}"] = dict(entry, group_clip_norm=k, num_groups=num_groups)
+  return out
+
+
 def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, logit_dp_methods,
-            reference_inputs=None, projection_rank: int = 32, group_size: float = 8.0) -> dict:
+            reference_inputs=None, projection_rank: int = 32, group_size: float = 8.0,
+            contrast: bool = False, clip_quantile: float | None = None,
+            contrast_group_sizes=(8, 32), group_quantile: float = 0.5) -> dict:
   """The report's ``methods`` entries for one batch (see the module docstring)."""
+  if clip_quantile is not None:
+    if not contrast:
+      raise ValueError("--clip_quantile needs --contrast (the exact pair norms).")
+    if clip_quantile not in logit_dp.clip_methods.QUANTILE_LEVELS:
+      raise ValueError(f"--clip_quantile must be one of {logit_dp.clip_methods.QUANTILE_LEVELS}.")
   num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
   n = x.shape[0]
   true_grad = jax.grad(lambda p: loss(
@@ -113,6 +193,17 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
                                                  microbatch_size=500)
     return fn(params, x, x_prime, record_ids=record_ids, group_key=group_key)[1]
 
+  extra = {}
+  gcl_clip_norm = clip_norm
+  if contrast:
+    extra = measure_contrast(apply_fn, params, x, x_prime, loss, clip_norm, sigma, true_grad,
+                             clip_quantile, contrast_group_sizes, group_quantile)
+  if clip_quantile is not None:
+    clip_norm = extra["logit_dp_exact"]["clip_norm"]
+    fn = logit_dp.baselines.grouped_clipped_grad(apply_fn, loss, _UNCLIPPED, num_groups, microbatch_size=500)
+    stats = fn.with_stats(params, x, x_prime, record_ids=record_ids, group_key=group_key)[2]
+    gcl_clip_norm = float(stats.quantiles[logit_dp.clip_methods.QUANTILE_LEVELS.index(clip_quantile)])
+
   grads, sensitivities = {}, {}
   for method in logit_dp_methods:
     clip_method = (logit_dp.clip_methods.Projected(reference_inputs=reference_inputs,
@@ -125,15 +216,13 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
                                                             microbatch_size=500)(params, x,
                                                                                  x_prime)[1]
   sensitivities["naive_dp"] = logit_dp.baselines.naive_sensitivity(clip_norm)
-  grads["dp_gcl"] = grouped(clip_norm)
-  sensitivities["dp_gcl"] = logit_dp.baselines.grouped_sensitivity(clip_norm)
+  grads["dp_gcl"] = grouped(gcl_clip_norm)
+  sensitivities["dp_gcl"] = logit_dp.baselines.grouped_sensitivity(gcl_clip_norm)
   out = {}
   for name, g in grads.items():
-    norm = float(optax.global_norm(g))
-    delta = float(sensitivities[name])
-    noise_norm = sigma * delta * num_params ** 0.5
-    out[name] = dict(grad_norm=norm, sensitivity=delta, noise_norm=noise_norm,
-                     snr=norm / noise_norm, cos_with_true_grad=clip_bias.tree_cosine(g, true_grad))
+    bound = gcl_clip_norm if name == "dp_gcl" else clip_norm
+    out[name] = _entry(g, true_grad, float(sensitivities[name]), sigma, num_params, bound)
+  out.update(extra)
   out["dp_gcl"]["cos_with_unclipped_group_sum"] = clip_bias.tree_cosine(
       grads["dp_gcl"], grouped(_UNCLIPPED))
   out["dp_gcl"]["num_groups"] = num_groups
@@ -164,11 +253,13 @@ def main(argv):
                                       npz_dir=FLAGS.npz_dir)))
   t0 = time.time()
   methods = measure(apply_fn, params, x, x_prime, logit_dp.losses.contrastive(config.temperature),
-                    float(config.clip_norm), sigma, FLAGS.logit_dp_methods, reference,
-                    projection.rank, float(config.dp_gcl.group_size))
-  report = dict(n=FLAGS.n, clip_norm=float(config.clip_norm), temperature=config.temperature,
-                noise_multiplier=sigma, parameters=described, overrides=overrides, methods=methods,
-                seconds=time.time() - t0)
+                    float(config.clip_norm), sigma,
+                    FLAGS.logit_dp_methods, reference, projection.rank,
+                    float(config.dp_gcl.group_size), FLAGS.contrast, FLAGS.clip_quantile,
+                    [int(v) for v in FLAGS.contrast_group_sizes], FLAGS.group_quantile)
+  report = dict(n=FLAGS.n, clip_norm=float(config.clip_norm), clip_quantile=FLAGS.clip_quantile,
+                temperature=config.temperature, noise_multiplier=sigma, parameters=described,
+                overrides=overrides, methods=methods, seconds=time.time() - t0)
   for name, m in methods.items():
     print(name, json.dumps(m), flush=True)
   if FLAGS.out:

@@ -99,6 +99,52 @@ def test_signal_to_noise_measures_against_the_library_and_jax_grad():
     assert abs(m["cos_with_true_grad"]) <= 1.0 + 1e-6
 
 
+def test_signal_to_noise_measures_contrast_clipping():
+  from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
+  k = jax.random.split(jax.random.PRNGKey(2), 4)
+  params = dict(w1=jax.random.normal(k[0], (5, 7)), w2=jax.random.normal(k[1], (7, 3)))
+  x, x_prime = jax.random.normal(k[2], (12, 5)), jax.random.normal(k[3], (12, 5))
+  loss = logit_dp.losses.contrastive(temperature=2.0)
+  # Nothing clipped: exact Logit-DP and contrast clipping are ∇ℒ; their SNRs differ by the
+  # constants alone.
+  big = signal_to_noise.measure(_embed, params, x, x_prime, loss, 1e6, 2.0, [], group_size=4.0,
+                                contrast=True, contrast_group_sizes=(4,))
+  for name in ("logit_dp_exact", "contrast"):
+    assert big[name]["cos_with_true_grad"] == pytest.approx(1.0, abs=1e-5)
+  assert big["contrast"]["snr"] / big["logit_dp_exact"]["snr"] == pytest.approx(
+      logit_dp.sensitivity(loss, 1.0) / logit_dp.contrast_clipping.contrast_sensitivity(loss, 1.0),
+      rel=1e-5)
+  grouped = big["grouped_contrast_s4"]
+  assert grouped["num_groups"] == 3
+  assert grouped["sensitivity"] == pytest.approx(2 * grouped["group_clip_norm"])
+  # Each method's B at the median of its own norms.
+  median = signal_to_noise.measure(_embed, params, x, x_prime, loss, 1e6, 2.0, [], group_size=4.0,
+                                   contrast=True, clip_quantile=0.5, contrast_group_sizes=(4,))
+  cc = logit_dp.contrast_clipping
+  batch = cc.dense_batch(_embed, params, x, x_prime)
+  norms = np.asarray(cc.clipped_sums(batch, loss, float("inf"))["norms"])
+  expected = np.quantile(norms[~np.eye(12, dtype=bool)], 0.5)
+  assert median["contrast"]["clip_norm"] == pytest.approx(expected, rel=1e-6)
+  assert median["contrast"]["sensitivity"] == pytest.approx(cc.contrast_sensitivity(loss, expected))
+  assert median["dp_gcl"]["clip_norm"] < 1e6 and median["naive_dp"]["clip_norm"] == pytest.approx(
+      median["logit_dp_exact"]["clip_norm"])
+  with pytest.raises(ValueError, match="--contrast"):
+    signal_to_noise.measure(_embed, params, x, x_prime, loss, 1.0, 2.0, [], clip_quantile=0.5)
+
+
+def test_contrast_snr_table_divides_by_exact_logit_dp():
+  from experiments import render_results  # pylint: disable=g-import-not-at-top
+  m = dict(grad_norm=1.0, sensitivity=2.0, noise_norm=4.0)
+  report = dict(
+      n=512, parameters="initial", clip_norm=3.0, temperature=2.0, clip_quantile=0.5,
+      methods=dict(logit_dp_exact=dict(m, snr=0.1, cos_with_true_grad=0.5),
+                   contrast=dict(m, snr=0.15, cos_with_true_grad=1.0),
+                   grouped_contrast_s8=dict(m, snr=0.2, cos_with_true_grad=0.5)))
+  text = render_results.contrast_snr_table([report])
+  assert "| Logit-DP, exact norms | contrast clipping | grouped contrast, s = 8 |" in text
+  assert "| initial | 512 | 0.5-quantile | 1.00 (+1.00) | 1.50 (+3.00) | 2.00 (+2.00) |" in text
+
+
 def test_signal_to_noise_table_renders_the_report():
   from experiments import render_results  # pylint: disable=g-import-not-at-top
   method = dict(grad_norm=50.0, sensitivity=2.0, noise_norm=400.0, snr=0.125,
