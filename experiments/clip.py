@@ -269,7 +269,7 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
   ckpt_dir = os.path.abspath(os.path.join(workdir, "checkpoints", method))
   if every:
     (params, opt_state), private = private.restore_checkpoint(ckpt_dir, (params, opt_state),
-                                                               missing_ok=True)
+                                                              missing_ok=True)
   train_step = private.make_train_step(on_nonfinite=config.get("on_nonfinite_rows", "warn"))
   start = time.time()
   first = private.ledger.steps

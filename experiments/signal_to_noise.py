@@ -200,9 +200,11 @@ def measure(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma: float, 
                              clip_quantile, contrast_group_sizes, group_quantile)
   if clip_quantile is not None:
     clip_norm = extra["logit_dp_exact"]["clip_norm"]
-    fn = logit_dp.baselines.grouped_clipped_grad(apply_fn, loss, _UNCLIPPED, num_groups, microbatch_size=500)
+    fn = logit_dp.baselines.grouped_clipped_grad(apply_fn, loss, _UNCLIPPED, num_groups,
+                                                 microbatch_size=500)
     stats = fn.with_stats(params, x, x_prime, record_ids=record_ids, group_key=group_key)[2]
-    gcl_clip_norm = float(stats.quantiles[logit_dp.clip_methods.QUANTILE_LEVELS.index(clip_quantile)])
+    gcl_clip_norm = float(
+        stats.quantiles[logit_dp.clip_methods.QUANTILE_LEVELS.index(clip_quantile)])
 
   grads, sensitivities = {}, {}
   for method in logit_dp_methods:

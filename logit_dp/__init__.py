@@ -105,7 +105,6 @@ def __getattr__(name: str):
     warnings.warn(
         "logit_dp.PRIVATE_METHODS is deprecated: make_private takes a clip method "
         "(logit_dp.clip_methods.names(), or a ClipMethod object), 'naive' or 'dp_gcl'.",
-        DeprecationWarning,
-        stacklevel=2)
+        DeprecationWarning, stacklevel=2)
     return importlib.import_module("logit_dp._src.mechanisms").PRIVATE_METHODS
   raise AttributeError(f"module 'logit_dp' has no attribute {name!r}")

@@ -101,7 +101,8 @@ def brute_force(fn, loss, clip_norm, params, x, x_prime, clip_terms="contrast", 
 def test_unclipped_sum_is_the_loss_gradient(clip_terms, kind):
   fn, params, x, x_prime = make(kind, 5, seed=0)
   loss = logit_dp.losses.contrastive(0.5)
-  truth = jax.grad(lambda p: loss(logit_dp.losses.cosine_similarity(fn(p, x), fn(p, x_prime))))(params)
+  truth = jax.grad(lambda p: loss(logit_dp.losses.cosine_similarity(fn(p, x), fn(p, x_prime))))(
+      params)
   got = cc.contrast_clipped_grad(fn, loss, math.inf, params, x, x_prime, clip_terms=clip_terms)
   np.testing.assert_allclose(flat(got), flat(truth), rtol=1e-12, atol=1e-12)
 

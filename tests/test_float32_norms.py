@@ -222,7 +222,8 @@ plain = lambda p, xs: jnp.tanh(xs @ p["w"]) @ p["w2"]  # traced without flax's o
 plain_params = {"w": np.float32(np.eye(5, 6)), "w2": np.float32(np.eye(6, 3))}
 with jax.enable_x64(False):
   norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(plain, plain_params, x, x_prime))
-  want_norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(plain, plain_params, x32, x_prime32))
+  want_norms = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(plain, plain_params, x32, x_prime32))
 np.testing.assert_array_equal(norms, want_norms)
 
 if sys.argv[1] == "disabled":

@@ -492,8 +492,9 @@ def test_two_towers_match_the_brute_force_reference_in_float64(no_norm_allowance
     ref_loss, ref = reference_two_towers(lambda p, i: f(p, x[i:i + 1])[0],
                                          lambda p, i: f_prime(p, _row(texts, i))[0], params, mask,
                                          groups, 0.7, clip_norm)
-    grad_fn = logit_dp.baselines.grouped_clipped_grad(f, logit_dp.losses.contrastive(0.7), clip_norm, 3,
-                                            microbatch_size=microbatch, positive_embed_fn=f_prime)
+    grad_fn = logit_dp.baselines.grouped_clipped_grad(f, logit_dp.losses.contrastive(0.7),
+                                                      clip_norm, 3, microbatch_size=microbatch,
+                                                      positive_embed_fn=f_prime)
     loss, got = grad_fn(params, x, texts, jnp.asarray(mask), record_ids=ids, group_key=KEY)
     assert flat(got).dtype == np.float64 and rel_err(got, ref) < 1e-10
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-12)
@@ -516,8 +517,9 @@ def test_stochastic_two_towers_match_the_brute_force_reference_in_float64(no_nor
                                          params, np.ones(9, bool), groups, 0.5, 0.05)
     loss_fn = logit_dp.losses.contrastive(0.5)
     for microbatch in (None, 4):
-      grad_fn = logit_dp.baselines.grouped_clipped_grad(f, loss_fn, 0.05, 2, positive_embed_fn=f_prime,
-                                              stochastic=True, microbatch_size=microbatch)
+      grad_fn = logit_dp.baselines.grouped_clipped_grad(f, loss_fn, 0.05, 2,
+                                                        positive_embed_fn=f_prime, stochastic=True,
+                                                        microbatch_size=microbatch)
       loss, got = grad_fn(params, x, texts, record_ids=ids, group_key=KEY, key=key)
       assert rel_err(got, ref) < 1e-10, microbatch
       np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-12)
@@ -580,7 +582,8 @@ def test_two_tower_bad_arguments_raise_value_error():
   contrastive = logit_dp.losses.contrastive()
   with pytest.raises(ValueError, match="positive_embed_fn"):
     logit_dp.baselines.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn="text")
-  grad_fn = logit_dp.baselines.grouped_clipped_grad(f, contrastive, 1.0, 2, positive_embed_fn=f_prime)
+  grad_fn = logit_dp.baselines.grouped_clipped_grad(f, contrastive, 1.0, 2,
+                                                    positive_embed_fn=f_prime)
   with pytest.raises(ValueError, match="extra_views"):
     grad_fn(params, x, texts, record_ids=jnp.arange(5), group_key=KEY, extra_views=x[:, None])
   with pytest.raises(ValueError, match="same number"):

@@ -155,7 +155,7 @@ def test_moved_top_level_names_still_work_with_a_deprecation_warning():
     assert value is getattr(importlib.import_module(f"logit_dp.{module}"), name)
   with pytest.warns(DeprecationWarning, match="PRIVATE_METHODS is deprecated"):
     assert logit_dp.PRIVATE_METHODS == ("ghost", "materialize", "triangle", "projected", "naive",
-                                       "dp_gcl")
+                                        "dp_gcl")
   with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
     _ = logit_dp.not_a_name
 

@@ -694,6 +694,7 @@ def test_restore_with_another_optimizer_names_what_differs(tmp_path):
   with pytest.raises(ValueError, match=rf"0\.{kernel}: shape \(6, 9\) in the template, \(6, 8\)"):
     adam.restore_checkpoint(tmp_path, (wider, adam.optimizer.init(wider)))
 
+
 # -- DP-GCL through make_private. ------------------------------------------------------------
 
 
@@ -781,8 +782,8 @@ def test_record_ids_only_with_dp_gcl():
   pt = _setup(steps=2)
   pt.ledger.record_steps(1)
   with pytest.raises(ValueError, match="record_ids"):
-    pt.make_train_step()(params, pt.optimizer.init(params), x[:8], xp[:8],
-                         jnp.ones(8, bool), record_ids=jnp.arange(8))
+    pt.make_train_step()(params, pt.optimizer.init(params), x[:8], xp[:8], jnp.ones(8, bool),
+                         record_ids=jnp.arange(8))
 
 
 def test_dp_gcl_with_dropout_gets_the_model_key_of_the_step():

@@ -353,7 +353,8 @@ def _private(fn, stochastic):
     "make", [
         functools.partial(logit_dp.clipped_grad, loss=LOSS, clip_norm=0.3),
         functools.partial(logit_dp.baselines.naive_clipped_grad, loss=LOSS, clip_norm=0.3),
-        functools.partial(logit_dp.baselines.grouped_clipped_grad, loss=LOSS, clip_norm=0.3, num_groups=2),
+        functools.partial(logit_dp.baselines.grouped_clipped_grad, loss=LOSS, clip_norm=0.3,
+                          num_groups=2),
         _private,
     ], ids=["clipped_grad", "naive_clipped_grad", "grouped_clipped_grad", "make_private"])
 def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_when_built(make):
@@ -369,7 +370,8 @@ def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_when_built
   with pytest.raises(TypeError, match=r"requires a third argument.*pass stochastic=True"):
     logit_dp.clip_methods.pair_grad_norms(plain_dropout, _plain_params(), x, x_prime)
   with pytest.raises(TypeError, match=r"declared stochastic=True.*drop stochastic=True"):
-    logit_dp.clip_methods.pair_grad_norms(_deterministic, _plain_params(), x, x_prime, key=jax.random.key(0))
+    logit_dp.clip_methods.pair_grad_norms(_deterministic, _plain_params(), x, x_prime,
+                                          key=jax.random.key(0))
 
 
 def test_an_embed_fn_whose_arity_does_not_match_stochastic_is_refused_on_first_call():

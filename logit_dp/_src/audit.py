@@ -544,8 +544,9 @@ def replacement_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_pri
     x, x_prime: the batch, (n, ...) arrays.
     y, y_prime: the replacements, arrays of the shapes of x and x_prime.
     mask: optional (n,) bool of valid pairs (invalid ones get gap 0).
-    method: a `logit_dp.clip_methods.METHODS` entry other than "projected", "naive" or "dp_gcl" (with
-      num_groups, group_seed; record ids 0..n−1, so a replaced record keeps its group).
+    method: a `logit_dp.clip_methods.METHODS` entry other than "projected", "naive" or
+      "dp_gcl" (with num_groups, group_seed; record ids 0..n−1, so a replaced record keeps its
+      group).
     chunk: replacements computed at once (None: all n, vmapped).
     cosine_eps: as for `logit_dp.clipped_grad`.
     dtype: the float dtype of inputs and params the gaps are computed in (jnp.float64 needs

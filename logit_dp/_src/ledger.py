@@ -508,7 +508,8 @@ def state_differences(directory, step: int, template: Any) -> list[str]:
   held by only one of them, or with another shape (read from the checkpoint's metadata)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(os.path.abspath(os.fspath(directory))) / str(step) / _STATE_ITEM
-  stored = ocp.StandardCheckpointHandler().metadata(path).tree
+  stored = ocp.StandardCheckpointHandler().metadata(
+      path).tree  # pyright: ignore[reportArgumentType]
   saved = _leaf_shapes(stored, is_leaf=lambda a: hasattr(a, "shape"))
   wanted = _leaf_shapes(template)
   lines = []

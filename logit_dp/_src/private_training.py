@@ -568,8 +568,7 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                  mean: bool = False, microbatch_size: int | None = None, accountant: str = "pld",
                  noise_key: Any = None, sampler_seed: int | None = None,
                  max_batch_size: int | None = None, overflow: str = "error",
-                 group_size: float | None = None,
-                 **grad_kwargs) -> PrivateTraining:
+                 group_size: float | None = None, **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
@@ -607,8 +606,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     steps: T, the number of steps (pass epochs or steps, not both).
     method: a clip method of `clipped_grad` (an object such as
       ``clip_methods.Projected(reference_inputs=public_x)``, or a registered name: "ghost",
-      the default, "triangle", "materialize"), "naive" (Naive-DP) or "dp_gcl" (DP-GCL, `grouped_clipped_grad`: needs
-      group_size; one device, no extra views; train_step groups the records by batch.indices).
+      the default, "triangle", "materialize"), "naive" (Naive-DP) or "dp_gcl" (DP-GCL,
+      `grouped_clipped_grad`: needs group_size; one device, no extra views; train_step groups
+      the records by batch.indices).
     mean: scale the noisy sum by 1 / expected_batch_size before the optimizer.
     microbatch_size: passed to `clipped_grad` / `naive_clipped_grad`.
     accountant: "pld" (default) or "rdp", used for σ and by the ledger.
@@ -686,5 +686,4 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
                          noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
-                         steps=t, method=grad_fn.method, model_key=model_key,
-                         group_key=group_key)
+                         steps=t, method=grad_fn.method, model_key=model_key, group_key=group_key)

@@ -654,6 +654,7 @@ def test_compilation_cache_flag_sets_the_persistent_cache(tmp_path):
     enabled = calls.index("compilation_cache.enable_from_flags")
     assert any(call.endswith(trains) for call in calls[enabled + 1:]), script
 
+
 # -- The private two-tower benchmark (experiments/clip_benchmark.py). -----------------------
 
 
