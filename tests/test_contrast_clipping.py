@@ -20,6 +20,9 @@ import logit_dp
 from helpers import flat
 from logit_dp import contrast_clipping as cc
 
+# A research reference, not a mechanism: its audits run with the slow tests.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def float64():

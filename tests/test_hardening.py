@@ -118,6 +118,7 @@ def test_a_jitted_function_may_close_over_the_batch():
 
 
 @pytest.mark.parametrize("method", ["ghost", pytest.param("naive", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_nan_parameters_under_jit_give_a_nan_loss_and_count_the_dropped_rows(method):
   embed_fn, params, x, x_prime = make_model("mlp", n=5)
   grad_fn = (logit_dp.baselines.naive_clipped_grad(embed_fn, LOSS, 1.0)

@@ -71,6 +71,7 @@ CONV_VJP_CASES = dict(CONV_CONFIGS, stride3_valid=dict(kernel_size=(2, 3), strid
     name if name == "explicit_pad" else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(CONV_VJP_CASES) + ["rank1", "rank3"]
 ])
+@pytest.mark.slow
 def test_channels_last_conv_has_the_values_and_gradients_of_jax(name):
   """Its hand-written backward pass = jax.vjp of flax's convolution, w.r.t. input and kernel."""
   if name.startswith("rank"):
@@ -192,6 +193,7 @@ def _problem(model, shape, n=6, seed=0):
     (KernelAlsoUsedElsewhere(), (5,)),
     pytest.param(None, (3, 2), marks=pytest.mark.slow),
 ], ids=["conv", "mixed", "tied", "kernel_used_elsewhere", "pure_jax"])
+@pytest.mark.slow
 def test_recognised_layers_keep_values_and_gradients_in_a_microbatch_loop(model, shape):
   """with_recognised_layers(embed_fn) = embed_fn, values and parameter vjps, under lax.map + jit."""
   embed_fn, params, x, _ = _problem(model, shape)
@@ -304,6 +306,7 @@ def _leaf_names(params, indices):
         pytest.param("pure_jax_scaled", (3, 2), {("log_scale",)}, marks=pytest.mark.slow),
     ],
     ids=["tied", "kernel_used_elsewhere", "examples_not_leading", "mixed", "pure_jax_scaled"])
+@pytest.mark.slow
 def test_unrecognised_uses_fall_back_to_generic_jacobians(model, shape, generic, monkeypatch):
   """Leaves not owned by exactly one recognised call get ordinary per-example Jacobians."""
   embed_fn, params, x, x_prime = _problem(model, shape)

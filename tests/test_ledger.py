@@ -193,6 +193,7 @@ def _assert_same_tree(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_kill_and_resume_reports_the_same_epsilon_and_noise(tmp_path):
   state_a, led_a, noise_a = _train(str(tmp_path / "a"), 6)
   _, led_b1, noise_b1 = _train(str(tmp_path / "b"), 3)

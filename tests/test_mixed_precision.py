@@ -51,6 +51,7 @@ def test_low_precision_inputs_are_accepted_and_widened():
                  id=f"{method}-{jnp.dtype(dtype).name}") for method in logit_dp.clip_methods.METHODS
     for dtype in (jnp.bfloat16, jnp.float16)
 ])
+@pytest.mark.slow
 def test_low_precision_model_is_clipped_in_float32_against_float64(method, dtype):
   """Every pair's clip norm is ≥ its float64 norm (so each clipped pair gradient has norm ≤ B),
   and ḡ is the float64 sum clipped by those norms to float32 accuracy, returned in float32."""

@@ -586,6 +586,7 @@ def test_warnings_of_the_last_steps_come_at_the_end_of_the_loop():
   assert steps == [1, 2]
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_ledger_and_sampler_position(tmp_path):
   """A run stopped after 3 of 5 steps and restored into a fresh make_private (other secret
   seeds) draws the batches and noise of the uninterrupted run and ends with its parameters."""

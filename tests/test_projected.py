@@ -92,6 +92,7 @@ def conv_case(request):
   return embed_fn, params, x, x_prime, reference, rank, truth
 
 
+@pytest.mark.slow
 def test_bound_matches_its_float64_formula_off_the_diagonal(conv_case):
   """k = m·(d − 1), the reference rows' rank: their span, well defined in float32 too."""
   embed_fn, params, x, x_prime, reference, rank, (true, triangle, projected, scale) = conv_case
@@ -358,6 +359,7 @@ def _one_mlp_two_ways():
 @pytest.mark.parametrize(
     "x64,tolerance",
     [(False, 1e-6), pytest.param(True, 1e-12, marks=pytest.mark.slow)], ids=["float32", "float64"])
+@pytest.mark.slow
 def test_the_basis_stops_at_the_numerical_rank(x64, tolerance):
   """Rank 32 > the 24 directions of the references: the same model written two ways gives the
   same norms (keeping the 8 rounding directions put them 2.4% apart), never below the exact

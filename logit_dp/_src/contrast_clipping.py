@@ -59,7 +59,7 @@ def contrast_sensitivity_factor(temperature: float, batch_size: int | None = Non
   a = math.exp(2.0 / loss.temperature)
   if batch_size is None:
     return (1.0 + 2.0 * a) / loss.temperature
-  n = losses_lib._check_batch_size(batch_size, loss.min_batch_size)  # pylint: disable=protected-access
+  n = losses_lib.check_batch_size(batch_size, loss.min_batch_size)
   return (1.0 + 2.0 * (n - 1) / (1.0 + (n - 1) / a)) / loss.temperature
 
 

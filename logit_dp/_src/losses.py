@@ -118,7 +118,7 @@ class Contrastive:
     if batch_size is None:
       factor = 2.0 * (1.0 + a) / self.temperature
     else:
-      n = _check_batch_size(batch_size, self.min_batch_size)
+      n = check_batch_size(batch_size, self.min_batch_size)
       # (n−1)p = (n−1)a/(a+n−1), written to avoid overflow.
       factor = (2.0 + 2.0 * (n - 1) / (1.0 + (n - 1) / a)) / self.temperature
     return _warn_if_large(factor, f"contrastive loss at temperature {self.temperature}")
@@ -129,7 +129,7 @@ class Contrastive:
     if batch_size is None:
       factor = (4.0 + 2.0 * a) / self.temperature
     else:
-      n = _check_batch_size(batch_size, self.min_batch_size)
+      n = check_batch_size(batch_size, self.min_batch_size)
       factor = (4.0 + 2.0 * (n - 1) / (1.0 + (n - 1) / a)) / self.temperature
     return _warn_if_large(factor, f"contrastive loss at temperature {self.temperature}")
 
@@ -175,17 +175,17 @@ class Spreadout:
   def sensitivity_factor(self, batch_size: int | None = None) -> float:
     """C/B = 6 for every batch size."""
     if batch_size is not None:
-      _check_batch_size(batch_size, self.min_batch_size)
+      check_batch_size(batch_size, self.min_batch_size)
     return 6.0
 
   def replace_sensitivity_factor(self, batch_size: int | None = None) -> float:
     """C_rep/B = 8 under replace-one, for every batch size."""
     if batch_size is not None:
-      _check_batch_size(batch_size, self.min_batch_size)
+      check_batch_size(batch_size, self.min_batch_size)
     return 8.0
 
 
-def _check_batch_size(batch_size, minimum: int) -> int:
+def check_batch_size(batch_size, minimum: int) -> int:
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < minimum:
     raise ValueError(f"batch_size must be an integer ≥ {minimum} or None, got {batch_size!r}.")
   return batch_size

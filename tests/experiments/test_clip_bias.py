@@ -99,6 +99,7 @@ def test_signal_to_noise_measures_against_the_library_and_jax_grad():
     assert abs(m["cos_with_true_grad"]) <= 1.0 + 1e-6
 
 
+@pytest.mark.slow
 def test_signal_to_noise_measures_contrast_clipping():
   from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
   k = jax.random.split(jax.random.PRNGKey(2), 4)

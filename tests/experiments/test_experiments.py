@@ -121,6 +121,7 @@ def test_logged_train_seconds_sums_steps_over_rate():
   assert train.logged_train_seconds(rows) == 10 / 2.0 + 5 / 5.0
 
 
+@pytest.mark.slow
 def test_a_row_is_logged_at_every_checkpoint(tmp_path):
   """Rows at checkpoints keep a resumed run's training time whole when the logging and the
   checkpoint intervals differ."""
@@ -602,6 +603,7 @@ def test_progress_says_compiling_and_prints_plain_lines_without_a_terminal():
 
 
 @pytest.mark.parametrize("policy", ["warn", "error"])
+@pytest.mark.slow
 def test_non_finite_rows_are_reported(tmp_path, policy):
   cfg = tiny.get_config()
   cfg.methods = ("naive_dp",)
@@ -644,7 +646,7 @@ def test_compilation_cache_flag_sets_the_persistent_cache(tmp_path):
   finally:
     for name, value in before.items():
       jax.config.update(name, value)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   for script, trains in (("pretrain", "train_and_evaluate"), ("finetune", "finetune_and_evaluate"),
                          ("clip", "run")):
     with open(os.path.join(root, "experiments", f"{script}.py"), encoding="utf-8") as f:

@@ -53,6 +53,7 @@ def _updates(tx, grads_seq, params):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kind", ["cosine", "warmup_cosine"])
+@pytest.mark.slow
 def test_adam_step_sizes_follow_the_schedule(method, kind):
   """Same gradients (and noise key) through the scheduled and the constant-lr optimizer: the
   updates differ by the factor η_t / η, the schedule's value at the global step t."""
