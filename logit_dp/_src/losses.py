@@ -186,6 +186,7 @@ class Spreadout:
 
 
 def check_batch_size(batch_size, minimum: int) -> int:
+  """batch_size as an int ≥ minimum; ValueError otherwise."""
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < minimum:
     raise ValueError(f"batch_size must be an integer ≥ {minimum} or None, got {batch_size!r}.")
   return batch_size
