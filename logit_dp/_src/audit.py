@@ -188,16 +188,12 @@ def _flat(tree) -> jax.Array:
   return jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
-def _gaps_fn(core, params, x, x_prime, mask, chunk, keys=()):
-  """gap_k for every k: ḡ(X) against ḡ(X with pair k masked out); keys: (the model's key,) of a
-  stochastic core, the same for both (every other example keeps its randomness)."""
-  n = rows_lib.num_rows(x)
-  _, full, _ = core(params, x, x_prime, mask, *keys)
+def _squared_gaps(full, changed, n: int, mask, chunk):
+  """‖changed(k) − full‖² for k = 0..n−1 (0 where mask is False), vmapped or in chunks."""
   full = _flat(full)
 
   def one(k):
-    _, g, _ = core(params, x, x_prime, mask & (jnp.arange(n) != k), *keys)
-    d = _flat(g) - full
+    d = _flat(changed(k)) - full
     return jnp.sum(d * d)
 
   if chunk is None or chunk >= n:
@@ -205,6 +201,15 @@ def _gaps_fn(core, params, x, x_prime, mask, chunk, keys=()):
   else:
     sq = jax.lax.map(one, jnp.arange(n), batch_size=chunk)
   return jnp.where(mask, sq, 0.0)
+
+
+def _gaps_fn(core, params, x, x_prime, mask, chunk, keys=()):
+  """gap_k² for every k: ḡ(X) against ḡ(X with pair k masked out); keys: (the model's key,) of a
+  stochastic core, the same for both (every other example keeps its randomness)."""
+  n = rows_lib.num_rows(x)
+  full = core(params, x, x_prime, mask, *keys)[1]
+  masked = lambda k: core(params, x, x_prime, mask & (jnp.arange(n) != k), *keys)[1]
+  return _squared_gaps(full, masked, n, mask, chunk)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -215,19 +220,9 @@ def _gaps_jit(core, params, x, x_prime, mask, chunk, keys=()):
 def _replacement_gaps_fn(core, params, x, x_prime, y, y_prime, mask, chunk):
   """gap_k² for every k: ḡ(X) against ḡ(X with pair k replaced by (y_k, y′_k))."""
   n = rows_lib.num_rows(x)
-  _, full, _ = core(params, x, x_prime, mask)
-  full = _flat(full)
-
-  def one(k):
-    _, g, _ = core(params, x.at[k].set(y[k]), x_prime.at[k].set(y_prime[k]), mask)
-    d = _flat(g) - full
-    return jnp.sum(d * d)
-
-  if chunk is None or chunk >= n:
-    sq = jax.vmap(one)(jnp.arange(n))
-  else:
-    sq = jax.lax.map(one, jnp.arange(n), batch_size=chunk)
-  return jnp.where(mask, sq, 0.0)
+  full = core(params, x, x_prime, mask)[1]
+  replaced = lambda k: core(params, x.at[k].set(y[k]), x_prime.at[k].set(y_prime[k]), mask)[1]
+  return _squared_gaps(full, replaced, n, mask, chunk)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7))

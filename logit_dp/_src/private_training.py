@@ -64,13 +64,15 @@ class UnrecordedStepError(RuntimeError):
   noise already released."""
 
 
+def _noise_states(tree) -> list[AddNoiseState]:
+  """Every `AddNoiseState` in a pytree (an optimizer state, or a state that holds one)."""
+  is_noise = lambda s: isinstance(s, AddNoiseState)
+  return [s for s in jax.tree_util.tree_leaves(tree, is_leaf=is_noise) if is_noise(s)]
+
+
 def _noise_state(opt_state) -> AddNoiseState:
   """The `AddNoiseState` of an optimizer state; its count is the noisy updates released."""
-  states = [
-      s
-      for s in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda s: isinstance(s, AddNoiseState))
-      if isinstance(s, AddNoiseState)
-  ]
+  states = _noise_states(opt_state)
   if len(states) != 1:
     raise ValueError("opt_state must hold exactly one logit_dp noise state (AddNoiseState): "
                      "pass the state of PrivateTraining.optimizer, got "
@@ -533,12 +535,8 @@ class PrivateTraining(NamedTuple):
                          f"{getattr(sampler, name)!r}, this run has "
                          f"{getattr(self.sampler, name)!r}.")
     # Released: what the checkpoint's run and this process released, and what the state did.
-    noise_states = [
-        s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda s: isinstance(s, AddNoiseState))
-        if isinstance(s, AddNoiseState)
-    ]
     released = max([ledger.released_updates, mine.released_updates]
-                   + [_host_int(s.count) for s in noise_states])
+                   + [_host_int(s.count) for s in _noise_states(state)])
     mine.released_updates = released
     ledger = dataclasses.replace(mine, steps=ledger.steps, released_updates=released)
     return state, self._replace(ledger=ledger, sampler=BudgetedSampler.bind(sampler, ledger))
