@@ -815,3 +815,134 @@ def test_dp_gcl_with_dropout_gets_the_model_key_of_the_step():
   noise = pt.optimizer.update(jax.tree_util.tree_map(jnp.zeros_like, want), opt_state,
                               params)[1][-1]
   np.testing.assert_allclose(new_state[-1]["w"] - noise["w"], want["w"], rtol=1e-4, atol=1e-5)
+
+
+def _steps(pt, params, data, num_steps, **step_kwargs):
+  """num_steps steps of pt's batches through its train step; (params, opt_state, outputs)."""
+  train_step = pt.make_train_step(**step_kwargs)
+  opt_state = pt.optimizer.init(params)
+  outputs = []
+  for batch in pt.batches(num_steps):
+    params, opt_state, *out = train_step(params, opt_state, batch, data)
+    outputs.append((batch, out))
+  return params, opt_state, outputs
+
+
+@pytest.mark.parametrize("method", ["ghost", "naive"])
+def test_make_private_on_a_mesh_trains_as_on_one_device(method):
+  """make_private(mesh=): the step pads the batch to the devices and computes the global ḡ;
+  the same σ, C, ledger and, step after step, the same parameters as one device."""
+  embed_fn, params = _embed()
+  x, xp = _data()
+  kwargs = dict(steps=3, noise_key=jax.random.key(2), sampler_seed=5, method=method,
+                max_batch_size=50)  # 50 rows: 2 of mesh padding on 4 devices
+  one = _setup(**kwargs)
+  mesh = logit_dp.distributed.data_mesh(4)
+  sharded = _setup(mesh=mesh, **kwargs)
+  assert sharded.grad_fn.mesh is mesh
+  assert (sharded.noise_multiplier, sharded.sensitivity) == (one.noise_multiplier, one.sensitivity)
+  want, _, _ = _steps(one, params, (x, xp), 3)
+  got, _, _ = _steps(sharded, params, (np.asarray(x), np.asarray(xp)), 3)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+                         got, want)
+  assert sharded.ledger.steps == one.ledger.steps == 3
+  assert sharded.ledger.epsilon() == one.ledger.epsilon()
+
+
+def test_make_private_refuses_a_bad_mesh_and_dp_gcl_on_a_mesh():
+  with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+    _setup(mesh="data")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
+  with pytest.raises(ValueError, match="not 'data'"):
+    _setup(mesh=mesh)
+  with pytest.raises(ValueError, match="one device"):
+    _setup(method="dp_gcl", group_size=4, mesh=logit_dp.distributed.data_mesh(2))
+
+
+def test_augment_runs_per_step_on_the_gathered_batch_before_the_gradient():
+  """augment(x, x', t) is applied inside the step to the gathered rows, with the update's
+  number t: (ℒ, ḡ) are grad_fn's on the augmented valid rows, under the step's own noise."""
+  embed_fn, params = _embed()
+  x, xp = _data()
+  traced = []
+
+  def augment(a, b, t):
+    traced.append(a.shape[0])
+    return a * (1.0 + t), jnp.flip(b, axis=-1)
+
+  pt = _setup(steps=2, noise_key=jax.random.key(3), optimizer=_recorder())
+  train_step = pt.make_train_step(augment=augment)
+  opt_state = pt.optimizer.init(params)
+  for t, batch in enumerate(pt.batches()):
+    new_params, new_state, loss_value = train_step(params, opt_state, batch, (x, xp))
+    valid = np.asarray(batch.indices)[np.asarray(batch.mask)]
+    want_loss, want = pt.grad_fn(params, x[valid] * (1.0 + t), jnp.flip(xp[valid], axis=-1))
+    np.testing.assert_allclose(loss_value, want_loss, rtol=1e-5)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, want)
+    noise = pt.optimizer.update(zeros, opt_state, params)[1][1]  # step t's noise alone
+    jax.tree_util.tree_map(lambda g, n, w: np.testing.assert_allclose(g - n, w, atol=2e-5),
+                           new_state[1], noise, want)
+    params, opt_state = new_params, new_state
+  assert traced == [int(pt.sampler.max_batch_size)]  # traced once, on the padded batch
+  with pytest.raises(TypeError, match=r"augment must return a tuple \(x, x_prime\)"):
+    _steps(_setup(steps=1), params, (x, xp), 1, augment=lambda a, b, t: (a, b, a))
+  with pytest.raises(TypeError, match="callable"):
+    _setup(steps=1).make_train_step(augment=3)
+
+
+def test_dp_gcl_augment_gives_the_extra_views_of_each_record():
+  """method="dp_gcl": augment may return (x, x', extra_views); the update is
+  grouped_clipped_grad's with those extra views."""
+  embed_fn, params = _embed()
+  x, xp = _data()
+  loss = logit_dp.losses.contrastive(temperature=1.0)
+
+  def augment(a, b, t):
+    return a, b, jnp.stack([a + 0.01 * (t + 1), b - 0.01], axis=1)
+
+  pt = _setup(method="dp_gcl", group_size=4, steps=1, noise_key=jax.random.key(1),
+              sampler_seed=3, optimizer=_recorder())
+  train_step = pt.make_train_step(augment=augment)
+  opt_state = pt.optimizer.init(params)
+  batch = next(iter(pt.batches()))
+  _, new_state, loss_value = train_step(params, opt_state, batch, (x, xp))
+  xs, xps = x[batch.indices], xp[batch.indices]
+  want_loss, want = logit_dp.baselines.grouped_clipped_grad(embed_fn, loss, 1.0, 5)(
+      params, xs, xps, batch.mask, record_ids=batch.indices,
+      group_key=jax.random.fold_in(pt.group_key, 0), extra_views=augment(xs, xps, 0)[2])
+  np.testing.assert_allclose(float(loss_value), float(want_loss), rtol=1e-6)
+  noise = pt.optimizer.update(jax.tree_util.tree_map(jnp.zeros_like, want), opt_state,
+                              params)[1][-1]
+  jax.tree_util.tree_map(lambda g, n, w: np.testing.assert_allclose(g - n, w, atol=1e-5),
+                         new_state[-1], noise, want)
+
+
+def test_clip_stats_are_those_of_grad_fn_on_the_batch():
+  """make_train_step(clip_stats=True) returns grad_fn.with_stats's ClipStats of the batch."""
+  embed_fn, params = _embed()
+  x, xp = _data()
+  pt = _setup(steps=1, noise_key=jax.random.key(4))
+  _, _, [(batch, (loss_value, stats))] = _steps(pt, params, (x, xp), 1, clip_stats=True)
+  want_loss, _, want = pt.grad_fn.with_stats(params, x[batch.indices], xp[batch.indices],
+                                             jnp.asarray(batch.mask))
+  np.testing.assert_allclose(loss_value, want_loss, rtol=1e-6)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), stats, want)
+  with pytest.raises(TypeError, match="clip_stats must be True or False"):
+    pt.make_train_step(clip_stats=1)
+
+
+def test_a_fixed_noise_multiplier_keeps_the_budget():
+  """noise_multiplier=σ: σ is not calibrated; ε is reported at the δ_acc of the calibrated
+  run, and batches() stops before the step past the (ε, δ) budget."""
+  calibrated = _setup(steps=50)
+  same = _setup(steps=50, noise_multiplier=calibrated.noise_multiplier)
+  assert same.ledger == calibrated.ledger
+  low = _setup(steps=50, noise_multiplier=0.8 * calibrated.noise_multiplier)
+  assert low.noise_multiplier == 0.8 * calibrated.noise_multiplier
+  assert low.ledger.target_delta == calibrated.ledger.target_delta
+  allowed = _allowed_steps(low)
+  assert 0 < allowed < 50
+  with pytest.raises(logit_dp.ledger.PrivacyBudgetExceededError):
+    for _ in low.batches():
+      pass
+  assert low.ledger.steps == allowed

@@ -27,7 +27,8 @@ This module adds the plumbing around that core:
 * `make_sharded_grad_fn`: the jitted shard_map of `clipped_grad` /
   `naive_clipped_grad`, returning the global (ℒ, ḡ), replicated.
 * `make_private_optimizer` / `make_private_train_step`: ḡ → `logit_dp.transform`
-  (noise) → optax, the optimizer running replicated on every device.
+  (noise) → optax, the low-level step (`make_private(mesh=...)` sets up the sampler and
+  the ledger around the same update).
 
 Multi-host: call `jax.distributed.initialize()` first on every process; then
 `jax.devices()` lists the devices of all hosts and `data_mesh()` spans them.
@@ -63,6 +64,7 @@ from logit_dp._src import mechanisms
 from logit_dp._src import noise as noise_lib
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import stochastic as stochastic_lib
+from logit_dp._src import update as update_lib
 
 DATA_AXIS = "data"
 
@@ -100,9 +102,8 @@ class TrainStep(grad_fn_lib.CheckedCall):
   """step(params, opt_state, x, x_prime, mask=None, *, key=None) -> (params, opt_state, ℒ).
 
   key: required for a stochastic model (stochastic=True), refused otherwise.
-  ``shard_mapped`` is its un-jitted body; ``mesh`` the mesh it runs on.
+  ``mesh`` is the mesh it runs on.
   """
-  shard_mapped: Callable[..., tuple[Any, Any, jax.Array]]
   mesh: Mesh
 
   def __call__(self, params: Any, opt_state: Any, x: jax.Array, x_prime: jax.Array,
@@ -152,6 +153,16 @@ def data_mesh(devices: DevicesArg = None, axis_name: str = DATA_AXIS) -> Mesh:
   return Mesh(
       np.asarray(devs, dtype=object).reshape(len(devs)), (axis_name,),
       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def check_mesh(mesh, axis_name: str = DATA_AXIS) -> Mesh:
+  """mesh if it is a `jax.sharding.Mesh` with the axis ``axis_name``; TypeError/ValueError
+  otherwise."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh (distributed.data_mesh()), got "
+                    f"{type(mesh).__name__}.")
+  _axis_size(mesh, axis_name)
+  return mesh
 
 
 def _axis_size(mesh: Mesh, axis_name: str) -> int:
@@ -464,37 +475,34 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
                             non_private: bool = False, **kwargs) -> TrainStep:
   """One data-parallel private step: (params, opt_state, x, x', mask) -> (params, opt_state, ℒ).
 
+  The low-level step, without sampler or ledger (`make_private(mesh=...)` sets up both and
+  its `make_train_step` runs the same update): the global ḡ of `make_sharded_grad_fn`, then
+  ``optimizer``, then `optax.apply_updates` (`update.private_update`), jitted.
   `optimizer` must add the noise (build it with `make_private_optimizer` or
   start it with `logit_dp.transform`): on first use the step raises ValueError
   otherwise, unless non_private=True (an explicitly non-private step). embed_fn
-  is checked on first use too (`checks.check_embed_fn`). Each device computes the global ḡ,
-  then runs the same optimizer update on the same replicated state; the
-  noise key lives in that state, so every device draws the same noise and the
-  released update and new params are identical everywhere (no extra
-  communication). params/opt_state should be `replicate`d and the batch
-  sharded along `axis_name` (`shard_batch`); the step is jitted, and with
-  donate=True params and opt_state are donated. As with `clipped_grad` under
-  jit, valid pairs with non-finite inputs or embeddings are masked out.
+  is checked on first use too (`checks.check_embed_fn`). The noise key lives in the
+  replicated optimizer state, so the noise is drawn once, the same on every device, and
+  the released update and new params are replicated. params/opt_state should be
+  `replicate`d and the batch sharded along `axis_name` (`shard_batch`); with donate=True
+  params and opt_state are donated. As with `clipped_grad` under jit, valid pairs with
+  non-finite inputs or embeddings are masked out.
 
   method and naive (the same as method="naive") as in `make_sharded_grad_fn`.
-  The returned step has `.shard_mapped`, the un-jitted body, whose outputs are
-  per-device values typed replicated (out_specs=P()).
   """
   k = _axis_size(mesh, axis_name)
-  shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
-  core, stochastic = shard_fn.core, shard_fn.stochastic
+  grad_fn = make_sharded_grad_fn(embed_fn, loss, clip_norm, mesh, method, naive=naive,
+                                 axis_name=axis_name, **kwargs)
+  stochastic = grad_fn.stochastic
 
   def body(params, opt_state, x, x_prime, mask, *key):
-    loss_value, grads, _ = core(params, x, x_prime, mask, *key)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss_value
+    grad_kwargs = {"key": key[0]} if stochastic else {}
+    params, opt_state, loss_value, _, _ = update_lib.private_update(
+        grad_fn, optimizer, params, opt_state, x, x_prime, mask, **grad_kwargs)
+    return params, opt_state, loss_value
 
-  batch_spec = P(axis_name)
-  key_spec = (P(),) if stochastic else ()  # the model's key, replicated
-  shard_mapped = _shard_map(body, mesh, (P(), P(), batch_spec, batch_spec, batch_spec) + key_spec,
-                            (P(), P(), P()))
-  jitted = jax.jit(shard_mapped, donate_argnums=(0, 1) if donate else ())
-  data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
+  jitted = jax.jit(body, donate_argnums=(0, 1) if donate else ())
+  data, replicated = NamedSharding(mesh, P(axis_name)), NamedSharding(mesh, P())
   check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
 
   def check_inputs(params, opt_state, x, x_prime, mask=None, *, key=None):
@@ -503,10 +511,8 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
                         key=(key,) if stochastic else ())
 
   def check_model(params, opt_state, x, x_prime, mask, key=None):
-    del opt_state, mask
+    del opt_state, x, x_prime, mask, key
     if not non_private:
       check_adds_noise(optimizer, params)
-    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime, key)
 
-  return TrainStep(core=jitted, check_inputs=check_inputs, check_model=check_model,
-                   shard_mapped=shard_mapped, mesh=mesh)
+  return TrainStep(core=jitted, check_inputs=check_inputs, check_model=check_model, mesh=mesh)

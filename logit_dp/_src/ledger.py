@@ -229,6 +229,30 @@ class PrivacyLedger:
                accountant=accountant, num_examples=sampler.num_records, overflow_probability=p_over,
                epsilon_budget=eps, delta_budget=dlt, **kwargs)
 
+  @classmethod
+  def with_budget(cls, sampler, noise_multiplier: float, epsilon_budget: float,
+                  delta_budget: float, steps: int, accountant: str = "pld",
+                  **kwargs) -> PrivacyLedger:
+    """A ledger of a fixed σ with the budget (ε, δ) of `calibrated`: ε is reported at the
+    same δ_acc = `accountant_delta`(ε, δ, T, p_over), and `record_steps` refuses a step past
+    the budget.
+
+    Args:
+      sampler: the run's `logit_dp.sampling.PoissonSampler` (q, N and p_over).
+      noise_multiplier: σ > 0.
+      epsilon_budget: ε > 0.
+      delta_budget: δ ∈ (0, 1) of the certified guarantee.
+      steps: T, the planned number of steps (it sets δ_acc).
+      accountant: "pld" or "rdp".
+      **kwargs: other `PrivacyLedger` fields.
+    """
+    eps = accounting.check_epsilon(epsilon_budget)
+    dlt = accounting.check_delta(delta_budget)
+    accounting.warn_if_large_delta(dlt, sampler.num_records, stacklevel=3)
+    delta_acc = accountant_delta(eps, dlt, steps, sampler.step_overflow_probability)
+    return cls.for_sampler(sampler, noise_multiplier, delta_acc, accountant=accountant,
+                           epsilon_budget=eps, delta_budget=dlt, **kwargs)
+
   # -- Reporting. -------------------------------------------------------------
 
   def epsilon(self, steps: int | None = None) -> float:

@@ -42,7 +42,9 @@ from logit_dp._src import grouped as grouped_lib
 from logit_dp._src import ledger as ledger_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import methods
+from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
+from logit_dp._src import update as update_lib
 from logit_dp._src.checks import EmptyBatchWarning
 from logit_dp._src.ledger import BudgetedSampler
 from logit_dp._src.ledger import PrivacyBudgetExceededError
@@ -147,24 +149,48 @@ def _check_mask(mask, x) -> Any:
   return mask
 
 
-def _gather(data, indices: np.ndarray, num_records: int):
-  """(x_all[indices], x_prime_all[indices]) of data = (x_all, x_prime_all), each a pytree of
-  arrays with the N records along axis 0. A jax.Array is gathered on its device (no copy of
-  the dataset), any other array on the host (only the batch is sent to the device)."""
+def _gather(data, indices: np.ndarray, num_records: int, mask: np.ndarray, mesh=None):
+  """(x, x_prime, mask): the records of ``indices`` in data = (x_all, x_prime_all), each a
+  pytree of arrays with the N records along axis 0.
+
+  A jax.Array is gathered on its device (no copy of the dataset), any other array on the
+  host (only the batch is sent to the device). On a mesh, host records are gathered row by
+  device: each process takes only the rows its devices hold
+  (`distributed.local_batch_indices`) and the global batch, padded with masked rows to a
+  multiple of the devices, is assembled from them (`distributed.shard_batch`).
+  """
   if not (isinstance(data, (tuple, list)) and len(data) == 2):
     raise TypeError("data must be the records (x_all, x_prime_all), arrays (or pytrees) of the "
                     f"N = {num_records} pair records along axis 0, got {type(data).__name__}.")
+  on_device = any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(data))
+  if mesh is not None and on_device and jax.process_count() > 1:
+    raise TypeError("On a mesh spanning several processes the records must be host (NumPy) "
+                    "arrays: each process gathers its own rows of the batch.")
 
-  def take(leaf):
+  def checked(leaf):
     if not isinstance(leaf, jax.Array):
       leaf = np.asarray(leaf)
     if leaf.ndim < 1 or leaf.shape[0] != num_records:
       raise ValueError(f"data must hold the N = {num_records} pair records along axis 0 (the "
                        "sampler's num_records), got an array of shape "
                        f"{tuple(leaf.shape)}.")
-    return leaf[indices]
+    return leaf
 
-  return jax.tree_util.tree_map(take, tuple(data))
+  data = jax.tree_util.tree_map(checked, tuple(data))
+  if mesh is None or on_device:
+    x, x_prime = jax.tree_util.tree_map(lambda leaf: leaf[indices], data)
+    return x, x_prime, mask
+  rows, local_mask = distributed.local_batch_indices(mesh, indices, mask)
+  x, x_prime = jax.tree_util.tree_map(lambda leaf: leaf[rows], data)
+  return distributed.shard_batch(mesh, x, x_prime, local_mask)
+
+
+def _rows(tree, start: int, stop: int | None = None):
+  return jax.tree_util.tree_map(lambda a: a[start:stop], tree)
+
+
+def _joined(head, tail):
+  return jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), head, tail)
 
 
 class PrivateTraining(NamedTuple):
@@ -289,6 +315,7 @@ class PrivateTraining(NamedTuple):
         flush()
 
   def make_train_step(self, *, on_nonfinite: str = "warn", on_empty: str = "warn",
+                      augment: Callable | None = None, clip_stats: bool = False,
                       jit: bool = True) -> Callable:
     """train_step(params, opt_state, batch, (x_all, x_prime_all)) -> (params, opt_state, ℒ).
 
@@ -334,36 +361,75 @@ class PrivateTraining(NamedTuple):
     An empty Poisson batch is part of the mechanism (probability (1 − q)^N): its
     noisy update is released as any other, which is what the accounting assumes.
 
+    On a mesh (``make_private(mesh=...)``) the step pads the batch with masked rows to a
+    multiple of the devices and computes the global ḡ data-parallel; the update is the
+    single-device one (the same noise, drawn once from the replicated state). On a mesh
+    spanning several processes, pass the records as NumPy arrays: each process gathers
+    only the rows its devices hold.
+
     Args:
       on_nonfinite, on_empty: "warn" (default), "error" or "ignore".
+      augment: augment(x, x_prime, t) -> (x, x_prime), run on the gathered batch inside the
+        jitted step before the gradient (t: the update's number, a traced int32), e.g. data
+        augmentation or decoding. It must treat each row on its own: row i a function of
+        record i's values and of randomness independent of the data (fold t into a key
+        of your own), as embed_fn acts on examples independently. With method="dp_gcl" it
+        may return (x, x_prime, extra_views), extra_views (n, k, ...) the k extra views of
+        each record (`grouped_clipped_grad`). Rows past the batch (mesh padding) are
+        left as they are.
+      clip_stats: the step returns (params, opt_state, ℒ, stats), stats the
+        `clip_methods.ClipStats` of the batch (``grad_fn.with_stats``): NON-PRIVATE
+        diagnostics, computed on the batch without noise.
       jit: jit the update (default); False runs it eagerly (debugging).
     """
     for name, value in (("on_nonfinite", on_nonfinite), ("on_empty", on_empty)):
       if value not in REPORT_POLICIES:
         raise ValueError(f"{name} must be one of {REPORT_POLICIES}, got {value!r}.")
+    if augment is not None and not callable(augment):
+      raise TypeError(f"augment must be callable or None, got {augment!r}.")
+    if not isinstance(clip_stats, bool):
+      raise TypeError(f"clip_stats must be True or False, got {clip_stats!r}.")
     grad_fn, optimizer, ledger = self.grad_fn, self.optimizer, self.ledger
-    with_num_dropped = getattr(grad_fn, "with_num_dropped", None)
-    model_key, group_key = self.model_key, self.group_key
+    if clip_stats and getattr(grad_fn, "stats_core", None) is None:
+      raise TypeError(f"clip_stats=True: {grad_fn!r} computes no clip statistics.")
+    keys = (self.model_key, self.group_key)
+    grouped = self.group_key is not None
+    mesh = getattr(grad_fn, "mesh", None)
+    multiple = 1 if mesh is None else int(mesh.shape[distributed.DATA_AXIS])
     loop = _loop(ledger)
     num_records = self.sampler.num_records
     synchronous = "error" in (on_nonfinite, on_empty)
     deferred = not synchronous and "warn" in (on_nonfinite, on_empty)
 
-    def update(params, opt_state, x, x_prime, mask, step, record_ids):
-      # A stochastic model: the randomness of step t, fold_in(model_key, t), never released.
-      key = {} if model_key is None else {"key": jax.random.fold_in(model_key, step)}
-      if group_key is not None:  # DP-GCL: the records regrouped at every step
-        key.update(record_ids=record_ids, group_key=jax.random.fold_in(group_key, step))
-      if with_num_dropped is None:
-        loss_value, grads = grad_fn(params, x, x_prime, mask, **key)
-        num_dropped = jnp.zeros((), jnp.int32)
-      else:
-        loss_value, grads, num_dropped = with_num_dropped(params, x, x_prime, mask, **key)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      flags = jnp.stack([jnp.sum(mask, dtype=jnp.int32), num_dropped.astype(jnp.int32)])
-      return optax.apply_updates(params, updates), opt_state, loss_value, flags
+    def augmented(x, x_prime, step, num_rows):
+      views = augment(_rows(x, 0, num_rows), _rows(x_prime, 0, num_rows), step)
+      if not isinstance(views, tuple) or len(views) not in ((2, 3) if grouped else (2,)):
+        returns = "(x, x_prime) or (x, x_prime, extra_views)" if grouped else "(x, x_prime)"
+        raise TypeError(f"augment must return a tuple {returns}, got {type(views).__name__}"
+                        f"{'' if not isinstance(views, tuple) else f' of {len(views)}'}.")
+      x_new, x_prime_new = views[:2]
+      if rows_lib.num_rows(x) > num_rows:  # mesh padding, left as it is
+        x_new = _joined(x_new, _rows(x, num_rows))
+        x_prime_new = _joined(x_prime_new, _rows(x_prime, num_rows))
+      return x_new, x_prime_new, ({} if len(views) == 2 else {"extra_views": views[2]})
 
-    update = jax.jit(update) if jit else update
+    def update(params, opt_state, x, x_prime, mask, step, record_ids, keys, num_rows):
+      model_key, group_key = keys
+      extra = {}
+      if augment is not None:
+        x, x_prime, extra = augmented(x, x_prime, step, num_rows)
+      # A stochastic model: the randomness of step t, fold_in(model_key, t), never released.
+      if model_key is not None:
+        extra["key"] = jax.random.fold_in(model_key, step)
+      if group_key is not None:  # DP-GCL: the records regrouped at every step
+        extra.update(record_ids=record_ids, group_key=jax.random.fold_in(group_key, step))
+      params, opt_state, loss_value, num_dropped, stats = update_lib.private_update(
+          grad_fn, optimizer, params, opt_state, x, x_prime, mask, clip_stats=clip_stats,
+          **extra)
+      flags = jnp.stack([jnp.sum(mask, dtype=jnp.int32), num_dropped.astype(jnp.int32)])
+      return params, opt_state, loss_value, flags, stats
+
+    update = jax.jit(update, static_argnames="num_rows") if jit else update
 
     # The noise count array the last call returned and its value: read without the device.
     returned_count: list = [None, None]
@@ -416,9 +482,9 @@ class PrivateTraining(NamedTuple):
           raise TypeError("train_step(params, opt_state, batch, (x_all, x_prime_all)) groups "
                           "the records by batch.indices itself: pass no record_ids.")
         indices = np.asarray(batch.indices)
-        mask = np.asarray(batch.mask)
-        x, x_prime = _gather(data, indices, num_records)
-        if group_key is not None:
+        num_rows = indices.shape[0]
+        x, x_prime, mask = _gather(data, indices, num_records, np.asarray(batch.mask), mesh)
+        if grouped:
           record_ids = indices
       else:
         if mask is None:
@@ -430,7 +496,8 @@ class PrivateTraining(NamedTuple):
               "would be trained on.")
         x, x_prime = batch, data
         mask = _check_mask(mask, x)
-        if (record_ids is None) != (group_key is None):
+        num_rows = rows_lib.num_rows(x)
+        if (record_ids is None) == grouped:
           raise ValueError("record_ids= is required by method='dp_gcl' (pass batch.indices) "
                            f"and taken by it only; this run's method is {self.method!r}.")
       released = released_count(opt_state)
@@ -448,8 +515,10 @@ class PrivateTraining(NamedTuple):
             f"recorded {ledger.steps} step(s): update {released + 1} would leave unaccounted. "
             "Draw the batches with PrivateTraining.batches(), which records each step, or call "
             "ledger.record_steps(1) before the update on the low-level path.")
-      params_out, state_out, loss_value, flags = update(params, opt_state, x, x_prime, mask,
-                                                        released, record_ids)
+      if multiple > 1:
+        x, x_prime, mask = distributed.pad_to_multiple(x, x_prime, mask, multiple)
+      params_out, state_out, loss_value, flags, stats = update(
+          params, opt_state, x, x_prime, mask, released, record_ids, keys, num_rows=num_rows)
       if synchronous:
         report(released + 1, flags)  # raises before anything is released
       ledger.released_updates = released + 1
@@ -459,6 +528,8 @@ class PrivateTraining(NamedTuple):
       if deferred:
         pending.append((released + 1, flags))
         report_finished()
+      if clip_stats:
+        return params_out, state_out, loss_value, stats
       return params_out, state_out, loss_value
 
     train_step.flush = flush  # pyright: ignore[reportFunctionMemberAccess]
@@ -566,7 +637,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                  mean: bool = False, microbatch_size: int | None = None, accountant: str = "pld",
                  noise_key: Any = None, sampler_seed: int | None = None,
                  max_batch_size: int | None = None, overflow: str = "error",
-                 group_size: float | None = None, **grad_kwargs) -> PrivateTraining:
+                 group_size: float | None = None, noise_multiplier: float | None = None,
+                 mesh: Any = None, **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
@@ -624,6 +696,13 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     group_size: method="dp_gcl" only (and required there): the expected group size s > 0;
       G = max(1, round(expected_batch_size / s)) hash groups. The
       group key is split from the training key, as model_key (`PrivateTraining.group_key`).
+    noise_multiplier: σ > 0 fixed instead of calibrated. (target_epsilon, target_delta) are
+      then the budget: the ledger reports ε at δ_acc, as with a calibrated σ, and `batches`
+      raises `PrivacyBudgetExceededError` before a step that would exceed it.
+    mesh: a `jax.sharding.Mesh` with a "data" axis (`distributed.data_mesh`) for
+      data-parallel training (one or several processes): ``grad_fn`` is then
+      `distributed.make_sharded_grad_fn`'s, the same ḡ and C as on one device, and the
+      train step places the batch on the mesh. Not with method="dp_gcl".
     **grad_kwargs: other `clipped_grad` arguments (cosine_eps;
       positive_embed_fn for a two-tower model, with the same C; stochastic=True for a
       model embed_fn(params, x, key) with dropout: the training key is then split into the
@@ -661,8 +740,16 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     grad_kwargs["num_groups"] = grouped_lib.num_groups_for(expected_batch_size, group_size)
   elif group_size is not None:
     raise ValueError(f"group_size is for method='dp_gcl' only, not {method!r}.")
-  grad_fn = clipping.private_grad(embed_fn, loss, b, method, microbatch_size=microbatch_size,
-                                  **grad_kwargs)
+  if mesh is None:
+    grad_fn = clipping.private_grad(embed_fn, loss, b, method, microbatch_size=microbatch_size,
+                                    **grad_kwargs)
+  elif grouped:
+    raise ValueError("method='dp_gcl' runs on one device: its groups' gradients are not sharded "
+                     "(pass no mesh, or use a Logit-DP clip method or 'naive' on a mesh).")
+  else:
+    grad_fn = distributed.make_sharded_grad_fn(embed_fn, loss, b, distributed.check_mesh(mesh),
+                                               method=method, microbatch_size=microbatch_size,
+                                               **grad_kwargs)
   c = grad_fn.sensitivity(batch_size=None)
 
   accounting.warn_if_large_delta(delta, n, stacklevel=3)
@@ -671,7 +758,10 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                            overflow=overflow)
   with warnings.catch_warnings():  # δ ≥ 1/N was already reported above, once
     warnings.filterwarnings("ignore", message="target_delta=", category=UserWarning)
-    ledger = PrivacyLedger.calibrated(poisson, eps, delta, t, accountant)
+    if noise_multiplier is None:
+      ledger = PrivacyLedger.calibrated(poisson, eps, delta, t, accountant)
+    else:
+      ledger = PrivacyLedger.with_budget(poisson, noise_multiplier, eps, delta, t, accountant)
   sampler = BudgetedSampler.bind(poisson, ledger)
   sigma = ledger.noise_multiplier
   key = jax.random.key(_secret_seed()) if noise_key is None else noise_key
