@@ -52,7 +52,6 @@ import os
 import secrets
 import sys
 import time
-import warnings
 from typing import Any
 
 import flax
@@ -80,9 +79,6 @@ UNTRAINED = "untrained"
 PRIVATE_METHODS = tuple(mechanism.value for mechanism in logit_dp.Mechanism)
 METHOD_LABELS = ({mechanism.value: mechanism.label for mechanism in logit_dp.Mechanism} |
                  {"non_private": "Non-private", UNTRAINED: "Untrained (init)"})
-# Folded into the seed's key to get DP-GCL's group keys (public: the assignment only has to be
-# independent of the data). A separate derivation leaves the other methods' keys unchanged.
-_GROUP_KEY_TAG = 0x6763_6C
 
 
 @flax.struct.dataclass
@@ -340,7 +336,10 @@ def clip_method(config) -> str | logit_dp.clip_methods.ClipMethod:
 
 
 def make_method(config, method: str, apply_fn, num_records: int, noise_key):
-  """(grad_fn, optimizer, info) for one method; info has the privacy plan and step count."""
+  """(grad_fn, optimizer, info) for one method; info has the privacy plan and step count.
+
+  The private methods' are those of `make_private_training` (sampler seed 0).
+  """
   loss = make_loss(config)
   batch = int(config.batch_size)
   if method == "non_private" and make_mesh(config) is not None:
@@ -365,41 +364,81 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
     info = dict(noise_multiplier=0.0, sensitivity=0.0, sampling_rate=None, steps=steps,
                 max_batch=batch)
     return grad_fn, tx, info
+  private = make_private_training(config, method, apply_fn, num_records, noise_key,
+                                  sampling_seed=0)
+  info = dict(privacy_plan(config, num_records), sensitivity=private.sensitivity,
+              clip_norm=private.clip_norm)
+  return private.grad_fn, private.optimizer, info
+
+
+def _clip_method_of(config, method: str):
+  """make_private's method of an experiment method: the config's clip method for Logit-DP."""
+  mechanism = logit_dp.Mechanism(method)
+  if mechanism is logit_dp.Mechanism.LOGIT_DP:
+    return clip_method(config)
+  return "naive" if mechanism is logit_dp.Mechanism.NAIVE_DP else "dp_gcl"
+
+
+def make_private_training(config, method: str, apply_fn, num_records: int, noise_key,
+                          sampling_seed: int) -> logit_dp.PrivateTraining:
+  """The private run of ``method`` as a user sets one up: `logit_dp.make_private`.
+
+  The mechanism ("logit_dp" with config.clip_method, "naive_dp", "dp_gcl" with
+  config.dp_gcl.group_size), its clip norm, the plan of `privacy_plan` (q, T, the padded
+  batch, σ: make_private is given the σ it calibrates, and reports ε at the same δ),
+  ``noise_key`` and the Poisson sampler's seed, Adam with the config's schedule after the
+  noisy sum scaled to a mean, and the config's data-parallel mesh. A config that calibrates σ
+  at target_delta (delta_includes_overflow=False) keeps its ledger's δ there, without a δ
+  budget, as its runs were started.
+  """
   if method not in PRIVATE_METHODS:
     raise ValueError(f"unknown method {method!r} (logit_dp, naive_dp, dp_gcl or non_private)")
-  mechanism = logit_dp.Mechanism(method)
   plan = privacy_plan(config, num_records)
-  microbatch = dict(microbatch_size=config.get("microbatch_size"))
-  mesh = make_mesh(config)
-  bound = clip_norm(config, method)
-  if mechanism is logit_dp.Mechanism.DP_GCL:
-    if mesh is not None:
-      raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
+  kwargs = {}
+  if method == "dp_gcl":
+    dp_gcl_num_groups(config)  # checks group_size
     dp_gcl_extra_views(config)
-    grad_fn = logit_dp.baselines.grouped_clipped_grad(apply_fn, loss, bound,
-                                                      dp_gcl_num_groups(config), **microbatch)
-  elif mechanism is logit_dp.Mechanism.LOGIT_DP:
-    if mesh is None:
-      grad_fn = logit_dp.clipped_grad(apply_fn, loss, clip_norm=bound, method=clip_method(config),
-                                      **microbatch)
-    else:
-      grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh,
-                                                          method=clip_method(config), **microbatch)
-  elif mesh is None:
-    grad_fn = logit_dp.baselines.naive_clipped_grad(apply_fn, loss, clip_norm=bound, **microbatch)
-  else:
-    grad_fn = logit_dp.distributed.make_sharded_grad_fn(apply_fn, loss, bound, mesh, method="naive",
-                                                        **microbatch)
-  # The mechanism's sensitivity (Logit-DP: of the loss; Naive-DP and DP-GCL: 2B), of the global
-  # ḡ (independent of the number of devices). Poisson batches have a random size: calibrate to
-  # the supremum over batch sizes.
-  sens = grad_fn.sensitivity(batch_size=None)
-  tx = optax.chain(
-      logit_dp.transform(noise_multiplier=plan["noise_multiplier"], sensitivity=sens,
-                         key=noise_key),
-      optax.scale(1.0 / batch),  # noisy sum -> mean over the expected batch (post-processing)
-      optax.adam(learning_rate_schedule(config, method, plan["steps"])))
-  return grad_fn, tx, dict(plan, sensitivity=sens, clip_norm=bound)
+    kwargs["group_size"] = float(config.dp_gcl.group_size)
+  mesh = make_mesh(config)
+  if mesh is not None and method == "dp_gcl":
+    raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
+  private = logit_dp.make_private(
+      apply_fn, make_loss(config), clip_norm(config, method),
+      target_epsilon=float(config.target_epsilon), target_delta=float(config.target_delta),
+      num_records=num_records, expected_batch_size=int(config.batch_size), steps=plan["steps"],
+      optimizer=optax.adam(learning_rate_schedule(config, method, plan["steps"])), mean=True,
+      method=_clip_method_of(config, method), microbatch_size=config.get("microbatch_size"),
+      accountant=config.accountant, noise_key=noise_key, sampler_seed=int(sampling_seed),
+      max_batch_size=plan["max_batch"], noise_multiplier=plan["noise_multiplier"], mesh=mesh,
+      **kwargs)
+  if not config.get("delta_includes_overflow", False):
+    private.ledger.target_delta = plan["accountant_delta"]
+    private.ledger.delta_budget = None
+  return private
+
+
+def private_augment(config, method: str):
+  """augment(x, x', t) of the private train step: the records' images (uint8 or float) to
+  floats in [0, 1], augmented with keys from fold_in(augment key, t) (`augment_views`);
+  dp_gcl with config.dp_gcl.extra_views = k: also the (n, k, ...) extra views, view m a
+  fresh augmentation of the record's first image (m even) or second (m odd). Functions of
+  each record's own images and of public randomness only: no privacy cost."""
+  aug_key = _keys(config.seed)["augment"]
+  k = dp_gcl_extra_views(config) if method == "dp_gcl" else 0
+
+  def augment(xa, xb, step):
+    images = (data_lib.to_float(xa), data_lib.to_float(xb))
+    x, x_prime = augment_views(config, *images, aug_key, step) if _augments(config) else images
+    if k == 0:
+      return x, x_prime
+    step_key = jax.random.fold_in(aug_key, step)
+    views = [
+        augment_lib.augment_batch(jax.random.fold_in(step_key, 2 + m), images[m % 2],
+                                  **dict(config.augment)) for m in range(k)
+    ]
+    return x, x_prime, jnp.stack(views, axis=1)
+
+  return augment
 
 
 def _augments(config) -> bool:
@@ -423,25 +462,6 @@ def gather_pairs(config, x_train, pairs, idx, aug_key, step):
   return xa, xb
 
 
-def extra_views(config, x_train, pairs, idx, aug_key, step):
-  """DP-GCL's extra views, (n, k, ...): view m is a fresh augmentation of the record's first
-  image (m even) or second image (m odd); None when config.dp_gcl.extra_views = 0.
-
-  Functions of the record's own images and of public randomness only: no privacy cost.
-  """
-  k = dp_gcl_extra_views(config)
-  if k == 0:
-    return None
-  rec = pairs[idx]
-  images = (data_lib.to_float(x_train[rec[:, 0]]), data_lib.to_float(x_train[rec[:, 1]]))
-  step_key = jax.random.fold_in(aug_key, step)
-  views = [
-      augment_lib.augment_batch(jax.random.fold_in(step_key, 2 + m), images[m % 2],
-                                **dict(config.augment)) for m in range(k)
-  ]
-  return jnp.stack(views, axis=1)
-
-
 def augment_rows(config, x, xp, aug_key, step, num_rows: int):
   """Multi-process: the first ``num_rows`` rows of the global batch augmented as `gather_pairs`
   augments the batcher's ``num_rows`` rows; the rows past them (mesh padding) are left as
@@ -463,33 +483,12 @@ def local_batch(config, x_train: np.ndarray, pairs: np.ndarray, idx, mask, mesh)
   return logit_dp.distributed.shard_batch(mesh, xa, xb, local_mask)
 
 
-def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx, clip_stats: bool = False):
-  """One pure update: (clipped) summed gradient -> optimizer (noise for DP) -> params.
-
-  ``metrics['train_loss']`` is computed on the (private) batch: not DP, see module doc.
-  ``metrics['num_dropped']`` counts the valid pairs the gradient dropped for non-finite
-  inputs or embeddings (``grad_fn.with_num_dropped``; 0 where the gradient has no count).
-  With clip_stats, ``metrics['fraction_clipped']`` and ``metrics['median_norm']`` are those of
-  ``grad_fn.with_stats`` (`logit_dp.clip_methods.ClipStats`): NON-PRIVATE, like the training loss.
-  """
-  with_num_dropped = getattr(grad_fn, "with_num_dropped", None)
-  stats = None
-  if clip_stats:
-    loss_value, grads, stats = grad_fn.with_stats(state.params, x, x_prime, mask)
-    num_dropped = stats.num_dropped
-  elif with_num_dropped is None:
-    loss_value, grads = grad_fn(state.params, x, x_prime, mask)
-    num_dropped = jnp.zeros((), jnp.int32)
-  else:
-    loss_value, grads, num_dropped = with_num_dropped(state.params, x, x_prime, mask)
+def train_step(state: TrainState, x, x_prime, mask, *, grad_fn, tx):
+  """One pure non-private update: the summed gradient -> optimizer -> params."""
+  loss_value, grads = grad_fn(state.params, x, x_prime, mask)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  n = jnp.maximum(jnp.sum(mask), 1)
-  metrics = dict(train_loss=loss_value / n, batch_size=jnp.sum(mask),
-                 finite=jnp.isfinite(loss_value), num_dropped=num_dropped)
-  if stats is not None:
-    metrics.update(fraction_clipped=stats.fraction_clipped, median_norm=stats.median_norm)
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), loss_value
 
 
 _STEP_CACHE: dict[Any, Any] = {}
@@ -501,47 +500,36 @@ CLIP_STATS_COLUMNS = {
 }
 
 
-def get_step_fn(config, method: str, num_records: int):
-  """(step_fn, tx, info), cached per (method, training config) so resumes reuse compilations.
+def get_step_fn(config, num_records: int):
+  """(step_fn, tx, info) of the non-private run, cached per training config so resumes reuse
+  compilations (the private runs' steps are `logit_dp.PrivateTraining.make_train_step`'s).
 
   ``step_fn(state, x_train, pairs, idx, mask)`` gathers and augments the batch on the
   device and applies `train_step`; it is jitted. Multi-process it is
   ``step_fn(state, x, x_prime, mask)`` on the global batch of `local_batch`.
   """
+  method = "non_private"
   key = _step_key(config, method, num_records)
   if key not in _STEP_CACHE:
     keys = _keys(config.seed)
     _, apply_fn, _, _ = get_model(config.model)
     grad_fn, tx, info = make_method(config, method, apply_fn, num_records, keys["noise"])
-
     mesh = make_mesh(config)
-    train_step_fn = functools.partial(train_step, clip_stats=_logs_clip_stats(config, method))
     if _multiprocess():
       num_rows = int(info["max_batch"])  # the batcher's rows; then padding to the mesh
 
       @jax.jit
       def step_fn(state, x, xp, mask):  # the global batch of `local_batch`
         x, xp = augment_rows(config, x, xp, keys["augment"], state.step, num_rows)
-        return train_step_fn(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
+        return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
     else:
 
       @jax.jit
       def step_fn(state, x_train, pairs, idx, mask):
         x, xp = gather_pairs(config, x_train, pairs, idx, keys["augment"], state.step)
-        if method == "dp_gcl":  # groups: a keyed hash of the record ids, regrouped every step
-          group_key = jax.random.fold_in(
-              jax.random.fold_in(jax.random.PRNGKey(config.seed), _GROUP_KEY_TAG), state.step)
-          views = extra_views(config, x_train, pairs, idx, keys["augment"], state.step)
-          grouped_fn = functools.partial(grad_fn, record_ids=idx, group_key=group_key,
-                                         extra_views=views)
-          grouped_fn.with_num_dropped = functools.partial(  # type: ignore[attr-defined]
-              grad_fn.with_num_dropped, record_ids=idx, group_key=group_key, extra_views=views)
-          grouped_fn.with_stats = functools.partial(  # type: ignore[attr-defined]
-              grad_fn.with_stats, record_ids=idx, group_key=group_key, extra_views=views)
-          return train_step_fn(state, x, xp, mask, grad_fn=grouped_fn, tx=tx)
         if mesh is not None:  # masked rows so the global batch divides by the device count
           x, xp, mask = logit_dp.distributed.pad_to_multiple(x, xp, mask, mesh.size)
-        return train_step_fn(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
+        return train_step(state, x, xp, mask, grad_fn=grad_fn, tx=tx)
 
     _STEP_CACHE[key] = (step_fn, tx, info)
   return _STEP_CACHE[key]
@@ -583,8 +571,8 @@ def get_eval_loss(config):
 
 
 # ---------------------------------------------------------------------------
-# Checkpoints (orbax).  DP runs use logit_dp.ledger (state and privacy ledger in
-# one atomic checkpoint); the non-private run has no ledger.
+# Checkpoints (orbax) of the non-private run. The private runs' are PrivateTraining's (state,
+# privacy ledger and sampler in one atomic checkpoint).
 
 
 def _plain_manager(directory: str, max_to_keep: int | None):
@@ -594,20 +582,14 @@ def _plain_manager(directory: str, max_to_keep: int | None):
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
 
-def save_checkpoint(directory: str, state: TrainState, ledger, max_to_keep: int | None = 2,
-                    sampler=None):
-  """The state (with the ledger and the Poisson sampler of a DP run) as one checkpoint."""
-  step = int(state.step)
-  if ledger is not None:
-    if isinstance(sampler, logit_dp.ledger.BudgetedSampler):
-      sampler = sampler.unbudgeted()
-    logit_dp.ledger.save_checkpoint(directory, step, state, ledger, sampler=sampler,
-                                    max_to_keep=max_to_keep)
-    return
+def save_checkpoint(directory: str, state: TrainState, max_to_keep: int | None = 2):
+  """The non-private run's state as one orbax checkpoint (a private run's checkpoints are
+  ``PrivateTraining.save_checkpoint``'s: state, ledger and sampler together)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   mngr = _plain_manager(directory, max_to_keep)
   try:
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+    mngr.save(int(state.step), args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+              force=True)
     mngr.wait_until_finished()
   finally:
     mngr.close()
@@ -620,13 +602,8 @@ def save_params(path: str, params):
     ckptr.save(os.path.abspath(path), params, force=True)
 
 
-def restore_checkpoint(directory: str, template: TrainState, private: bool):
-  """(state, ledger or None) from the newest checkpoint, or (None, None) if there is none."""
-  if not os.path.isdir(directory) or logit_dp.ledger.latest_step(directory) is None:
-    return None, None
-  if private:
-    state, ledger, _ = logit_dp.ledger.restore_checkpoint(directory, template)
-    return state, ledger
+def restore_checkpoint(directory: str, template: TrainState) -> TrainState:
+  """The non-private run's state from its newest checkpoint (`save_checkpoint`)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   mngr = _plain_manager(directory, None)
   try:
@@ -634,7 +611,7 @@ def restore_checkpoint(directory: str, template: TrainState, private: bool):
                        args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))
   finally:
     mngr.close()
-  return out["state"], None
+  return out["state"]
 
 
 # ---------------------------------------------------------------------------
@@ -693,67 +670,26 @@ def _stored_seeds(config, workdir: str, method: str) -> tuple[int, int]:
   return int(seeds["noise_seed"]), int(seeds["sampling_seed"])
 
 
-def _with_noise_key(opt_state, key):
-  """opt_state with the noise transform's base key replaced (a chain starting with it)."""
-  noise_state = opt_state[0]
-  if not isinstance(noise_state, logit_dp.AddNoiseState):
-    raise ValueError("the private optimizer must start with logit_dp.transform")
-  return (noise_state._replace(rng_key=jax.random.key_data(key) if jnp.issubdtype(
-      key.dtype, jax.dtypes.prng_key) else key),) + tuple(opt_state[1:])
-
-
 def _keys(seed: int):
   root = jax.random.PRNGKey(seed)
   names = ("init", "data", "augment", "noise")
   return dict(zip(names, jax.random.split(root, len(names))))
 
 
-def _delta_budget(config) -> float | None:
-  """target_delta when the certified δ must stay within it (config.delta_includes_overflow)."""
-  return float(config.target_delta) if config.get("delta_includes_overflow", False) else None
-
-
 class _Batcher:
-  """Host-side batches: Poisson for DP methods, shuffled epochs for non-private.
-
-  Both are pure functions of (seed, step), so a resumed run sees the same batches.
-  """
-  def __init__(self, method, num_records, info, batch_size, seed):
-    self.private = method in PRIVATE_METHODS
-    if self.private:
-      self.sampler = logit_dp.sampling.PoissonSampler(num_records=num_records,
-                                                      sampling_rate=info["sampling_rate"],
-                                                      max_batch_size=info["max_batch"], seed=seed,
-                                                      overflow="error")
-    else:
-      self.batcher = logit_dp.sampling.ShuffledBatcher(num_records, batch_size, seed=seed)
-      self._epoch, self._batches = None, None
+  """The non-private run's host-side batches: shuffled epochs, a pure function of (seed,
+  step), so a resumed run sees the same batches (the private runs draw theirs from
+  `logit_dp.PrivateTraining.batches`)."""
+  def __init__(self, num_records: int, batch_size: int, seed: int):
+    self.batcher = logit_dp.sampling.ShuffledBatcher(num_records, batch_size, seed=seed)
+    self._epoch, self._batches = None, None
 
   def __call__(self, step: int):
-    if self.private:
-      b = self.sampler(step)  # raises BatchOverflowError before anything is released
-      return b.indices, b.mask
     nb = self.batcher.num_batches()
     e, j = divmod(step, nb)
     if e != self._epoch:
       self._epoch, self._batches = e, list(self.batcher.epoch(e))
     return self._batches[j]
-
-
-def _batches(private_training, batcher: _Batcher, start: int, stop: int):
-  """(step, (indices, mask)) for steps start, …, stop − 1.
-
-  DP methods: from ``private_training.batches`` (each step recorded in the ledger before its
-  batch is handed out, none past the budget); the non-private run: the shuffled epochs.
-  """
-  if private_training is None:
-    for step in range(start, stop):
-      yield step, batcher(step)
-    return
-  if start >= stop:  # a finished run, resumed: nothing left to train
-    return
-  for batch in private_training.batches(stop):
-    yield private_training.ledger.steps - 1, (batch.indices, batch.mask)
 
 
 def _read_history(csv_path: str, upto: int):
@@ -842,7 +778,14 @@ class Progress:
 
 def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarray, workdir: str,
                  quiet: bool = False, eval_data=None) -> dict[str, Any]:
-  """Trains one method (resuming from its checkpoints if any) and returns its record."""
+  """Trains one method (resuming from its checkpoints if any) and returns its record.
+
+  A private method trains the way users train: `make_private_training` (`logit_dp.make_private`),
+  a loop over ``PrivateTraining.batches()`` (each step recorded in the ledger before its batch
+  is handed out, none past the budget) with the step of ``PrivateTraining.make_train_step``
+  (it gathers, augments and masks the batch itself), and the run's checkpoints
+  (``PrivateTraining.save_checkpoint`` / ``restore_checkpoint``: state, ledger and sampler).
+  """
   from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
 
   mdir = os.path.join(workdir, method)
@@ -852,50 +795,42 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     os.makedirs(mdir, exist_ok=True)
   apply_fn = get_model(config.model)[1]
   num_records = int(pairs.shape[0])
-  step_fn, tx, info = get_step_fn(config, method, num_records)
-  total_steps = info["steps"]
   private = method in PRIVATE_METHODS
-
+  batch = int(config.batch_size)
   params = initial_params(config, ds["x_train"][:1])
-  opt_state = tx.init(params)
-  sampling_seed = config.seed + 1
+  training = None
   if private:
     noise_seed, sampling_seed = privacy_seeds(config, workdir, method)
-    opt_state = _with_noise_key(opt_state, jax.random.PRNGKey(noise_seed))
+    training = make_private_training(config, method, apply_fn, num_records,
+                                     jax.random.PRNGKey(noise_seed), sampling_seed)
+    total_steps = training.steps
+    opt_state = training.optimizer.init(params)
+    info = dict(noise_multiplier=training.noise_multiplier, sensitivity=training.sensitivity,
+                clip_norm=training.clip_norm, sampling_rate=training.sampling_rate)
+    epoch_per_step = training.sampling_rate  # epochs seen: q per Poisson step
+  else:
+    step_fn, tx, info = get_step_fn(config, num_records)
+    total_steps = info["steps"]
+    opt_state = tx.init(params)
+    epoch_per_step = 1.0 / -(-num_records // batch)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
   mesh = make_mesh(config) if _multiprocess() else None
   if mesh is not None:  # the same values on every process (checked), on every device
     state = logit_dp.distributed.replicate(state, mesh)
-  batcher = _Batcher(method, num_records, info, int(config.batch_size), seed=sampling_seed)
-  ledger = None
-  if private:
-    ledger = logit_dp.ledger.PrivacyLedger(
-        noise_multiplier=info["noise_multiplier"], sampling_rate=info["sampling_rate"],
-        target_delta=info["accountant_delta"], accountant=config.accountant,
-        num_examples=num_records, overflow_probability=batcher.sampler.step_overflow_probability,
-        epsilon_budget=float(config.target_epsilon), delta_budget=_delta_budget(config))
 
   ckpt_dir = os.path.join(mdir, "checkpoints")
-  restored, restored_ledger = restore_checkpoint(ckpt_dir, state, private)
+  resumed = os.path.isdir(ckpt_dir) and logit_dp.ledger.latest_step(ckpt_dir) is not None
+  if resumed and private:
+    state, training = training.restore_checkpoint(ckpt_dir, state)
+  elif resumed:
+    state = restore_checkpoint(ckpt_dir, state)
+  if resumed and not quiet:
+    done = " (finished)" if int(state.step) >= total_steps else ""
+    print(f"[{method}] resumed from step {int(state.step)}{done}")
   csv_path = os.path.join(mdir, "metrics.csv")
-  if restored is not None:
-    state = restored
-    ledger = restored_ledger if private else None
-    saved = logit_dp.ledger.restore_sampler(ckpt_dir) if private else None
-    if saved is not None and saved != batcher.sampler:
-      raise ValueError(f"[{method}] the checkpoint in {ckpt_dir} was made with another Poisson "
-                       "sampler (records, rate, padded size or seed): resuming would draw other "
-                       "batches than the run it continues.")
-    if not quiet:
-      done = " (finished)" if int(state.step) >= total_steps else ""
-      print(f"[{method}] resumed from step {int(state.step)}{done}")
   start = int(state.step)
   history = _read_history(csv_path, start) if start and primary else []
 
-  if mesh is None:
-    x_train, pairs_d = jnp.asarray(ds["x_train"]), jnp.asarray(pairs)
-  else:  # each process gathers its own rows on the host
-    x_train, pairs_d = np.asarray(ds["x_train"]), np.asarray(pairs)
   eval_loss = get_eval_loss(config)
   if eval_data is None and primary:
     eval_data = eval_pairs(config, ds["x_test"], ds["y_test"], config.seed)
@@ -905,9 +840,6 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     fields.append("train_loss_NONPRIVATE_diagnostic")
   if _logs_clip_stats(config, method):
     fields += list(CLIP_STATS_COLUMNS.values())
-  batch = int(config.batch_size)
-  # Epochs seen: q per Poisson step; 1 / (batches per epoch) for shuffled epochs.
-  epoch_per_step = (info["sampling_rate"] if private else 1.0 / -(-num_records // batch))
 
   def test_loss(params):
     return float(eval_loss(_local(params), *eval_data))
@@ -939,10 +871,12 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
   log_every = max(1, int(config.log_every))
   ckpt_every = max(1, int(config.checkpoint_every))
   keep = config.get("max_checkpoints_to_keep", 2)
-  private_training = None
+  on_nonfinite = config.get("on_nonfinite_rows", "warn")
+  if on_nonfinite not in ("warn", "error"):
+    raise ValueError(f"config.on_nonfinite_rows must be 'warn' or 'error', got {on_nonfinite!r}.")
+  ledger = None if training is None else training.ledger
   if ledger is not None:
     # A resumed run keeps today's budgets; allow_exceeding_budget runs without them.
-    ledger.epsilon_budget, ledger.delta_budget = float(config.target_epsilon), _delta_budget(config)
     if config.get("allow_exceeding_budget", False):
       ledger.epsilon_budget = ledger.delta_budget = None
     try:
@@ -953,49 +887,54 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     if ledger.steps != start:
       raise ValueError(f"[{method}] the checkpoint's ledger holds {ledger.steps} step(s) and its "
                        f"state {start}: they must agree.")
-    # Every batch is drawn by a sampler bound to the ledger (it refuses steps past the budget)
-    # and recorded in the ledger before it is handed out (PrivateTraining.batches), so no
-    # update leaves unaccounted. The update itself is step_fn: it gathers and augments the
-    # batch on the device and reports the metrics.
-    private_training = logit_dp.PrivateTraining(
-        grad_fn=step_fn, optimizer=tx,
-        sampler=logit_dp.ledger.BudgetedSampler.bind(batcher.sampler, ledger), ledger=ledger,
-        noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],
-        clip_norm=info.get("clip_norm"), sampling_rate=info["sampling_rate"], steps=total_steps,
-        method=method)
+  train_step_fn = None
+
+  def private_steps(state):
+    """(state, ℒ, valid pairs, clip stats) of each private step, as users train."""
+    nonlocal train_step_fn
+    train_step_fn = training.make_train_step(on_nonfinite=on_nonfinite,
+                                             augment=private_augment(config, method),
+                                             clip_stats=_logs_clip_stats(config, method))
+    images = np.asarray(ds["x_train"])
+    records = (images[pairs[:, 0]], images[pairs[:, 1]])  # record r: its two images
+    if mesh is None:  # multi-process: each process gathers its own rows on the host
+      records = jax.device_put(records)
+    for poisson_batch in training.batches(stop) if start < stop else ():
+      params, opt_state, loss_value, *stats = train_step_fn(state.params, state.opt_state,
+                                                            poisson_batch, records)
+      state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+      yield state, loss_value, int(poisson_batch.batch_size), (stats[0] if stats else None)
+
+  def non_private_steps(state):
+    """(state, ℒ, valid pairs, None) of each step of the shuffled epochs."""
+    batcher = _Batcher(num_records, batch, seed=config.seed + 1)
+    if mesh is None:
+      x_train, pairs_d = jnp.asarray(ds["x_train"]), jnp.asarray(pairs)
+    else:  # each process gathers its own rows on the host
+      x_train, pairs_d = np.asarray(ds["x_train"]), np.asarray(pairs)
+    for step in range(start, stop):
+      idx, mask = batcher(step)
+      if mesh is None:
+        state, loss_value = step_fn(state, x_train, pairs_d, idx, mask)
+      else:
+        state, loss_value = step_fn(state, *local_batch(config, x_train, pairs_d, idx, mask, mesh))
+      yield state, loss_value, int(np.sum(mask)), None
+
   eps_now = ledger.epsilon() if ledger else 0.0
   t_last, s_last, t_train = time.time(), start, 0.0
   progress = Progress(METHOD_LABELS.get(method, method), total_steps, start, enabled=not quiet
                       and config.get("progress", True))
-  on_nonfinite = config.get("on_nonfinite_rows", "warn")
-  if on_nonfinite not in ("warn", "error"):
-    raise ValueError(f"config.on_nonfinite_rows must be 'warn' or 'error', got {on_nonfinite!r}.")
-  num_dropped = 0
   step = start
-  for index, (idx, mask) in _batches(private_training, batcher, start, stop):
-    t0 = time.time()
-    if mesh is None:
-      state, metrics = step_fn(state, x_train, pairs_d, idx, mask)
-    else:
-      state, metrics = step_fn(state, *local_batch(config, x_train, pairs_d, idx, mask, mesh))
-    if not bool(metrics["finite"]):
+  t0 = time.time()
+  updates = (private_steps if private else non_private_steps)(state)
+  for state, loss_value, num_valid, stats in updates:
+    if not np.isfinite(float(loss_value)):
       raise FloatingPointError(
           f"{method}: the training loss is not finite at step {int(state.step)} (the "
           "parameters have diverged or every pair of the batch was dropped as non-finite); "
           "stopping. Lower the learning rate or resume from an earlier checkpoint.")
-    dropped = int(metrics["num_dropped"])
-    if dropped:
-      num_dropped += dropped
-      message = (f"{method}: step {int(state.step)} dropped {dropped} pair(s) with non-finite "
-                 "inputs or embeddings (masked out, still private).")
-      if on_nonfinite == "error":
-        raise FloatingPointError(message + " Stopping (config.on_nonfinite_rows='error').")
-      warnings.warn(message, logit_dp.NonFiniteRowsWarning, stacklevel=2)
-    if primary and int(metrics["batch_size"]) == 0:
-      progress.write(f"[{method}] step {int(state.step)}: empty Poisson batch, the update is "
-                     "pure noise (as the accounting assumes)")
     jax.block_until_ready(state.params)
-    step = index + 1
+    step += 1
     t_train += time.time() - t0
     progress.update(step)
     checkpoint_now = step % ckpt_every == 0 or step == stop
@@ -1007,24 +946,28 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
                  delta=ledger.delta() if ledger else 0.0, steps_per_sec=sps,
                  test_loss=test_loss(state.params))
       if config.log_private_train_loss:
-        row["train_loss_NONPRIVATE_diagnostic"] = float(metrics["train_loss"])
-      for name, column in CLIP_STATS_COLUMNS.items():
-        if name in metrics:
-          row[column] = float(metrics[name])
+        row["train_loss_NONPRIVATE_diagnostic"] = float(loss_value) / max(num_valid, 1)
+      if stats is not None:
+        for name, column in CLIP_STATS_COLUMNS.items():
+          row[column] = float(getattr(stats, name))
       write_row(row)
       progress.log(
           step,
           {"steps/s": f"{sps:.2f}", "ε": f"{eps_now:.3g}", "test_loss": f"{row['test_loss']:.4f}"})
       t_last, s_last = time.time(), step
     if checkpoint_now:
-      save_checkpoint(ckpt_dir, state, ledger, max_to_keep=keep,
-                      sampler=None if private_training is None else private_training.sampler)
+      if training is not None:
+        training.save_checkpoint(ckpt_dir, state, max_to_keep=keep)
+      else:
+        save_checkpoint(ckpt_dir, state, max_to_keep=keep)
+    t0 = time.time()
   progress.close()
   if writer is not None:
     writer.close()
   if int(state.step) >= total_steps:
     save_params(os.path.join(mdir, "params"), state.params)
   eps_final = ledger.epsilon() if ledger else 0.0
+  num_dropped = 0 if train_step_fn is None else train_step_fn.num_dropped()
   return dict(method=method, steps=int(state.step), total_steps=total_steps,
               finished=int(state.step) >= total_steps, learning_rate=learning_rate(config, method),
               noise_multiplier=info["noise_multiplier"], sensitivity=info["sensitivity"],

@@ -358,6 +358,9 @@ class PrivateTraining(NamedTuple):
       for the step); the update is discarded, nothing is released;
     * "ignore": nothing is read.
 
+    ``train_step.num_dropped()`` is the total of the dropped pairs reported ("warn" or
+    "error"; 0 with "ignore").
+
     An empty Poisson batch is part of the mechanism (probability (1 − q)^N): its
     noisy update is released as any other, which is what the accounting assumes.
 
@@ -436,8 +439,11 @@ class PrivateTraining(NamedTuple):
     # (update number, flags) of released updates not reported yet, oldest first.
     pending: list[tuple[int, jax.Array]] = []
 
+    dropped = [0]  # the valid pairs dropped in the reported steps
+
     def report(number: int, flags) -> None:
       num_valid, num_dropped = (int(v) for v in np.asarray(flags))
+      dropped[0] += num_dropped
       if num_valid == 0:
         _report(
             on_empty, f"Private step {number}: the batch has no valid pair (mask all "
@@ -532,7 +538,14 @@ class PrivateTraining(NamedTuple):
         return params_out, state_out, loss_value, stats
       return params_out, state_out, loss_value
 
+    def num_dropped() -> int:
+      """The valid pairs dropped for non-finite inputs or embeddings by the released updates
+      (all of them: it makes the reports not made yet first)."""
+      flush()
+      return dropped[0]
+
     train_step.flush = flush  # pyright: ignore[reportFunctionMemberAccess]
+    train_step.num_dropped = num_dropped  # pyright: ignore[reportFunctionMemberAccess]
     loop.flushes.add(flush)
     return train_step
 
