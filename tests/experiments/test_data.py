@@ -26,6 +26,7 @@ from experiments import augment
 from experiments import cifar
 from experiments import data as data_lib
 from experiments import train
+from experiments.configs import tiny
 
 
 def test_digits_nhwc_stratified_and_seeded():
@@ -299,9 +300,16 @@ def _z_scores(counts, steps, q):
 
 
 def _pipeline_batcher(method, num_records, batch_size, seed=0):
-  cfg = ml_collections.ConfigDict(dict(batch_size=batch_size, num_epochs=1, noise_multiplier=1.0))
-  info = train.privacy_plan(cfg, num_records) if method != "non_private" else {}
-  return train._Batcher(method, num_records, info, batch_size, seed)  # pylint: disable=protected-access
+  """The batches of the training pipeline: the private run's Poisson sampler (as
+  `train.make_private_training` sets it up, unbudgeted), the non-private run's epochs."""
+  if method == "non_private":
+    return train._Batcher(num_records, batch_size, seed)  # pylint: disable=protected-access
+  cfg = tiny.get_config()
+  cfg.batch_size, cfg.num_epochs, cfg.noise_multiplier = batch_size, 1, 1.0
+  apply_fn = train.get_model(cfg.model)[1]
+  training = train.make_private_training(cfg, method, apply_fn, num_records,
+                                         jax.random.PRNGKey(0), sampling_seed=seed)
+  return training.sampler.unbudgeted()
 
 
 def released_code_bug_batches(pairs_jax, num_images, batch_size, steps):
@@ -316,7 +324,7 @@ def released_code_bug_batches(pairs_jax, num_images, batch_size, steps):
 def test_poisson_pipeline_includes_every_record_with_probability_q():
   num_records, batch, steps = 250, 50, 300
   batcher = _pipeline_batcher("logit_dp", num_records, batch)
-  q = batcher.sampler.sampling_rate
+  q = batcher.sampling_rate
   assert q == pytest.approx(batch / num_records)
   counts = data_lib.inclusion_counts(batcher, num_records, steps)
   z = _z_scores(counts, steps, q)
