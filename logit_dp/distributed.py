@@ -1,6 +1,7 @@
 """Data-parallel Logit-DP across devices and hosts: the batch split along a mesh axis
 (`data_mesh`, `shard_batch`), the pair matrix spanning the global batch
-(`make_sharded_grad_fn`), and one jitted private step (`make_private_train_step`)."""
+(`make_sharded_grad_fn`), and the low-level private step (`make_private_train_step`).
+``logit_dp.make_private(..., mesh=data_mesh())`` sets up the whole private training on a mesh."""
 
 from logit_dp._src.distributed import DATA_AXIS
 from logit_dp._src.distributed import broadcast_seed
