@@ -8,6 +8,7 @@ that rule it out as a mechanism.
 
 from logit_dp._src.contrast_clipping import CLIP_TERMS
 from logit_dp._src.contrast_clipping import DenseBatch
+from logit_dp._src.contrast_clipping import NORMS
 from logit_dp._src.contrast_clipping import clipped_sums
 from logit_dp._src.contrast_clipping import contrast_clipped_grad
 from logit_dp._src.contrast_clipping import contrast_sensitivity
@@ -20,6 +21,7 @@ from logit_dp._src.contrast_clipping import search_worst_case
 __all__ = [
     "CLIP_TERMS",
     "DenseBatch",
+    "NORMS",
     "clipped_sums",
     "contrast_clipped_grad",
     "contrast_sensitivity",
