@@ -7,8 +7,8 @@ that rule it out as a mechanism.
 """
 
 from logit_dp._src.contrast_clipping import CLIP_TERMS
-from logit_dp._src.contrast_clipping import DenseBatch
 from logit_dp._src.contrast_clipping import NORMS
+from logit_dp._src.contrast_clipping import DenseBatch
 from logit_dp._src.contrast_clipping import clipped_sums
 from logit_dp._src.contrast_clipping import contrast_clipped_grad
 from logit_dp._src.contrast_clipping import contrast_sensitivity

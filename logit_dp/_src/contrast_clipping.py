@@ -230,8 +230,8 @@ def _contracted_rows(batch: DenseBatch, clip_terms: str, coefficients: jax.Array
     total = jnp.sum(lam, axis=1, keepdims=True)
     c = jnp.concatenate([c - total * v, -total * u], axis=1)
   record = jnp.einsum("ik,ikp->ip", c, _record_jacobians(batch, clip_terms), precision=hp)
-  column = jnp.matmul((lam[:, :, None] * u[:, None, :]).reshape(n, n * d),
-                      jac_v.reshape(n * d, -1), precision=hp)
+  column = jnp.matmul((lam[:, :, None] * u[:, None, :]).reshape(n, n * d), jac_v.reshape(n * d, -1),
+                      precision=hp)
   return record + column
 
 
@@ -322,9 +322,8 @@ def group_sums(rows: jax.Array, group_ids: jax.Array,
 def contrast_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array,
                           x_prime: jax.Array, *, clip_terms: str = "contrast",
                           norms: str = "materialize", mask: jax.Array | None = None,
-                          group_ids: jax.Array | None = None,
-                          group_clip_norm: float | None = None, row_block: int = 8,
-                          jacobian_block: int = 32) -> Any:
+                          group_ids: jax.Array | None = None, group_clip_norm: float | None = None,
+                          row_block: int = 8, jacobian_block: int = 32) -> Any:
   """ḡ of contrast clipping (module docstring), as a params pytree.
 
   Without ``group_ids``: ḡ = Σ_i R_i. With them: ḡ = Σ_h min(1, K/‖G_h‖)·G_h, G_h = Σ_{i∈h} R_i,
