@@ -1,4 +1,4 @@
-r"""Contrast clipping: a Logit-DP variant for the contrastive loss, materialised.
+r"""Contrast clipping: a Logit-DP variant for the contrastive loss, on dense Jacobians.
 
 For the contrastive loss every row's weights sum to zero, Σ_j τ_ij = 0 (τ_ij = (s_ij − δ_ij)/τ,
 s_i = softmax(Z_i/τ)), so row i's gradient is Σ_{j≠i} (s_ij/τ)·D_ij with the contrasts
