@@ -21,9 +21,10 @@ each group's sum clipped to K, Δ = min(2K, (1 + 2e^{2/τ})/τ·B); K the ``--gr
 its group sums' norms), and contrast clipping at the same B with every contrast clipped by the
 triangle bound ‖W_iᵀy_ij‖ + ‖J'_jᵀû_i‖ ≥ ‖D_ij‖ ("contrast_bound", with the 0.1/0.5/0.9
 quantiles of bound/‖D_ij‖ over i ≠ j). These use dense per-example Jacobians and materialise the
-n² contrasts: use n of about 10³. ``--clip_quantile=q`` sets every method's B to the q-quantile of its own
-norms (pair gradients, contrasts, group gradients; q ∈ {0.1, 0.5, 0.9}) instead of the config's;
-the library's Logit-DP methods then take the exact pair norms' quantile.
+n² contrasts: use n of about 10³. ``--clip_quantile=q`` sets every method's B to the q-quantile
+of its own norms (pair gradients, contrasts, group gradients; q ∈ {0.1, 0.5, 0.9}) instead of
+the config's; the library's Logit-DP methods and "contrast_bound" then take the exact norms'
+quantile.
 
     python -m experiments.signal_to_noise --npz_dir=DIR --n=10000 \
         --out=docs/results/signal_to_noise.json
