@@ -290,7 +290,7 @@ def test_gram_norms_serve_groups_masks_and_the_audit():
   materialised = cc.contrast_clipped_grad(fn, loss, 0.02, params, x, x_prime, **kwargs)
   np.testing.assert_allclose(flat(gram), flat(materialised), rtol=1e-10, atol=1e-14)
   # Clipping with the bound keeps the sensitivity: no deletion moves ḡ by more than C.
-  for seed in range(4):
+  for seed in range(2):
     fn, params, x, x_prime = make("mlp", 6, seed)
     gaps = np.asarray(cc.removal_gaps(fn, loss, 1e-3, params, x, x_prime, norms="bound"))
     assert np.all(np.isfinite(gaps))
