@@ -27,7 +27,7 @@ in three ways (``norms``): "materialize" forms the n² terms as p-vectors in blo
     ‖D_ij‖² = y_ijᵀ S_i y_ij + û_iᵀ K'_j û_i + 2 y_ijᵀ (W_i J'_jᵀ) û_i,
 
 W_i = [J_i; J'_i] (record i's two Jacobians stacked, 2d×p), S_i = W_i W_iᵀ, K'_j = J'_j J'_jᵀ,
-y_ij = (v̂_j − v̂_i, −û_i), so D_ij = W_iᵀ y_ij + J'_jᵀ û_i (row_block·n·d² floats); "bound"
+y_ij = (v̂_j − v̂_i, −û_i), so D_ij = W_iᵀ y_ij + J'_jᵀ û_i (row_block·n·2d² floats); "bound"
 clips with ‖W_iᵀ y_ij‖ + ‖J'_jᵀ û_i‖ ≥ ‖D_ij‖, from the per-record Grams S_i and K'_j only. The
 last two never form a term: ḡ comes from cotangents, Σ_i W_iᵀ c_i + Σ_j J'_jᵀ c'_j.
 """
