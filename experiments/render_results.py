@@ -639,7 +639,8 @@ def signal_to_noise_summary_table(reports) -> str:
 
 _CONTRAST_LABELS = {
     "logit_dp_exact": "Logit-DP, exact norms", "logit_dp_projected": "Logit-DP, projected",
-    "contrast": "contrast clipping", "dp_gcl": "DP-GCL", "naive_dp": "Naive-DP"
+    "contrast": "contrast clipping", "contrast_bound": "contrast clipping, bound norms",
+    "dp_gcl": "DP-GCL", "naive_dp": "Naive-DP"
 }
 
 
@@ -662,7 +663,7 @@ def contrast_snr_table(reports) -> str:
     along = base["snr"] * base["cos_with_true_grad"]
     cells = [
         f"{m[n]['snr'] / base['snr']:.2f} ({m[n]['snr'] * m[n]['cos_with_true_grad'] / along:+.2f})"
-        for n in names
+        if n in m else "–" for n in names
     ]
     q = r.get("clip_quantile")
     bound = f"{r['clip_norm']:g}" if q is None else f"{q:g}-quantile"

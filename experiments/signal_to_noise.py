@@ -18,10 +18,13 @@ D_ij = g_ij − g_ii clipped instead of the pair gradients, Δ = (1 + 2e^{2/τ})
 exact norms computed the same way ("logit_dp_exact"), and grouped contrast clipping for each
 ``--contrast_group_sizes`` s (negatives from the own group, G = n/s hash groups as DP-GCL's,
 each group's sum clipped to K, Δ = min(2K, (1 + 2e^{2/τ})/τ·B); K the ``--group_quantile`` of
-its group sums' norms). These are materialised (dense per-example Jacobians, n² contrasts):
-use n of about 10³. ``--clip_quantile=q`` sets every method's B to the q-quantile of its own
-norms (pair gradients, contrasts, group gradients; q ∈ {0.1, 0.5, 0.9}) instead of the config's;
-the library's Logit-DP methods then take the exact pair norms' quantile.
+its group sums' norms), and contrast clipping at the same B with every contrast clipped by the
+triangle bound ‖W_iᵀy_ij‖ + ‖J'_jᵀû_i‖ ≥ ‖D_ij‖ ("contrast_bound", with the 0.1/0.5/0.9
+quantiles of bound/‖D_ij‖ over i ≠ j). These use dense per-example Jacobians and materialise the
+n² contrasts: use n of about 10³. ``--clip_quantile=q`` sets every method's B to the q-quantile
+of its own norms (pair gradients, contrasts, group gradients; q ∈ {0.1, 0.5, 0.9}) instead of
+the config's; the library's Logit-DP methods and "contrast_bound" then take the exact norms'
+quantile.
 
     python -m experiments.signal_to_noise --npz_dir=DIR --n=10000 \
         --out=docs/results/signal_to_noise.json
@@ -152,6 +155,14 @@ def measure_contrast(apply_fn, params, x, x_prime, loss, clip_norm: float, sigma
         loss, bound))
     out[name] = _entry(batch.unravel(jnp.sum(rows, 0)), true_grad, delta, sigma, num_params, bound)
   contrast_bound = out["contrast"]["clip_norm"]
+  # The same B, each contrast clipped with the bound ‖W_iᵀy_ij‖ + ‖J'_jᵀû_i‖ ≥ ‖D_ij‖.
+  bounded = cc.clipped_sums(batch, loss, contrast_bound, norms="bound")
+  exact = cc.clipped_sums(batch, loss, math.inf)["norms"]
+  ratios = np.asarray(bounded["norms"])[off_diagonal] / np.asarray(exact)[off_diagonal]
+  out["contrast_bound"] = dict(
+      _entry(batch.unravel(jnp.sum(bounded["rows"], 0)), true_grad,
+             cc.contrast_sensitivity(loss, contrast_bound), sigma, num_params, contrast_bound),
+      bound_over_norm={f"q{q:g}": float(np.quantile(ratios, q)) for q in (0.1, 0.5, 0.9)})
   for size in group_sizes:
     num_groups = max(1, round(n / size))
     group_ids = logit_dp.baselines.assign_groups(jnp.arange(n), jax.random.PRNGKey(0), num_groups)

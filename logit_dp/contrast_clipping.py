@@ -1,12 +1,14 @@
-"""Contrast clipping: clip D_ij = g_ij − g_ii instead of g_ij (a Logit-DP variant, materialised).
+"""Contrast clipping: clip D_ij = g_ij − g_ii instead of g_ij (a Logit-DP variant).
 
-A materialised reference for measurements, not a mechanism: `logit_dp` does not import it
-(``import logit_dp.contrast_clipping``). docs/METHOD.md, "Contrast clipping", gives the
-sensitivity proof and the audits; docs/results_in_detail.md the signal-to-noise measurements
-that rule it out as a mechanism.
+A reference for measurements on dense per-example Jacobians, not a mechanism: `logit_dp` does
+not import it (``import logit_dp.contrast_clipping``). The contrasts' norms are materialised,
+exact from Grams, or bounded from per-record Grams (`NORMS`). docs/METHOD.md, "Contrast
+clipping", gives the sensitivity proof, the Gram form, the bound and the audits;
+docs/results_in_detail.md the signal-to-noise measurements that rule it out as a mechanism.
 """
 
 from logit_dp._src.contrast_clipping import CLIP_TERMS
+from logit_dp._src.contrast_clipping import NORMS
 from logit_dp._src.contrast_clipping import DenseBatch
 from logit_dp._src.contrast_clipping import clipped_sums
 from logit_dp._src.contrast_clipping import contrast_clipped_grad
@@ -20,6 +22,7 @@ from logit_dp._src.contrast_clipping import search_worst_case
 __all__ = [
     "CLIP_TERMS",
     "DenseBatch",
+    "NORMS",
     "clipped_sums",
     "contrast_clipped_grad",
     "contrast_sensitivity",

@@ -1,4 +1,4 @@
-r"""Contrast clipping: a Logit-DP variant for the contrastive loss, materialised.
+r"""Contrast clipping: a Logit-DP variant for the contrastive loss, on dense Jacobians.
 
 For the contrastive loss every row's weights sum to zero, Σ_j τ_ij = 0 (τ_ij = (s_ij − δ_ij)/τ,
 s_i = softmax(Z_i/τ)), so row i's gradient is Σ_{j≠i} (s_ij/τ)·D_ij with the contrasts
@@ -19,9 +19,17 @@ columns, contrasts clipped to B, and each group's sum G_h projected onto the bal
 
 with C = min(2K, (1 + 2a)B/τ).
 
-Everything here is materialised: the per-example Jacobians of the normalised embeddings are
-formed densely (n·d·p floats per view) and the n² contrasts in blocks of rows (``row_block``·n·p
-floats), so it is for measuring and auditing at small p, not for training.
+The per-example Jacobians of the normalised embeddings are formed densely (n·d·p floats per view),
+so this is for measuring and auditing at small p, not for training. The clipped terms' norms come
+in three ways (``norms``): "materialize" forms the n² terms as p-vectors in blocks of rows
+(``row_block``·n·p floats); "gram" computes the exact norms from Grams of the d×p Jacobians,
+
+    ‖D_ij‖² = y_ijᵀ S_i y_ij + û_iᵀ K'_j û_i + 2 y_ijᵀ (W_i J'_jᵀ) û_i,
+
+W_i = [J_i; J'_i] (record i's two Jacobians stacked, 2d×p), S_i = W_i W_iᵀ, K'_j = J'_j J'_jᵀ,
+y_ij = (v̂_j − v̂_i, −û_i), so D_ij = W_iᵀ y_ij + J'_jᵀ û_i (row_block·n·2d² floats); "bound"
+clips with ‖W_iᵀ y_ij‖ + ‖J'_jᵀ û_i‖ ≥ ‖D_ij‖, from the per-record Grams S_i and K'_j only. The
+last two never form a term: ḡ comes from cotangents, Σ_i W_iᵀ c_i + Σ_j J'_jᵀ c'_j.
 """
 
 from __future__ import annotations
@@ -43,6 +51,11 @@ EmbedFn = Callable[[Any, jax.Array], jax.Array]
 #: What each clipped term is: "contrast" (D_ij = g_ij − g_ii, this module's variant) or "pair"
 #: (g_ij, Logit-DP with exact norms; the same computation, for side-by-side measurements).
 CLIP_TERMS = ("contrast", "pair")
+
+#: How the clipped terms' norms are computed (module docstring): "materialize" (each term formed as
+#: a p-vector), "gram" (exact, from Grams of the Jacobians) or "bound" (an upper bound from
+#: per-record Grams).
+NORMS = ("materialize", "gram", "bound")
 
 
 def contrast_sensitivity_factor(temperature: float, batch_size: int | None = None) -> float:
@@ -138,34 +151,125 @@ def dense_batch(embed_fn: EmbedFn, params, x: jax.Array, x_prime: jax.Array,
   return DenseBatch(u, jac_u, v, jac_v, unravel)
 
 
-def clipped_sums(batch: DenseBatch, loss, clip_norm: float, *, clip_terms: str = "contrast",
-                 mask: jax.Array | None = None, group_ids: jax.Array | None = None,
-                 row_block: int = 8) -> dict[str, jax.Array]:
-  """The rows' clipped sums R_i (flat, (n, p)) and the clipped terms' norms, materialised.
+def _row_blocks(n: int, row_block: int) -> tuple[jax.Array, jax.Array]:
+  """(indices, real): the rows 0..n−1 in blocks of ``row_block``, padded with row 0 (not real)."""
+  num_blocks = -(-n // row_block)
+  pad = num_blocks * row_block - n
+  idx = jnp.concatenate([jnp.arange(n), jnp.zeros((pad,), int)]).reshape(num_blocks, row_block)
+  real = (jnp.arange(num_blocks * row_block) < n).reshape(num_blocks, row_block)
+  return idx, real
 
-  clip_terms="contrast": R_i = Σ_{j≠i} (s_ij/τ)·min(1, B/‖D_ij‖)·D_ij, norms ‖D_ij‖;
-  clip_terms="pair": R_i = Σ_j τ_ij·min(1, B/‖g_ij‖)·g_ij (Logit-DP), norms ‖g_ij‖.
+
+def _record_jacobians(batch: DenseBatch, clip_terms: str) -> jax.Array:
+  """W_i, the Jacobians a term's record-i part is made of: [J_i; J'_i] (n, 2d, p) for contrasts,
+  J_i (n, d, p) for pairs."""
+  if clip_terms == "contrast":
+    return jnp.concatenate([batch.jac_u, batch.jac_v], axis=1)
+  return batch.jac_u
+
+
+def _record_coefficients(batch: DenseBatch, clip_terms: str, rows: jax.Array) -> jax.Array:
+  """y_ij for i in ``rows``, every j ((r, n, 2d) or (r, n, d)): term_ij = W_iᵀy_ij + J'_jᵀû_i.
+
+  Contrasts: y_ij = (v̂_j − v̂_i, −û_i); pairs: y_ij = v̂_j.
+  """
+  u, v = batch.u, batch.v
+  r, n = rows.shape[0], v.shape[0]
+  if clip_terms == "contrast":
+    a = v[None, :, :] - v[rows][:, None, :]
+    return jnp.concatenate([a, jnp.broadcast_to(-u[rows][:, None, :], a.shape)], axis=-1)
+  return jnp.broadcast_to(v[None], (r, n, v.shape[1]))
+
+
+def _gram_norms(batch: DenseBatch, clip_terms: str, norms: str, row_block: int) -> jax.Array:
+  """(n, n) norms of term_ij = W_iᵀy_ij + J'_jᵀû_i from Grams, ``row_block`` rows at a time.
+
+  "gram": √(y_ijᵀS_iy_ij + û_iᵀK'_jû_i + 2y_ijᵀ(W_iJ'_jᵀ)û_i), exact (negative rounding
+  clamped to 0), S_i = W_iW_iᵀ, K'_j = J'_jJ'_jᵀ; "bound": √(y_ijᵀS_iy_ij) + √(û_iᵀK'_jû_i),
+  ≥ the norm by the triangle inequality, from per-record Grams only. The diagonal is exact in
+  both: D_ii = 0, and ‖g_ii‖ from the n vectors g_ii.
+  """
+  hp = numerics.HIGHEST
+  u, jac_v = batch.u, batch.jac_v
+  n = u.shape[0]
+  w = _record_jacobians(batch, clip_terms)
+  gram_w = jnp.einsum("ikp,ilp->ikl", w, w, precision=hp)
+  gram_v = jnp.einsum("jdp,jep->jde", jac_v, jac_v, precision=hp)
+
+  def block_norms(rows):
+    y = _record_coefficients(batch, clip_terms, rows)
+    u_rows = u[rows]
+    record = jnp.einsum("rjk,rkl,rjl->rj", y, gram_w[rows], y, precision=hp)
+    column = jnp.einsum("rd,jde,re->rj", u_rows, gram_v, u_rows, precision=hp)
+    if norms == "bound":
+      return jnp.sqrt(jnp.maximum(record, 0.0)) + jnp.sqrt(jnp.maximum(column, 0.0))
+    cross_gram = jnp.einsum("rkp,jep->rjke", w[rows], jac_v, precision=hp)
+    cross = jnp.einsum("rjk,rjke,re->rj", y, cross_gram, u_rows, precision=hp)
+    return jnp.sqrt(jnp.maximum(record + column + 2.0 * cross, 0.0))
+
+  idx, _ = _row_blocks(n, row_block)
+  out = jax.lax.map(block_norms, idx).reshape(-1, n)[:n]
+  if clip_terms == "contrast":
+    diagonal = jnp.zeros((n,), out.dtype)  # D_ii = 0
+  else:
+    # g_ii as vectors: the Gram form cancels catastrophically for near-identical views.
+    g_ii = (jnp.einsum("idp,id->ip", batch.jac_u, batch.v, precision=hp)
+            + jnp.einsum("idp,id->ip", jac_v, u, precision=hp))
+    diagonal = jnp.sqrt(jnp.sum(g_ii * g_ii, axis=1))
+  return jnp.where(jnp.eye(n, dtype=bool), diagonal[:, None], out)
+
+
+def _contracted_rows(batch: DenseBatch, clip_terms: str, coefficients: jax.Array) -> jax.Array:
+  """R_i = Σ_j λ_ij term_ij = W_iᵀ(Σ_j λ_ij y_ij) + Σ_j λ_ij J'_jᵀû_i, (n, p), no term formed."""
+  hp = numerics.HIGHEST
+  u, v, jac_v = batch.u, batch.v, batch.jac_v
+  n, d = u.shape
+  lam = coefficients
+  c = jnp.matmul(lam, v, precision=hp)
+  if clip_terms == "contrast":
+    total = jnp.sum(lam, axis=1, keepdims=True)
+    c = jnp.concatenate([c - total * v, -total * u], axis=1)
+  record = jnp.einsum("ik,ikp->ip", c, _record_jacobians(batch, clip_terms), precision=hp)
+  column = jnp.matmul((lam[:, :, None] * u[:, None, :]).reshape(n, n * d), jac_v.reshape(n * d, -1),
+                      precision=hp)
+  return record + column
+
+
+def clipped_sums(batch: DenseBatch, loss, clip_norm: float, *, clip_terms: str = "contrast",
+                 norms: str = "materialize", mask: jax.Array | None = None,
+                 group_ids: jax.Array | None = None, row_block: int = 8) -> dict[str, jax.Array]:
+  """The rows' clipped sums R_i (flat, (n, p)) and the norms the terms are clipped with.
+
+  clip_terms="contrast": R_i = Σ_{j≠i} (s_ij/τ)·min(1, B/N_ij)·D_ij, N_ij = ‖D_ij‖ or its bound;
+  clip_terms="pair": R_i = Σ_j τ_ij·min(1, B/N_ij)·g_ij (Logit-DP), N_ij = ‖g_ij‖ or its bound.
   s is the softmax of row i over its valid columns (of its own group with ``group_ids``).
-  g_ij = J_iᵀv̂_j + J'_jᵀû_i is formed as a vector and normed without a float allowance.
+  Both are term_ij = W_iᵀy_ij + J'_jᵀû_i (module docstring; pairs: W_i = J_i, y_ij = v̂_j, the
+  bound is Logit-DP's "triangle"). No float allowance is added to any norm.
 
   Args:
     batch: `dense_batch` of the n pairs.
     loss: a `losses.Contrastive`.
     clip_norm: B (math.inf: no clipping).
     clip_terms: "contrast" or "pair".
+    norms: "materialize" (every term a p-vector, normed and summed), "gram" (exact norms from
+      Grams) or "bound" (the triangle bound from per-record Grams); the last two sum by
+      contracting the Jacobians with cotangents.
     mask: (n,) booleans, the valid pairs (default all).
     group_ids: (n,) integers, each pair's group (default one group).
-    row_block: rows whose n clipped terms are formed at once (row_block·n·p floats).
+    row_block: rows whose n terms (materialize: row_block·n·p floats) or cross-Grams (gram:
+      row_block·n·2d² floats) are formed at once.
 
   Returns:
-    {"rows": (n, p) R_i, "norms": (n, n) the clipped terms' norms (0 outside the pairs of
-     valid same-group rows), "weights": (n, n) the coefficients of the clipped terms before
-     clipping, "z": (n, n) similarities}.
+    {"rows": (n, p) R_i, "norms": (n, n) N_ij (0 outside the pairs of valid same-group rows),
+     "weights": (n, n) the coefficients of the clipped terms before clipping, "z": (n, n)
+     similarities}.
   """
   if not isinstance(loss, losses_lib.Contrastive):
     raise TypeError(f"contrast clipping needs a logit_dp.losses.contrastive loss, got {loss!r}.")
   if clip_terms not in CLIP_TERMS:
     raise ValueError(f"clip_terms must be one of {CLIP_TERMS}, got {clip_terms!r}.")
+  if norms not in NORMS:
+    raise ValueError(f"norms must be one of {NORMS}, got {norms!r}.")
   b = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   u, jac_u, v, jac_v = batch.u, batch.jac_u, batch.v, batch.jac_v
   n = u.shape[0]
@@ -177,10 +281,11 @@ def clipped_sums(batch: DenseBatch, loss, clip_norm: float, *, clip_terms: str =
     weights = jnp.where(same & ~eye, s, 0.0) / loss.temperature
   else:
     weights = jnp.where(same, s - eye, 0.0) / loss.temperature
-  num_blocks = -(-n // row_block)
-  pad = num_blocks * row_block - n
-  idx = jnp.concatenate([jnp.arange(n), jnp.zeros((pad,), int)]).reshape(num_blocks, row_block)
-  real = (jnp.arange(num_blocks * row_block) < n).reshape(num_blocks, row_block)
+  if norms != "materialize":
+    term_norms = _gram_norms(batch, clip_terms, norms, row_block)
+    rows_sum = _contracted_rows(batch, clip_terms, weights * numerics.clip_factor(term_norms, b))
+    return dict(rows=rows_sum, norms=jnp.where(same, term_norms, 0.0), weights=weights, z=z)
+  idx, real = _row_blocks(n, row_block)
   hp = numerics.HIGHEST
 
   def block_terms(args):
@@ -190,15 +295,15 @@ def clipped_sums(batch: DenseBatch, loss, clip_norm: float, *, clip_terms: str =
          + jnp.einsum("jdp,rd->rjp", jac_v, u[rows], precision=hp))
     if clip_terms == "contrast":
       g = g - g[jnp.arange(rows.shape[0]), rows][:, None, :]
-    norms = jnp.sqrt(jnp.sum(g * g, axis=-1))
-    w = weights[rows] * numerics.clip_factor(norms, b)
+    term_norms = jnp.sqrt(jnp.sum(g * g, axis=-1))
+    w = weights[rows] * numerics.clip_factor(term_norms, b)
     w = jnp.where(real_rows[:, None], w, 0.0)
-    return jnp.einsum("rj,rjp->rp", w, g, precision=hp), norms
+    return jnp.einsum("rj,rjp->rp", w, g, precision=hp), term_norms
 
-  rows_sum, norms = jax.lax.map(block_terms, (idx, real))
+  rows_sum, term_norms = jax.lax.map(block_terms, (idx, real))
   rows_sum = rows_sum.reshape(-1, rows_sum.shape[-1])[:n]
-  norms = norms.reshape(-1, n)[:n]
-  return dict(rows=rows_sum, norms=jnp.where(same, norms, 0.0), weights=weights, z=z)
+  term_norms = term_norms.reshape(-1, n)[:n]
+  return dict(rows=rows_sum, norms=jnp.where(same, term_norms, 0.0), weights=weights, z=z)
 
 
 def group_sums(rows: jax.Array, group_ids: jax.Array,
@@ -216,27 +321,28 @@ def group_sums(rows: jax.Array, group_ids: jax.Array,
 
 def contrast_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array,
                           x_prime: jax.Array, *, clip_terms: str = "contrast",
-                          mask: jax.Array | None = None, group_ids: jax.Array | None = None,
-                          group_clip_norm: float | None = None, row_block: int = 8,
-                          jacobian_block: int = 32) -> Any:
+                          norms: str = "materialize", mask: jax.Array | None = None,
+                          group_ids: jax.Array | None = None, group_clip_norm: float | None = None,
+                          row_block: int = 8, jacobian_block: int = 32) -> Any:
   """ḡ of contrast clipping (module docstring), as a params pytree.
 
   Without ``group_ids``: ḡ = Σ_i R_i. With them: ḡ = Σ_h min(1, K/‖G_h‖)·G_h, G_h = Σ_{i∈h} R_i,
-  K = ``group_clip_norm`` (None: no group clipping). R_i: `clipped_sums`. The noise that makes
-  it private is N(0, (σC)²I), C = `contrast_sensitivity`.
+  K = ``group_clip_norm`` (None: no group clipping). R_i: `clipped_sums` (``norms``: how the
+  clipped terms are normed). The noise that makes it private is N(0, (σC)²I),
+  C = `contrast_sensitivity`, whichever ``norms``.
   """
   if group_clip_norm is not None and group_ids is None:
     raise ValueError("group_clip_norm needs group_ids (each pair's group).")
   batch = dense_batch(embed_fn, params, x, x_prime, jacobian_block)
-  rows = clipped_sums(batch, loss, clip_norm, clip_terms=clip_terms, mask=mask, group_ids=group_ids,
-                      row_block=row_block)["rows"]
+  rows = clipped_sums(batch, loss, clip_norm, clip_terms=clip_terms, norms=norms, mask=mask,
+                      group_ids=group_ids, row_block=row_block)["rows"]
   if group_ids is None:
     return batch.unravel(jnp.sum(rows, axis=0))
   return batch.unravel(group_sums(rows, group_ids, group_clip_norm)[0])
 
 
 def removal_gaps(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array,
-                 x_prime: jax.Array, *, clip_terms: str = "contrast",
+                 x_prime: jax.Array, *, clip_terms: str = "contrast", norms: str = "materialize",
                  group_ids: jax.Array | None = None,
                  group_clip_norm: float | None = None) -> jax.Array:
   """gap_k = ‖ḡ(X) − ḡ(X∖k)‖₂ for every pair k, pair k deleted (not masked), as an (n,) array."""
@@ -244,7 +350,8 @@ def removal_gaps(embed_fn: EmbedFn, loss, clip_norm: float, params, x: jax.Array
 
   def grad(p, xs, xps, ids):
     g = contrast_clipped_grad(embed_fn, loss, clip_norm, p, xs, xps, clip_terms=clip_terms,
-                              group_ids=ids, group_clip_norm=group_clip_norm, row_block=n)
+                              norms=norms, group_ids=ids, group_clip_norm=group_clip_norm,
+                              row_block=n)
     return ravel_pytree(g)[0]
 
   full = grad(params, x, x_prime, group_ids)

@@ -110,8 +110,9 @@ def test_signal_to_noise_measures_contrast_clipping():
   # constants alone.
   big = signal_to_noise.measure(_embed, params, x, x_prime, loss, 1e6, 2.0, [], group_size=4.0,
                                 contrast=True, contrast_group_sizes=(4,))
-  for name in ("logit_dp_exact", "contrast"):
+  for name in ("logit_dp_exact", "contrast", "contrast_bound"):
     assert big[name]["cos_with_true_grad"] == pytest.approx(1.0, abs=1e-5)
+  assert big["contrast_bound"]["snr"] == pytest.approx(big["contrast"]["snr"], rel=1e-5)
   assert big["contrast"]["snr"] / big["logit_dp_exact"]["snr"] == pytest.approx(
       logit_dp.sensitivity(loss, 1.0) / logit_dp.contrast_clipping.contrast_sensitivity(loss, 1.0),
       rel=1e-5)
@@ -127,6 +128,15 @@ def test_signal_to_noise_measures_contrast_clipping():
   expected = np.quantile(norms[~np.eye(12, dtype=bool)], 0.5)
   assert median["contrast"]["clip_norm"] == pytest.approx(expected, rel=1e-6)
   assert median["contrast"]["sensitivity"] == pytest.approx(cc.contrast_sensitivity(loss, expected))
+  # The bound clips at the exact norms' B: more is clipped, so ḡ is shorter.
+  bounded = median["contrast_bound"]
+  assert bounded["clip_norm"] == median["contrast"]["clip_norm"]
+  assert bounded["sensitivity"] == median["contrast"]["sensitivity"]
+  assert bounded["grad_norm"] < median["contrast"]["grad_norm"]
+  bound = np.asarray(cc.clipped_sums(batch, loss, float("inf"), norms="bound")["norms"])
+  ratios = bound[~np.eye(12, dtype=bool)] / norms[~np.eye(12, dtype=bool)]
+  assert bounded["bound_over_norm"]["q0.5"] == pytest.approx(np.median(ratios), rel=1e-6)
+  assert bounded["bound_over_norm"]["q0.1"] > 1.0
   assert median["dp_gcl"]["clip_norm"] < 1e6 and median["naive_dp"]["clip_norm"] == pytest.approx(
       median["logit_dp_exact"]["clip_norm"])
   with pytest.raises(ValueError, match="--contrast"):
@@ -140,10 +150,16 @@ def test_contrast_snr_table_divides_by_exact_logit_dp():
       n=512, parameters="initial", clip_norm=3.0, temperature=2.0, clip_quantile=0.5,
       methods=dict(logit_dp_exact=dict(m, snr=0.1, cos_with_true_grad=0.5),
                    contrast=dict(m, snr=0.15, cos_with_true_grad=1.0),
+                   contrast_bound=dict(m, snr=0.12, cos_with_true_grad=1.0),
                    grouped_contrast_s8=dict(m, snr=0.2, cos_with_true_grad=0.5)))
-  text = render_results.contrast_snr_table([report])
-  assert "| Logit-DP, exact norms | contrast clipping | grouped contrast, s = 8 |" in text
-  assert "| initial | 512 | 0.5-quantile | 1.00 (+1.00) | 1.50 (+3.00) | 2.00 (+2.00) |" in text
+  older = dict(report, parameters="older", methods=dict(report["methods"]))
+  del older["methods"]["contrast_bound"]
+  text = render_results.contrast_snr_table([report, older])
+  assert ("| Logit-DP, exact norms | contrast clipping | contrast clipping, bound norms | "
+          "grouped contrast, s = 8 |") in text
+  assert ("| initial | 512 | 0.5-quantile | 1.00 (+1.00) | 1.50 (+3.00) | 1.20 (+2.40) | "
+          "2.00 (+2.00) |") in text
+  assert "| older | 512 | 0.5-quantile | 1.00 (+1.00) | 1.50 (+3.00) | – | 2.00 (+2.00) |" in text
 
 
 def test_signal_to_noise_table_renders_the_report():
