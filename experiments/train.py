@@ -364,8 +364,7 @@ def make_method(config, method: str, apply_fn, num_records: int, noise_key):
     info = dict(noise_multiplier=0.0, sensitivity=0.0, sampling_rate=None, steps=steps,
                 max_batch=batch)
     return grad_fn, tx, info
-  private = make_private_training(config, method, apply_fn, num_records, noise_key,
-                                  sampling_seed=0)
+  private = make_private_training(config, method, apply_fn, num_records, noise_key, sampling_seed=0)
   info = dict(privacy_plan(config, num_records), sensitivity=private.sensitivity,
               clip_norm=private.clip_norm)
   return private.grad_fn, private.optimizer, info
@@ -403,14 +402,15 @@ def make_private_training(config, method: str, apply_fn, num_records: int, noise
   if mesh is not None and method == "dp_gcl":
     raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
   private = logit_dp.make_private(
-      apply_fn, make_loss(config), clip_norm(config, method),
-      target_epsilon=float(config.target_epsilon), target_delta=float(config.target_delta),
-      num_records=num_records, expected_batch_size=int(config.batch_size), steps=plan["steps"],
-      optimizer=optax.adam(learning_rate_schedule(config, method, plan["steps"])), mean=True,
-      method=_clip_method_of(config, method), microbatch_size=config.get("microbatch_size"),
-      accountant=config.accountant, noise_key=noise_key, sampler_seed=int(sampling_seed),
-      max_batch_size=plan["max_batch"], noise_multiplier=plan["noise_multiplier"], mesh=mesh,
-      **kwargs)
+      apply_fn, make_loss(config), clip_norm(config,
+                                             method), target_epsilon=float(config.target_epsilon),
+      target_delta=float(config.target_delta), num_records=num_records,
+      expected_batch_size=int(config.batch_size), steps=plan["steps"], optimizer=optax.adam(
+          learning_rate_schedule(config, method,
+                                 plan["steps"])), mean=True, method=_clip_method_of(config, method),
+      microbatch_size=config.get("microbatch_size"), accountant=config.accountant,
+      noise_key=noise_key, sampler_seed=int(sampling_seed), max_batch_size=plan["max_batch"],
+      noise_multiplier=plan["noise_multiplier"], mesh=mesh, **kwargs)
   if not config.get("delta_includes_overflow", False):
     private.ledger.target_delta = plan["accountant_delta"]
     private.ledger.delta_budget = None

@@ -843,8 +843,8 @@ def test_make_private_on_a_mesh_trains_as_on_one_device(method):
   assert (sharded.noise_multiplier, sharded.sensitivity) == (one.noise_multiplier, one.sensitivity)
   want, _, _ = _steps(one, params, (x, xp), 3)
   got, _, _ = _steps(sharded, params, (np.asarray(x), np.asarray(xp)), 3)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
-                         got, want)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got,
+                         want)
   assert sharded.ledger.steps == one.ledger.steps == 3
   assert sharded.ledger.epsilon() == one.ledger.epsilon()
 
@@ -900,8 +900,8 @@ def test_dp_gcl_augment_gives_the_extra_views_of_each_record():
   def augment(a, b, t):
     return a, b, jnp.stack([a + 0.01 * (t + 1), b - 0.01], axis=1)
 
-  pt = _setup(method="dp_gcl", group_size=4, steps=1, noise_key=jax.random.key(1),
-              sampler_seed=3, optimizer=_recorder())
+  pt = _setup(method="dp_gcl", group_size=4, steps=1, noise_key=jax.random.key(1), sampler_seed=3,
+              optimizer=_recorder())
   train_step = pt.make_train_step(augment=augment)
   opt_state = pt.optimizer.init(params)
   batch = next(iter(pt.batches()))

@@ -61,6 +61,7 @@ from logit_dp._src import checks
 from logit_dp._src import clipping
 from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import mechanisms
+from logit_dp._src import methods
 from logit_dp._src import noise as noise_lib
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import stochastic as stochastic_lib
@@ -370,9 +371,9 @@ def _shard_map(fn, mesh, in_specs, out_specs):
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
-def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh, method: str = "ghost", *,
-                         naive: bool = False, axis_name: str = DATA_AXIS,
-                         **kwargs) -> ShardedGradFn:
+def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
+                         method: str | methods.ClipMethod = "ghost", *, naive: bool = False,
+                         axis_name: str = DATA_AXIS, **kwargs) -> ShardedGradFn:
   """Data-parallel `clipped_grad` (or `naive_clipped_grad`) over `mesh`.
 
   Returns grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ): x, x_prime, mask
@@ -497,8 +498,9 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
 
   def body(params, opt_state, x, x_prime, mask, *key):
     grad_kwargs = {"key": key[0]} if stochastic else {}
-    params, opt_state, loss_value, _, _ = update_lib.private_update(
-        grad_fn, optimizer, params, opt_state, x, x_prime, mask, **grad_kwargs)
+    params, opt_state, loss_value, _, _ = update_lib.private_update(grad_fn, optimizer, params,
+                                                                    opt_state, x, x_prime, mask,
+                                                                    **grad_kwargs)
     return params, opt_state, loss_value
 
   jitted = jax.jit(body, donate_argnums=(0, 1) if donate else ())

@@ -230,9 +230,8 @@ class PrivacyLedger:
                epsilon_budget=eps, delta_budget=dlt, **kwargs)
 
   @classmethod
-  def with_budget(cls, sampler, noise_multiplier: float, epsilon_budget: float,
-                  delta_budget: float, steps: int, accountant: str = "pld",
-                  **kwargs) -> PrivacyLedger:
+  def with_budget(cls, sampler, noise_multiplier: float, epsilon_budget: float, delta_budget: float,
+                  steps: int, accountant: str = "pld", **kwargs) -> PrivacyLedger:
     """A ledger of a fixed σ with the budget (ε, δ) of `calibrated`: ε is reported at the
     same δ_acc = `accountant_delta`(ε, δ, T, p_over), and `record_steps` refuses a step past
     the budget.

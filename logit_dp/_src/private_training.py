@@ -405,6 +405,7 @@ class PrivateTraining(NamedTuple):
     deferred = not synchronous and "warn" in (on_nonfinite, on_empty)
 
     def augmented(x, x_prime, step, num_rows):
+      assert augment is not None
       views = augment(_rows(x, 0, num_rows), _rows(x_prime, 0, num_rows), step)
       if not isinstance(views, tuple) or len(views) not in ((2, 3) if grouped else (2,)):
         returns = "(x, x_prime) or (x, x_prime, extra_views)" if grouped else "(x, x_prime)"
@@ -427,8 +428,7 @@ class PrivateTraining(NamedTuple):
       if group_key is not None:  # DP-GCL: the records regrouped at every step
         extra.update(record_ids=record_ids, group_key=jax.random.fold_in(group_key, step))
       params, opt_state, loss_value, num_dropped, stats = update_lib.private_update(
-          grad_fn, optimizer, params, opt_state, x, x_prime, mask, clip_stats=clip_stats,
-          **extra)
+          grad_fn, optimizer, params, opt_state, x, x_prime, mask, clip_stats=clip_stats, **extra)
       flags = jnp.stack([jnp.sum(mask, dtype=jnp.int32), num_dropped.astype(jnp.int32)])
       return params, opt_state, loss_value, flags, stats
 
@@ -523,8 +523,9 @@ class PrivateTraining(NamedTuple):
             "ledger.record_steps(1) before the update on the low-level path.")
       if multiple > 1:
         x, x_prime, mask = distributed.pad_to_multiple(x, x_prime, mask, multiple)
-      params_out, state_out, loss_value, flags, stats = update(
-          params, opt_state, x, x_prime, mask, released, record_ids, keys, num_rows=num_rows)
+      params_out, state_out, loss_value, flags, stats = update(params, opt_state, x, x_prime, mask,
+                                                               released, record_ids, keys,
+                                                               num_rows=num_rows)
       if synchronous:
         report(released + 1, flags)  # raises before anything is released
       ledger.released_updates = released + 1

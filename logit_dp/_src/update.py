@@ -28,7 +28,7 @@ def private_update(grad_fn, optimizer: optax.GradientTransformation, params: Any
     num_dropped = stats.num_dropped
   elif hasattr(grad_fn, "with_num_dropped"):
     loss_value, grads, num_dropped = grad_fn.with_num_dropped(params, x, x_prime, mask,
-                                                               **grad_kwargs)
+                                                              **grad_kwargs)
   else:
     loss_value, grads = grad_fn(params, x, x_prime, mask, **grad_kwargs)
     num_dropped = jnp.zeros((), jnp.int32)

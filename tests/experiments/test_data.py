@@ -307,8 +307,8 @@ def _pipeline_batcher(method, num_records, batch_size, seed=0):
   cfg = tiny.get_config()
   cfg.batch_size, cfg.num_epochs, cfg.noise_multiplier = batch_size, 1, 1.0
   apply_fn = train.get_model(cfg.model)[1]
-  training = train.make_private_training(cfg, method, apply_fn, num_records,
-                                         jax.random.PRNGKey(0), sampling_seed=seed)
+  training = train.make_private_training(cfg, method, apply_fn, num_records, jax.random.PRNGKey(0),
+                                         sampling_seed=seed)
   return training.sampler.unbudgeted()
 
 
