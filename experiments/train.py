@@ -900,8 +900,12 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
     if mesh is None:  # multi-process: each process gathers its own rows on the host
       records = jax.device_put(records)
     for poisson_batch in training.batches(stop) if start < stop else ():
-      params, opt_state, loss_value, *stats = train_step_fn(state.params, state.opt_state,
-                                                            poisson_batch, records)
+      try:
+        params, opt_state, loss_value, *stats = train_step_fn(state.params, state.opt_state,
+                                                              poisson_batch, records)
+      except FloatingPointError as e:  # on_nonfinite="error": raised before the release
+        raise FloatingPointError(
+            f"[{method}] {e} Stopping (config.on_nonfinite_rows='error').") from None
       state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
       yield state, loss_value, int(poisson_batch.batch_size), (stats[0] if stats else None)
 
