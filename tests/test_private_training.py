@@ -553,6 +553,7 @@ def test_train_step_reports_non_finite_rows_and_empty_batches():
   with pytest.warns(logit_dp.EmptyBatchWarning, match="step 2: the batch has no valid pair"):
     warn_step(params_1, opt_state_1, x[:8], xp[:8], empty)
     warn_step.flush()
+  assert warn_step.num_dropped() == 1  # the pairs dropped by the released updates
   # "error" waits for the step and raises before anything is released: the state may retry.
   pt = _setup(steps=4, noise_key=jax.random.key(2))
   pt.ledger.record_steps(3)
@@ -567,6 +568,7 @@ def test_train_step_reports_non_finite_rows_and_empty_batches():
     ignore_step = pt.make_train_step(on_nonfinite="ignore", jit=False)
     ignore_step(params, opt_state, x[:8], xp[:8], mask8)
     ignore_step.flush()
+  assert ignore_step.num_dropped() == 0  # nothing read
   with pytest.raises(ValueError, match="on_empty must be one of"):
     pt.make_train_step(on_empty="raise")
 

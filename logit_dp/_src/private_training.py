@@ -443,7 +443,8 @@ class PrivateTraining(NamedTuple):
 
     def report(number: int, flags) -> None:
       num_valid, num_dropped = (int(v) for v in np.asarray(flags))
-      dropped[0] += num_dropped
+      if on_nonfinite != "ignore":
+        dropped[0] += num_dropped
       if num_valid == 0:
         _report(
             on_empty, f"Private step {number}: the batch has no valid pair (mask all "
