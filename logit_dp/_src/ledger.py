@@ -320,6 +320,8 @@ class PrivacyLedger:
     Call it before the k updates are released. If a budget would be exceeded
     (`check_budgets`(steps + k)), nothing is recorded and
     `PrivacyBudgetExceededError` is raised, unless allow_exceeding_budget=True.
+    The new ε is an accountant run the first time a process meets this step count
+    (then cached); `logit_dp.PrivateTraining.batches` records without computing it.
     """
     self._add_steps(k, allow_exceeding_budget=allow_exceeding_budget)
     return self.epsilon()
