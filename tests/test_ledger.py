@@ -326,6 +326,33 @@ def test_check_budgets_accounts_once_per_new_maximum(monkeypatch):
     ledger.check_budgets(-1)
 
 
+def test_a_calibrated_ledger_checks_its_planned_steps_without_accounting_again(monkeypatch):
+  """`calibrated` checks the budgets at T once (with the calibration's own ε(T)), so the
+  checks of steps 1, …, T run no accountant; a step past T is accounted for and refused."""
+  from logit_dp._src import ledger as ledger_src
+  monkeypatch.setattr(ledger_src, "_WITHIN_BUDGET", {})  # as in a fresh process
+  calls = []
+  epsilon = ledger_src.accounting.epsilon
+
+  def counting(*args, **kwargs):
+    calls.append(args[3])  # the number of steps
+    return epsilon(*args, **kwargs)
+
+  monkeypatch.setattr(ledger_src.accounting, "epsilon", counting)
+  sampler = sampling.PoissonSampler(num_records=300, sampling_rate=0.05, seed=3)
+  ledger = PrivacyLedger.calibrated(sampler, 2.0, 1e-5, 40)
+  calls.clear()
+  for t in range(1, 41):
+    ledger.check_budgets(t)
+  assert calls == []
+  past = next(t for t in range(41, 10_000)
+              if accounting.epsilon(ledger.noise_multiplier, ledger.target_delta, 0.05, t) > 2.0)
+  calls.clear()
+  with pytest.raises(PrivacyBudgetExceededError):
+    ledger.check_budgets(past)
+  assert calls == [past]
+
+
 def test_restore_says_which_checkpoint_is_missing_and_what_differs(tmp_path):
   """The low-level restore: a directory that does not exist, one without a checkpoint and a
   missing step are told apart; a template of another optimizer chain or other shapes is

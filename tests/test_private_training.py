@@ -358,6 +358,38 @@ def test_recording_inside_the_batches_loop_is_refused():
       pt.ledger.record_steps(1)
 
 
+def test_the_first_training_in_a_process_runs_no_accountant_within_its_planned_steps(monkeypatch):
+  """The loop of batches() and the train step, within the T steps σ was calibrated for, run
+  no privacy accountant: the first training built in a process does the work per step of
+  any later identical one (whose ε values are all cached)."""
+  from logit_dp._src import accounting as accounting_src
+  from logit_dp._src import ledger as ledger_src
+  accounting_src._epsilon_cached.cache_clear()  # as in a fresh process: no ε computed yet
+  monkeypatch.setattr(ledger_src, "_WITHIN_BUDGET", {})
+  runs = []
+  make_accountant = accounting_src.make_accountant
+
+  def counting(*args, **kwargs):
+    runs.append(args)
+    return make_accountant(*args, **kwargs)
+
+  monkeypatch.setattr(accounting_src, "make_accountant", counting)
+  embed_fn, params = _embed()
+  x_all, x_prime_all = _data()
+  for _ in range(2):  # the first training built in the process, then an identical one
+    pt = logit_dp.make_private(embed_fn, logit_dp.losses.contrastive(temperature=1.0), 1.0,
+                               target_epsilon=EPS, target_delta=DELTA, num_records=N,
+                               expected_batch_size=BATCH, optimizer=optax.sgd(0.1), steps=6)
+    train_step, opt_state, p = pt.make_train_step(), pt.optimizer.init(params), params
+    runs.clear()
+    for batch in pt.batches():
+      p, opt_state, _ = train_step(p, opt_state, batch, (x_all, x_prime_all))
+    assert pt.ledger.steps == 6 and int(opt_state[0].count) == 6
+    assert runs == []
+  eps = _dp_accounting_epsilon(pt.noise_multiplier, pt.sampling_rate, 6, pt.ledger.target_delta)
+  assert pt.ledger.epsilon() == pytest.approx(eps, rel=1e-12) and eps <= EPS
+
+
 def test_train_step_releases_only_recorded_steps():
   embed_fn, params = _embed()
   x, xp = _data()

@@ -206,7 +206,8 @@ class PrivacyLedger:
     σ = `accounting.noise_multiplier`(ε, δ_acc, q, T) with δ_acc =
     `accountant_delta`(ε, δ, T, p_over) (ValueError if it is ≤ 0), so
     ``delta(T)`` = δ_acc + (1 + e^ε(T))·(1 − (1 − p_over)^T) ≤ δ. The ledger's
-    target_delta is δ_acc, its epsilon_budget ε and its delta_budget δ.
+    target_delta is δ_acc, its epsilon_budget ε and its delta_budget δ. The budgets are
+    checked at T here (`check_budgets`), so the checks of steps 1, …, T run no accountant.
 
     Args:
       sampler: the run's `logit_dp.sampling.PoissonSampler` (q, N and p_over).
@@ -225,9 +226,13 @@ class PrivacyLedger:
     accounting.warn_if_large_delta(dlt, sampler.num_records, stacklevel=3)
     sigma = accounting.noise_multiplier(eps, delta_acc, sampler.sampling_rate, steps, accountant,
                                         pld_discretization=discretization)
-    return cls(noise_multiplier=sigma, sampling_rate=sampler.sampling_rate, target_delta=delta_acc,
-               accountant=accountant, num_examples=sampler.num_records, overflow_probability=p_over,
-               epsilon_budget=eps, delta_budget=dlt, **kwargs)
+    ledger = cls(noise_multiplier=sigma, sampling_rate=sampler.sampling_rate,
+                 target_delta=delta_acc, accountant=accountant, num_examples=sampler.num_records,
+                 overflow_probability=p_over, epsilon_budget=eps, delta_budget=dlt, **kwargs)
+    # ε(T) is the calibration's own (cached) value: steps 1, …, T pass the budget checks
+    # without accounting again.
+    ledger.check_budgets(steps)
+    return ledger
 
   @classmethod
   def with_budget(cls, sampler, noise_multiplier: float, epsilon_budget: float, delta_budget: float,
@@ -338,14 +343,20 @@ class PrivacyLedger:
     Call it before the k updates are released. If a budget would be exceeded
     (`check_budgets`(steps + k)), nothing is recorded and
     `PrivacyBudgetExceededError` is raised, unless allow_exceeding_budget=True.
+    The new ε is an accountant run the first time a process meets this step count
+    (then cached); `logit_dp.PrivateTraining.batches` records without computing it.
     """
+    self._add_steps(k, allow_exceeding_budget=allow_exceeding_budget)
+    return self.epsilon()
+
+  def _add_steps(self, k: int, *, allow_exceeding_budget: bool = False) -> None:
+    """`record_steps` without computing the new ε (no accountant within checked budgets)."""
     if isinstance(k, bool) or int(k) != k or k < 0:
       raise ValueError(f"k must be an integer ≥ 0, got {k!r}.")
     k = int(k)
     if not allow_exceeding_budget:
       self.check_budgets(self.steps + k)
     self.steps += k
-    return self.epsilon()
 
   # -- Serialisation. ---------------------------------------------------------
 

@@ -302,7 +302,7 @@ class PrivateTraining(NamedTuple):
         else:
           with jax.default_device(device):
             batch = self.sampler(step)
-        self.ledger.record_steps(1)
+        self.ledger._add_steps(1)  # record_steps(1), without computing ε at every step
         loop.unused[id(batch)] = batch
         yield batch
         if self.ledger.steps != step + 1:

@@ -300,3 +300,41 @@ def test_allocator_benchmark_end_to_end(tmp_path):
   (row,) = report["steps"].values()
   assert row["ratio"] == pytest.approx(row["preloaded"]["mean_s"] / row["default"]["mean_s"])
   assert all(p["minor_faults"] > 0 and p["user_s"] > 0 for p in report["processes"])
+
+
+@pytest.mark.slow  # two trainings compiled in a fresh process
+def test_first_built_benchmark_counts_no_accountant_run_and_no_compile_in_timed_steps(tmp_path):
+  """Both trainings of one process (first built and second built) step without running the
+  privacy accountant or compiling, and every phase is timed and summarised."""
+  from benchmarks import first_built
+  out = tmp_path / "first_built.json"
+  report = first_built.main([
+      "--configs", "mlp:8:naive", "--timed-steps", "2", "--warmup-steps", "1", "--rounds", "2",
+      "--out",
+      str(out)
+  ])
+  assert report is not None and json.loads(out.read_text())["schema"] == first_built.SCHEMA
+  (result,) = report["results"]
+  for mode in first_built.MODES:
+    for label in ("A", "B"):
+      phase = result["phases"][f"{label} {mode}"]
+      assert phase["accountant_runs"] == 0 and phase["compiles"] == 0
+      assert len(phase["step_s"]) == 2  # timed steps; alternating: one per round
+    assert all(math.isfinite(v) and v > 0 for v in result["ratio"][mode].values())
+  assert first_built.markdown(report).count("\n") == 2  # header, rule, one row
+
+
+def test_first_built_markdown_sums_the_counts_of_every_phase():
+  from benchmarks import first_built
+  phases = {
+      f"{label} {mode}": dict(accountant_runs=runs, compiles=0) for mode in first_built.MODES
+      for label, runs in (("A", 3), ("B", 1))
+  }
+  ms = {f"{label} alone": dict(draw=2.0, cpu=10.0) for label in ("A", "B")}
+  ratio = {mode: dict(cpu=1.5, wall=2.0) for mode in first_built.MODES}
+  md = first_built.markdown(
+      dict(results=[
+          dict(model="mlp", n=8, method="ghost", phases=phases, median_ms=ms, ratio=ratio)
+      ]))
+  assert md.splitlines()[-1] == ("| mlp | 8 | ghost | 1.50 (2.00) | 1.50 (2.00) | 1.50 (2.00) | "
+                                 "2.0, 2.0 | 10.0, 10.0 | 9, 3 | 0, 0 |")
