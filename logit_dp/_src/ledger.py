@@ -254,8 +254,13 @@ class PrivacyLedger:
     dlt = accounting.check_delta(delta_budget)
     accounting.warn_if_large_delta(dlt, sampler.num_records, stacklevel=3)
     delta_acc = accountant_delta(eps, dlt, steps, sampler.step_overflow_probability)
-    return cls.for_sampler(sampler, noise_multiplier, delta_acc, accountant=accountant,
-                           epsilon_budget=eps, delta_budget=dlt, **kwargs)
+    ledger = cls.for_sampler(sampler, noise_multiplier, delta_acc, accountant=accountant,
+                             epsilon_budget=eps, delta_budget=dlt, **kwargs)
+    try:  # within the budget at T: steps 1, …, T pass the checks without accounting again
+      ledger.check_budgets(steps)
+    except PrivacyBudgetExceededError:
+      pass  # σ too small for T steps: each step is checked, the one past the budget refused
+    return ledger
 
   # -- Reporting. -------------------------------------------------------------
 
