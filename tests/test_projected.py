@@ -196,6 +196,7 @@ def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   allowance = (numerics.GRAM_FLOAT_ERROR ** 0.5 + np.sqrt(2 * N * 5) * numerics.VECTOR_FLOAT_ERROR)
   assert np.all(got[off] <= true[off] + 1.01 * allowance * scale[off])
   assert np.median(got[off] / true[off]) < 1.01
+  assert np.all(got <= pair_terms.FLAG_RATIO * true), np.max(got / true)  # flagged: recomputed
   assert np.median(triangle[off] / true[off]) > 1.3  # where triangle is loose
 
 

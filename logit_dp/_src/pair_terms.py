@@ -49,7 +49,8 @@ def triangle_bound(anchor, positive, s_local, s_all, gram_error: float) -> jax.A
           + jnp.sqrt(jnp.maximum(positive, 0.0) + eps * s_all[None, :] ** 2))
 
 
-def vector_norms(batch: pair_batch.PairBatch, pairs, in_float64: bool) -> tuple[jax.Array, float]:
+def vector_norms(batch: pair_batch.PairBatch, pairs, in_float64: bool,
+                 params=None) -> tuple[jax.Array, float]:
   """(‖g_e‖, e) of the pairs e of `pairs` (`pair_batch.PairBatch.pairs`), each formed as a
   vector by its own backward pass and normed, and e, the vector allowance per unit of
   s_i + s'_j of the dtype they were computed in (`with_allowance` adds it).
@@ -57,13 +58,14 @@ def vector_norms(batch: pair_batch.PairBatch, pairs, in_float64: bool) -> tuple[
   in_float64: the params and float inputs widened to float64 (`widened.pair_norms`), the norms
   rounded up to the embeddings' dtype, and e that of the lowest precision the computation
   actually ran in (float64 unless the model casts down internally); otherwise the inputs'
-  own dtype.
+  own dtype. params: those of the pair gradients (None: batch.params).
   """
+  params = batch.params if params is None else params
   m = rows_lib.num_rows(pairs)
   chunk = max(1, chunking.vectors_per_block(batch.params, m) // 2)
   # Equal chunks: a remainder would be a second copy of the computation, compiled again.
   chunk = -(-m // -(-m // chunk))
-  norms, dtype = widened.pair_norms(batch.pair_grad, batch.params, pairs, batch.u_loc.dtype,
+  norms, dtype = widened.pair_norms(batch.pair_grad, params, pairs, batch.u_loc.dtype,
                                     chunk, in_float64=in_float64, native_dtype=batch.norm_dtype)
   return norms, numerics.vector_error(dtype)
 
@@ -85,62 +87,103 @@ def diagonal_norms(batch: pair_batch.PairBatch) -> tuple[jax.Array, float]:
   return vector_norms(batch, batch.positive_pairs, in_float64)
 
 
+def factor_positive_norms(f_u, u, f_v, v) -> jax.Array:
+  """‖J_iᵀv̂_i + J'_iᵀû_i‖ (m,) of the pairs of matching examples of f_u and f_v (m each),
+  formed as vectors from the Jacobian factors (`layerwise.Factors`): flattened layers
+  flat_iᵀv̂_i + flat'_iᵀû_i; a ghost layer's weights (its patches' columns × features)
+  Σ_t a_t ⊗ (Σ_k v̂_ik δ_t^k) over the positions of both examples. No pass through the model;
+  the vector allowance (`numerics.vector_error`) of the factors' dtype covers its rounding."""
+  flat = (jnp.einsum("mdq,md->mq", f_u.flat, v, precision=numerics.HIGHEST)
+          + jnp.einsum("mdq,md->mq", f_v.flat, u, precision=numerics.HIGHEST))
+  squared = jnp.sum(flat * flat, axis=-1)
+  for a_u, delta_u, a_v, delta_v in zip(f_u.ghost_patches, f_u.ghost_deltas, f_v.ghost_patches,
+                                        f_v.ghost_deltas):
+    patches = jnp.concatenate([a_u, a_v], axis=1)  # (m, 2T, P)
+    weighted = jnp.concatenate([
+        jnp.einsum("mtkc,mk->mtc", delta_u, v, precision=numerics.HIGHEST),
+        jnp.einsum("mtkc,mk->mtc", delta_v, u, precision=numerics.HIGHEST)
+    ], axis=1)  # (m, 2T, C)
+    weights = jnp.einsum("mtp,mtc->mpc", patches, weighted, precision=numerics.HIGHEST)
+    squared = squared + jnp.sum(weights * weights, axis=(1, 2))
+  return jnp.sqrt(squared)
+
+
 def diagonal_values(batch: pair_batch.PairBatch, norms, error: float, scale, allowance: float,
-                    pairs, active=True) -> jax.Array:
+                    pairs, active=True, refine: bool | None = None) -> jax.Array:
   """The clip norms of the diagonal pairs `pairs` (c of `pair_batch.PairBatch.pairs`) from
-  their `diagonal_norms` (c,): with their allowance (`with_allowance`, scale = s_i + s'_i),
-  and, when formed below float64 and the model can be evaluated in float64, those whose
-  allowance could put them above `FLAG_RATIO` × their truth formed again in float64
-  (`refine_flagged`; `active`, a bool or traced bool: whether the values are used at all)."""
+  their norms (c,) formed as vectors (`diagonal_norms`, `factor_positive_norms`): with their
+  allowance (`with_allowance`, error per unit of scale = s_i + s'_i), and, where refine (None:
+  they were formed below float64, `float64_positive_pairs=False`) and the model can be
+  evaluated in float64, those whose allowance could put them above `FLAG_RATIO` × their truth
+  formed again in float64 (`refine_flagged`; `active`, a bool or traced bool: whether the
+  values are used at all)."""
   raised = with_allowance(norms, error, scale, allowance)
-  refine = (allowance and batch.pairs_in_float64 and not batch.float64_positive_pairs)
-  if not refine:
+  if refine is None:
+    refine = not batch.float64_positive_pairs
+  if not (allowance and refine and batch.pairs_in_float64):
     return raised
   lower = norms - allowance * error * scale
 
-  def recompute(index):
+  def recompute(operands, index):
+    params, pairs, scale = operands
     chosen = jax.tree_util.tree_map(lambda a: a[index], pairs)
-    exact, exact_error = vector_norms(batch, chosen, in_float64=True)
+    exact, exact_error = vector_norms(batch, chosen, in_float64=True, params=params)
     return with_allowance(exact, exact_error, scale[index], allowance)
 
-  return refine_flagged(raised, lower, recompute, raised.size, active)
+  return refine_flagged(raised, lower, recompute, (batch.params, pairs, scale), raised.size,
+                        active)
 
 
 # A clip norm more than this many times the lower end of its float error interval is
 # "flagged" and formed again as a vector in float64 (`refine_flagged`).
 FLAG_RATIO = 1.10
-# Flagged pairs formed again per block of pairs, at most (the worst first); the rest keep
-# their allowance-raised norms, which are sound (at most this many float64 backward passes of
-# one pair each per block, and none where nothing is flagged).
-FLAGGED_PAIR_CAPACITY = 32
+# Flagged pairs formed again per pass of the loop of `refine_flagged` (one float64 backward
+# pass of one pair each).
+FLAGGED_PAIRS_PER_PASS = 32
 
 
-def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, capacity: int,
-                   active=True) -> jax.Array:
-  """norms, each an upper bound of its pair's true norm, with the flagged ones tightened:
-  those above FLAG_RATIO × lower (a lower bound of the same truth) and finite (a non-finite
-  norm drops its pair, and stays so).
+def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
+                   per_pass: int | None = None, active=True) -> jax.Array:
+  """norms, each an upper bound of its pair's true norm, with every flagged one tightened:
+  those above FLAG_RATIO × lower (the lower end of the same computation's float error
+  interval) and finite (a non-finite norm drops its pair, and stays so).
 
-  recompute(index) gives sound upper bounds of the pairs at the flat indices `index` (k,) of
-  norms; it runs for the k = min(capacity, size) flagged pairs of largest norms/lower ratio,
-  and only when some pair is flagged (a `lax.cond`, and `active` true), each keeping the
-  smaller of its two bounds. Unflagged norms lie within FLAG_RATIO × their truth.
+  recompute(operands, index) gives sound upper bounds of the pairs at the flat indices
+  `index` (k,) of norms from `operands` (a pytree: everything it reads that is traced); it runs on the flagged pairs, `per_pass` at a time (default FLAGGED_PAIRS_PER_PASS,
+  at most the number of pairs), in a loop that runs only while flagged pairs remain (nothing
+  at all where none is flagged or `active` is false), and each flagged pair keeps the
+  smaller of its two bounds. Every pair's norm is a function of that pair alone (the
+  sensitivity needs it: no capacity decides which pairs are tightened), and each unflagged
+  norm lies within FLAG_RATIO × lower. The recomputed values are constants to
+  differentiation (the operands enter the loop, whose length depends on the values, through
+  `lax.stop_gradient`).
   """
   flagged = jnp.isfinite(norms) & (norms > FLAG_RATIO * lower)
   shape, size = norms.shape, norms.size
-  k = min(capacity, size)
+  k = min(per_pass or FLAGGED_PAIRS_PER_PASS, size)
+  num_passes = -(-size // k)
+
+  constants = jax.tree_util.tree_map(
+      lambda a: jax.lax.stop_gradient(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a, operands)
 
   def tighten(norms):
     flat, flags = norms.reshape(-1), flagged.reshape(-1)
-    if k == size:
-      index = jnp.arange(size)
+    count = jnp.sum(flags)
+    index = jnp.nonzero(flags, size=num_passes * k, fill_value=0)[0]  # the flagged first
+
+    def one_pass(carry):
+      i, tight = carry
+      chunk = jax.lax.dynamic_slice_in_dim(index, i * k, k)
+      real = i * k + jnp.arange(k) < count
+      values = jnp.where(real, recompute(constants, chunk), jnp.inf)
+      return i + 1, tight.at[chunk].min(values)
+
+    start = (0, jnp.full((size,), jnp.inf, flat.dtype))
+    if num_passes == 1:
+      _, tight = one_pass(start)
     else:
-      low = lower.reshape(-1)
-      ratio = jnp.where(low > 0, flat / jnp.where(low > 0, low, 1.0), jnp.inf)
-      _, index = jax.lax.top_k(jnp.where(flags, ratio, -1.0), k)
-    current = flat[index]
-    tighter = jnp.where(flags[index], jnp.minimum(current, recompute(index)), current)
-    return flat.at[index].set(tighter).reshape(shape)
+      _, tight = jax.lax.while_loop(lambda carry: carry[0] * k < count, one_pass, start)
+    return jnp.where(flags, jnp.minimum(flat, tight), flat).reshape(shape)
 
   return jax.lax.cond(jnp.any(flagged) & active, tighten, lambda norms: norms, norms)
 
@@ -148,7 +191,7 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, capacity: int,
 def refine_pairs(batch: pair_batch.PairBatch, norms, lower, x_rows, x_prime_columns, s_rows,
                  s_columns, allowance: float, real=None) -> jax.Array:
   """`refine_flagged` for a block of pairs, rows x_rows × columns x_prime_columns (r, c): the
-  flagged pairs (at most FLAGGED_PAIR_CAPACITY) formed as vectors (`vector_norms`) in float64
+  flagged pairs formed as vectors (`vector_norms`) in float64
   (a stochastic model's in its own dtype), with their vector allowance (s: ‖J‖_F of the rows
   and columns). real (r, c), where given: the pairs of real examples (padding is never
   flagged)."""
@@ -158,13 +201,15 @@ def refine_pairs(batch: pair_batch.PairBatch, norms, lower, x_rows, x_prime_colu
   if real is not None:
     lower = jnp.where(real, lower, norms)
 
-  def recompute(index):
+  def recompute(operands, index):
+    params, x_rows, x_prime_columns, s_rows, s_columns = operands
     i, j = index // c, index % c
     pairs = batch.pairs(rows_lib.take_row(x_rows, i), rows_lib.take_row(x_prime_columns, j))
-    exact, error = vector_norms(batch, pairs, in_float64=batch.pairs_in_float64)
+    exact, error = vector_norms(batch, pairs, in_float64=batch.pairs_in_float64, params=params)
     return with_allowance(exact, error, s_rows[i] + s_columns[j], allowance)
 
-  return refine_flagged(norms, lower, recompute, FLAGGED_PAIR_CAPACITY)
+  return refine_flagged(norms, lower, recompute,
+                        (batch.params, x_rows, x_prime_columns, s_rows, s_columns))
 
 
 def with_allowance(norms: jax.Array, error: float, scale: jax.Array, allowance: float) -> jax.Array:

@@ -187,10 +187,25 @@ def bound(subspace_norms, anchor, positive, s_rows, s_columns, eta, vector_error
   return jnp.where(trusted, jnp.minimum(projected, triangle), triangle)
 
 
-def lower_bound(subspace_norms, s_rows, s_columns, eta, vector_error: float) -> jax.Array:
-  """A lower bound of ‖g_ij‖: ‖Πg_ij‖ ≥ max(‖X + Y‖_low − e_v(s_i + s'_j), 0)/√(1 + η), with
-  ‖X + Y‖_low the last of `subspace_norms` (0 where the basis is not trusted). Where the
-  subspace holds the pair gradients (references spanning them) it is within the float
-  allowances of the truth, as `bound` is."""
-  low = jnp.maximum(subspace_norms[3] - vector_error * (s_rows[:, None] + s_columns[None, :]), 0.0)
-  return jnp.where(eta < MAX_ORTHONORMALITY_ERROR, low / jnp.sqrt(1.0 + eta), 0.0)
+def lower_end(subspace_norms, anchor, positive, s_rows, s_columns, eta, vector_error: float,
+              gram_error: float, bound_values) -> jax.Array:
+  """The lower end of `bound`'s float error interval, each allowance taken the other way:
+
+      L² = max(‖X + Y‖_low − e_v(s_i + s'_j), 0)²/(1 + η) + (ρ_i + ρ'_j)²,
+      ρ_i = √max(a − ε_G s_i² − X_high²/(1 − η), 0),  X_high = √(‖X‖² + 2ε_G s_i²) + e_v s_i,
+
+  ρ'_j likewise with b, ‖Y‖, s'_j (‖X + Y‖_low: the last of `subspace_norms`). L is at most
+  the bound in exact arithmetic, and at most ‖g_ij‖ where the subspace holds the pair gradient
+  (then ρ = 0). Where the basis is not trusted (`bound` gives the triangle bound):
+  bound_values, so that no pair is flagged by it."""
+  sum_low, x_norm, y_norm = subspace_norms[3], subspace_norms[1], subspace_norms[2]
+  s_i, s_j = s_rows[:, None], s_columns[None, :]
+  trusted = eta < MAX_ORTHONORMALITY_ERROR
+  eta = jnp.where(trusted, eta, 0.0)
+  in_subspace = jnp.maximum(sum_low - vector_error * (s_i + s_j), 0.0)
+  high = lambda norm, s: jnp.sqrt(norm ** 2 + 2.0 * gram_error * s ** 2) + vector_error * s
+  rest = lambda quad, norm, s: jnp.sqrt(
+      jnp.maximum(quad - gram_error * s ** 2 - high(norm, s) ** 2 / (1.0 - eta), 0.0))
+  low = jnp.sqrt(in_subspace ** 2 / (1.0 + eta)
+                 + (rest(anchor, x_norm, s_i) + rest(positive, y_norm, s_j)) ** 2)
+  return jnp.where(trusted, low, bound_values)

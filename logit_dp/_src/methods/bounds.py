@@ -104,9 +104,10 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
 
     def rows_bound(proj_rows, u_rows, anchor_rows, positive_rows, s_rows, triangle_rows):
       subspace = subspace_norms(proj_rows, u_rows, s_rows)
-      return (projection.bound(subspace, anchor_rows, positive_rows, s_rows, s_all, eta,
-                               vector_error, gram_error, triangle_rows),
-              projection.lower_bound(subspace, s_rows, s_all, eta, vector_error))
+      values = projection.bound(subspace, anchor_rows, positive_rows, s_rows, s_all, eta,
+                                vector_error, gram_error, triangle_rows)
+      return values, projection.lower_end(subspace, anchor_rows, positive_rows, s_rows, s_all,
+                                          eta, vector_error, gram_error, values)
 
     norms, lower = chunking.row_chunks(rows_bound,
                                        (proj_local, batch.u_loc, anchor, positive, s_local, norms),
@@ -116,7 +117,7 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
                                         allowance, batch.positive_pairs)
   on_diagonal = (jnp.arange(n_local), batch.rows)
   norms = norms.at[on_diagonal].set(diagonal)
-  if tangents is not None:  # the pairs whose bound may be loose by more than FLAG_RATIO
+  if tangents is not None:  # the pairs whose allowances may loosen the bound by > FLAG_RATIO
     norms = pair_terms.refine_pairs(batch, norms, lower.at[on_diagonal].set(diagonal), batch.x,
                                     batch.c.gather(batch.x_prime), s_local, s_all, allowance)
   return norms

@@ -97,7 +97,8 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   the ring of devices (`collective.Collective.ring_shift`, k steps: it comes home last), so
   that every device pairs its rows with every column. Per block: the norms
   (`block_norms`, the diagonal pairs from their vectors,
-  `pair_terms.diagonal_norms`, when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
+  `pair_terms.diagonal_norms`, when the block holds them; the pairs their float allowance
+  flags formed again in float64, `pair_terms.refine_pairs`), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
   cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
   column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
   and from f_v when it comes home (per row block: ḡ is linear in the cotangents). One block on
@@ -130,20 +131,18 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   x, u = pad(batch.x, n_rows), pad(batch.u_loc, n_rows)
   x_prime, v_local = pad(batch.x_prime, n_columns), pad(batch.v_loc, n_columns)
   gram_error = allowance * numerics.gram_error(batch.norm_dtype)
-  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
-  diagonal = pad(diagonal, n_columns)
+  vector_error = numerics.vector_error(batch.norm_dtype)
   tau = tau_local.reshape(n_local, k, n_local)  # columns: (device, local example)
   tau = jnp.pad(tau, ((0, n_rows - n_local), (0, 0), (0, n_columns - n_local)))
   me = col.index()
   zero_grads = col.varying(jax.tree_util.tree_map(jnp.zeros_like, batch.params))
 
-  def diagonal_values(f_u, f_v, x_columns, start, offset, at_home):
-    """The diagonal norms of columns start..start+c-1 with their allowance."""
-    s_rows = jax.lax.dynamic_slice_in_dim(pair_terms.jacobian_norms(f_u.gram), offset, c)
-    x_rows = rows_of(x, start, c)
-    return pair_terms.diagonal_values(batch, jax.lax.dynamic_slice_in_dim(diagonal, start, c),
-                                      diagonal_error, s_rows + pair_terms.jacobian_norms(f_v.gram),
-                                      allowance, batch.pairs(x_rows, x_columns), at_home)
+  def diagonal_values(f_u, u_rows, f_v, v_columns, x_columns, start, offset, at_home):
+    """The clip norms of the diagonal pairs of columns start..start+c-1 (`positive_values`)."""
+    f_diagonal = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, offset, c), f_u)
+    return positive_values(batch, f_diagonal, jax.lax.dynamic_slice_in_dim(u_rows, offset, c), f_v,
+                           v_columns, batch.pairs(rows_of(x, start, c), x_columns), allowance,
+                           vector_error, at_home)
 
   def row_block(a, carry):
     norms, grads = carry
@@ -165,7 +164,8 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
         owner = (me - s) % k  # the device whose columns are passing
         block, lower = block_norms(f_u, u_rows, f_v, v_columns, gram_error)
         at_home = home & (s == 0)
-        values = diagonal_values(f_u, f_v, x_columns, start, start - a * r, at_home)
+        values = diagonal_values(f_u, u_rows, f_v, v_columns, x_columns, start, start - a * r,
+                                 at_home)
         block, lower = (pair_terms.with_diagonal(batch, b, values, start - a * r, at_home)
                         for b in (block, lower))
         real = ((a * r + jnp.arange(r) < n_local)[:, None]
@@ -215,10 +215,9 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
   f_u, f_v = (jax.tree_util.tree_map(lambda a, view=view: a[view], factors) for view in (0, 1))
   u, v = batch.u_loc, batch.v_loc
   norms, lower = block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
-  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
   s_u, s_v = pair_terms.jacobian_norms(f_u.gram), pair_terms.jacobian_norms(f_v.gram)
-  diagonal = pair_terms.diagonal_values(batch, diagonal, diagonal_error, s_u + s_v, allowance,
-                                        batch.positive_pairs)
+  diagonal = positive_values(batch, f_u, u, f_v, v, batch.positive_pairs, allowance,
+                             numerics.vector_error(batch.norm_dtype))
   norms, lower = (pair_terms.with_diagonal(batch, b, diagonal, 0, True) for b in (norms, lower))
   norms = pair_terms.refine_pairs(batch, norms, lower, batch.x, batch.x_prime, s_u, s_v, allowance)
   if not with_grads:
@@ -229,6 +228,19 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
       jnp.matmul(lam.T, u, precision=numerics.HIGHEST)
   ])
   return norms, batch.c.psum(batch.factor_backward(factors, cot, stacked=True))
+
+
+def positive_values(batch: pair_batch.PairBatch, f_u: layerwise.Factors, u,
+                    f_v: layerwise.Factors, v, pairs, allowance: float, vector_error: float,
+                    active=True) -> jax.Array:
+  """The clip norms of the positive pairs (x_i, x'_i) of matching examples of f_u and f_v:
+  formed as vectors from the factors (`pair_terms.factor_positive_norms`) with the vector
+  allowance, and those the allowance could put above `pair_terms.FLAG_RATIO` × their truth
+  (near-identical views: their halves cancel) formed again in float64 from `pairs`
+  (`pair_terms.diagonal_values`)."""
+  scale = pair_terms.jacobian_norms(f_u.gram) + pair_terms.jacobian_norms(f_v.gram)
+  return pair_terms.diagonal_values(batch, pair_terms.factor_positive_norms(f_u, u, f_v, v),
+                                    vector_error, scale, allowance, pairs, active, refine=True)
 
 
 def block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns,
