@@ -156,6 +156,6 @@ def test_the_gradient_through_recomputed_norms_is_finite(duplicates_truth):
   problem, _ = duplicates_truth
   embed_fn, params, x, x_prime = problem
   grad_fn = logit_dp.clipped_grad(lambda p, xs: embed_fn(p, xs), LOSS, 1e-5, "ghost")
-  objective = lambda xp: sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(
-      grad_fn(params, x, xp)[1]))
+  objective = lambda xp: sum(
+      jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grad_fn(params, x, xp)[1]))
   assert np.all(np.isfinite(np.asarray(jax.grad(objective)(x_prime))))

@@ -94,8 +94,7 @@ class PairBatch:
     """The pairs (x_e, x'_e) of equally many examples of each view, in the layout of
     `positive_pairs` (an element of it is what `pair_grad` takes)."""
     if self.views_stack:
-      return jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b], axis=1), x_rows,
-                                    x_prime_columns)
+      return jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b], axis=1), x_rows, x_prime_columns)
     return x_rows, x_prime_columns
 
   @functools.cached_property

@@ -65,8 +65,8 @@ def vector_norms(batch: pair_batch.PairBatch, pairs, in_float64: bool,
   chunk = max(1, chunking.vectors_per_block(batch.params, m) // 2)
   # Equal chunks: a remainder would be a second copy of the computation, compiled again.
   chunk = -(-m // -(-m // chunk))
-  norms, dtype = widened.pair_norms(batch.pair_grad, params, pairs, batch.u_loc.dtype,
-                                    chunk, in_float64=in_float64, native_dtype=batch.norm_dtype)
+  norms, dtype = widened.pair_norms(batch.pair_grad, params, pairs, batch.u_loc.dtype, chunk,
+                                    in_float64=in_float64, native_dtype=batch.norm_dtype)
   return norms, numerics.vector_error(dtype)
 
 
@@ -130,8 +130,7 @@ def diagonal_values(batch: pair_batch.PairBatch, norms, error: float, scale, all
     exact, exact_error = vector_norms(batch, chosen, in_float64=True, params=params)
     return with_allowance(exact, exact_error, scale[index], allowance)
 
-  return refine_flagged(raised, lower, recompute, (batch.params, pairs, scale), raised.size,
-                        active)
+  return refine_flagged(raised, lower, recompute, (batch.params, pairs, scale), raised.size, active)
 
 
 # A clip norm more than this many times the lower end of its float error interval is
@@ -143,14 +142,16 @@ FLAGGED_PAIRS_PER_PASS = 32
 
 
 def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
-                   per_pass: int | None = None, active=True) -> jax.Array:
+                   per_pass: int | None = None, active=True,
+                   ratio: float = FLAG_RATIO) -> jax.Array:
   """norms, each an upper bound of its pair's true norm, with every flagged one tightened:
-  those above FLAG_RATIO × lower (the lower end of the same computation's float error
-  interval) and finite (a non-finite norm drops its pair, and stays so).
+  those above ratio × lower (by default FLAG_RATIO × the lower end of the same computation's
+  float error interval) and finite (a non-finite norm drops its pair, and stays so).
 
   recompute(operands, index) gives sound upper bounds of the pairs at the flat indices
-  `index` (k,) of norms from `operands` (a pytree: everything it reads that is traced); it runs on the flagged pairs, `per_pass` at a time (default FLAGGED_PAIRS_PER_PASS,
-  at most the number of pairs), in a loop that runs only while flagged pairs remain (nothing
+  `index` (k,) of norms from `operands` (a pytree: everything it reads that is traced); it
+  runs on the flagged pairs, `per_pass` at a time (default FLAGGED_PAIRS_PER_PASS, at most
+  the number of pairs), in a loop that runs only while flagged pairs remain (nothing
   at all where none is flagged or `active` is false), and each flagged pair keeps the
   smaller of its two bounds. Every pair's norm is a function of that pair alone (the
   sensitivity needs it: no capacity decides which pairs are tightened), and each unflagged
@@ -158,7 +159,7 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
   differentiation (the operands enter the loop, whose length depends on the values, through
   `lax.stop_gradient`).
   """
-  flagged = jnp.isfinite(norms) & (norms > FLAG_RATIO * lower)
+  flagged = jnp.isfinite(norms) & (norms > ratio * lower)
   shape, size = norms.shape, norms.size
   k = min(per_pass or FLAGGED_PAIRS_PER_PASS, size)
   num_passes = -(-size // k)
@@ -186,6 +187,62 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
     return jnp.where(flags, jnp.minimum(flat, tight), flat).reshape(shape)
 
   return jax.lax.cond(jnp.any(flagged) & active, tighten, lambda norms: norms, norms)
+
+
+# A Gram-form norm √(a + b + 2c + ε_G S_ij²) more than this many times its computed value
+# √max(a + b + 2c, 0) (the allowance's share of it) is flagged (`refine_gram_pairs`). With the
+# float32 error below a fifth of the allowance (measured: 1/44), an unflagged norm is within
+# 1.10× its truth.
+GRAM_FLAG_RATIO = 1.09
+
+
+def pairs_per_pass(factors) -> int:
+  """Pairs whose gathered factors (`layerwise.Factors` of one example per side) hold about
+  `chunking.PAIR_BLOCK_FLOATS` floats, between 1 and 1,024."""
+  per_example = sum(leaf[0].size for leaf in jax.tree_util.tree_leaves(factors))
+  return int(max(1, min(1024, chunking.PAIR_BLOCK_FLOATS // max(2 * per_example, 1))))
+
+
+def refine_gram_pairs(batch: pair_batch.PairBatch, norms, computed, f_rows, u_rows, f_columns,
+                      v_columns, x_rows, x_prime_columns, allowance: float, vector_error: float,
+                      real=None) -> jax.Array:
+  """`refine_flagged` for a block of Gram-form norms (rows of f_rows × columns of f_columns,
+  their Jacobian factors, r and c examples): the pairs above GRAM_FLAG_RATIO × their computed
+  value formed as vectors from their factors (`factor_positive_norms`, the vector allowance
+  e = vector_error), and of those, the ones still flagged (above FLAG_RATIO × the lower end
+  v − e·S_ij) formed again in float64 from their inputs (x_rows, x_prime_columns;
+  `vector_norms`). Near-duplicate records go all the way; ordinary pairs whose Gram allowance
+  bites stop at the vectors, a few multiply-adds per parameter. real (r, c), where given: the
+  pairs of real examples (padding is never flagged)."""
+  if not allowance:
+    return norms
+  c = norms.shape[1]
+  if real is not None:
+    computed = jnp.where(real, computed, norms)
+  take = lambda tree, index: jax.tree_util.tree_map(lambda a: a[index], tree)
+
+  def recompute(operands, index):
+    params, f_rows, u_rows, f_columns, v_columns, x_rows, x_prime_columns = operands
+    i, j = index // c, index % c
+    f_i, f_j = take(f_rows, i), take(f_columns, j)
+    scale = jacobian_norms(f_i.gram) + jacobian_norms(f_j.gram)
+    vectors = factor_positive_norms(f_i, u_rows[i], f_j, v_columns[j])
+
+    def exact(inputs, sub):
+      params, x_rows, x_prime_columns, scale = inputs
+      pairs = batch.pairs(rows_lib.take_row(x_rows, i[sub]),
+                          rows_lib.take_row(x_prime_columns, j[sub]))
+      values, error = vector_norms(batch, pairs, in_float64=batch.pairs_in_float64, params=params)
+      return with_allowance(values, error, scale[sub], allowance)
+
+    return refine_flagged(with_allowance(vectors, vector_error, scale,
+                                         allowance), vectors - allowance * vector_error * scale,
+                          exact, (params, x_rows, x_prime_columns, scale), index.size)
+
+  return refine_flagged(
+      norms, computed, recompute,
+      (batch.params, f_rows, u_rows, f_columns, v_columns, x_rows, x_prime_columns),
+      pairs_per_pass(f_rows), ratio=GRAM_FLAG_RATIO)
 
 
 def refine_pairs(batch: pair_batch.PairBatch, norms, lower, x_rows, x_prime_columns, s_rows,

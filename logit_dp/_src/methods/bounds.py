@@ -88,6 +88,7 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
   anchor, positive = pair_terms.quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
   gram_error = allowance * numerics.gram_error(batch.norm_dtype)
   norms = pair_terms.triangle_bound(anchor, positive, s_local, s_all, gram_error)
+  lower = None  # "projected": the lower ends of its bounds' float intervals
   if tangents is not None:
     proj_local, proj_prime = terms[2], batch.c.gather(terms[3])
     n, d, k = proj_prime.shape
@@ -106,8 +107,8 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
       subspace = subspace_norms(proj_rows, u_rows, s_rows)
       values = projection.bound(subspace, anchor_rows, positive_rows, s_rows, s_all, eta,
                                 vector_error, gram_error, triangle_rows)
-      return values, projection.lower_end(subspace, anchor_rows, positive_rows, s_rows, s_all,
-                                          eta, vector_error, gram_error, values)
+      return values, projection.lower_end(subspace, anchor_rows, positive_rows, s_rows, s_all, eta,
+                                          vector_error, gram_error, values)
 
     norms, lower = chunking.row_chunks(rows_bound,
                                        (proj_local, batch.u_loc, anchor, positive, s_local, norms),
@@ -117,7 +118,7 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
                                         allowance, batch.positive_pairs)
   on_diagonal = (jnp.arange(n_local), batch.rows)
   norms = norms.at[on_diagonal].set(diagonal)
-  if tangents is not None:  # the pairs whose allowances may loosen the bound by > FLAG_RATIO
+  if lower is not None:  # the pairs whose allowances may loosen the bound by > FLAG_RATIO
     norms = pair_terms.refine_pairs(batch, norms, lower.at[on_diagonal].set(diagonal), batch.x,
                                     batch.c.gather(batch.x_prime), s_local, s_all, allowance)
   return norms

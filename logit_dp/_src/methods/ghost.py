@@ -139,9 +139,10 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
 
   def diagonal_values(f_u, u_rows, f_v, v_columns, x_columns, start, offset, at_home):
     """The clip norms of the diagonal pairs of columns start..start+c-1 (`positive_values`)."""
-    f_diagonal = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, offset, c), f_u)
-    return positive_values(batch, f_diagonal, jax.lax.dynamic_slice_in_dim(u_rows, offset, c), f_v,
-                           v_columns, batch.pairs(rows_of(x, start, c), x_columns), allowance,
+    f_diagonal, u_diagonal = jax.tree_util.tree_map(
+        lambda a: jax.lax.dynamic_slice_in_dim(a, offset, c), (f_u, u_rows))
+    pairs = batch.pairs(rows_of(x, start, c), x_columns)
+    return positive_values(batch, f_diagonal, u_diagonal, f_v, v_columns, pairs, allowance,
                            vector_error, at_home)
 
   def row_block(a, carry):
@@ -162,17 +163,16 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
       def ring_step(s, carry):
         norms_rows, cot_u, (f_v, v_columns, x_columns, cot_v) = carry
         owner = (me - s) % k  # the device whose columns are passing
-        block, lower = block_norms(f_u, u_rows, f_v, v_columns, gram_error)
+        block, computed = block_norms(f_u, u_rows, f_v, v_columns, gram_error)
         at_home = home & (s == 0)
         values = diagonal_values(f_u, u_rows, f_v, v_columns, x_columns, start, start - a * r,
                                  at_home)
-        block, lower = (pair_terms.with_diagonal(batch, b, values, start - a * r, at_home)
-                        for b in (block, lower))
-        real = ((a * r + jnp.arange(r) < n_local)[:, None]
-                & (start + jnp.arange(c) < n_local)[None, :])
-        block = pair_terms.refine_pairs(batch, block, lower, x_rows, x_columns,
-                                        pair_terms.jacobian_norms(f_u.gram),
-                                        pair_terms.jacobian_norms(f_v.gram), allowance, real)
+        block, computed = (pair_terms.with_diagonal(batch, b, values, start - a * r, at_home)
+                           for b in (block, computed))
+        real = ((a * r + jnp.arange(r) < n_local)[:, None] &
+                (start + jnp.arange(c) < n_local)[None, :])
+        block = pair_terms.refine_gram_pairs(batch, block, computed, f_u, u_rows, f_v, v_columns,
+                                             x_rows, x_columns, allowance, vector_error, real)
         norms_rows = jax.lax.dynamic_update_slice(norms_rows, block[:, None, :], (0, owner, start))
         if with_grads:
           tau_block = jax.lax.dynamic_slice(tau_rows, (0, owner, start), (r, 1, c))[:, 0, :]
@@ -182,8 +182,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
         return norms_rows, cot_u, col.ring_shift((f_v, v_columns, x_columns, cot_v))
 
       travelling = col.varying((f_v, v_columns, x_columns, jnp.zeros((c, d), u.dtype)))
-      norms_rows, cot_u, (f_v, _, _, cot_v) = _loop(k, ring_step,
-                                                    (norms_rows, cot_u, travelling))
+      norms_rows, cot_u, (f_v, _, _, cot_v) = _loop(k, ring_step, (norms_rows, cot_u, travelling))
       if with_grads:  # home again, with Σ_i λ_ij û_i over every device's rows of this row block
         grads = jax.tree_util.tree_map(jnp.add, grads, batch.factor_backward(f_v, cot_v))
       return norms_rows, cot_u, grads
@@ -214,12 +213,14 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
     factors = batch.stacked_factors((batch.x, batch.x_prime), chunk)
   f_u, f_v = (jax.tree_util.tree_map(lambda a, view=view: a[view], factors) for view in (0, 1))
   u, v = batch.u_loc, batch.v_loc
-  norms, lower = block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
-  s_u, s_v = pair_terms.jacobian_norms(f_u.gram), pair_terms.jacobian_norms(f_v.gram)
+  norms, computed = block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
   diagonal = positive_values(batch, f_u, u, f_v, v, batch.positive_pairs, allowance,
                              numerics.vector_error(batch.norm_dtype))
-  norms, lower = (pair_terms.with_diagonal(batch, b, diagonal, 0, True) for b in (norms, lower))
-  norms = pair_terms.refine_pairs(batch, norms, lower, batch.x, batch.x_prime, s_u, s_v, allowance)
+  norms, computed = (
+      pair_terms.with_diagonal(batch, b, diagonal, 0, True) for b in (norms, computed))
+  norms = pair_terms.refine_gram_pairs(batch, norms, computed, f_u, u, f_v, v, batch.x,
+                                       batch.x_prime, allowance,
+                                       numerics.vector_error(batch.norm_dtype))
   if not with_grads:
     return norms, None
   lam = tau * numerics.clip_factor(norms, clip_norm)
@@ -230,9 +231,8 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
   return norms, batch.c.psum(batch.factor_backward(factors, cot, stacked=True))
 
 
-def positive_values(batch: pair_batch.PairBatch, f_u: layerwise.Factors, u,
-                    f_v: layerwise.Factors, v, pairs, allowance: float, vector_error: float,
-                    active=True) -> jax.Array:
+def positive_values(batch: pair_batch.PairBatch, f_u: layerwise.Factors, u, f_v: layerwise.Factors,
+                    v, pairs, allowance: float, vector_error: float, active=True) -> jax.Array:
   """The clip norms of the positive pairs (x_i, x'_i) of matching examples of f_u and f_v:
   formed as vectors from the factors (`pair_terms.factor_positive_norms`) with the vector
   allowance, and those the allowance could put above `pair_terms.FLAG_RATIO` × their truth
@@ -245,16 +245,16 @@ def positive_values(batch: pair_batch.PairBatch, f_u: layerwise.Factors, u,
 
 def block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns,
                 gram_error: float) -> tuple[jax.Array, jax.Array]:
-  """(min(√(a + b + 2c + ε_G S_ij²), triangle bound), √max(a + b + 2c − ε_G S_ij², 0)) for the
-  rows of f_u and columns of f_v: each pair's clip norm and a lower bound of its true norm."""
+  """(min(√(a + b + 2c + ε_G S_ij²), triangle bound), √max(a + b + 2c, 0)) for the rows of f_u
+  and columns of f_v: each pair's clip norm and its computed value without the allowance."""
   anchor, positive, cross = ghost_terms(f_u, u_rows, f_v, v_columns)
   s_rows, s_columns = pair_terms.jacobian_norms(f_u.gram), pair_terms.jacobian_norms(f_v.gram)
   scale = s_rows[:, None] + s_columns[None, :]
   squared, error = anchor + positive + 2.0 * cross, gram_error * scale ** 2
   gram_norms = jnp.sqrt(jnp.maximum(squared, 0.0) + error)
   return (jnp.minimum(gram_norms,
-                      pair_terms.triangle_bound(anchor, positive, s_rows, s_columns, gram_error)),
-          jnp.sqrt(jnp.maximum(squared - error, 0.0)))
+                      pair_terms.triangle_bound(anchor, positive, s_rows, s_columns,
+                                                gram_error)), jnp.sqrt(jnp.maximum(squared, 0.0)))
 
 
 def ghost_terms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors,
