@@ -134,7 +134,8 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       XLA:CPU runs fast in float64). Near-identical views, whose pair gradients nearly
       cancel, are clipped by norms within 1e-6 of the truth. False forms them in float32
       first and those whose float32 allowance could put them above 1.10× their truth again
-      in float64 (`pair_terms.diagonal_values`). A model that fixes
+      in float64 (`pair_terms.diagonal_values`). "ghost" does the latter either way, its
+      float32 vectors contracted from its Jacobian factors. A model that fixes
       its own computation dtype (e.g. flax's dtype=jnp.float32) keeps it, with the
       allowance of that dtype; stochastic models keep theirs (their random draws would
       differ), and the allowance e·(s_i + s'_i) can then be ~100× such a pair's norm.
