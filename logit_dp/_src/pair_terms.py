@@ -246,12 +246,12 @@ def refine_gram_pairs(batch: pair_batch.PairBatch, norms, computed, f_rows, u_ro
 
 
 def refine_pairs(batch: pair_batch.PairBatch, norms, lower, x_rows, x_prime_columns, s_rows,
-                 s_columns, allowance: float, real=None) -> jax.Array:
+                 s_columns, allowance: float, real=None, ratio: float = FLAG_RATIO) -> jax.Array:
   """`refine_flagged` for a block of pairs, rows x_rows × columns x_prime_columns (r, c): the
   flagged pairs formed as vectors (`vector_norms`) in float64
   (a stochastic model's in its own dtype), with their vector allowance (s: ‖J‖_F of the rows
   and columns). real (r, c), where given: the pairs of real examples (padding is never
-  flagged)."""
+  flagged); ratio: as in `refine_flagged`."""
   if not allowance:
     return norms
   c = norms.shape[1]
@@ -266,7 +266,7 @@ def refine_pairs(batch: pair_batch.PairBatch, norms, lower, x_rows, x_prime_colu
     return with_allowance(exact, error, s_rows[i] + s_columns[j], allowance)
 
   return refine_flagged(norms, lower, recompute,
-                        (batch.params, x_rows, x_prime_columns, s_rows, s_columns))
+                        (batch.params, x_rows, x_prime_columns, s_rows, s_columns), ratio=ratio)
 
 
 def with_allowance(norms: jax.Array, error: float, scale: jax.Array, allowance: float) -> jax.Array:

@@ -83,7 +83,7 @@ def pair_norms(batch, cross_terms: Callable | None,
   on_diagonal = (jnp.arange(n_local), batch.rows)
   norms = norms.at[on_diagonal].set(diagonal)
   if squared is not None:  # exact forms: the pairs their allowance flags formed again
-    lower = jnp.sqrt(jnp.maximum(squared - eps_gram * scale_sq, 0.0)).at[on_diagonal].set(diagonal)
-    norms = pair_terms.refine_pairs(batch, norms, lower, batch.x, c.gather(batch.x_prime), s_local,
-                                    s_all, allowance)
+    computed = jnp.sqrt(jnp.maximum(squared, 0.0)).at[on_diagonal].set(diagonal)
+    norms = pair_terms.refine_pairs(batch, norms, computed, batch.x, c.gather(batch.x_prime),
+                                    s_local, s_all, allowance, ratio=pair_terms.GRAM_FLAG_RATIO)
   return norms, factors
