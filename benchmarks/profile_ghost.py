@@ -10,6 +10,13 @@ Each piece is jitted on its own and timed (median of --repeats runs after a warm
                  gradients of the flattened layers, per-example Grams    (_Batch.factors)
   flat cross     the n²·d²·q cross-Gram of the flattened layers           (layerwise.flat_cross)
   ghost layer L  the cross terms of ghost layer L          (layerwise.ghost_layer_cross)
+  positives from factors
+                 the n positive pairs' norms as vectors from the factors, what the step
+                 computes for them                         (pair_terms.factor_positive_norms)
+  positives in float64
+                 the n positive pairs' norms by one float64 backward pass each: what the
+                 step adds when every positive is flagged (near-identical views)
+                                                           (pair_terms.vector_norms)
   pair norms     all ‖g_ij‖ clipped by: pair terms + diagonal  (_ghost, one block)
   backward ḡ     ḡ contracted from the factors with λ-weighted cotangents, plus
                  the forward pass that gives λ                           (_Batch.weighted_backward)
@@ -77,6 +84,7 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
   from logit_dp._src import methods  # pylint: disable=g-import-not-at-top
   from logit_dp._src import numerics  # pylint: disable=g-import-not-at-top
   from logit_dp._src import pair_batch  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import pair_terms  # pylint: disable=g-import-not-at-top
   from logit_dp._src.methods import ghost  # pylint: disable=g-import-not-at-top
 
   embed_fn, params, x, xp, p = sb.build_problem("embedding", n, image_size)
@@ -142,6 +150,13 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
     t, p_i = f_u.ghost_patches[i].shape[1:]
     record(f"ghost layer {i} (T={t}, P={p_i}, C={f_u.ghost_deltas[i].shape[-1]})", layer_cross, f_u,
            f_v, u, v)
+  record("positives from factors", pair_terms.factor_positive_norms, f_u, u, f_v, v)
+
+  def positives_float64(pp, xx, xxp):
+    b = batch(pp, xx, xxp)
+    return pair_terms.vector_norms(b, b.positive_pairs, in_float64=True)[0]
+
+  record("positives in float64", positives_float64, params, x, xp)
   record("backward ḡ", backward_from_factors, f_u, f_v, params, x, xp)
   del f_u, f_v
   record("pair norms", pair_norms, params, x, xp)
@@ -188,8 +203,9 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 def markdown(results: list[dict]) -> str:
   layer_names = sorted({k for r in results for k in r["pieces"] if k.startswith("ghost layer")})
   names = (["forward", "factors", "flat cross"] + layer_names + [
-      "pair norms", "backward ḡ", "noise + adam", "ghost grad", "non-private step", "GEMM floor",
-      "backward passes", "pair terms at GEMM speed", "floor"
+      "positives from factors", "positives in float64", "pair norms", "backward ḡ", "noise + adam",
+      "ghost grad", "non-private step", "GEMM floor", "backward passes", "pair terms at GEMM speed",
+      "floor"
   ])
   ns = [r["n"] for r in results]
   lines = [
@@ -212,6 +228,11 @@ def markdown(results: list[dict]) -> str:
     extra = ""
     if "gemm_gflops_per_s" in r:
       extra = f"; matmul speed {r['gemm_gflops_per_s']:.0f} GFLOP/s"
+    pieces = r["pieces"]
+    if "ghost grad" in pieces and "floor" in pieces and "non-private step" in pieces:
+      ghost, floor = pieces["ghost grad"]["median_s"], pieces["floor"]["median_s"]
+      lines.append(f"- n={r['n']}: ghost grad / floor = {ghost / floor:.2f}; ghost grad / "
+                   f"non-private step = {ghost / pieces['non-private step']['median_s']:.1f}")
     lines.append(f"- n={r['n']}: d={r['d']}, p={r['p']:,} ({r.get('flat_params', '?'):,} in "
                  f"flattened layers); a full cross-Gram would need 2·(nd)²·p = "
                  f"{r['cross_gram_flops']:.3g} flops (GEMM floor row){extra}; the exact "

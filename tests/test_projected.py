@@ -170,9 +170,10 @@ def test_gram_form_float32_error_is_a_sixteenth_of_its_allowance(family, dim, nu
   ]
   assert max(e.max() for e in errors) * 16 <= numerics.GRAM_FLOAT_ERROR
   # ... and with the allowance each bounds the vector form's norm on the right side.
-  upper, x_low, y_low = (np.asarray(t, np.float64) for t in projection.gram_norms(
+  upper, x_low, y_low, sum_low = (np.asarray(t, np.float64) for t in projection.gram_norms(
       p_u, u, projection.gram_columns(p_v, v), s_u, s_v, numerics.GRAM_FLOAT_ERROR))
   assert np.all(upper >= np.linalg.norm(x_vec + y_vec, axis=-1))
+  assert np.all(sum_low <= np.linalg.norm(x_vec + y_vec, axis=-1))
   assert np.all(x_low <= np.linalg.norm(x_vec, axis=-1))
   assert np.all(y_low <= np.linalg.norm(y_vec, axis=-1))
 
@@ -195,6 +196,7 @@ def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   allowance = (numerics.GRAM_FLOAT_ERROR ** 0.5 + np.sqrt(2 * N * 5) * numerics.VECTOR_FLOAT_ERROR)
   assert np.all(got[off] <= true[off] + 1.01 * allowance * scale[off])
   assert np.median(got[off] / true[off]) < 1.01
+  assert np.all(got <= pair_terms.FLAG_RATIO * true), np.max(got / true)  # flagged: recomputed
   assert np.median(triangle[off] / true[off]) > 1.3  # where triangle is loose
 
 

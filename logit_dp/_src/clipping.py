@@ -133,10 +133,12 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       float32 (`pair_terms.diagonal_norms`; convolutions run as matrix products, which
       XLA:CPU runs fast in float64). Near-identical views, whose pair gradients nearly
       cancel, are clipped by norms within 1e-6 of the truth. False forms them in float32
-      with the float32 allowance, which can double them on such views. A model that fixes
+      first and those whose float32 allowance could put them above 1.10× their truth again
+      in float64 (`pair_terms.diagonal_values`). "ghost" does the latter either way, its
+      float32 vectors contracted from its Jacobian factors. A model that fixes
       its own computation dtype (e.g. flax's dtype=jnp.float32) keeps it, with the
       allowance of that dtype; stochastic models keep theirs (their random draws would
-      differ).
+      differ), and the allowance e·(s_i + s'_i) can then be ~100× such a pair's norm.
     **deprecated_options: memory_budget, pair_block_size, reference_inputs and
       projection_rank, the options of a method name from before the methods held them:
       deprecated (a DeprecationWarning), set them in the method object instead.

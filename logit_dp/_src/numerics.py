@@ -14,7 +14,10 @@ unit roundoff of the dtype the norms are computed in (`computation_dtype`: 2⁻�
 those at float32. Largest float32 errors measured against float64 (tests/test_float32_norms.py
 inputs, three seeds, and the paper's embedding net): 3.2u·S_ij and 0.36u·S_ij², so the margins
 are 20× and 44×. The n diagonal pairs (x_i, x'_i), whose gradients nearly cancel, are formed as
-vectors, in float64 (`pair_terms.diagonal_norms`).
+vectors, in float64 (`pair_terms.diagonal_norms`). An allowance is coarse where a pair's norm is
+much below S_ij (pairs that cancel off the diagonal too); the exact methods form the pairs
+whose allowance could put them above 1.10× their truth again in float64
+(`pair_terms.refine_flagged`).
 """
 
 from __future__ import annotations

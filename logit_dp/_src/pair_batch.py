@@ -88,9 +88,21 @@ class PairBatch:
     """The n pairs (x_i, x'_i) as one input with the examples along axis 0, one element of
     which `pair_grad` takes: with one tower and views of one layout, both views stacked
     (n, 2, ...) per leaf; otherwise the tuple (x, x')."""
+    return self.pairs(self.x, self.x_prime)
+
+  def pairs(self, x_rows, x_prime_columns) -> Any:
+    """The pairs (x_e, x'_e) of equally many examples of each view, in the layout of
+    `positive_pairs` (an element of it is what `pair_grad` takes)."""
     if self.views_stack:
-      return jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b], axis=1), self.x, self.x_prime)
-    return self.x, self.x_prime
+      return jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b], axis=1), x_rows, x_prime_columns)
+    return x_rows, x_prime_columns
+
+  @functools.cached_property
+  def pairs_in_float64(self) -> bool:
+    """Whether pair gradients formed as vectors may be evaluated in float64: not for a model
+    that draws random numbers (under float64 its draws, e.g. dropout masks, would not be those
+    of the rest of the computation)."""
+    return not stochastic.is_stochastic(self.embed_fn, self.positive_embed_fn)
 
   def pair_grad(self, params, pair) -> Any:
     """g = ∇_w Z(w) = ∇_w⟨n(Φ_w(x)), n(Φ'_w(x'))⟩ of one pair (an element of

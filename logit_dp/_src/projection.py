@@ -113,13 +113,15 @@ def uses_gram_form(embedding_dim: int) -> bool:
 
 
 def vector_norms(proj_rows, u_rows, proj_columns,
-                 v_columns) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(‖X + Y‖, ‖X‖, ‖Y‖), each (rows, columns), for X = Q̃ᵀJ_iᵀv̂_j and Y = Q̃ᵀJ'_jᵀû_i formed
-  as vectors from proj_rows (r, d, k) = J_iQ̃ and proj_columns (c, d, k) = J'_jQ̃."""
+                 v_columns) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(‖X + Y‖, ‖X‖, ‖Y‖, ‖X + Y‖), each (rows, columns), for X = Q̃ᵀJ_iᵀv̂_j and
+  Y = Q̃ᵀJ'_jᵀû_i formed as vectors from proj_rows (r, d, k) = J_iQ̃ and proj_columns
+  (c, d, k) = J'_jQ̃ (the last: the lower end of the first, the same here; `gram_norms`)."""
   x = jnp.einsum("idk,jd->ijk", proj_rows, v_columns, precision=_HIGHEST)
   y = jnp.einsum("jdk,id->ijk", proj_columns, u_rows, precision=_HIGHEST)
   norm = lambda a: jnp.sqrt(jnp.sum(a * a, axis=-1))
-  return norm(x + y), norm(x), norm(y)
+  sum_norm = norm(x + y)
+  return sum_norm, norm(x), norm(y), sum_norm
 
 
 def gram_columns(proj_columns, v_columns) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -133,14 +135,14 @@ def gram_columns(proj_columns, v_columns) -> tuple[jax.Array, jax.Array, jax.Arr
 
 
 def gram_norms(proj_rows, u_rows, columns, s_rows, s_columns,
-               gram_error: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+               gram_error: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """`vector_norms` from Gram forms, each a matrix product: ‖X‖² = v̂_jᵀ(J_iQ̃Q̃ᵀJ_iᵀ)v̂_j,
   ‖Y‖² = û_iᵀ(J'_jQ̃Q̃ᵀJ'_jᵀ)û_i and X·Y = Σ_abl (J_iQ̃)_al û_ib · v̂_ja (J'_jQ̃)_bl (columns:
   `gram_columns`). The computed squares are within ε_G·s² of those of the computed vectors
   (ε_G = gram_error, the Gram allowance; s_i² for ‖X‖², s'_j² for ‖Y‖², (s_i + s'_j)² for
   ‖X + Y‖²; measured against float64 from the same projections: below 2⁻²⁴·s², a margin of
   16 asserted in tests/test_projected.py): the first norm is raised by it and the other two
-  lowered, so each bounds the vector form's value."""
+  lowered, so each bounds the vector form's value; the fourth is ‖X + Y‖ lowered by it."""
   vv, gram_columns_, h = columns
   r, d, _ = proj_rows.shape
   gram_rows = jnp.einsum("iak,ibk->iab", proj_rows, proj_rows, precision=_HIGHEST).reshape(r, -1)
@@ -150,17 +152,19 @@ def gram_norms(proj_rows, u_rows, columns, s_rows, s_columns,
   yy = jnp.matmul(uu, gram_columns_.T, precision=_HIGHEST)
   xy = jnp.matmul(f, h.T, precision=_HIGHEST)
   s_i, s_j = s_rows[:, None], s_columns[None, :]
-  upper = jnp.sqrt(jnp.maximum(xx + yy + 2.0 * xy, 0.0) + gram_error * (s_i + s_j) ** 2)
+  squared = xx + yy + 2.0 * xy
+  upper = jnp.sqrt(jnp.maximum(squared, 0.0) + gram_error * (s_i + s_j) ** 2)
   lower = lambda sq, s: jnp.sqrt(jnp.maximum(sq - gram_error * s ** 2, 0.0))
-  return upper, lower(xx, s_i), lower(yy, s_j)
+  return upper, lower(xx, s_i), lower(yy, s_j), lower(squared, s_i + s_j)
 
 
 def bound(subspace_norms, anchor, positive, s_rows, s_columns, eta, vector_error: float,
           gram_error: float, triangle) -> jax.Array:
   """min(projected bound, triangle) for rows i and columns j, shape (rows, columns).
 
-  subspace_norms = (‖X + Y‖, ‖X‖, ‖Y‖) of the computed X = Q̃ᵀJ_iᵀv̂_j and Y = Q̃ᵀJ'_jᵀû_i
-  (`vector_norms` or `gram_norms`: an upper bound of the first, lower bounds of the others),
+  subspace_norms = (‖X + Y‖, ‖X‖, ‖Y‖, ‖X + Y‖) of the computed X = Q̃ᵀJ_iᵀv̂_j and
+  Y = Q̃ᵀJ'_jᵀû_i (`vector_norms` or `gram_norms`: an upper bound of the first, lower bounds
+  of the others),
   each vector within vector_error·s of the truth; anchor = v̂_jᵀK_i v̂_j and
   positive = û_iᵀK'_j û_i (r, c); s = ‖J‖_F per example. With e_v = vector_error and
   ε_G = gram_error:
@@ -170,7 +174,7 @@ def bound(subspace_norms, anchor, positive, s_rows, s_columns, eta, vector_error
 
   X_low = max(‖X‖ − e_v s_i, 0), Y_low likewise.
   """
-  sum_norm, x_norm, y_norm = subspace_norms
+  sum_norm, x_norm, y_norm = subspace_norms[:3]
   s_i, s_j = s_rows[:, None], s_columns[None, :]
   in_subspace = sum_norm + vector_error * (s_i + s_j)
   x_low = jnp.maximum(x_norm - vector_error * s_i, 0.0)
@@ -181,3 +185,27 @@ def bound(subspace_norms, anchor, positive, s_rows, s_columns, eta, vector_error
   rest_v = jnp.sqrt(jnp.maximum(positive - y_low ** 2 / (1.0 + eta), 0.0) + gram_error * s_j ** 2)
   projected = jnp.sqrt(in_subspace ** 2 / (1.0 - eta) + (rest_u + rest_v) ** 2)
   return jnp.where(trusted, jnp.minimum(projected, triangle), triangle)
+
+
+def lower_end(subspace_norms, anchor, positive, s_rows, s_columns, eta, vector_error: float,
+              gram_error: float, bound_values) -> jax.Array:
+  """The lower end of `bound`'s float error interval, each allowance taken the other way:
+
+      L² = max(‖X + Y‖_low − e_v(s_i + s'_j), 0)²/(1 + η) + (ρ_i + ρ'_j)²,
+      ρ_i = √max(a − ε_G s_i² − X_high²/(1 − η), 0),  X_high = √(‖X‖² + 2ε_G s_i²) + e_v s_i,
+
+  ρ'_j likewise with b, ‖Y‖, s'_j (‖X + Y‖_low: the last of `subspace_norms`). L is at most
+  the bound in exact arithmetic, and at most ‖g_ij‖ where the subspace holds the pair gradient
+  (then ρ = 0). Where the basis is not trusted (`bound` gives the triangle bound):
+  bound_values, so that no pair is flagged by it."""
+  sum_low, x_norm, y_norm = subspace_norms[3], subspace_norms[1], subspace_norms[2]
+  s_i, s_j = s_rows[:, None], s_columns[None, :]
+  trusted = eta < MAX_ORTHONORMALITY_ERROR
+  eta = jnp.where(trusted, eta, 0.0)
+  in_subspace = jnp.maximum(sum_low - vector_error * (s_i + s_j), 0.0)
+  high = lambda norm, s: jnp.sqrt(norm ** 2 + 2.0 * gram_error * s ** 2) + vector_error * s
+  rest = lambda quad, norm, s: jnp.sqrt(
+      jnp.maximum(quad - gram_error * s ** 2 - high(norm, s) ** 2 / (1.0 - eta), 0.0))
+  low = jnp.sqrt(in_subspace ** 2 / (1.0 + eta)
+                 + (rest(anchor, x_norm, s_i) + rest(positive, y_norm, s_j)) ** 2)
+  return jnp.where(trusted, low, bound_values)

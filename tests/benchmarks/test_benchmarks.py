@@ -165,8 +165,9 @@ def test_profile_ghost_runs_every_piece_and_adds_up_the_floor():
   result = profile_ghost.profile(4, repeats=1, image_size=8)
   assert result["unavailable"] == {}
   pieces = result["pieces"]
-  for name in ("forward", "factors", "flat cross", "pair norms", "backward ḡ", "ghost grad",
-               "non-private step", "GEMM floor", "backward passes"):
+  for name in ("forward", "factors", "flat cross", "positives from factors", "positives in float64",
+               "pair norms", "backward ḡ", "ghost grad", "non-private step", "GEMM floor",
+               "backward passes"):
     assert pieces[name]["median_s"] > 0, name
   at_gemm_speed = 2 * result["pair_multiply_adds"] / (result["gemm_gflops_per_s"] * 1e9)
   assert pieces["pair terms at GEMM speed"]["median_s"] == pytest.approx(at_gemm_speed)

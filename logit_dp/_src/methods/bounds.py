@@ -88,6 +88,7 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
   anchor, positive = pair_terms.quadratic_terms(k_local, k_prime, batch.u_loc, batch.v)
   gram_error = allowance * numerics.gram_error(batch.norm_dtype)
   norms = pair_terms.triangle_bound(anchor, positive, s_local, s_all, gram_error)
+  lower = None  # "projected": the lower ends of its bounds' float intervals
   if tangents is not None:
     proj_local, proj_prime = terms[2], batch.c.gather(terms[3])
     n, d, k = proj_prime.shape
@@ -103,12 +104,21 @@ def bound_norms(batch: pair_batch.PairBatch, allowance: float = 1.0,
       row_floats = 3 * n * k
 
     def rows_bound(proj_rows, u_rows, anchor_rows, positive_rows, s_rows, triangle_rows):
-      return projection.bound(subspace_norms(proj_rows, u_rows, s_rows), anchor_rows, positive_rows,
-                              s_rows, s_all, eta, vector_error, gram_error, triangle_rows)
+      subspace = subspace_norms(proj_rows, u_rows, s_rows)
+      values = projection.bound(subspace, anchor_rows, positive_rows, s_rows, s_all, eta,
+                                vector_error, gram_error, triangle_rows)
+      return values, projection.lower_end(subspace, anchor_rows, positive_rows, s_rows, s_all, eta,
+                                          vector_error, gram_error, values)
 
-    norms = chunking.row_chunks(rows_bound,
-                                (proj_local, batch.u_loc, anchor, positive, s_local, norms),
-                                row_floats, chunking.CROSS_GRAM_CHUNK_FLOATS)
+    norms, lower = chunking.row_chunks(rows_bound,
+                                       (proj_local, batch.u_loc, anchor, positive, s_local, norms),
+                                       row_floats, chunking.CROSS_GRAM_CHUNK_FLOATS)
   diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
-  diagonal = pair_terms.with_allowance(diagonal, diagonal_error, s_local + s_prime_local, allowance)
-  return norms.at[jnp.arange(n_local), batch.rows].set(diagonal)
+  diagonal = pair_terms.diagonal_values(batch, diagonal, diagonal_error, s_local + s_prime_local,
+                                        allowance, batch.positive_pairs)
+  on_diagonal = (jnp.arange(n_local), batch.rows)
+  norms = norms.at[on_diagonal].set(diagonal)
+  if lower is not None:  # the pairs whose allowances may loosen the bound by > FLAG_RATIO
+    norms = pair_terms.refine_pairs(batch, norms, lower.at[on_diagonal].set(diagonal), batch.x,
+                                    batch.c.gather(batch.x_prime), s_local, s_all, allowance)
+  return norms

@@ -97,7 +97,8 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   the ring of devices (`collective.Collective.ring_shift`, k steps: it comes home last), so
   that every device pairs its rows with every column. Per block: the norms
   (`block_norms`, the diagonal pairs from their vectors,
-  `pair_terms.diagonal_norms`, when the block holds them), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
+  `pair_terms.diagonal_norms`, when the block holds them; the pairs their float allowance
+  flags formed again in float64, `pair_terms.refine_pairs`), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
   cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
   column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
   and from f_v when it comes home (per row block: ḡ is linear in the cotangents). One block on
@@ -130,50 +131,58 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   x, u = pad(batch.x, n_rows), pad(batch.u_loc, n_rows)
   x_prime, v_local = pad(batch.x_prime, n_columns), pad(batch.v_loc, n_columns)
   gram_error = allowance * numerics.gram_error(batch.norm_dtype)
-  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
-  diagonal = pad(diagonal, n_columns)
+  vector_error = numerics.vector_error(batch.norm_dtype)
   tau = tau_local.reshape(n_local, k, n_local)  # columns: (device, local example)
   tau = jnp.pad(tau, ((0, n_rows - n_local), (0, 0), (0, n_columns - n_local)))
   me = col.index()
   zero_grads = col.varying(jax.tree_util.tree_map(jnp.zeros_like, batch.params))
 
-  def diagonal_values(f_u, f_v, start, offset):
-    """The diagonal norms of columns start..start+c-1 with their allowance."""
-    s_rows = jax.lax.dynamic_slice_in_dim(pair_terms.jacobian_norms(f_u.gram), offset, c)
-    return pair_terms.with_allowance(jax.lax.dynamic_slice_in_dim(diagonal, start,
-                                                                  c), diagonal_error,
-                                     s_rows + pair_terms.jacobian_norms(f_v.gram), allowance)
+  def diagonal_values(f_u, u_rows, f_v, v_columns, x_columns, start, offset, at_home):
+    """The clip norms of the diagonal pairs of columns start..start+c-1 (`positive_values`)."""
+    f_diagonal, u_diagonal = jax.tree_util.tree_map(
+        lambda a: jax.lax.dynamic_slice_in_dim(a, offset, c), (f_u, u_rows))
+    pairs = batch.pairs(rows_of(x, start, c), x_columns)
+    return positive_values(batch, f_diagonal, u_diagonal, f_v, v_columns, pairs, allowance,
+                           vector_error, at_home)
 
   def row_block(a, carry):
     norms, grads = carry
-    f_u = batch.factors(rows_of(x, a * r, r), chunk=chunk)
+    x_rows = rows_of(x, a * r, r)
+    f_u = batch.factors(x_rows, chunk=chunk)
     u_rows = jax.lax.dynamic_slice_in_dim(u, a * r, r)
     tau_rows = jax.lax.dynamic_slice_in_dim(tau, a * r, r)
 
     def column_block(b, carry):
       norms_rows, cot_u, grads = carry
       start = b * c
-      f_v = batch.factors(rows_of(x_prime, start, c), chunk=chunk)
+      x_columns = rows_of(x_prime, start, c)
+      f_v = batch.factors(x_columns, chunk=chunk)
       v_columns = jax.lax.dynamic_slice_in_dim(v_local, start, c)
       home = b // per_row_block == a  # its examples are rows start - a·r ... of this row block
 
       def ring_step(s, carry):
-        norms_rows, cot_u, (f_v, v_columns, cot_v) = carry
+        norms_rows, cot_u, (f_v, v_columns, x_columns, cot_v) = carry
         owner = (me - s) % k  # the device whose columns are passing
-        block = block_norms(f_u, u_rows, f_v, v_columns, gram_error)
-        block = pair_terms.with_diagonal(batch, block,
-                                         diagonal_values(f_u, f_v, start, start - a * r),
-                                         start - a * r, home & (s == 0))
+        block, computed = block_norms(f_u, u_rows, f_v, v_columns, gram_error)
+        at_home = home & (s == 0)
+        values = diagonal_values(f_u, u_rows, f_v, v_columns, x_columns, start, start - a * r,
+                                 at_home)
+        block, computed = (pair_terms.with_diagonal(batch, b, values, start - a * r, at_home)
+                           for b in (block, computed))
+        real = ((a * r + jnp.arange(r) < n_local)[:, None] &
+                (start + jnp.arange(c) < n_local)[None, :])
+        block = pair_terms.refine_gram_pairs(batch, block, computed, f_u, u_rows, f_v, v_columns,
+                                             x_rows, x_columns, allowance, vector_error, real)
         norms_rows = jax.lax.dynamic_update_slice(norms_rows, block[:, None, :], (0, owner, start))
         if with_grads:
           tau_block = jax.lax.dynamic_slice(tau_rows, (0, owner, start), (r, 1, c))[:, 0, :]
           lam = tau_block * numerics.clip_factor(block, clip_norm)
           cot_u = cot_u + jnp.matmul(lam, v_columns, precision=numerics.HIGHEST)
           cot_v = cot_v + jnp.matmul(lam.T, u_rows, precision=numerics.HIGHEST)
-        return norms_rows, cot_u, col.ring_shift((f_v, v_columns, cot_v))
+        return norms_rows, cot_u, col.ring_shift((f_v, v_columns, x_columns, cot_v))
 
-      travelling = col.varying((f_v, v_columns, jnp.zeros((c, d), u.dtype)))
-      norms_rows, cot_u, (f_v, _, cot_v) = _loop(k, ring_step, (norms_rows, cot_u, travelling))
+      travelling = col.varying((f_v, v_columns, x_columns, jnp.zeros((c, d), u.dtype)))
+      norms_rows, cot_u, (f_v, _, _, cot_v) = _loop(k, ring_step, (norms_rows, cot_u, travelling))
       if with_grads:  # home again, with Σ_i λ_ij û_i over every device's rows of this row block
         grads = jax.tree_util.tree_map(jnp.add, grads, batch.factor_backward(f_v, cot_v))
       return norms_rows, cot_u, grads
@@ -204,11 +213,14 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
     factors = batch.stacked_factors((batch.x, batch.x_prime), chunk)
   f_u, f_v = (jax.tree_util.tree_map(lambda a, view=view: a[view], factors) for view in (0, 1))
   u, v = batch.u_loc, batch.v_loc
-  norms = block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
-  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
-  scale = pair_terms.jacobian_norms(f_u.gram) + pair_terms.jacobian_norms(f_v.gram)
-  diagonal = pair_terms.with_allowance(diagonal, diagonal_error, scale, allowance)
-  norms = pair_terms.with_diagonal(batch, norms, diagonal, 0, True)
+  norms, computed = block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
+  diagonal = positive_values(batch, f_u, u, f_v, v, batch.positive_pairs, allowance,
+                             numerics.vector_error(batch.norm_dtype))
+  norms, computed = (
+      pair_terms.with_diagonal(batch, b, diagonal, 0, True) for b in (norms, computed))
+  norms = pair_terms.refine_gram_pairs(batch, norms, computed, f_u, u, f_v, v, batch.x,
+                                       batch.x_prime, allowance,
+                                       numerics.vector_error(batch.norm_dtype))
   if not with_grads:
     return norms, None
   lam = tau * numerics.clip_factor(norms, clip_norm)
@@ -219,15 +231,30 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
   return norms, batch.c.psum(batch.factor_backward(factors, cot, stacked=True))
 
 
+def positive_values(batch: pair_batch.PairBatch, f_u: layerwise.Factors, u, f_v: layerwise.Factors,
+                    v, pairs, allowance: float, vector_error: float, active=True) -> jax.Array:
+  """The clip norms of the positive pairs (x_i, x'_i) of matching examples of f_u and f_v:
+  formed as vectors from the factors (`pair_terms.factor_positive_norms`) with the vector
+  allowance, and those the allowance could put above `pair_terms.FLAG_RATIO` × their truth
+  (near-identical views: their halves cancel) formed again in float64 from `pairs`
+  (`pair_terms.diagonal_values`)."""
+  scale = pair_terms.jacobian_norms(f_u.gram) + pair_terms.jacobian_norms(f_v.gram)
+  return pair_terms.diagonal_values(batch, pair_terms.factor_positive_norms(f_u, u, f_v, v),
+                                    vector_error, scale, allowance, pairs, active, refine=True)
+
+
 def block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns,
-                gram_error: float) -> jax.Array:
-  """min(√(a + b + 2c + ε_G S_ij²), triangle bound) for the rows of f_u and columns of f_v."""
+                gram_error: float) -> tuple[jax.Array, jax.Array]:
+  """(min(√(a + b + 2c + ε_G S_ij²), triangle bound), √max(a + b + 2c, 0)) for the rows of f_u
+  and columns of f_v: each pair's clip norm and its computed value without the allowance."""
   anchor, positive, cross = ghost_terms(f_u, u_rows, f_v, v_columns)
   s_rows, s_columns = pair_terms.jacobian_norms(f_u.gram), pair_terms.jacobian_norms(f_v.gram)
   scale = s_rows[:, None] + s_columns[None, :]
-  gram_norms = jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0) + gram_error * scale ** 2)
-  return jnp.minimum(gram_norms,
-                     pair_terms.triangle_bound(anchor, positive, s_rows, s_columns, gram_error))
+  squared, error = anchor + positive + 2.0 * cross, gram_error * scale ** 2
+  gram_norms = jnp.sqrt(jnp.maximum(squared, 0.0) + error)
+  return (jnp.minimum(gram_norms,
+                      pair_terms.triangle_bound(anchor, positive, s_rows, s_columns,
+                                                gram_error)), jnp.sqrt(jnp.maximum(squared, 0.0)))
 
 
 def ghost_terms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors,

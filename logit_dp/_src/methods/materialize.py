@@ -67,8 +67,9 @@ def materialize(batch: pair_batch.PairBatch, tau_local_rows, clip_norm, pair_blo
   slack = allowance * numerics.vector_error(batch.norm_dtype) * (s_local[:, None] + s_all[None, :])
   n_local, n = tau_local_rows.shape
   diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
-  diagonal = pair_terms.with_allowance(diagonal, diagonal_error, s_local + s_all[batch.rows],
-                                       allowance)
+  diagonal = pair_terms.diagonal_values(batch, diagonal, diagonal_error,
+                                        s_local + s_all[batch.rows], allowance,
+                                        batch.positive_pairs)
   on_diagonal = jnp.zeros((n_local, n), bool).at[jnp.arange(n_local), batch.rows].set(True)
   exact = jnp.zeros((n_local, n), diagonal.dtype).at[jnp.arange(n_local), batch.rows].set(diagonal)
   block = pair_block_size or chunking.vectors_per_block(batch.params, n_local * n)

@@ -68,13 +68,22 @@ def pair_norms(batch, cross_terms: Callable | None,
                                                 batch.v)
   scale_sq = (s_local[:, None] + s_all[None, :]) ** 2
   bound = pair_terms.triangle_bound(anchor, positive, s_local, s_all, eps_gram)
+  squared = None
   if not plans.shared:  # no cross term: exact
-    norms = jnp.sqrt(jnp.maximum(anchor, 0.0) + jnp.maximum(positive, 0.0) + eps_gram * scale_sq)
+    squared = jnp.maximum(anchor, 0.0) + jnp.maximum(positive, 0.0)
+    norms = jnp.sqrt(squared + eps_gram * scale_sq)
   elif cross is not None:
-    norms = jnp.minimum(
-        jnp.sqrt(jnp.maximum(anchor + positive + 2.0 * cross, 0.0) + eps_gram * scale_sq), bound)
+    squared = anchor + positive + 2.0 * cross
+    norms = jnp.minimum(jnp.sqrt(jnp.maximum(squared, 0.0) + eps_gram * scale_sq), bound)
   else:
     norms = bound
   diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
-  diagonal = pair_terms.with_allowance(diagonal, diagonal_error, s_local + s_prime_local, allowance)
-  return norms.at[jnp.arange(n_local), batch.rows].set(diagonal), factors
+  diagonal = pair_terms.diagonal_values(batch, diagonal, diagonal_error, s_local + s_prime_local,
+                                        allowance, batch.positive_pairs)
+  on_diagonal = (jnp.arange(n_local), batch.rows)
+  norms = norms.at[on_diagonal].set(diagonal)
+  if squared is not None:  # exact forms: the pairs their allowance flags formed again
+    computed = jnp.sqrt(jnp.maximum(squared, 0.0)).at[on_diagonal].set(diagonal)
+    norms = pair_terms.refine_pairs(batch, norms, computed, batch.x, c.gather(batch.x_prime),
+                                    s_local, s_all, allowance, ratio=pair_terms.GRAM_FLAG_RATIO)
+  return norms, factors

@@ -1,0 +1,100 @@
+r"""What forming flagged pairs again costs "ghost": full training steps in one process.
+
+    python -m benchmarks.flagged_pairs_cost --sizes 256,1000 --repeats 5 \
+        --out docs/benchmarks/flagged_pairs_cost_cpu.json
+
+Per batch size n (the embedding net, `step_benchmark.build_problem`: views x' = x + 0.1·noise),
+the jitted training steps, timed interleaved (median of --repeats): the non-private step;
+"ghost" as shipped; "ghost" with every positive pair by its own float64 backward pass and no
+flagged pair formed again (the design before flagging); "ghost" with its positives from its
+factors and no flagged pair formed again. Ratios to the non-private step of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+from benchmarks import step_benchmark as sb
+from logit_dp._src import pair_terms
+from logit_dp._src.methods import ghost
+
+
+def _float64_positives(batch, f_u, u, f_v, v, pairs, allowance, vector_error, active=True):
+  """Every positive by its own float64 backward pass (`pair_terms.vector_norms`)."""
+  del u, v, vector_error, active
+  norms, error = pair_terms.vector_norms(batch, pairs, in_float64=True)
+  scale = pair_terms.jacobian_norms(f_u.gram) + pair_terms.jacobian_norms(f_v.gram)
+  return pair_terms.with_allowance(norms, error, scale, allowance)
+
+
+_NO_RECOMPUTATION = (pair_terms, "refine_flagged", lambda norms, *args, **kwargs: norms)
+VARIANTS = {
+    "non-private": (sb.BASELINE, ()),
+    "ghost": ("ghost", ()),
+    "ghost, float64 positives, no recomputation":
+        ("ghost", (_NO_RECOMPUTATION, (ghost, "positive_values", _float64_positives))),
+    "ghost, factor positives, no recomputation": ("ghost", (_NO_RECOMPUTATION,)),
+}
+
+
+def run(n: int, repeats: int) -> dict:
+  embed_fn, params, x, x_prime, _ = sb.build_problem("embedding", n, 32)
+  args = argparse.Namespace(temperature=1.0, clip_norm=1.0, noise_multiplier=1.0,
+                            learning_rate=1e-3)
+
+  def compiled(spec, patches):
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+      setattr(module, name, value)
+    try:
+      fresh = lambda p, xs: embed_fn(p, xs)  # nothing compiled is shared between variants
+      step, tx = sb.make_step(spec, fresh, n, args)
+      state = tx.init(params)
+      return jax.jit(step).lower(params, state, x, x_prime).compile(), (params, state, x, x_prime)
+    finally:
+      for module, name, value in saved:
+        setattr(module, name, value)
+
+  steps = {name: compiled(*variant) for name, variant in VARIANTS.items()}
+  for step, step_args in steps.values():
+    jax.block_until_ready(step(*step_args))
+  times = {name: [] for name in steps}
+  for _ in range(repeats):
+    for name, (step, step_args) in steps.items():
+      jax.block_until_ready(step(*step_args))  # each timed run after an untimed one
+      start = time.perf_counter()
+      jax.block_until_ready(step(*step_args))
+      times[name].append(time.perf_counter() - start)
+  base = float(np.median(times["non-private"]))
+  return {
+      "n": n, "load_average": open("/proc/loadavg").read().split()[:3], "variants": {
+          name: {"median_s": float(np.median(t)), "ratio": float(np.median(t)) / base}
+          for name, t in times.items()
+      }
+  }
+
+
+def main(argv=None) -> list:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default="256,1000")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  results = []
+  for n in (int(s) for s in args.sizes.split(",")):
+    results.append(run(n, args.repeats))
+    print(json.dumps(results[-1]))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"machine": sb.machine_info(), "code": sb.code_version(), "results": results}, f,
+                indent=1)
+  return results
+
+
+if __name__ == "__main__":
+  main()
