@@ -390,11 +390,17 @@ def test_factor_contraction_is_the_backward_pass(model, shape, mode, monkeypatch
   if isinstance(model, str):
     params = dict(params, unused=jnp.ones((3,)))  # a leaf the embedding never reads: ḡ = 0
   monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d, g=MODES[mode]: g)
-  batch = _batch(embed_fn, params, x)
   cotangents = jax.random.normal(jax.random.PRNGKey(7), (x.shape[0], 4)).at[2].set(0.0)
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  grads = layerwise.factors_transpose(batch.plan, batch.factors(x), cotangents, leaves)
-  expected = jax.tree_util.tree_leaves(_backward_pass(batch, params, x, cotangents))
+
+  @jax.jit  # one compilation instead of an eager dispatch of every operation
+  def contract_and_reference(params, x, cotangents):
+    batch = _batch(embed_fn, params, x)
+    grads = layerwise.factors_transpose(batch.plan, batch.factors(x), cotangents,
+                                        jax.tree_util.tree_leaves(params))
+    return grads, jax.tree_util.tree_leaves(_backward_pass(batch, params, x, cotangents))
+
+  grads, expected = contract_and_reference(params, x, cotangents)
   assert len(grads) == len(expected)
   for got, want in zip(grads, expected):
     assert got.shape == want.shape
@@ -410,18 +416,26 @@ def test_factors_times_tangents_is_the_forward_derivative(model, shape, mode, mo
   direction t_l (JAX's own forward mode through embed_fn), for every example and tangent."""
   embed_fn, params, x, _ = _problem(model, shape)
   monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d, g=MODES[mode]: g)
-  batch = _batch(embed_fn, params, x)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   num_tangents = 3
   keys = jax.random.split(jax.random.PRNGKey(11), len(leaves))
   tangent_leaves = [
       jax.random.normal(key, (num_tangents,) + leaf.shape) for key, leaf in zip(keys, leaves)
   ]
-  got = layerwise.factors_times(batch.plan, batch.factors(x), tangent_leaves)
-  embed = _normalised_embedding(batch, x)
-  for index in range(num_tangents):
-    tangent = jax.tree_util.tree_unflatten(treedef, [t[index] for t in tangent_leaves])
-    want = jax.jvp(embed, (params,), (tangent,))[1]  # (m, d)
+
+  @jax.jit  # one compilation instead of an eager dispatch of every operation
+  def contract_and_reference(params, x, tangent_leaves):
+    batch = _batch(embed_fn, params, x)
+    embed = _normalised_embedding(batch, x)
+    wants = [
+        jax.jvp(embed, (params,),
+                (jax.tree_util.tree_unflatten(treedef, [t[index] for t in tangent_leaves]),))[1]
+        for index in range(num_tangents)
+    ]  # each (m, d)
+    return layerwise.factors_times(batch.plan, batch.factors(x), tangent_leaves), wants
+
+  got, wants = contract_and_reference(params, x, tangent_leaves)
+  for index, want in enumerate(wants):
     np.testing.assert_allclose(got[:, :, index], want, rtol=1e-4,
                                atol=1e-5 * float(np.max(np.abs(want))))
 
@@ -434,13 +448,19 @@ def test_nonfinite_factors_with_zero_cotangent_contribute_exactly_zero(mode, mon
   monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d, g=MODES[mode]: g)
   embed_fn, params, x, x_prime = _problem(SqrtNet(), (5,))
   x = x.at[1].set(0.0)
-  batch = _batch(embed_fn, params, x)
-  factors = batch.factors(x)
-  assert not all(np.all(np.isfinite(f)) for f in jax.tree_util.tree_leaves(factors))
   cotangents = jax.random.normal(jax.random.PRNGKey(8), (x.shape[0], 4)).at[1].set(0.0)
-  grads = jax.tree_util.tree_leaves(batch.factor_backward(factors, cotangents))
   keep = np.arange(x.shape[0]) != 1
-  expected = jax.tree_util.tree_leaves(_backward_pass(batch, params, x[keep], cotangents[keep]))
+
+  @jax.jit  # one compilation instead of an eager dispatch of every operation
+  def contract_and_reference(params, x, cotangents):
+    batch = _batch(embed_fn, params, x)
+    factors = batch.factors(x)
+    grads = jax.tree_util.tree_leaves(batch.factor_backward(factors, cotangents))
+    return factors, grads, jax.tree_util.tree_leaves(
+        _backward_pass(batch, params, x[keep], cotangents[keep]))
+
+  factors, grads, expected = contract_and_reference(params, x, cotangents)
+  assert not all(np.all(np.isfinite(f)) for f in jax.tree_util.tree_leaves(factors))
   assert len(grads) == len(expected)
   for got, want in zip(grads, expected):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
