@@ -273,10 +273,13 @@ def check_positive_embed_fn(positive_embed_fn) -> None:
     raise ValueError(f"positive_embed_fn must be callable or None, got {positive_embed_fn!r}.")
 
 
+def check_positive_int_or_none(name: str, value, unit: str = "") -> int | None:
+  """value if a positive integer or None; ValueError naming ``name`` (and ``unit``) otherwise."""
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    raise ValueError(f"{name} must be a positive integer{unit} or None, got {value!r}.")
+  return value
+
+
 def check_microbatch(microbatch_size) -> int | None:
   """microbatch_size if a positive integer or None; ValueError otherwise."""
-  if microbatch_size is not None and (isinstance(microbatch_size, bool) or
-                                      not isinstance(microbatch_size, int) or microbatch_size < 1):
-    raise ValueError(
-        f"microbatch_size must be a positive integer or None, got {microbatch_size!r}.")
-  return microbatch_size
+  return check_positive_int_or_none("microbatch_size", microbatch_size)

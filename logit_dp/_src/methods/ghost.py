@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from logit_dp._src import checks
 from logit_dp._src import chunking
 from logit_dp._src import layerwise
 from logit_dp._src import numerics
@@ -39,11 +40,7 @@ class Ghost(base.ClipMethod):
   memory_budget: int | None = None
 
   def __post_init__(self):
-    if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
-                                           or not isinstance(self.memory_budget, int)
-                                           or self.memory_budget < 1):
-      raise ValueError("memory_budget must be a positive integer (bytes) or None, got "
-                       f"{self.memory_budget!r}.")
+    checks.check_positive_int_or_none("memory_budget", self.memory_budget, " (bytes)")
 
   def pair_norms_with_factors(self, batch, allowance) -> base.NormsAndFactors:
     """See `base.ClipMethod.pair_norms_with_factors`."""

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from logit_dp._src import checks
 from logit_dp._src import chunking
 from logit_dp._src import numerics
 from logit_dp._src import pair_batch
@@ -32,11 +33,7 @@ class Materialize(base.ClipMethod):
   pair_block_size: int | None = None
 
   def __post_init__(self):
-    if self.pair_block_size is not None and (isinstance(self.pair_block_size, bool)
-                                             or not isinstance(self.pair_block_size, int)
-                                             or self.pair_block_size < 1):
-      raise ValueError("pair_block_size must be a positive integer or None, got "
-                       f"{self.pair_block_size!r}.")
+    checks.check_positive_int_or_none("pair_block_size", self.pair_block_size)
 
   def pair_norms_with_factors(self, batch, allowance) -> base.NormsAndFactors:
     """See `base.ClipMethod.pair_norms_with_factors`."""
