@@ -189,7 +189,7 @@ def main(argv=None) -> dict | None:
   if args.child:
     print(json.dumps(child_main(args.child, args)))
     return None
-  from benchmarks.step_benchmark import code_version  # pylint: disable=g-import-not-at-top
+  from benchmarks import step_benchmark  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   results = []
   own = list(argv if argv is not None else sys.argv[1:])
@@ -198,13 +198,10 @@ def main(argv=None) -> dict | None:
     done = subprocess.run(cmd, cwd=root, check=True, capture_output=True, text=True)
     results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(markdown(dict(results=results[-1:])).splitlines()[-1], file=sys.stderr, flush=True)
-  report = dict(schema=SCHEMA, argv=own, code=code_version(), results=results,
+  report = dict(schema=SCHEMA, argv=own, code=step_benchmark.code_version(), results=results,
                 load_average_end=list(os.getloadavg()))
   print(markdown(report))
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-      json.dump(report, f, indent=1)
+  step_benchmark.write(report, args.out)
   return report
 
 

@@ -89,10 +89,7 @@ def main(argv=None) -> list:
   for n in (int(s) for s in args.sizes.split(",")):
     results.append(run(n, args.repeats))
     print(json.dumps(results[-1]))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"machine": sb.machine_info(), "code": sb.code_version(), "results": results}, f,
-                indent=1)
+  sb.write({"machine": sb.machine_info(), "code": sb.code_version(), "results": results}, args.out)
   return results
 
 
