@@ -299,7 +299,8 @@ def test_budgeted_sampler_refuses_past_the_budget_and_records_nothing():
     budgeted(-1)
 
 
-def test_check_budgets_accounts_once_per_new_maximum(monkeypatch):
+def _count_accountant_runs(monkeypatch) -> list[int]:
+  """The step counts of every ε the ledger computes from now on (a list that fills up)."""
   from logit_dp._src import ledger as ledger_src
   calls = []
   epsilon = ledger_src.accounting.epsilon
@@ -309,6 +310,11 @@ def test_check_budgets_accounts_once_per_new_maximum(monkeypatch):
     return epsilon(*args, **kwargs)
 
   monkeypatch.setattr(ledger_src.accounting, "epsilon", counting)
+  return calls
+
+
+def test_check_budgets_accounts_once_per_new_maximum(monkeypatch):
+  calls = _count_accountant_runs(monkeypatch)
   ledger = PrivacyLedger(noise_multiplier=1.2345, sampling_rate=0.01, target_delta=1e-5,
                          accountant="rdp")
   budget = accounting.epsilon(1.2345, 1e-5, 0.01, 50, "rdp")
@@ -331,14 +337,7 @@ def test_a_calibrated_ledger_checks_its_planned_steps_without_accounting_again(m
   checks of steps 1, …, T run no accountant; a step past T is accounted for and refused."""
   from logit_dp._src import ledger as ledger_src
   monkeypatch.setattr(ledger_src, "_WITHIN_BUDGET", {})  # as in a fresh process
-  calls = []
-  epsilon = ledger_src.accounting.epsilon
-
-  def counting(*args, **kwargs):
-    calls.append(args[3])  # the number of steps
-    return epsilon(*args, **kwargs)
-
-  monkeypatch.setattr(ledger_src.accounting, "epsilon", counting)
+  calls = _count_accountant_runs(monkeypatch)
   sampler = sampling.PoissonSampler(num_records=300, sampling_rate=0.05, seed=3)
   ledger = PrivacyLedger.calibrated(sampler, 2.0, 1e-5, 40)
   calls.clear()

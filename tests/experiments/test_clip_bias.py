@@ -72,12 +72,17 @@ def test_clip_bias_table_renders_the_report():
   assert "| ∞ (∇ℒ) |" in text
 
 
+def _problem(seed: int, n: int):
+  """The params of `_embed` (5 → 7 → 3) and n random pairs of 5-dim inputs."""
+  k = jax.random.split(jax.random.PRNGKey(seed), 4)
+  params = dict(w1=jax.random.normal(k[0], (5, 7)), w2=jax.random.normal(k[1], (7, 3)))
+  return params, jax.random.normal(k[2], (n, 5)), jax.random.normal(k[3], (n, 5))
+
+
 @pytest.mark.slow
 def test_signal_to_noise_measures_against_the_library_and_jax_grad():
   from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
-  k = jax.random.split(jax.random.PRNGKey(1), 4)
-  params = dict(w1=jax.random.normal(k[0], (5, 7)), w2=jax.random.normal(k[1], (7, 3)))
-  x, x_prime = jax.random.normal(k[2], (16, 5)), jax.random.normal(k[3], (16, 5))
+  params, x, x_prime = _problem(seed=1, n=16)
   loss = logit_dp.losses.contrastive(temperature=1.0)
   p = 5 * 7 + 7 * 3
   # Nothing clipped: every Logit-DP ḡ and DP-GCL's sum are the unclipped gradients.
@@ -102,9 +107,7 @@ def test_signal_to_noise_measures_against_the_library_and_jax_grad():
 @pytest.mark.slow
 def test_signal_to_noise_measures_contrast_clipping():
   from experiments import signal_to_noise  # pylint: disable=g-import-not-at-top
-  k = jax.random.split(jax.random.PRNGKey(2), 4)
-  params = dict(w1=jax.random.normal(k[0], (5, 7)), w2=jax.random.normal(k[1], (7, 3)))
-  x, x_prime = jax.random.normal(k[2], (12, 5)), jax.random.normal(k[3], (12, 5))
+  params, x, x_prime = _problem(seed=2, n=12)
   loss = logit_dp.losses.contrastive(temperature=2.0)
   # Nothing clipped: exact Logit-DP and contrast clipping are ∇ℒ; their SNRs differ by the
   # constants alone.
