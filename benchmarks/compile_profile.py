@@ -10,7 +10,8 @@ optimised HLO, and the compile time of ghost with one part of the computation le
 time (the gradients of these variants are not valid; they measure what the part costs to
 compile):
 
-  no diagonal   the diagonal pairs' vector norms (pair_terms.with_diagonal)
+  no vectors    the positive pairs and the flagged pairs formed as vectors
+                (pair_terms.refine_flagged)
   no cross      the cross terms of the pair norms (ghost.ghost_terms keeps a and b only)
 
 The variants patch the library's internal modules (logit_dp/_src).
@@ -33,15 +34,15 @@ from benchmarks import frameworks
 from logit_dp._src import pair_terms
 from logit_dp._src.methods import ghost
 
-VARIANTS = ("ghost", "no diagonal", "no cross")
+VARIANTS = ("ghost", "no vectors", "no cross")
 
 
 @contextlib.contextmanager
 def _left_out(variant: str):
   """The library with one part of the ghost computation left out (nothing for "ghost")."""
-  saved = (pair_terms.with_diagonal, ghost.ghost_terms)
-  if variant == "no diagonal":
-    pair_terms.with_diagonal = lambda batch, norms, *args: norms
+  saved = (pair_terms.refine_flagged, ghost.ghost_terms)
+  if variant == "no vectors":
+    pair_terms.refine_flagged = lambda norms, *args, **kwargs: norms
   elif variant == "no cross":
 
     def without_cross(f_u, u_rows, f_v, v_columns):
@@ -52,7 +53,7 @@ def _left_out(variant: str):
   try:
     yield
   finally:
-    pair_terms.with_diagonal, ghost.ghost_terms = saved
+    pair_terms.refine_flagged, ghost.ghost_terms = saved
 
 
 def _stages(fn, args) -> dict:

@@ -29,7 +29,7 @@ from logit_dp._src import pair_terms
 
 # (module, name) of what the previous release did not have: the diagonal pairs from their
 # vectors and the float32 allowances.
-_SWITCHES = ((pair_terms, "with_diagonal"), (pair_terms, "diagonal_norms"),
+_SWITCHES = ((pair_terms, "diagonal_norms"),
              (pair_terms, "refine_flagged"), (pair_terms, "factor_positive_norms"),
              (numerics, "GRAM_FLOAT_ERROR"), (numerics, "VECTOR_FLOAT_ERROR"))
 
@@ -46,7 +46,6 @@ def _compiled(method: str, variant: str, microbatch_size: int, params, x, x_prim
   safe = variant != "without"
   saved = [getattr(module, name) for module, name in _SWITCHES]
   if not safe:
-    pair_terms.with_diagonal = lambda batch, norms, *args: norms
     numerics.GRAM_FLOAT_ERROR = numerics.VECTOR_FLOAT_ERROR = 0.0
     # the diagonal not computed (its values then differ: only the time is compared)
     pair_terms.diagonal_norms = lambda batch: (jnp.full(

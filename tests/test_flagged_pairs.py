@@ -94,6 +94,44 @@ def test_blocks_and_the_ring_recompute_the_same_pairs(duplicates_truth, monkeypa
   assert np.all(got <= TIGHT * truth), np.max(got / truth)
 
 
+def test_the_gradient_alone_is_that_of_the_tightened_norms(duplicates_truth):
+  """ḡ without statistics leaves the norms at or below B as they are (their clip factor is 1
+  whatever their exact value): it is the clipped sum of the float64 pair gradients clipped by
+  the tightened norms (`pair_grad_norms`), B the median norm."""
+  problem, truth = duplicates_truth
+  embed_fn, params, x, x_prime = problem
+  tight = _norms(*problem)
+  clip_norm = float(np.median(truth))
+  _, grads = logit_dp.clipped_grad(lambda p, xs: embed_fn(p, xs), LOSS, clip_norm,
+                                   "ghost")(params, x, x_prime)
+  with jax.enable_x64(True):
+    _, reference = float64_clipped_reference(embed_fn, LOSS, params, x, x_prime, clip_norm,
+                                             clip_by=tight)
+  assert rel_err(grads, reference) <= 5e-5
+
+
+def test_the_gradient_alone_forms_no_pair_at_or_below_b(duplicates_truth, monkeypatch):
+  """Counted as they run: with B above every norm ḡ forms no pair as a vector; at a tiny B it
+  forms the positives and the near-duplicates' pairs (the control)."""
+  problem, truth = duplicates_truth
+  embed_fn, params, x, x_prime = problem
+  formed = []
+  original = pair_terms.factor_positive_norms
+
+  def counted(*args):
+    values = original(*args)
+    jax.debug.callback(lambda v: formed.append(v.shape[0]), values)
+    return values
+
+  monkeypatch.setattr(pair_terms, "factor_positive_norms", counted)
+  for clip_norm, expect_formed in ((2.0 * np.max(truth) * TIGHT, False), (1e-5, True)):
+    formed.clear()
+    grad_fn = logit_dp.clipped_grad(lambda p, xs: embed_fn(p, xs), LOSS, clip_norm, "ghost")
+    jax.block_until_ready(grad_fn(params, x, x_prime))
+    jax.effects_barrier()
+    assert bool(formed) == expect_formed, (clip_norm, formed)
+
+
 @pytest.fixture(scope="module")
 def tiny_clip_norm_case():
   """Ordinary views (x' = x + 0.1·noise) of n = 32 pairs, d = 4, B = 1e-5: every pair clipped,

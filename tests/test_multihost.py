@@ -33,6 +33,7 @@ sys.path.insert(0, REPO)  # experiments.*
 import multihost_worker as worker  # noqa: E402
 
 NUM_PROCESSES = 2
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -44,7 +45,10 @@ def _free_port() -> int:
 
 def _env():
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # conftest's 8 simulated devices: the workers set 2 each
+  # conftest's 8 simulated devices dropped (the workers set 2 each), its other flags kept.
+  flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
   env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   return env

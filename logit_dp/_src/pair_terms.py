@@ -142,11 +142,13 @@ FLAGGED_PAIRS_PER_PASS = 32
 
 
 def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
-                   per_pass: int | None = None, active=True,
-                   ratio: float = FLAG_RATIO) -> jax.Array:
+                   per_pass: int | None = None, active=True, ratio: float = FLAG_RATIO,
+                   forced=None, above=0.0) -> jax.Array:
   """norms, each an upper bound of its pair's true norm, with every flagged one tightened:
   those above ratio × lower (by default FLAG_RATIO × the lower end of the same computation's
-  float error interval) and finite (a non-finite norm drops its pair, and stays so).
+  float error interval) or `forced` (a bool mask of norms's shape, or None), finite (a
+  non-finite norm drops its pair, and stays so) and above `above` (a clip norm B: a norm at
+  or below B gives its pair the clip factor 1 whatever its exact value, so it is final).
 
   recompute(operands, index) gives sound upper bounds of the pairs at the flat indices
   `index` (k,) of norms from `operands` (a pytree: everything it reads that is traced); it
@@ -159,7 +161,10 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
   differentiation (the operands enter the loop, whose length depends on the values, through
   `lax.stop_gradient`).
   """
-  flagged = jnp.isfinite(norms) & (norms > ratio * lower)
+  flagged = norms > ratio * lower
+  if forced is not None:
+    flagged = flagged | forced
+  flagged = flagged & jnp.isfinite(norms) & (norms > above)
   shape, size = norms.shape, norms.size
   k = min(per_pass or FLAGGED_PAIRS_PER_PASS, size)
   num_passes = -(-size // k)
@@ -179,12 +184,13 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
       values = jnp.where(real, recompute(constants, chunk), jnp.inf)
       return i + 1, tight.at[chunk].min(values)
 
-    start = (0, jnp.full((size,), jnp.inf, flat.dtype))
+    start = (0, jax.lax.stop_gradient(flat))
     if num_passes == 1:
       _, tight = one_pass(start)
     else:
       _, tight = jax.lax.while_loop(lambda carry: carry[0] * k < count, one_pass, start)
-    return jnp.where(flags, jnp.minimum(flat, tight), flat).reshape(shape)
+    # Each flagged norm becomes the smaller of its two bounds.
+    return jnp.where(flags & (tight < flat), tight, flat).reshape(shape)
 
   return jax.lax.cond(jnp.any(flagged) & active, tighten, lambda norms: norms, norms)
 
@@ -205,20 +211,27 @@ def pairs_per_pass(factors) -> int:
 
 def refine_gram_pairs(batch: pair_batch.PairBatch, norms, computed, f_rows, u_rows, f_columns,
                       v_columns, x_rows, x_prime_columns, allowance: float, vector_error: float,
-                      real=None) -> jax.Array:
+                      real=None, positives=None, above=0.0) -> jax.Array:
   """`refine_flagged` for a block of Gram-form norms (rows of f_rows × columns of f_columns,
   their Jacobian factors, r and c examples): the pairs above GRAM_FLAG_RATIO × their computed
-  value formed as vectors from their factors (`factor_positive_norms`, the vector allowance
-  e = vector_error), and of those, the ones still flagged (above FLAG_RATIO × the lower end
-  v − e·S_ij) formed again in float64 from their inputs (x_rows, x_prime_columns;
-  `vector_norms`). Near-duplicate records go all the way; ordinary pairs whose Gram allowance
-  bites stop at the vectors, a few multiply-adds per parameter. real (r, c), where given: the
-  pairs of real examples (padding is never flagged)."""
+  value, and the positive pairs (x_i, x'_i) whatever their value (their halves cancel, so
+  Gram forms lose them), formed as vectors from their factors (`factor_positive_norms`, the
+  vector allowance e = vector_error); of those, the ones still flagged (above FLAG_RATIO × the
+  lower end v − e·S_ij) formed again in float64 from their inputs (x_rows, x_prime_columns;
+  `vector_norms`). Near-identical views and near-duplicate records go all the way; ordinary
+  pairs whose Gram allowance bites stop at the vectors, a few multiply-adds per parameter.
+
+  real (r, c), where given: the pairs of real examples (padding is never flagged); positives
+  (r, c): where the block holds the positive pairs (None: nowhere); above: as in
+  `refine_flagged` (0: every flagged pair is tightened; B: only those whose clip factor it
+  can change).
+  """
   if not allowance:
     return norms
   c = norms.shape[1]
   if real is not None:
     computed = jnp.where(real, computed, norms)
+    positives = None if positives is None else positives & real
   take = lambda tree, index: jax.tree_util.tree_map(lambda a: a[index], tree)
 
   def recompute(operands, index):
@@ -237,12 +250,13 @@ def refine_gram_pairs(batch: pair_batch.PairBatch, norms, computed, f_rows, u_ro
 
     return refine_flagged(with_allowance(vectors, vector_error, scale,
                                          allowance), vectors - allowance * vector_error * scale,
-                          exact, (params, x_rows, x_prime_columns, scale), index.size)
+                          exact, (params, x_rows, x_prime_columns, scale),
+                          min(FLAGGED_PAIRS_PER_PASS, index.size), above=above)
 
   return refine_flagged(
       norms, computed, recompute,
       (batch.params, f_rows, u_rows, f_columns, v_columns, x_rows, x_prime_columns),
-      pairs_per_pass(f_rows), ratio=GRAM_FLAG_RATIO)
+      pairs_per_pass(f_rows), ratio=GRAM_FLAG_RATIO, forced=positives, above=above)
 
 
 def refine_pairs(batch: pair_batch.PairBatch, norms, lower, x_rows, x_prime_columns, s_rows,
@@ -276,18 +290,3 @@ def with_allowance(norms: jax.Array, error: float, scale: jax.Array, allowance: 
   raised = norms + allowance * error * scale
   fixed = jax.lax.stop_gradient(raised)
   return raised + (jnp.nextafter(fixed, jnp.inf) - fixed)  # one ulp up
-
-
-def with_diagonal(batch: pair_batch.PairBatch, norms, values, offset, at_home) -> jax.Array:
-  """A block's norms (r, c) with each diagonal pair (x_i, x'_i) replaced by its value in
-  `values` (c,), the float64 norms of `diagonal_norms` for the block's columns.
-
-  The block's columns are the examples offset..offset+c-1 of its rows when `at_home` (a bool
-  or a traced bool); otherwise it holds no diagonal pair and is returned as it is.
-  """
-  del batch
-  if at_home is False:
-    return norms
-  r, c = norms.shape
-  on_diagonal = jnp.arange(r)[:, None] == offset + jnp.arange(c)[None, :]
-  return jnp.where(on_diagonal & at_home, values[None, :], norms)

@@ -30,7 +30,12 @@ from logit_dp._src.methods import towers
 
 @dataclasses.dataclass(frozen=True)
 class Ghost(base.ClipMethod):
-  """Exact pair norms (min with the triangle bound, diagonal pairs from vectors).
+  """Exact pair norms (min with the triangle bound; the positive pairs and the pairs whose
+  float allowance bites formed as vectors, `pair_terms.refine_gram_pairs`).
+
+  For ḡ alone (`clipped_grad`) a norm at or below B is not tightened: its clip factor is 1
+  whatever its exact value, so ḡ is that of the tightened norms. `pair_norms` and
+  `norms_and_clipped_grad` (whose norms `ClipStats` reports) tighten them all.
 
   Attributes:
     memory_budget: bytes of Jacobian factors held at once, a positive integer (None:
@@ -61,6 +66,13 @@ class Ghost(base.ClipMethod):
       return super().norms_and_clipped_grad(batch, tau_local, clip_norm)
     return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget)
 
+  def clipped_grad(self, batch, tau_local, clip_norm) -> Any:
+    """See `base.ClipMethod.clipped_grad`; the norms at or below B are left as they are."""
+    if batch.two_tower:
+      return super().clipped_grad(batch, tau_local, clip_norm)
+    return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget,
+                        above=clip_norm)[1]
+
 
 jax.tree_util.register_dataclass(Ghost, data_fields=[], meta_fields=["memory_budget"])
 
@@ -85,7 +97,8 @@ def _block_sizes(batch: pair_batch.PairBatch, memory_budget: int | None) -> tupl
 
 
 def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: float,
-                 memory_budget: int | None, with_grads: bool = True) -> tuple[jax.Array, Any]:
+                 memory_budget: int | None, with_grads: bool = True,
+                 above=0.0) -> tuple[jax.Array, Any]:
   """Exact pair norms and ḡ of "ghost" in blocks of r rows × c columns
   (`chunking.ghost_block_sizes`).
 
@@ -93,9 +106,9 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   device's x_prime its factors f_v are computed (again for every row block) and passed around
   the ring of devices (`collective.Collective.ring_shift`, k steps: it comes home last), so
   that every device pairs its rows with every column. Per block: the norms
-  (`block_norms`, the diagonal pairs from their vectors,
-  `pair_terms.diagonal_norms`, when the block holds them; the pairs their float allowance
-  flags formed again in float64, `pair_terms.refine_pairs`), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
+  (`block_norms`; the positive pairs, when the block holds them, and the pairs the float
+  allowance flags formed as vectors, `pair_terms.refine_gram_pairs`, those at or below
+  `above` left as they are), λ_ij = τ_ij·min(1, B/‖g_ij‖), and the
   cotangents c_i += Σ_j λ_ij v̂_j (of the rows) and c'_j += Σ_i λ_ij û_i (travelling with the
   column block). ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j is contracted from f_u after its row block
   and from f_v when it comes home (per row block: ḡ is linear in the cotangents). One block on
@@ -112,7 +125,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   # One block: the user's microbatches; blocks: at most a column block at a time.
   chunk = batch.microbatch_size if single else min(batch.microbatch_size or c, c)
   if single and batch.views_stack:
-    return _one_block(batch, tau_local, clip_norm, allowance, chunk, with_grads)
+    return _one_block(batch, tau_local, clip_norm, allowance, chunk, with_grads, above)
 
   def pad(tree, size):  # inputs may be pytrees (e.g. with per-example keys)
     def pad_leaf(a):
@@ -134,14 +147,6 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
   me = col.index()
   zero_grads = col.varying(jax.tree_util.tree_map(jnp.zeros_like, batch.params))
 
-  def diagonal_values(f_u, u_rows, f_v, v_columns, x_columns, start, offset, at_home):
-    """The clip norms of the diagonal pairs of columns start..start+c-1 (`positive_values`)."""
-    f_diagonal, u_diagonal = jax.tree_util.tree_map(
-        lambda a: jax.lax.dynamic_slice_in_dim(a, offset, c), (f_u, u_rows))
-    pairs = batch.pairs(rows_of(x, start, c), x_columns)
-    return positive_values(batch, f_diagonal, u_diagonal, f_v, v_columns, pairs, allowance,
-                           vector_error, at_home)
-
   def row_block(a, carry):
     norms, grads = carry
     x_rows = rows_of(x, a * r, r)
@@ -162,14 +167,12 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
         owner = (me - s) % k  # the device whose columns are passing
         block, computed = block_norms(f_u, u_rows, f_v, v_columns, gram_error)
         at_home = home & (s == 0)
-        values = diagonal_values(f_u, u_rows, f_v, v_columns, x_columns, start, start - a * r,
-                                 at_home)
-        block, computed = (pair_terms.with_diagonal(batch, b, values, start - a * r, at_home)
-                           for b in (block, computed))
+        positives = at_home & (jnp.arange(r)[:, None] == start - a * r + jnp.arange(c)[None, :])
         real = ((a * r + jnp.arange(r) < n_local)[:, None] &
                 (start + jnp.arange(c) < n_local)[None, :])
         block = pair_terms.refine_gram_pairs(batch, block, computed, f_u, u_rows, f_v, v_columns,
-                                             x_rows, x_columns, allowance, vector_error, real)
+                                             x_rows, x_columns, allowance, vector_error,
+                                             real=real, positives=positives, above=above)
         norms_rows = jax.lax.dynamic_update_slice(norms_rows, block[:, None, :], (0, owner, start))
         if with_grads:
           tau_block = jax.lax.dynamic_slice(tau_rows, (0, owner, start), (r, 1, c))[:, 0, :]
@@ -198,7 +201,7 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
 
 
 def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, chunk: int | None,
-               with_grads: bool) -> tuple[jax.Array, Any]:
+               with_grads: bool, above) -> tuple[jax.Array, Any]:
   """`ghost_blocks` when one block holds every pair of one device's batch and both views stack
   (`pair_batch.PairBatch.views_stack`): the factors of both views come from one pass over their 2n
   examples (`pair_batch.PairBatch.stacked_factors`), and ḡ = Σ_i J_iᵀc_i + Σ_j J'_jᵀc'_j with
@@ -210,14 +213,13 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
     factors = batch.stacked_factors((batch.x, batch.x_prime), chunk)
   f_u, f_v = (jax.tree_util.tree_map(lambda a, view=view: a[view], factors) for view in (0, 1))
   u, v = batch.u_loc, batch.v_loc
+  n = u.shape[0]
   norms, computed = block_norms(f_u, u, f_v, v, allowance * numerics.gram_error(batch.norm_dtype))
-  diagonal = positive_values(batch, f_u, u, f_v, v, batch.positive_pairs, allowance,
-                             numerics.vector_error(batch.norm_dtype))
-  norms, computed = (
-      pair_terms.with_diagonal(batch, b, diagonal, 0, True) for b in (norms, computed))
   norms = pair_terms.refine_gram_pairs(batch, norms, computed, f_u, u, f_v, v, batch.x,
                                        batch.x_prime, allowance,
-                                       numerics.vector_error(batch.norm_dtype))
+                                       numerics.vector_error(batch.norm_dtype),
+                                       positives=jnp.eye(n, dtype=bool),
+                                       above=above)
   if not with_grads:
     return norms, None
   lam = tau * numerics.clip_factor(norms, clip_norm)
@@ -226,18 +228,6 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
       jnp.matmul(lam.T, u, precision=numerics.HIGHEST)
   ])
   return norms, batch.c.psum(batch.factor_backward(factors, cot, stacked=True))
-
-
-def positive_values(batch: pair_batch.PairBatch, f_u: layerwise.Factors, u, f_v: layerwise.Factors,
-                    v, pairs, allowance: float, vector_error: float, active=True) -> jax.Array:
-  """The clip norms of the positive pairs (x_i, x'_i) of matching examples of f_u and f_v:
-  formed as vectors from the factors (`pair_terms.factor_positive_norms`) with the vector
-  allowance, and those the allowance could put above `pair_terms.FLAG_RATIO` × their truth
-  (near-identical views: their halves cancel) formed again in float64 from `pairs`
-  (`pair_terms.diagonal_values`)."""
-  scale = pair_terms.jacobian_norms(f_u.gram) + pair_terms.jacobian_norms(f_v.gram)
-  return pair_terms.diagonal_values(batch, pair_terms.factor_positive_norms(f_u, u, f_v, v),
-                                    vector_error, scale, allowance, pairs, active, refine=True)
 
 
 def block_norms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors, v_columns,
