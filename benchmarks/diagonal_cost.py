@@ -29,9 +29,9 @@ from logit_dp._src import pair_terms
 
 # (module, name) of what the previous release did not have: the diagonal pairs from their
 # vectors and the float32 allowances.
-_SWITCHES = ((pair_terms, "diagonal_norms"),
-             (pair_terms, "refine_flagged"), (pair_terms, "factor_positive_norms"),
-             (numerics, "GRAM_FLOAT_ERROR"), (numerics, "VECTOR_FLOAT_ERROR"))
+_SWITCHES = ((pair_terms, "diagonal_norms"), (pair_terms, "refine_flagged"),
+             (pair_terms, "factor_positive_norms"), (numerics, "GRAM_FLOAT_ERROR"),
+             (numerics, "VECTOR_FLOAT_ERROR"))
 
 VARIANTS = ("shipped", "float32_pairs", "without")
 

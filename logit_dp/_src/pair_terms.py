@@ -142,8 +142,8 @@ FLAGGED_PAIRS_PER_PASS = 32
 
 
 def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
-                   per_pass: int | None = None, active=True, ratio: float = FLAG_RATIO,
-                   forced=None, above=0.0) -> jax.Array:
+                   per_pass: int | None = None, active=True, ratio: float = FLAG_RATIO, forced=None,
+                   above=0.0) -> jax.Array:
   """norms, each an upper bound of its pair's true norm, with every flagged one tightened:
   those above ratio × lower (by default FLAG_RATIO × the lower end of the same computation's
   float error interval) or `forced` (a bool mask of norms's shape, or None), finite (a

@@ -70,8 +70,7 @@ class Ghost(base.ClipMethod):
     """See `base.ClipMethod.clipped_grad`; the norms at or below B are left as they are."""
     if batch.two_tower:
       return super().clipped_grad(batch, tau_local, clip_norm)
-    return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget,
-                        above=clip_norm)[1]
+    return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget, above=clip_norm)[1]
 
 
 jax.tree_util.register_dataclass(Ghost, data_fields=[], meta_fields=["memory_budget"])
@@ -171,8 +170,8 @@ def ghost_blocks(batch: pair_batch.PairBatch, tau_local, clip_norm, allowance: f
         real = ((a * r + jnp.arange(r) < n_local)[:, None] &
                 (start + jnp.arange(c) < n_local)[None, :])
         block = pair_terms.refine_gram_pairs(batch, block, computed, f_u, u_rows, f_v, v_columns,
-                                             x_rows, x_columns, allowance, vector_error,
-                                             real=real, positives=positives, above=above)
+                                             x_rows, x_columns, allowance, vector_error, real=real,
+                                             positives=positives, above=above)
         norms_rows = jax.lax.dynamic_update_slice(norms_rows, block[:, None, :], (0, owner, start))
         if with_grads:
           tau_block = jax.lax.dynamic_slice(tau_rows, (0, owner, start), (r, 1, c))[:, 0, :]
@@ -218,8 +217,7 @@ def _one_block(batch: pair_batch.PairBatch, tau, clip_norm, allowance: float, ch
   norms = pair_terms.refine_gram_pairs(batch, norms, computed, f_u, u, f_v, v, batch.x,
                                        batch.x_prime, allowance,
                                        numerics.vector_error(batch.norm_dtype),
-                                       positives=jnp.eye(n, dtype=bool),
-                                       above=above)
+                                       positives=jnp.eye(n, dtype=bool), above=above)
   if not with_grads:
     return norms, None
   lam = tau * numerics.clip_factor(norms, clip_norm)
