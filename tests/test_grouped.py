@@ -61,30 +61,41 @@ def _unit(e, eps=logit_dp.losses.DEFAULT_COSINE_EPS):
 def reference(fn, params, x, x_prime, views, valid, groups, temperature, clip_norm):
   """(Σ_g L_g, Σ_g min(1, B/‖∇L_g‖)·∇L_g) by brute force, in the dtype of the inputs."""
   valid, groups = np.asarray(valid), np.asarray(groups)
-  total_loss = 0.0
-  total = jax.tree_util.tree_map(jnp.zeros_like, params)
-  for g in np.unique(groups[valid]):
-    members = [i for i in range(len(valid)) if valid[i] and groups[i] == g]
 
-    def group_loss(p, members=members):
-      u = _unit(fn(p, x[jnp.asarray(members)]))
-      v = _unit(fn(p, x_prime[jnp.asarray(members)]))
-      value = 0.0
-      for a in range(len(members)):
-        logits = [jnp.dot(u[a], v[b]) for b in range(len(members))]
-        if views is not None:
-          for b, j in enumerate(members):
-            if b != a:
-              logits += [jnp.dot(u[a], w) for w in _unit(fn(p, views[j]))]
-        value += jax.nn.logsumexp(jnp.stack(logits) / temperature) - logits[a] / temperature
-      return value
+  def group_loss(p, members):
+    u = _unit(fn(p, x[jnp.asarray(members)]))
+    v = _unit(fn(p, x_prime[jnp.asarray(members)]))
+    value = 0.0
+    for a in range(len(members)):
+      logits = [jnp.dot(u[a], v[b]) for b in range(len(members))]
+      if views is not None:
+        for b, j in enumerate(members):
+          if b != a:
+            logits += [jnp.dot(u[a], w) for w in _unit(fn(p, views[j]))]
+      value += jax.nn.logsumexp(jnp.stack(logits) / temperature) - logits[a] / temperature
+    return value
 
-    value, grad = jax.jit(jax.value_and_grad(group_loss))(params)
-    norm = jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(grad)))
-    factor = jnp.minimum(1.0, clip_norm / norm)
-    total_loss += value
-    total = jax.tree_util.tree_map(lambda t, gr, f=factor: t + f * gr, total, grad)
-  return total_loss, total
+  return _clipped_sum_of_groups(group_loss, params, valid, groups, clip_norm)
+
+
+def _clipped_sum_of_groups(group_loss, params, valid, groups, clip_norm):
+  """(Σ_g L_g, Σ_g min(1, B/‖∇L_g‖)·∇L_g) with L_g = group_loss(params, members of g), each
+  group's gradient by its own jax.grad (all groups in one jitted computation)."""
+
+  @jax.jit
+  def clipped_sum(params):
+    total_loss = 0.0
+    total = jax.tree_util.tree_map(jnp.zeros_like, params)
+    for g in np.unique(groups[valid]):
+      members = [i for i in range(len(valid)) if valid[i] and groups[i] == g]
+      value, grad = jax.value_and_grad(group_loss)(params, members)
+      norm = jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(grad)))
+      factor = jnp.minimum(1.0, clip_norm / norm)
+      total_loss += value
+      total = jax.tree_util.tree_map(lambda t, gr, f=factor: t + f * gr, total, grad)
+    return total_loss, total
+
+  return clipped_sum(params)
 
 
 @functools.cache
@@ -452,26 +463,18 @@ def two_towers(kind, n, seed, dropout=0.0):
 def reference_two_towers(embed_u, embed_v, params, valid, groups, temperature, clip_norm):
   """The brute-force group losses and clipped sum with û_i = embed_u(p, i), v̂_i = embed_v(p, i)
   (unnormalised embeddings of record i alone), every group in its own jax.grad."""
-  valid, groups = np.asarray(valid), np.asarray(groups)
-  total_loss, total = 0.0, jax.tree_util.tree_map(jnp.zeros_like, params)
-  for g in np.unique(groups[valid]):
-    members = [i for i in range(len(valid)) if valid[i] and groups[i] == g]
 
-    def group_loss(p, members=members):
-      u = [_unit(embed_u(p, i)) for i in members]
-      v = [_unit(embed_v(p, i)) for i in members]
-      value = 0.0
-      for a in range(len(members)):
-        logits = jnp.stack([jnp.dot(u[a], v[b]) for b in range(len(members))]) / temperature
-        value += jax.nn.logsumexp(logits) - logits[a]
-      return value
+  def group_loss(p, members):
+    u = [_unit(embed_u(p, i)) for i in members]
+    v = [_unit(embed_v(p, i)) for i in members]
+    value = 0.0
+    for a in range(len(members)):
+      logits = jnp.stack([jnp.dot(u[a], v[b]) for b in range(len(members))]) / temperature
+      value += jax.nn.logsumexp(logits) - logits[a]
+    return value
 
-    value, grad = jax.value_and_grad(group_loss)(params)
-    norm = jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(grad)))
-    factor = jnp.minimum(1.0, clip_norm / norm)
-    total_loss += value
-    total = jax.tree_util.tree_map(lambda t, gr, f=factor: t + f * gr, total, grad)
-  return total_loss, total
+  return _clipped_sum_of_groups(group_loss, params, np.asarray(valid), np.asarray(groups),
+                                clip_norm)
 
 
 def _row(tree, i):
