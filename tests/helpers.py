@@ -174,7 +174,6 @@ def float64_clipped_reference(embed_fn, loss, params, x, x_prime, clip_norm, cli
 def _float64_pair_grads(embed_fn, loss, eps: float):
   """jitted (p, x, x') ↦ (∇_w Z_ij stacked (n, n, ...), ‖∇_w Z_ij‖ (n, n), τ = ∂ℒ/∂Z (n, n)),
   each ∇_w Z_ij by its own jax.grad (one compilation per model, loss and shapes)."""
-
   def unit(p, xe):
     u = embed_fn(p, xe[None])[0]
     return u / jnp.sqrt(jnp.sum(u * u) + eps * eps)

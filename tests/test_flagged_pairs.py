@@ -73,8 +73,8 @@ def test_near_duplicate_records_get_norms_within_10_percent_of_the_truth(
   """Every pair, on and off the diagonal: truth ≤ norm ≤ 1.10·truth, the positives formed in
   float64 or in float32 first (then the flagged ones again in float64)."""
   problem, truth = duplicates_truth
-  got = (duplicates_norms if float64_positive_pairs else _norms(*problem,
-                                                                float64_positive_pairs=False))
+  got = (duplicates_norms
+         if float64_positive_pairs else _norms(*problem, float64_positive_pairs=False))
   assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)
   assert np.all(got <= TIGHT * truth), np.max(got / truth)
 

@@ -68,7 +68,6 @@ def _batch_and_factors(embed_fn, params, x, x_prime):
 def _jacobian_norms(embed_fn, params, x, x_prime):
   """(s_u, s_v) in float64: the Frobenius norms of the normalised embedding's Jacobians of x
   and x' as the library computes them in float32 (under jit, as in clipped_grad)."""
-
   @jax.jit
   def norms(params, x, x_prime):
     _, factors = _batch_and_factors(embed_fn, params, x, x_prime)

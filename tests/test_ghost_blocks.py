@@ -138,20 +138,21 @@ def test_one_block_takes_its_embeddings_from_the_factor_pass(monkeypatch):
     joint = batch(params, x, x_prime, embeds_with_factors=ghost.embeds_with_factors)
     apart = batch(params, x, x_prime)
     assert joint.joint_factors is not None and apart.joint_factors is None
-    return ((joint.u_loc, joint.v_loc, joint.joint_factors),
-            (apart.u_loc, apart.v_loc, apart.stacked_factors((apart.x, apart.x_prime))))
+    separate = apart.stacked_factors((apart.x, apart.x_prime))
+    return (joint.u_loc, joint.v_loc, joint.joint_factors), (apart.u_loc, apart.v_loc, separate)
 
-  (joint_u, joint_v, joint_factors), (apart_u, apart_v, separate) = joint_and_apart(
-      params, x, x_prime)
+  joint, apart = joint_and_apart(params, x, x_prime)
+  (joint_u, joint_v, joint_factors), (apart_u, apart_v, separate) = joint, apart
   np.testing.assert_allclose(joint_u, apart_u, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(joint_v, apart_v, rtol=1e-6, atol=1e-7)
   for a, b in zip(jax.tree_util.tree_leaves(joint_factors), jax.tree_util.tree_leaves(separate)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(b))))
   _force_blocks(monkeypatch, 4, 2)
   blocked = []  # traced only: whether the blocked batch holds joint factors
-  jax.eval_shape(lambda p, a, b: blocked.append(
-      batch(p, a, b, embeds_with_factors=ghost.embeds_with_factors).joint_factors is None),
-                 params, x, x_prime)
+  jax.eval_shape(
+      lambda p, a, b: blocked.append(
+          batch(p, a, b, embeds_with_factors=ghost.embeds_with_factors).joint_factors is None),
+      params, x, x_prime)
   assert blocked == [True]
 
 

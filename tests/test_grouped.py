@@ -81,7 +81,6 @@ def reference(fn, params, x, x_prime, views, valid, groups, temperature, clip_no
 def _clipped_sum_of_groups(group_loss, params, valid, groups, clip_norm):
   """(Σ_g L_g, Σ_g min(1, B/‖∇L_g‖)·∇L_g) with L_g = group_loss(params, members of g), each
   group's gradient by its own jax.grad (all groups in one jitted computation)."""
-
   @jax.jit
   def clipped_sum(params):
     total_loss = 0.0
@@ -463,7 +462,6 @@ def two_towers(kind, n, seed, dropout=0.0):
 def reference_two_towers(embed_u, embed_v, params, valid, groups, temperature, clip_norm):
   """The brute-force group losses and clipped sum with û_i = embed_u(p, i), v̂_i = embed_v(p, i)
   (unnormalised embeddings of record i alone), every group in its own jax.grad."""
-
   def group_loss(p, members):
     u = [_unit(embed_u(p, i)) for i in members]
     v = [_unit(embed_v(p, i)) for i in members]

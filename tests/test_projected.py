@@ -65,8 +65,7 @@ def _float64_truth(embed_fn, params, x, x_prime, reference, rank):
   """(true norms, triangle bound, projected bound, s_i + s'_j), each (n, n), in float64; s the
   Frobenius norms of the normalised embedding's Jacobians, the scale of the float allowances."""
   n = x.shape[0]
-  units, jacobians = _float64_jacobians(embed_fn, params,
-                                        jnp.concatenate([x, x_prime, reference]))
+  units, jacobians = _float64_jacobians(embed_fn, params, jnp.concatenate([x, x_prime, reference]))
   u, v = units[:n], units[n:2 * n]
   j_u, j_v, j_ref = jacobians[:n], jacobians[n:2 * n], jacobians[2 * n:]
   rows = j_ref.reshape(-1, j_ref.shape[-1])
@@ -143,7 +142,6 @@ def _float32_projections(embed_fn, params, x, x_prime, reference, rank):
 
 @functools.cache
 def _float32_projections_fn(embed_fn, rank):
-
   @jax.jit
   def projections(params, x, x_prime, reference):
     batch = make_batch(embed_fn, params, x, x_prime)

@@ -140,12 +140,10 @@ def _jacobian_norms(f, g, params, x, x_prime):
   """(s_u, s_v) in float64: the Frobenius norms of the normalised embeddings' Jacobians of x
   (by f) and x' (by g; g = None: one tower) as the library computes them in float32 (under
   jit, as in clipped_grad)."""
-
   @jax.jit
   def norms(params, x, x_prime):
     batch = make_batch(f, params, x, x_prime, positive_embed_fn=g)
-    f_v = batch.factors(batch.x_prime) if g is None else batch.factors(batch.x_prime,
-                                                                       positive=True)
+    f_v = batch.factors(batch.x_prime) if g is None else batch.factors(batch.x_prime, positive=True)
     return pair_terms.jacobian_norms(batch.factors(batch.x).gram), pair_terms.jacobian_norms(
         f_v.gram)
 
