@@ -33,9 +33,16 @@ FORMS = pytest.mark.parametrize("dim", [GRAM_FORM_DIM, VECTOR_FORM_DIM],
 _SLOW = pytest.mark.slow
 
 
+@functools.cache
+def _small_conv(dim):
+  """One model object per dim: its apply is one function, so what is compiled for it is shared
+  by the problems of that dim."""
+  return SmallConv(dim=dim)
+
+
 def _conv_problem(seed=0, spread=0.3, num_reference=3, dim=GRAM_FORM_DIM):
   k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
-  model = SmallConv(dim=dim)
+  model = _small_conv(dim)
   x = jax.random.uniform(k1, (N, 8, 8, 3))
   x_prime = x + spread * jax.random.normal(k2, x.shape)
   reference = jax.random.uniform(k4, (num_reference, 8, 8, 3))
