@@ -476,17 +476,26 @@ def two_towers(kind, n, seed, dropout=0.0):
 def reference_two_towers(embed_u, embed_v, params, valid, groups, temperature, clip_norm):
   """The brute-force group losses and clipped sum with û_i = embed_u(p, i), v̂_i = embed_v(p, i)
   (unnormalised embeddings of record i alone), every group in its own jax.grad."""
-  def group_loss(p, members):
-    u = [_unit(embed_u(p, i)) for i in members]
-    v = [_unit(embed_v(p, i)) for i in members]
-    value = 0.0
-    for a in range(len(members)):
-      logits = jnp.stack([jnp.dot(u[a], v[b]) for b in range(len(members))]) / temperature
-      value += jax.nn.logsumexp(logits) - logits[a]
-    return value
+  valid, groups = np.asarray(valid), np.asarray(groups)
+  total_loss, total = 0.0, jax.tree_util.tree_map(jnp.zeros_like, params)
+  for g in np.unique(groups[valid]):
+    members = [i for i in range(len(valid)) if valid[i] and groups[i] == g]
 
-  return _clipped_sum_of_groups(group_loss, params, np.asarray(valid), np.asarray(groups),
-                                clip_norm)
+    def group_loss(p, members=members):
+      u = [_unit(embed_u(p, i)) for i in members]
+      v = [_unit(embed_v(p, i)) for i in members]
+      value = 0.0
+      for a in range(len(members)):
+        logits = jnp.stack([jnp.dot(u[a], v[b]) for b in range(len(members))]) / temperature
+        value += jax.nn.logsumexp(logits) - logits[a]
+      return value
+
+    value, grad = jax.value_and_grad(group_loss)(params)
+    norm = jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(grad)))
+    factor = jnp.minimum(1.0, clip_norm / norm)
+    total_loss += value
+    total = jax.tree_util.tree_map(lambda t, gr, f=factor: t + f * gr, total, grad)
+  return total_loss, total
 
 
 def _row(tree, i):
