@@ -1,5 +1,6 @@
 """Tree arithmetic used by the tests, and the optional jax_privacy."""
 
+import functools
 import os
 
 import jax
@@ -163,24 +164,36 @@ def float64_clipped_reference(embed_fn, loss, params, x, x_prime, clip_norm, cli
   all rows valid, with c = clip_by or the exact norms when None (call under x64)."""
   p64, x64, xp64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64),
                                           (params, x, x_prime))
-  n = x64.shape[0]
+  grads, norms, tau = _float64_pair_grads(embed_fn, loss, eps)(p64, x64, xp64)
+  clip_by = norms if clip_by is None else jnp.asarray(clip_by, jnp.float64)
+  lam = tau * jnp.minimum(1.0, clip_norm / clip_by)
+  return np.asarray(norms), jax.tree_util.tree_map(lambda g: jnp.tensordot(lam, g, axes=2), grads)
 
+
+@functools.cache
+def _float64_pair_grads(embed_fn, loss, eps: float):
+  """jitted (p, x, x') ↦ (∇_w Z_ij stacked (n, n, ...), ‖∇_w Z_ij‖ (n, n), τ = ∂ℒ/∂Z (n, n)),
+  each ∇_w Z_ij by its own jax.grad (one compilation per model, loss and shapes)."""
   def unit(p, xe):
     u = embed_fn(p, xe[None])[0]
     return u / jnp.sqrt(jnp.sum(u * u) + eps * eps)
 
-  def pair_grad(i, j):
-    return jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
+  @jax.jit
+  def pair_grads(p64, x64, xp64):
+    n = x64.shape[0]
 
-  rows, cols = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
-  grads = jax.vmap(jax.vmap(pair_grad))(rows, cols)
-  norms = jnp.sqrt(
-      sum(jnp.sum(g.reshape(n, n, -1) ** 2, -1) for g in jax.tree_util.tree_leaves(grads)))
-  z = jax.vmap(lambda a: unit(p64, a))(x64) @ jax.vmap(lambda a: unit(p64, a))(xp64).T
-  tau = jax.grad(loss)(z, jnp.ones((n,), bool))
-  clip_by = norms if clip_by is None else jnp.asarray(clip_by, jnp.float64)
-  lam = tau * jnp.minimum(1.0, clip_norm / clip_by)
-  return np.asarray(norms), jax.tree_util.tree_map(lambda g: jnp.tensordot(lam, g, axes=2), grads)
+    def pair_grad(i, j):
+      return jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
+
+    rows, cols = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
+    grads = jax.vmap(jax.vmap(pair_grad))(rows, cols)
+    norms = jnp.sqrt(
+        sum(jnp.sum(g.reshape(n, n, -1) ** 2, -1) for g in jax.tree_util.tree_leaves(grads)))
+    z = jax.vmap(lambda a: unit(p64, a))(x64) @ jax.vmap(lambda a: unit(p64, a))(xp64).T
+    tau = jax.grad(loss)(z, jnp.ones((n,), bool))
+    return grads, norms, tau
+
+  return pair_grads
 
 
 #: Set (to any non-empty value) where jax_privacy must be installed: its tests then fail

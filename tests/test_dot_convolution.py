@@ -90,8 +90,9 @@ def test_float64_positive_pairs_of_a_conv_model_run_without_convolutions():
     return jax.grad(lambda q: jnp.dot(unit(q, pair[0]), unit(q, pair[1])))(p)
 
   norms = lambda p, a, b: widened.pair_norms(pair_grad, p, (a, b), jnp.float32, 2)[0]
-  assert " convolution(" not in jax.jit(norms).lower(params, x, x_prime).compile().as_text()
-  got = np.asarray(norms(params, x, x_prime), np.float64)
+  compiled = jax.jit(norms).lower(params, x, x_prime).compile()
+  assert " convolution(" not in compiled.as_text()
+  got = np.asarray(compiled(params, x, x_prime), np.float64)
   with jax.enable_x64(True):
     p64, x64, xp64 = widened.widen((params, x, x_prime))
     grads = jax.lax.map(lambda ab: pair_grad(p64, ab), (x64, xp64))

@@ -128,21 +128,32 @@ def test_one_block_takes_its_embeddings_from_the_factor_pass(monkeypatch):
   embed_fn, params, x, x_prime = make_model("conv", N, seed=4)
   ghost = methods.resolve("ghost")
 
-  def batch(**kwargs):
+  def batch(params, x, x_prime, **kwargs):
     return pair_batch.PairBatch(embed_fn, params, x, x_prime, jnp.asarray(MASK),
                                 eps=numerics.DEFAULT_COSINE_EPS, microbatch_size=None,
                                 collective=collective.Collective(None), **kwargs)
 
-  joint, apart = batch(embeds_with_factors=ghost.embeds_with_factors), batch()
-  assert joint.joint_factors is not None and apart.joint_factors is None
-  np.testing.assert_allclose(joint.u_loc, apart.u_loc, rtol=1e-6, atol=1e-7)
-  np.testing.assert_allclose(joint.v_loc, apart.v_loc, rtol=1e-6, atol=1e-7)
-  separate = apart.stacked_factors((apart.x, apart.x_prime))
-  for a, b in zip(jax.tree_util.tree_leaves(joint.joint_factors),
-                  jax.tree_util.tree_leaves(separate)):
+  @jax.jit  # under jit, as in clipped_grad
+  def joint_and_apart(params, x, x_prime):
+    joint = batch(params, x, x_prime, embeds_with_factors=ghost.embeds_with_factors)
+    apart = batch(params, x, x_prime)
+    assert joint.joint_factors is not None and apart.joint_factors is None
+    separate = apart.stacked_factors((apart.x, apart.x_prime))
+    return (joint.u_loc, joint.v_loc, joint.joint_factors), (apart.u_loc, apart.v_loc, separate)
+
+  joint, apart = joint_and_apart(params, x, x_prime)
+  (joint_u, joint_v, joint_factors), (apart_u, apart_v, separate) = joint, apart
+  np.testing.assert_allclose(joint_u, apart_u, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(joint_v, apart_v, rtol=1e-6, atol=1e-7)
+  for a, b in zip(jax.tree_util.tree_leaves(joint_factors), jax.tree_util.tree_leaves(separate)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(b))))
   _force_blocks(monkeypatch, 4, 2)
-  assert batch(embeds_with_factors=ghost.embeds_with_factors).joint_factors is None
+  blocked = []  # traced only: whether the blocked batch holds joint factors
+  jax.eval_shape(
+      lambda p, a, b: blocked.append(
+          batch(p, a, b, embeds_with_factors=ghost.embeds_with_factors).joint_factors is None),
+      params, x, x_prime)
+  assert blocked == [True]
 
 
 @pytest.mark.parametrize("multiple", [1, 8])

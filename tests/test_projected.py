@@ -5,6 +5,8 @@ gradients g_ij = J_iᵀv̂_j + J'_jᵀû_i formed as vectors, and the subspace o
 row space of the reference inputs' Jacobians (numpy SVD).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +33,16 @@ FORMS = pytest.mark.parametrize("dim", [GRAM_FORM_DIM, VECTOR_FORM_DIM],
 _SLOW = pytest.mark.slow
 
 
+@functools.cache
+def _small_conv(dim):
+  """One model object per dim: its apply is one function, so what is compiled for it is shared
+  by the problems of that dim."""
+  return SmallConv(dim=dim)
+
+
 def _conv_problem(seed=0, spread=0.3, num_reference=3, dim=GRAM_FORM_DIM):
   k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
-  model = SmallConv(dim=dim)
+  model = _small_conv(dim)
   x = jax.random.uniform(k1, (N, 8, 8, 3))
   x_prime = x + spread * jax.random.normal(k2, x.shape)
   reference = jax.random.uniform(k4, (num_reference, 8, 8, 3))
@@ -50,17 +59,22 @@ def _float64_jacobians(embed_fn, params, xs, eps=logit_dp.losses.DEFAULT_COSINE_
       e = embed_fn(unravel(w), jnp.asarray(xe, jnp.float64)[None])[0]
       return e / jnp.sqrt(jnp.sum(e * e) + eps * eps)
 
-    xs64 = jnp.asarray(xs, jnp.float64)
-    return (np.asarray(jax.vmap(lambda xe: unit(flat, xe))(xs64)),
-            np.asarray(jax.vmap(lambda xe: jax.jacrev(unit)(flat, xe))(xs64)))
+    @jax.jit  # one compilation for every example
+    def units_and_jacobians(w, xs64):
+      return (jax.vmap(lambda xe: unit(w, xe))(xs64),
+              jax.vmap(lambda xe: jax.jacrev(unit)(w, xe))(xs64))
+
+    u, j = units_and_jacobians(flat, jnp.asarray(xs, jnp.float64))
+    return np.asarray(u), np.asarray(j)
 
 
 def _float64_truth(embed_fn, params, x, x_prime, reference, rank):
   """(true norms, triangle bound, projected bound, s_i + s'_j), each (n, n), in float64; s the
   Frobenius norms of the normalised embedding's Jacobians, the scale of the float allowances."""
-  u, j_u = _float64_jacobians(embed_fn, params, x)
-  v, j_v = _float64_jacobians(embed_fn, params, x_prime)
-  _, j_ref = _float64_jacobians(embed_fn, params, reference)
+  n = x.shape[0]
+  units, jacobians = _float64_jacobians(embed_fn, params, jnp.concatenate([x, x_prime, reference]))
+  u, v = units[:n], units[n:2 * n]
+  j_u, j_v, j_ref = jacobians[:n], jacobians[n:2 * n], jacobians[2 * n:]
   rows = j_ref.reshape(-1, j_ref.shape[-1])
   _, _, vt = np.linalg.svd(rows, full_matrices=False)
   q = vt[:rank].T  # (p, k), orthonormal
@@ -128,13 +142,23 @@ def test_with_allowances_it_is_never_below_the_truth_nor_above_triangle(conv_cas
 
 
 def _float32_projections(embed_fn, params, x, x_prime, reference, rank):
-  """(J_iQ̃, û, J'_jQ̃, v̂, s, s') as the library computes them in float32."""
-  batch = make_batch(embed_fn, params, x, x_prime)
-  tangents, _ = bounds.projection_tangents(batch, reference, rank)
-  f_u, f_v = batch.factors(batch.x), batch.factors(batch.x_prime)
-  return (bounds.projected_jacobians(batch, f_u, tangents), batch.u_loc,
-          bounds.projected_jacobians(batch, f_v, tangents), batch.v,
-          pair_terms.jacobian_norms(f_u.gram), pair_terms.jacobian_norms(f_v.gram))
+  """(J_iQ̃, û, J'_jQ̃, v̂, s, s') as the library computes them in float32 (under jit, as in
+  clipped_grad)."""
+  return _float32_projections_fn(embed_fn, rank)(params, x, x_prime, reference)
+
+
+@functools.cache
+def _float32_projections_fn(embed_fn, rank):
+  @jax.jit
+  def projections(params, x, x_prime, reference):
+    batch = make_batch(embed_fn, params, x, x_prime)
+    tangents, _ = bounds.projection_tangents(batch, reference, rank)
+    f_u, f_v = batch.factors(batch.x), batch.factors(batch.x_prime)
+    return (bounds.projected_jacobians(batch, f_u, tangents), batch.u_loc,
+            bounds.projected_jacobians(batch, f_v, tangents), batch.v,
+            pair_terms.jacobian_norms(f_u.gram), pair_terms.jacobian_norms(f_v.gram))
+
+  return projections
 
 
 # By default near-identical views (the stress) on the diagonal and off it ("shifted"), at the
@@ -224,16 +248,21 @@ def test_clipped_grad_is_the_clipped_sum_of_materialised_pair_gradients():
   _, got = logit_dp.clipped_grad(embed_fn, loss, clip_norm, projected)(params, x, x_prime)
 
   unit = lambda p, a: logit_dp.losses.normalize(embed_fn(p, a[None]))[0]
-  z = logit_dp.losses.cosine_similarity(embed_fn(params, x), embed_fn(params, x_prime))
-  weights = jax.grad(loss)(z) * jnp.minimum(1.0, clip_norm / norms)
 
-  def weighted_pair_grad(i, j):
-    g = jax.grad(lambda p: jnp.dot(unit(p, x[i]), unit(p, x_prime[j])))(params)
-    return jax.tree_util.tree_map(lambda leaf: weights[i, j] * leaf, g)
+  @jax.jit  # one compilation of the materialised sum
+  def materialised_sum(params, norms):
+    z = logit_dp.losses.cosine_similarity(embed_fn(params, x), embed_fn(params, x_prime))
+    weights = jax.grad(loss)(z) * jnp.minimum(1.0, clip_norm / norms)
 
-  rows, cols = (a.ravel() for a in jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij"))
-  want = jax.tree_util.tree_map(lambda a: jnp.sum(a, axis=0),
-                                jax.vmap(weighted_pair_grad)(rows, cols))
+    def weighted_pair_grad(i, j):
+      g = jax.grad(lambda p: jnp.dot(unit(p, x[i]), unit(p, x_prime[j])))(params)
+      return jax.tree_util.tree_map(lambda leaf: weights[i, j] * leaf, g)
+
+    rows, cols = (a.ravel() for a in jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij"))
+    return jax.tree_util.tree_map(lambda a: jnp.sum(a, axis=0),
+                                  jax.vmap(weighted_pair_grad)(rows, cols))
+
+  want = materialised_sum(params, norms)
   assert rel_err(got, want) < 1e-4
   assert np.mean(norms > clip_norm) > 0.3  # clipping happened
 
@@ -287,7 +316,8 @@ def test_worst_case_search_finds_no_breach():
 
 def test_basis_is_orthonormal_and_its_error_is_measured():
   rows = jax.random.normal(jax.random.PRNGKey(0), (12, 50))
-  q, eta = projection.basis(rows, 5)
+  basis = jax.jit(projection.basis, static_argnums=1)
+  q, eta = basis(rows, 5)
   assert q.shape == (50, 5)
   deviation = np.abs(np.asarray(q.T @ q, np.float64) - np.eye(5)).max()
   assert deviation <= float(eta) < 1e-4
@@ -297,7 +327,7 @@ def test_basis_is_orthonormal_and_its_error_is_measured():
   got = np.asarray(q, np.float64) @ np.asarray(q, np.float64).T
   assert np.abs(got - want).max() < 1e-4
   # A rank above the number of rows is cut to it; rank-deficient rows still give a basis.
-  q, eta = projection.basis(jnp.concatenate([rows[:2], rows[:2]]), 10)
+  q, eta = basis(jnp.concatenate([rows[:2], rows[:2]]), 10)
   assert q.shape == (50, 4) and float(eta) < 1e-4
 
 

@@ -312,15 +312,18 @@ def _brute_force_removal_gaps(embed_fn, params, x, x_prime, loss, clip_norm):
       g = jax.grad(lambda p: jnp.dot(unit(p, x64[i]), unit(p, xp64[j])))(p64)
       return jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree_util.tree_leaves(g)])
 
-    rows, cols = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
-    g = np.asarray(jax.vmap(jax.vmap(pair_grad))(rows, cols))  # (n, n, p)
+    @jax.jit  # one compilation of the pair gradients and unit embeddings
+    def pair_grads_and_units():
+      rows, cols = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
+      return (jax.vmap(jax.vmap(pair_grad))(rows, cols), jax.vmap(lambda xe: unit(p64, xe))(x64),
+              jax.vmap(lambda xe: unit(p64, xe))(xp64))
+
+    g, u, v = (np.asarray(a) for a in pair_grads_and_units())  # g: (n, n, p)
     norms = np.linalg.norm(g, axis=-1, keepdims=True)
     clipped = g * np.minimum(1.0, clip_norm / norms)
-    u = jax.vmap(lambda xe: unit(p64, xe))(x64)
-    v = jax.vmap(lambda xe: unit(p64, xe))(xp64)
 
     def gbar(keep):
-      tau = np.asarray(jax.grad(loss)(u[keep] @ v[keep].T))
+      tau = np.asarray(_jitted_grad(loss)(jnp.asarray(u[keep] @ v[keep].T)))
       return np.einsum("ij,ijp->p", tau, clipped[np.ix_(keep, keep)])
 
     full = gbar(np.arange(n))

@@ -119,7 +119,7 @@ def _float64_truth(f, g, params, x, x_prime, eps=logit_dp.losses.DEFAULT_COSINE_
       return jnp.sqrt(sum(jnp.sum(leaf * leaf) for leaf in jax.tree_util.tree_leaves(grad)))
 
     rows, cols = jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij")
-    return np.asarray(jax.vmap(jax.vmap(norm))(rows, cols))
+    return np.asarray(jax.jit(jax.vmap(jax.vmap(norm)))(rows, cols))
 
 
 def _reference(f, g, params, x, x_prime, keep):
@@ -134,6 +134,25 @@ def _reference(f, g, params, x, x_prime, keep):
 
 def _batch(f, g, params, x, x_prime):
   return make_batch(f, params, x, x_prime, positive_embed_fn=g)
+
+
+def _jacobian_norms(f, g, params, x, x_prime):
+  """(s_u, s_v) in float64: the Frobenius norms of the normalised embeddings' Jacobians of x
+  (by f) and x' (by g; g = None: one tower) as the library computes them in float32 (under
+  jit, as in clipped_grad)."""
+  @jax.jit
+  def norms(params, x, x_prime):
+    batch = make_batch(f, params, x, x_prime, positive_embed_fn=g)
+    f_v = batch.factors(batch.x_prime) if g is None else batch.factors(batch.x_prime, positive=True)
+    return pair_terms.jacobian_norms(batch.factors(batch.x).gram), pair_terms.jacobian_norms(
+        f_v.gram)
+
+  return tuple(np.asarray(s, np.float64) for s in norms(params, x, x_prime))
+
+
+@functools.cache
+def _tower_jacobian_norms(kind: str) -> tuple[np.ndarray, np.ndarray]:
+  return _jacobian_norms(*_towers(kind))
 
 
 @pytest.mark.slow  # the shared-parameter path is checked against jax.grad by default above
@@ -174,10 +193,7 @@ def test_clip_norms_are_never_below_the_float64_truth(kind, method):
       logit_dp.clip_methods.pair_grad_norms(f, params, x, x_prime, method, microbatch_size=3,
                                             positive_embed_fn=g), np.float64)
   assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)
-  batch = _batch(f, g, params, x, x_prime)
-  s_u = np.asarray(pair_terms.jacobian_norms(batch.factors(batch.x).gram), np.float64)
-  s_v = np.asarray(pair_terms.jacobian_norms(batch.factors(batch.x_prime, positive=True).gram),
-                   np.float64)
+  s_u, s_v = _tower_jacobian_norms(kind)
   scale = s_u[:, None] + s_v[None, :]
   diagonal = np.eye(N, dtype=bool)
   # The diagonal from vectors is exact up to the vector allowance, in every method.
@@ -244,9 +260,7 @@ def test_one_tower_written_as_two_gives_the_one_tower_norms(method):
   # rounding of the tiny positive norms, ~1e-4); a flagged pair one tower forms as a vector from
   # its factors carries the vector allowance 2⁻¹⁸·S_ij (~3e-5 here), two towers form it in
   # float64 (docs/PRIVACY.md).
-  batch = make_batch(f, params, x, x_prime)
-  s_u, s_v = (np.asarray(pair_terms.jacobian_norms(batch.factors(v).gram), np.float64)
-              for v in (batch.x, batch.x_prime))
+  s_u, s_v = _jacobian_norms(f, None, params, x, x_prime)
   allowance = numerics.VECTOR_FLOAT_ERROR * (s_u[:, None] + s_v[None, :])
   one, two = np.asarray(one, np.float64), np.asarray(two, np.float64)
   assert np.all(np.abs(two - one) <= 1e-5 * np.abs(one) + 1e-7 + 1.01 * allowance)
