@@ -33,8 +33,16 @@ ARCH = {"mlp": "mlp", "conv": "embedding_net", "resnet18": "resnet18"}
 LOSS = logit_dp.losses.contrastive(temperature=0.5)
 
 
-@functools.cache  # built once per configuration, shared by the tests (its arrays are immutable)
 def _problem(framework, model, n=6, seed=0):
+  embed_fn, params, x, x_prime = _built(framework, model, n, seed)
+  # A new function object per call, as a fresh build: the library's jit caches, keyed on
+  # embed_fn, never reuse a trace made under another test's patched constants
+  # (no_float_allowance).
+  return functools.partial(embed_fn), params, x, x_prime
+
+
+@functools.cache  # built once per configuration, shared by the tests (its arrays are immutable)
+def _built(framework, model, n, seed):
   embed_fn, params, shape = frameworks.build(framework, ARCH[model], **SIZES[model])
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
   x = jax.random.normal(k1, (n,) + shape)
