@@ -4,6 +4,7 @@ Fast by default (tiny linear / one-hidden-layer embeddings, n ≤ 6); the larger
 searches are marked slow and live in benchmarks/audit_canaries.py.
 """
 
+import functools
 import itertools
 import math
 
@@ -247,18 +248,33 @@ def _brute_force_gbar(embed_fn, params, x, x_prime, loss, clip_norm):
   """ḡ = Σ_ij τ_ij·clip_B(∇_w Z_ij) in float64 from each pair's own gradient (jax.grad of Z_ij)
   and τ = jax.grad of the loss; call under jax.enable_x64."""
   n = x.shape[0]
-
-  def unit(p, xe):
-    e = embed_fn(p, xe[None])[0]
-    return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.losses.DEFAULT_COSINE_EPS ** 2)
-
-  def pair_grad(i, j):
-    return flat(jax.grad(lambda p: jnp.dot(unit(p, x[i]), unit(p, x_prime[j])))(params))
-
-  g = np.stack([np.stack([pair_grad(i, j) for j in range(n)]) for i in range(n)])
+  g = np.stack([
+      np.stack([np.asarray(_pair_grad(embed_fn, params, x[i], x_prime[j])) for j in range(n)])
+      for i in range(n)
+  ])
   clipped = g * np.minimum(1.0, clip_norm / np.linalg.norm(g, axis=-1, keepdims=True))
-  z = jax.vmap(lambda a: unit(params, a))(x) @ jax.vmap(lambda a: unit(params, a))(x_prime).T
-  return np.einsum("ij,ijp->p", np.asarray(jax.grad(loss)(z)), clipped)
+  return np.einsum("ij,ijp->p", np.asarray(_loss_weights(embed_fn, loss, params, x, x_prime)),
+                   clipped)
+
+
+def _unit(embed_fn, params, xe):
+  e = embed_fn(params, xe[None])[0]
+  return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.losses.DEFAULT_COSINE_EPS ** 2)
+
+
+# Jitted: one compilation for every pair and batch of the same shapes, not one per operation.
+@functools.partial(jax.jit, static_argnums=0)
+def _pair_grad(embed_fn, params, a, b):
+  """∇_w ⟨n(Φ(a)), n(Φ(b))⟩ flattened (in helpers.flat's leaf order)."""
+  grads = jax.grad(lambda p: jnp.dot(_unit(embed_fn, p, a), _unit(embed_fn, p, b)))(params)
+  return jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree_util.tree_leaves(grads)])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _loss_weights(embed_fn, loss, params, x, x_prime):
+  """τ = ∂ℒ/∂Z of the batch."""
+  unit = lambda a: _unit(embed_fn, params, a)
+  return jax.grad(loss)(jax.vmap(unit)(x) @ jax.vmap(unit)(x_prime).T)
 
 
 def _adversarial_linear(n=6, d=3):
@@ -499,37 +515,51 @@ def _tiny_canary_run(epsilon_or_none, seed=0, steps=20, q=0.25, m=1000, records=
   actually added is noise_scale·σ (noise_scale < 1: a defective run, σ too small), while the
   auditor scores with the claimed σ."""
   delta = 1e-5
-  key = jax.random.PRNGKey(seed)
-  k = jax.random.split(key, 6)
-  params = {"w": 0.3 * jax.random.normal(k[0], (dim, dim))}
-  data = jax.random.normal(k[1], (records, dim))
-  data_prime = data + 0.2 * jax.random.normal(k[2], (records, dim))
-  loss = logit_dp.losses.contrastive(1.0)
-  c = logit_dp.sensitivity(loss, 1.0)
+  params, included, noise_key, canary_gradient, apply_update = _canary_setup(seed, m, records, dim)
+  c = logit_dp.sensitivity(_CANARY_LOSS, 1.0)
   sigma = 0.0 if epsilon_or_none is None else logit_dp.accounting.noise_multiplier(
       epsilon_or_none, delta, q, steps)
-  noise = logit_dp.transform(noise_scale * sigma, c, k[3], allow_zero_noise=sigma == 0)
-  canaries = audit.GradientCanaries(params, m, k[4])
-  included = np.asarray(jax.random.bernoulli(k[5], 0.5, (m,)))
-
-  @jax.jit
-  def step(params, state, mask, sampled):
-    _, g = _CANARY_GRAD_FN(params, data, data_prime, mask)
-    noisy, state = noise.update(canaries.inject(g, sampled, c), state)
-    params = jax.tree_util.tree_map(lambda p, u: p - 1e-3 * u, params, noisy)
-    return params, state, canaries.project(noisy)
+  noise = logit_dp.transform(noise_scale * sigma, c, noise_key, allow_zero_noise=sigma == 0)
 
   rng = np.random.default_rng(seed)
   state, scores = noise.init(params), np.zeros(m)
   for _ in range(steps):
     mask = jnp.asarray(rng.random(records) < q)  # Poisson sampling of real pairs
     sampled = included & (rng.random(m) < q)  # and of the included canaries
-    params, state, projections = step(params, state, mask, sampled)
+    noisy, state = noise.update(canary_gradient(params, mask, sampled), state)
+    params, projections = apply_update(params, noisy)
     scores += np.asarray(audit.log_likelihood_ratio(projections, sigma, c, q))
   return audit.audit_scores(scores, included, delta=delta)
 
 
-_CANARY_GRAD_FN = logit_dp.clipped_grad(linear, logit_dp.losses.contrastive(1.0), 1.0)
+@functools.cache
+def _canary_setup(seed, m, records, dim):
+  """(params, included canaries, noise key, ḡ with the sampled canaries, the update and the
+  canaries' projections of the noisy gradient) of a canary run: the steps around the noise are
+  jitted once for the runs of one setup, which differ in their noise only."""
+  k = jax.random.split(jax.random.PRNGKey(seed), 6)
+  params = {"w": 0.3 * jax.random.normal(k[0], (dim, dim))}
+  data = jax.random.normal(k[1], (records, dim))
+  data_prime = data + 0.2 * jax.random.normal(k[2], (records, dim))
+  c = logit_dp.sensitivity(_CANARY_LOSS, 1.0)
+  canaries = audit.GradientCanaries(params, m, k[4])
+  included = np.asarray(jax.random.bernoulli(k[5], 0.5, (m,)))
+
+  @jax.jit
+  def canary_gradient(params, mask, sampled):
+    _, g = _CANARY_GRAD_FN(params, data, data_prime, mask)
+    return canaries.inject(g, sampled, c)
+
+  @jax.jit
+  def apply_update(params, noisy):
+    params = jax.tree_util.tree_map(lambda p, u: p - 1e-3 * u, params, noisy)
+    return params, canaries.project(noisy)
+
+  return params, included, k[3], canary_gradient, apply_update
+
+
+_CANARY_LOSS = logit_dp.losses.contrastive(1.0)
+_CANARY_GRAD_FN = logit_dp.clipped_grad(linear, _CANARY_LOSS, 1.0)
 
 
 def test_canary_audit_of_a_training_run_no_noise_control_and_calibrated_noise():

@@ -6,6 +6,7 @@ process-local feeding path (make_array_from_process_local_data) is run in one pr
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,22 @@ def _enough_devices():
   require_devices(max(DEVICE_COUNTS))
 
 
-@functools.cache
+def _cache(fn):
+  """functools.cache keyed on the arguments with the defaults filled in: _batch() and
+  _batch("mlp", N, 0) are one entry, built (and compiled for) once."""
+  cached = functools.cache(fn)
+  signature = inspect.signature(fn)
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return cached(*bound.args)
+
+  return wrapper
+
+
+@_cache
 def _batch(kind="mlp", n=N, seed=0):
   embed_fn, params, x, x_prime = make_model(kind, n, seed)
   # A clip norm below most pair norms, so that clipping changes the result.
@@ -51,14 +67,14 @@ def _batch(kind="mlp", n=N, seed=0):
   return embed_fn, params, x, x_prime, float(np.quantile(np.asarray(norms), 0.4))
 
 
-@functools.cache
+@_cache
 def _single(loss_name, method="ghost", kind="mlp", n=N, seed=0):
   """The single-device reference grad_fn (cached: one compile per configuration)."""
   embed_fn, _, _, _, clip_norm = _batch(kind, n, seed)
   return logit_dp.clipped_grad(embed_fn, LOSSES[loss_name], clip_norm, method=method)
 
 
-@functools.cache
+@_cache
 def _sharded(k, loss_name, method="ghost", kind="mlp", n=N, seed=0):
   """The data-parallel grad_fn on k devices (cached, shared between tests)."""
   embed_fn, _, _, _, clip_norm = _batch(kind, n, seed)

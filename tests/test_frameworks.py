@@ -5,6 +5,8 @@ parameter factored, and the same pair norms and clipped gradients: checked again
 truth, with masks, microbatches, two towers and under shard_map.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,15 @@ LOSS = logit_dp.losses.contrastive(temperature=0.5)
 
 
 def _problem(framework, model, n=6, seed=0):
+  embed_fn, params, x, x_prime = _built(framework, model, n, seed)
+  # A new function object per call, as a fresh build: the library's jit caches, keyed on
+  # embed_fn, never reuse a trace made under another test's patched constants
+  # (no_float_allowance).
+  return functools.partial(embed_fn), params, x, x_prime
+
+
+@functools.cache  # built once per configuration, shared by the tests (its arrays are immutable)
+def _built(framework, model, n, seed):
   embed_fn, params, shape = frameworks.build(framework, ARCH[model], **SIZES[model])
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
   x = jax.random.normal(k1, (n,) + shape)
@@ -54,12 +65,16 @@ def _float64_pair_norms(embed_fn, params, x, x_prime, positive_embed_fn=None):
       e = fn(unravel(w), xe[None])[0]
       return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.losses.DEFAULT_COSINE_EPS ** 2)
 
-    u = jax.vmap(lambda xe: unit(embed_fn, w, xe))(x64)
-    v = jax.vmap(lambda xe: unit(positive_embed_fn, w, xe))(xp64)
-    jac_u = jax.vmap(lambda xe: jax.jacrev(lambda w: unit(embed_fn, w, xe))(w))(x64)
-    jac_v = jax.vmap(lambda xe: jax.jacrev(lambda w: unit(positive_embed_fn, w, xe))(w))(xp64)
-    g = (jnp.einsum("ikq,jk->ijq", jac_u, v) + jnp.einsum("jkq,ik->ijq", jac_v, u))
-    return np.asarray(jnp.sqrt(jnp.sum(g * g, axis=-1)))
+    @jax.jit  # one compilation instead of one per operation
+    def norms(w, x64, xp64):
+      u = jax.vmap(lambda xe: unit(embed_fn, w, xe))(x64)
+      v = jax.vmap(lambda xe: unit(positive_embed_fn, w, xe))(xp64)
+      jac_u = jax.vmap(lambda xe: jax.jacrev(lambda w: unit(embed_fn, w, xe))(w))(x64)
+      jac_v = jax.vmap(lambda xe: jax.jacrev(lambda w: unit(positive_embed_fn, w, xe))(w))(xp64)
+      g = (jnp.einsum("ikq,jk->ijq", jac_u, v) + jnp.einsum("jkq,ik->ijq", jac_v, u))
+      return jnp.sqrt(jnp.sum(g * g, axis=-1))
+
+    return np.asarray(norms(w, x64, xp64))
 
 
 def _float64_grad(embed_fn, params, x, x_prime, mask):
@@ -69,9 +84,10 @@ def _float64_grad(embed_fn, params, x, x_prime, mask):
     x64, xp64 = jnp.asarray(x, jnp.float64), jnp.asarray(x_prime, jnp.float64)
     total = lambda p: LOSS(logit_dp.losses.cosine_similarity(embed_fn(p, x64), embed_fn(p, xp64)),
                            mask)
-    return flat(jax.grad(total)(p64))
+    return flat(jax.jit(jax.grad(total))(p64))  # one compilation instead of one per operation
 
 
+@functools.cache
 def _expected_layers(model):
   """(kind, positions, fan_in, features) of the linen plan: what every framework must find."""
   embed_fn, params, x, _ = _problem("linen", model)

@@ -67,11 +67,13 @@ def _brute_force(embed_fn, params, x, x_prime, clip_norm):
   def z(p):
     return logit_dp.losses.cosine_similarity(embed_fn(p, x), embed_fn(p, x_prime))
 
-  tau = np.asarray(jax.grad(lambda zz: LOSS(zz))(z(params)), np.float64)
+  tau = np.asarray(jax.jit(lambda p: jax.grad(lambda zz: LOSS(zz))(z(p)))(params), np.float64)
+  # One compilation for every pair (i and j traced), not one per operation and pair.
+  pair_grad = jax.jit(lambda p, i, j: jax.grad(lambda p: z(p)[i, j])(p))
   total = 0.0
   for i in range(N):
     for j in range(N):
-      g = _flat(jax.grad(lambda p, i=i, j=j: z(p)[i, j])(params))
+      g = _flat(pair_grad(params, i, j))
       norm = np.linalg.norm(g) * (1.0 + MARGIN)
       total = total + tau[i, j] * min(1.0, clip_norm / norm) * g
   return total

@@ -410,9 +410,11 @@ def test_train_step_releases_only_recorded_steps():
   assert int(opt_state[0].count) == pt.ledger.steps == 4
   with pytest.raises(logit_dp.UnrecordedStepError, match="update 5"):
     train_step(params, opt_state, x[:8], xp[:8], mask8)
-  # The low-level path: a step recorded by hand may be released.
+  # The low-level path: a step recorded by hand may be released (rows as many as a batch's:
+  # the update compiled for the batches).
   pt.ledger.record_steps(1, allow_exceeding_budget=True)
-  train_step(params, opt_state, x[:8], xp[:8], mask8)
+  rows = pt.sampler.max_batch_size
+  train_step(params, opt_state, x[:rows], xp[:rows], np.arange(rows) < 8)
   assert pt.ledger.released_updates == 5
 
 

@@ -116,30 +116,39 @@ def _brute_force(embed_fn, params, x, x_prime, key, clip_norm, positive_embed_fn
   mask = jnp.ones((n,), bool) if mask is None else mask
   with jax.enable_x64(float64):
     dtype = jnp.float64 if float64 else jnp.float32
-    w, unravel = ravel_pytree(jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), params))
-    x, x_prime = jnp.asarray(x, dtype), jnp.asarray(x_prime, dtype)
-
-    def unit(fn, w, xe, k):
-      e = fn(unravel(w), xe[None], k)[0]
-      return e / jnp.sqrt(jnp.sum(e * e) + EPS ** 2)
-
-    rows = jnp.arange(n)
-    keys_u = jax.vmap(lambda i: _key_of(key, 0, i))(rows)
-    keys_v = jax.vmap(lambda i: _key_of(key, 1, i))(rows)
-
-    def z_matrix(w):
-      u = jax.vmap(lambda xe, k: unit(embed_fn, w, xe, k))(x, keys_u)
-      v = jax.vmap(lambda xe, k: unit(positive_embed_fn, w, xe, k))(x_prime, keys_v)
-      return u @ v.T
-
-    # grads (n, n, p): g_ij = ∇_w Z_ij.
-    z, grads = jax.jit(lambda w: (z_matrix(w), jax.jacrev(z_matrix)(w)))(w)
-    loss_value, tau = jax.value_and_grad(LOSS)(z, mask)
-    tau = jnp.where(mask[:, None] & mask[None, :], tau, 0.0)
-    norms = jnp.sqrt(jnp.sum(grads * grads, axis=-1))
-    factor = jnp.minimum(1.0, clip_norm / norms)
-    g_bar = jnp.einsum("ij,ijp->p", tau * factor, grads)
+    params, x, x_prime = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype),
+                                                (params, x, x_prime))
+    norms, g_bar, loss_value = _brute_force_jit(embed_fn, positive_embed_fn, params, x, x_prime,
+                                                key, jnp.asarray(clip_norm, dtype), mask)
     return np.asarray(norms, np.float64), np.asarray(g_bar, np.float64), float(loss_value)
+
+
+# One compilation per model, shape and float width (B is an argument): compiled operation by
+# operation it would take longer than the computation.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _brute_force_jit(embed_fn, positive_embed_fn, params, x, x_prime, key, clip_norm, mask):
+  w, unravel = ravel_pytree(params)
+  rows = jnp.arange(x.shape[0])
+  keys_u = jax.vmap(lambda i: _key_of(key, 0, i))(rows)
+  keys_v = jax.vmap(lambda i: _key_of(key, 1, i))(rows)
+
+  def unit(fn, w, xe, k):
+    e = fn(unravel(w), xe[None], k)[0]
+    return e / jnp.sqrt(jnp.sum(e * e) + EPS ** 2)
+
+  def z_matrix(w):
+    u = jax.vmap(lambda xe, k: unit(embed_fn, w, xe, k))(x, keys_u)
+    v = jax.vmap(lambda xe, k: unit(positive_embed_fn, w, xe, k))(x_prime, keys_v)
+    return u @ v.T
+
+  # grads (n, n, p): g_ij = ∇_w Z_ij.
+  z, grads = z_matrix(w), jax.jacrev(z_matrix)(w)
+  loss_value, tau = jax.value_and_grad(LOSS)(z, mask)
+  tau = jnp.where(mask[:, None] & mask[None, :], tau, 0.0)
+  norms = jnp.sqrt(jnp.sum(grads * grads, axis=-1))
+  factor = jnp.minimum(1.0, clip_norm / norms)
+  g_bar = jnp.einsum("ij,ijp->p", tau * factor, grads)
+  return norms, g_bar, loss_value
 
 
 # ---------------------------------------------------------------------------
