@@ -1,6 +1,7 @@
 """logit_dp.make_private: σ, C, q, T, noise placement, sampler and ledger agree."""
 
 import itertools
+import logging
 import math
 import warnings
 
@@ -865,9 +866,10 @@ def _steps(pt, params, data, num_steps, **step_kwargs):
 
 
 @pytest.mark.parametrize("method", ["ghost", "naive"])
-def test_make_private_on_a_mesh_trains_as_on_one_device(method):
+def test_make_private_on_a_mesh_trains_as_on_one_device(method, caplog):
   """make_private(mesh=): the step pads the batch to the devices and computes the global ḡ;
-  the same σ, C, ledger and, step after step, the same parameters as one device."""
+  the same σ, C, ledger and, step after step, the same parameters as one device; its update
+  compiles once (the first step's params are placed on the mesh as the step returns them)."""
   embed_fn, params = _embed()
   x, xp = _data()
   kwargs = dict(steps=3, noise_key=jax.random.key(2), sampler_seed=5, method=method,
@@ -878,7 +880,10 @@ def test_make_private_on_a_mesh_trains_as_on_one_device(method):
   assert sharded.grad_fn.mesh is mesh
   assert (sharded.noise_multiplier, sharded.sensitivity) == (one.noise_multiplier, one.sensitivity)
   want, _, _ = _steps(one, params, (x, xp), 3)
-  got, _, _ = _steps(sharded, params, (np.asarray(x), np.asarray(xp)), 3)
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    got, _, _ = _steps(sharded, params, (np.asarray(x), np.asarray(xp)), 3)
+  compiles = [r for r in caplog.records if "Compiling jit(update)" in r.getMessage()]
+  assert len(compiles) == 1, [r.getMessage()[:200] for r in compiles]
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got,
                          want)
   assert sharded.ledger.steps == one.ledger.steps == 3

@@ -149,6 +149,18 @@ def _check_mask(mask, x) -> Any:
   return mask
 
 
+def _replicated(tree, mesh):
+  """tree as it is if every array leaf is replicated on `mesh` already (what the step
+  returns), else `distributed.replicate`-d (the first step's params and optimizer state)."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  leaves = jax.tree_util.tree_leaves(tree)
+  if all(
+      isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(replicated, leaf.ndim)
+      for leaf in leaves):
+    return tree
+  return distributed.replicate(tree, mesh)
+
+
 def _gather(data, indices: np.ndarray, num_records: int, mask: np.ndarray, mesh=None):
   """(x, x_prime, mask): the records of ``indices`` in data = (x_all, x_prime_all), each a
   pytree of arrays with the N records along axis 0.
@@ -524,6 +536,8 @@ class PrivateTraining(NamedTuple):
             "ledger.record_steps(1) before the update on the low-level path.")
       if multiple > 1:
         x, x_prime, mask = distributed.pad_to_multiple(x, x_prime, mask, multiple)
+      if mesh is not None:  # as the step returns them: one compilation for every step
+        params, opt_state = _replicated((params, opt_state), mesh)
       params_out, state_out, loss_value, flags, stats = update(params, opt_state, x, x_prime, mask,
                                                                released, record_ids, keys,
                                                                num_rows=num_rows)
