@@ -14,10 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
 from logit_dp._src import dot_convolution
+from logit_dp._src import linear_ops
 from logit_dp._src import numerics
 
 
@@ -66,26 +68,36 @@ def pair_norms(pair_grad: Callable, params, pairs, out_dtype, chunk: int, in_flo
       grad64 = dot_convolution.convolutions_as_dots(pair_grad)
       return _norms(grad64, p, a, chunk, lambda v: round_up(v, out_dtype))
 
+  # Traced once under x64; its constants (the convolutions' patch indices, values pair_grad
+  # closes over) become arguments of the custom_vmap function, which cannot close over values
+  # an enclosing transformation batches (a cond with a batched predicate batches every
+  # operand of its branches).
+  with jax.enable_x64(True):
+    closed = jax.make_jaxpr(norms_in_float64)(params, pairs)
+
   @jax.custom_batching.custom_vmap
-  def norms(p, a):
-    return norms_in_float64(p, a)
+  def norms(p, a, consts):
+    with jax.enable_x64(True):
+      return linear_ops.evaluate_substituting(jex.ClosedJaxpr(closed.jaxpr, consts),
+                                              jax.tree_util.tree_leaves((p, a)),
+                                              lambda eqn, values: None)[0]
 
   @norms.def_vmap
-  def _batched(axis_size, in_batched, p, a):
+  def _batched(axis_size, in_batched, p, a, consts):
     args = jax.tree_util.tree_map(
-        lambda t, batched: t
-        if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)), (p, a), tuple(in_batched))
+        lambda t, batched: t if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)),
+        (p, a, consts), tuple(in_batched))
     return jax.lax.map(lambda one: norms(*one), args), True
 
   @jax.custom_jvp
   def differentiable(p, a):
-    return norms(p, a)
+    return norms(p, a, list(closed.consts))
 
   @differentiable.defjvp
   def _jvp(primals, tangents):
     native = lambda p, a: _norms(pair_grad, p, a, chunk, lambda v: v.astype(out_dtype))
     _, tangent = jax.jvp(native, primals, tangents)
-    return norms(*primals), tangent
+    return differentiable(*primals), tangent
 
   with jax.enable_x64(True):
     dtype = numerics.computation_dtype(pair_grad, *widen((params, first(pairs))))
