@@ -85,8 +85,9 @@ def pair_norms(pair_grad: Callable, params, pairs, out_dtype, chunk: int, in_flo
   @norms.def_vmap
   def _batched(axis_size, in_batched, p, a, consts):
     args = jax.tree_util.tree_map(
-        lambda t, batched: t if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)),
-        (p, a, consts), tuple(in_batched))
+        lambda t, batched: t
+        if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)), (p, a, consts),
+        tuple(in_batched))
     return jax.lax.map(lambda one: norms(*one), args), True
 
   @jax.custom_jvp
