@@ -109,18 +109,15 @@ def factor_positive_norms(f_u, u, f_v, v) -> jax.Array:
 
 
 def diagonal_values(batch: pair_batch.PairBatch, norms, error: float, scale, allowance: float,
-                    pairs, active=True, refine: bool | None = None) -> jax.Array:
+                    pairs) -> jax.Array:
   """The clip norms of the diagonal pairs `pairs` (c of `pair_batch.PairBatch.pairs`) from
-  their norms (c,) formed as vectors (`diagonal_norms`, `factor_positive_norms`): with their
-  allowance (`with_allowance`, error per unit of scale = s_i + s'_i), and, where refine (None:
-  they were formed below float64, `float64_positive_pairs=False`) and the model can be
-  evaluated in float64, those whose allowance could put them above `FLAG_RATIO` × their truth
-  formed again in float64 (`refine_flagged`; `active`, a bool or traced bool: whether the
-  values are used at all)."""
+  their norms (c,) formed as vectors (`diagonal_norms`): with their allowance
+  (`with_allowance`, error per unit of scale = s_i + s'_i), and, where they were formed below
+  float64 (`float64_positive_pairs=False`) and the model can be evaluated in float64, those
+  whose allowance could put them above `FLAG_RATIO` × their truth formed again in float64
+  (`refine_flagged`)."""
   raised = with_allowance(norms, error, scale, allowance)
-  if refine is None:
-    refine = not batch.float64_positive_pairs
-  if not (allowance and refine and batch.pairs_in_float64):
+  if not (allowance and not batch.float64_positive_pairs and batch.pairs_in_float64):
     return raised
   lower = norms - allowance * error * scale
 
@@ -130,7 +127,7 @@ def diagonal_values(batch: pair_batch.PairBatch, norms, error: float, scale, all
     exact, exact_error = vector_norms(batch, chosen, in_float64=True, params=params)
     return with_allowance(exact, exact_error, scale[index], allowance)
 
-  return refine_flagged(raised, lower, recompute, (batch.params, pairs, scale), raised.size, active)
+  return refine_flagged(raised, lower, recompute, (batch.params, pairs, scale), raised.size)
 
 
 # A clip norm more than this many times the lower end of its float error interval is
@@ -142,7 +139,7 @@ FLAGGED_PAIRS_PER_PASS = 32
 
 
 def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
-                   per_pass: int | None = None, active=True, ratio: float = FLAG_RATIO, forced=None,
+                   per_pass: int | None = None, ratio: float = FLAG_RATIO, forced=None,
                    above=0.0) -> jax.Array:
   """norms, each an upper bound of its pair's true norm, with every flagged one tightened:
   those above ratio × lower (by default FLAG_RATIO × the lower end of the same computation's
@@ -154,7 +151,7 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
   `index` (k,) of norms from `operands` (a pytree: everything it reads that is traced); it
   runs on the flagged pairs, `per_pass` at a time (default FLAGGED_PAIRS_PER_PASS, at most
   the number of pairs), in a loop that runs only while flagged pairs remain (nothing
-  at all where none is flagged or `active` is false), and each flagged pair keeps the
+  at all where none is flagged), and each flagged pair keeps the
   smaller of its two bounds. Every pair's norm is a function of that pair alone (the
   sensitivity needs it: no capacity decides which pairs are tightened), and each unflagged
   norm lies within FLAG_RATIO × lower. The recomputed values are constants to
@@ -192,7 +189,7 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
     # Each flagged norm becomes the smaller of its two bounds.
     return jnp.where(flags & (tight < flat), tight, flat).reshape(shape)
 
-  return jax.lax.cond(jnp.any(flagged) & active, tighten, lambda norms: norms, norms)
+  return jax.lax.cond(jnp.any(flagged), tighten, lambda norms: norms, norms)
 
 
 # A Gram-form norm √(a + b + 2c + ε_G S_ij²) more than this many times its computed value
