@@ -18,6 +18,7 @@ import scipy.stats
 import logit_dp
 import logit_dp.accounting
 from helpers import flat
+from helpers import float64_clipped_reference
 from logit_dp import audit
 from logit_dp._src import losses as losses_lib
 from logit_dp._src import numerics
@@ -246,35 +247,10 @@ REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 
 def _brute_force_gbar(embed_fn, params, x, x_prime, loss, clip_norm):
   """ḡ = Σ_ij τ_ij·clip_B(∇_w Z_ij) in float64 from each pair's own gradient (jax.grad of Z_ij)
-  and τ = jax.grad of the loss; call under jax.enable_x64."""
-  n = x.shape[0]
-  g = np.stack([
-      np.stack([np.asarray(_pair_grad(embed_fn, params, x[i], x_prime[j])) for j in range(n)])
-      for i in range(n)
-  ])
-  clipped = g * np.minimum(1.0, clip_norm / np.linalg.norm(g, axis=-1, keepdims=True))
-  return np.einsum("ij,ijp->p", np.asarray(_loss_weights(embed_fn, loss, params, x, x_prime)),
-                   clipped)
-
-
-def _unit(embed_fn, params, xe):
-  e = embed_fn(params, xe[None])[0]
-  return e / jnp.sqrt(jnp.sum(e * e) + logit_dp.losses.DEFAULT_COSINE_EPS ** 2)
-
-
-# Jitted: one compilation for every pair and batch of the same shapes, not one per operation.
-@functools.partial(jax.jit, static_argnums=0)
-def _pair_grad(embed_fn, params, a, b):
-  """∇_w ⟨n(Φ(a)), n(Φ(b))⟩ flattened (in helpers.flat's leaf order)."""
-  grads = jax.grad(lambda p: jnp.dot(_unit(embed_fn, p, a), _unit(embed_fn, p, b)))(params)
-  return jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree_util.tree_leaves(grads)])
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _loss_weights(embed_fn, loss, params, x, x_prime):
-  """τ = ∂ℒ/∂Z of the batch."""
-  unit = lambda a: _unit(embed_fn, params, a)
-  return jax.grad(loss)(jax.vmap(unit)(x) @ jax.vmap(unit)(x_prime).T)
+  and τ = jax.grad of the loss (`helpers.float64_clipped_reference`), flattened; call under
+  jax.enable_x64."""
+  return np.asarray(
+      flat(float64_clipped_reference(embed_fn, loss, params, x, x_prime, clip_norm)[1]))
 
 
 def _adversarial_linear(n=6, d=3):
