@@ -21,16 +21,19 @@ LOSSES = {
 }
 
 _SLOW = pytest.mark.slow
-# The default run keeps the mlp with each method on the contrastive loss, and ghost on spreadout;
-# the conv net's layers are checked against jax.grad by test_layerwise, test_ghost_blocks and
-# test_float32_norms. The rest of the grid is slow.
-_DEFAULT_INFINITE_CLIP = {("mlp", m, "contrastive") for m in logit_dp.clip_methods.METHODS
-                         } | {("mlp", "ghost", "spreadout")}
+# The default run keeps ghost on the mlp and the contrastive loss; the extended run the mlp with
+# each other method, and ghost on spreadout; the conv net's layers are checked against jax.grad
+# by test_layerwise, test_ghost_blocks and test_float32_norms. The rest of the grid is slow.
+_DEFAULT_INFINITE_CLIP = {("mlp", "ghost", "contrastive")}
+_EXTENDED_INFINITE_CLIP = {("mlp", m, "contrastive") for m in logit_dp.clip_methods.METHODS
+                          } | {("mlp", "ghost", "spreadout")}
 
 
 @pytest.mark.parametrize("kind,method,loss_name", [
-    pytest.param(kind, method, loss_name, marks=() if
-                 (kind, method, loss_name) in _DEFAULT_INFINITE_CLIP else _SLOW)
+    pytest.param(kind, method, loss_name,
+                 marks=() if (kind, method, loss_name) in _DEFAULT_INFINITE_CLIP else
+                 pytest.mark.extended if (kind, method, loss_name) in _EXTENDED_INFINITE_CLIP else
+                 _SLOW)
     for kind in ("mlp", "conv") for method in logit_dp.clip_methods.METHODS
     for loss_name in sorted(LOSSES)
 ])

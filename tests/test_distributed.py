@@ -164,6 +164,7 @@ def test_materialize_sharded():
   _assert_matches(sharded(params, x, x_prime, mask), reference)
 
 
+@pytest.mark.extended
 def test_naive_sharded():
   embed_fn, params, x, x_prime, _ = _batch()
   loss = LOSSES["contrastive"]
@@ -393,6 +394,7 @@ def test_data_mesh_and_padding_helpers():
                                      distributed.data_mesh(2, axis_name="batch"))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "method,naive", [("ghost", False), pytest.param("ghost", True, marks=_SLOW)])
 def test_sharded_stats_and_num_dropped_are_those_of_the_global_batch(method, naive):
@@ -423,6 +425,7 @@ def test_sharded_stats_and_num_dropped_are_those_of_the_global_batch(method, nai
   _assert_matches((value, grads), (plain_value, plain_grads), tol=1e-6)
 
 
+@pytest.mark.extended
 def test_nonfinite_pairs_raise_eagerly_like_single_device():
   _, params, x, x_prime, _ = _batch()
   sharded = _sharded(4, "spreadout")

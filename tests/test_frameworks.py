@@ -96,7 +96,8 @@ def _expected_layers(model):
 
 
 @pytest.mark.parametrize("framework,model",
-                         [(f, m) if m != "resnet18" else pytest.param(f, m, marks=pytest.mark.slow)
+                         [(f, m) if m == "conv" else pytest.param(
+                             f, m, marks=pytest.mark.slow if m == "resnet18" else pytest.mark.extended)
                           for m in sorted(SIZES) for f in FRAMEWORKS])
 def test_every_framework_gets_the_linen_plan(framework, model):
   """Every dense / conv layer found, with its bias, and no parameter left generic."""
@@ -123,6 +124,7 @@ def _cases(default):
 NORM_CASES = _cases({("equinox", "mlp"), ("plain", "mlp")})
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("framework,model", NORM_CASES)
 def test_ghost_norms_are_materialize_and_float64_truth(framework, model):
   embed_fn, params, x, x_prime = _problem(framework, model)
@@ -145,6 +147,7 @@ def test_ghost_norms_are_materialize_and_float64_truth(framework, model):
 GRAD_CASES = _cases({("nnx", "mlp")})
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("framework,model", GRAD_CASES)
 def test_clipped_grad_with_mask_and_microbatches(framework, model, no_float_allowance):
   """ghost (microbatched) = materialize with a mask and an active clip; with a clip above
@@ -219,6 +222,7 @@ def test_permuted_kernels_contract_like_jax(framework, model, mode, monkeypatch)
                                atol=1e-5 * float(np.max(np.abs(expected))))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "framework",
     [f if f == "equinox" else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS])
@@ -243,6 +247,7 @@ def test_two_towers(framework):
   np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=atol)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "framework", [f if f == "nnx" else pytest.param(f, marks=pytest.mark.slow) for f in FRAMEWORKS])
 def test_under_shard_map(framework):
@@ -273,6 +278,7 @@ def _nested_embed(params, x):
   return h * params["scale"]
 
 
+@pytest.mark.extended
 def test_layers_inside_sub_jaxprs_are_found():
   k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
   params = {

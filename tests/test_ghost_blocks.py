@@ -61,6 +61,7 @@ def _one_block(kind):
   return (embed_fn, params, x, x_prime), clip_norm, one, exact, grads
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("kind,blocks", [
     pytest.param(kind, blocks, marks=() if (kind, blocks) == ("mlp", (4, 2)) else _SLOW)
     for kind in ("mlp", "conv") for blocks in BLOCKS
@@ -102,6 +103,7 @@ def test_blocked_unclipped_ghost_is_float64_jax_grad(blocks, monkeypatch):
   assert rel_err(grads, truth) < 1e-5
 
 
+@pytest.mark.extended
 def test_blocked_ghost_drops_non_finite_pairs_like_one_block(monkeypatch):
   embed_fn, params, x, x_prime = make_model("mlp", N, seed=3)
   x = x.at[4, 0].set(jnp.nan)

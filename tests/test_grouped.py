@@ -354,6 +354,7 @@ def test_nonfinite_records_raise_eagerly_and_are_dropped_under_jit():
   assert int(num) == 6 and np.isnan(float(loss)) and np.all(flat(grads) == 0)
 
 
+@pytest.mark.extended
 def test_stats_are_the_norms_of_the_groups_with_a_valid_record(no_norm_allowance):
   fn, params, x, x_prime, views = make("linear", 11, seed=1, k=1)
   mask = np.ones(11, bool)
@@ -601,6 +602,7 @@ def test_two_tower_gradient_ascent_attack_never_exceeds_2b():
   _assert_attack_approaches_2b(f, params, x, x_prime, 4, positive_embed_fn=f_prime)
 
 
+@pytest.mark.extended
 def test_two_tower_bad_arguments_raise_value_error():
   f, f_prime, params, x, texts = two_towers("shared", 5, seed=13)
   contrastive = logit_dp.losses.contrastive()

@@ -99,7 +99,7 @@ def test_a_registered_method_resolves_by_name_and_clips_like_the_brute_force_sum
   assert int(stats.num_clipped) == int(np.sum(exact > clip_norm))
 
 
-@pytest.mark.parametrize("by", ["name", "object"])
+@pytest.mark.parametrize("by", [pytest.param("name", marks=pytest.mark.extended), "object"])
 def test_make_private_trains_with_a_registered_method(registered, by):
   embed_fn, params, _, _ = make_model("mlp", n=N)
   num_records = 60

@@ -74,7 +74,7 @@ def test_method_objects_check_their_own_options():
     logit_dp.clipped_grad(embed_fn, LOSS, 1.0, methods.Ghost(), memory_budget=5)
 
 
-@pytest.mark.parametrize("name", ["ghost", "triangle"])
+@pytest.mark.parametrize("name", ["ghost", pytest.param("triangle", marks=pytest.mark.extended)])
 def test_a_method_object_gives_what_its_name_gives(name):
   embed_fn, params, x, x_prime = make_model("mlp", n=N)
   with pytest.warns(DeprecationWarning):
@@ -91,7 +91,9 @@ def test_a_method_object_gives_what_its_name_gives(name):
       norms, logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, name))
 
 
-@pytest.mark.parametrize("name", ["ghost", "materialize", "triangle", "projected"])
+@pytest.mark.parametrize(
+    "name", ["ghost"] + [pytest.param(n, marks=pytest.mark.extended)
+                         for n in ("materialize", "triangle", "projected")])
 def test_every_method_returns_its_norms_then_the_clipped_gradient(name):
   """norms_and_clipped_grad: (norms of pair_norms, ḡ of clipped_grad), in that order."""
   from helpers import make_batch  # pylint: disable=g-import-not-at-top
@@ -180,6 +182,7 @@ def test_make_private_takes_its_sensitivity_from_the_gradient_function():
     assert private.grad_fn.method == method
 
 
+@pytest.mark.extended
 def test_sharded_method_naive_is_the_naive_flag():
   embed_fn, params, x, x_prime = make_model("mlp", n=N)
   mesh = distributed.data_mesh(1)

@@ -92,6 +92,7 @@ def test_make_private_trains_bfloat16_params_and_returns_them_in_bfloat16():
   assert np.isfinite(float(loss_value))
 
 
+@pytest.mark.extended
 def test_dp_gcl_evaluates_a_bfloat16_model_in_float32():
   """DP-GCL widens like clipped_grad: bfloat16 params and inputs give exactly the result of the
   same values cast to float32 first (the cast is exact), in float32."""

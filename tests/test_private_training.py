@@ -359,6 +359,7 @@ def test_recording_inside_the_batches_loop_is_refused():
       pt.ledger.record_steps(1)
 
 
+@pytest.mark.extended
 def test_the_first_training_in_a_process_runs_no_accountant_within_its_planned_steps(monkeypatch):
   """The loop of batches() and the train step, within the T steps σ was calibrated for, run
   no privacy accountant: the first training built in a process does the work per step of
@@ -824,6 +825,7 @@ def test_record_ids_only_with_dp_gcl():
                          record_ids=jnp.arange(8))
 
 
+@pytest.mark.extended
 def test_dp_gcl_with_dropout_gets_the_model_key_of_the_step():
   """stochastic=True: step t's DP-GCL gradient uses fold_in(model_key, t) and
   fold_in(group_key, t), the noise key split apart from both."""
@@ -900,6 +902,7 @@ def test_make_private_refuses_a_bad_mesh_and_dp_gcl_on_a_mesh():
     _setup(method="dp_gcl", group_size=4, mesh=logit_dp.distributed.data_mesh(2))
 
 
+@pytest.mark.extended
 def test_augment_runs_per_step_on_the_gathered_batch_before_the_gradient():
   """augment(x, x', t) is applied inside the step to the gathered rows, with the update's
   number t: (ℒ, ḡ) are grad_fn's on the augmented valid rows, under the step's own noise."""
@@ -931,6 +934,7 @@ def test_augment_runs_per_step_on_the_gathered_batch_before_the_gradient():
     _setup(steps=1).make_train_step(augment=3)
 
 
+@pytest.mark.extended
 def test_dp_gcl_augment_gives_the_extra_views_of_each_record():
   """method="dp_gcl": augment may return (x, x', extra_views); the update is
   grouped_clipped_grad's with those extra views."""
@@ -958,6 +962,7 @@ def test_dp_gcl_augment_gives_the_extra_views_of_each_record():
                          new_state[-1], noise, want)
 
 
+@pytest.mark.extended
 def test_clip_stats_are_those_of_grad_fn_on_the_batch():
   """make_train_step(clip_stats=True) returns grad_fn.with_stats's ClipStats of the batch."""
   embed_fn, params = _embed()

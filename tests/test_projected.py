@@ -237,6 +237,7 @@ def test_each_pair_norm_depends_on_its_own_pair_only():
     np.testing.assert_allclose(part, full[np.ix_(keep, keep)], rtol=1e-6)
 
 
+@pytest.mark.extended
 def test_clipped_grad_is_the_clipped_sum_of_materialised_pair_gradients():
   """ḡ = Σ_ij τ_ij·min(1, B/N_ij)·∇Z_ij with N_ij the projected norms and ∇Z_ij by jax.grad."""
   embed_fn, params, x, x_prime = make_model("mlp", n=N, seed=4)

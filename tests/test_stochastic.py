@@ -428,6 +428,7 @@ def _two_towers():
   return anchor, positive, {"anchor": _plain_params(0), "positive": _plain_params(1)}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "method",
     ["ghost"] + [pytest.param(m, marks=pytest.mark.slow) for m in ("triangle", "materialize")])
@@ -487,6 +488,7 @@ def test_dp_gcl_with_dropout():
                              atol=1e-7 * np.max(np.abs(want)))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "method",
     ["ghost"] + [pytest.param(m, marks=pytest.mark.slow) for m in ("materialize", "naive")])
@@ -532,6 +534,7 @@ def test_sharded_train_step_with_dropout():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_make_private_trains_a_dropout_model():
   embed_fn, params = _model("plain")
   data_x, data_xp = _data(n=40, seed=1)

@@ -183,8 +183,9 @@ def test_infinite_clip_norm_is_jax_grad_with_mask_and_microbatches(kind, method)
 
 
 @pytest.mark.parametrize("kind, method", [
-    pytest.param(kind, method, marks=() if kind in STRESS else SLOW) for kind in KINDS + STRESS
-    for method in TWO_TOWER_METHODS
+    pytest.param(kind, method,
+                 marks=(() if method == "ghost" else pytest.mark.extended) if kind in STRESS else SLOW)
+    for kind in KINDS + STRESS for method in TWO_TOWER_METHODS
 ])
 def test_clip_norms_are_never_below_the_float64_truth(kind, method):
   f, g, params, x, x_prime = _towers(kind)
@@ -247,6 +248,7 @@ def test_a_leaf_used_outside_a_layer_by_the_other_tower_is_shared():
   np.testing.assert_allclose(norms["ghost"], norms["materialize"], rtol=1e-4)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "method", [pytest.param(m, marks=() if m == "ghost" else SLOW) for m in TWO_TOWER_METHODS])
 def test_one_tower_written_as_two_gives_the_one_tower_norms(method):
@@ -286,6 +288,7 @@ def test_stress_is_real_positive_pairs_are_tiny():
     assert np.max(np.diag(truth)) < 0.05 * np.median(off), kind
 
 
+@pytest.mark.extended
 def test_input_errors_are_clear():
   f, g, params, x, tokens = _towers("disjoint")
   fn = logit_dp.clipped_grad(f, LOSS, 1.0, positive_embed_fn=g)

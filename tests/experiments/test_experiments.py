@@ -288,6 +288,7 @@ def test_privacy_seeds_of_a_run_started_with_the_old_layout_are_reused(tmp_path)
   assert train.privacy_seeds(cfg, str(tmp_path / "v"), "naive_dp") == first
 
 
+@pytest.mark.extended
 def test_private_train_loss_only_as_labelled_diagnostic(tmp_path):
   cfg = tiny.get_config()
   cfg.methods = ("non_private",)
