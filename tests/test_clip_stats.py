@@ -81,10 +81,10 @@ def test_stats_are_those_of_the_norms_clipping_used(method):
                          plain_grads)
 
 
-@pytest.mark.parametrize(
-    "method,budget",
-    [pytest.param("ghost", None, marks=_SLOW), ("ghost", 1),
-     pytest.param("materialize", None, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("method,budget", [
+    pytest.param("ghost", None, marks=_SLOW), ("ghost", 1),
+    pytest.param("materialize", None, marks=pytest.mark.extended)
+])
 def test_exact_methods_match_brute_force_pair_norms(method, budget, no_float_allowance):
   # budget=1 byte: "ghost" in blocks of one row and one column.
   embed_fn, params, x, x_prime = make_model("mlp", n=6, seed=2)

@@ -52,12 +52,10 @@ DEFAULT_CASES = ("nchw_groups_dilated", "input_dilated")
 EXTENDED_CASES = ("3d",)
 
 
-@pytest.mark.parametrize(
-    "name", [
-        n if n in DEFAULT_CASES else pytest.param(
-            n, marks=pytest.mark.extended if n in EXTENDED_CASES else pytest.mark.slow)
-        for n in CASES
-    ])
+@pytest.mark.parametrize("name", [
+    n if n in DEFAULT_CASES else pytest.param(
+        n, marks=pytest.mark.extended if n in EXTENDED_CASES else pytest.mark.slow) for n in CASES
+])
 def test_convolution_and_its_gradients_equal_xla_in_float64(name):
   case = CASES[name]
   rank = len(case["strides"])

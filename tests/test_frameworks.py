@@ -95,10 +95,12 @@ def _expected_layers(model):
           for layer in _plan(embed_fn, params, x).layers]
 
 
-@pytest.mark.parametrize("framework,model",
-                         [(f, m) if m == "conv" else pytest.param(
-                             f, m, marks=pytest.mark.slow if m == "resnet18" else pytest.mark.extended)
-                          for m in sorted(SIZES) for f in FRAMEWORKS])
+_PLAN_MARKS = {"conv": (), "mlp": pytest.mark.extended, "resnet18": pytest.mark.slow}
+
+
+@pytest.mark.parametrize(
+    "framework,model",
+    [pytest.param(f, m, marks=_PLAN_MARKS[m]) for m in sorted(SIZES) for f in FRAMEWORKS])
 def test_every_framework_gets_the_linen_plan(framework, model):
   """Every dense / conv layer found, with its bias, and no parameter left generic."""
   embed_fn, params, x, _ = _problem(framework, model)

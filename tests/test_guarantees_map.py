@@ -24,8 +24,10 @@ def _references():
 def _is_slow(decorator) -> bool:
   """`@pytest.mark.slow` or an alias of it (`_SLOW`, `SLOW`), or `@pytest.mark.extended`: not in
   the default run; a parametrization with some such cases is (its default cases run)."""
-  return isinstance(decorator, (ast.Attribute, ast.Name)) and ast.unparse(decorator) in (
-      "pytest.mark.slow", "_SLOW", "SLOW", "pytest.mark.extended")
+  return isinstance(
+      decorator,
+      (ast.Attribute, ast.Name)) and ast.unparse(decorator) in ("pytest.mark.slow", "_SLOW", "SLOW",
+                                                                "pytest.mark.extended")
 
 
 def _default_tests(filename):

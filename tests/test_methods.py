@@ -92,8 +92,8 @@ def test_a_method_object_gives_what_its_name_gives(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["ghost"] + [pytest.param(n, marks=pytest.mark.extended)
-                         for n in ("materialize", "triangle", "projected")])
+    "name", ["ghost"] +
+    [pytest.param(n, marks=pytest.mark.extended) for n in ("materialize", "triangle", "projected")])
 def test_every_method_returns_its_norms_then_the_clipped_gradient(name):
   """norms_and_clipped_grad: (norms of pair_norms, ḡ of clipped_grad), in that order."""
   from helpers import make_batch  # pylint: disable=g-import-not-at-top
