@@ -1,5 +1,6 @@
 """clipped_grad against independent computations: jax.grad and the materialised reference."""
 
+import itertools
 import warnings
 
 import jax
@@ -29,12 +30,15 @@ _EXTENDED_INFINITE_CLIP = {("mlp", m, "contrastive") for m in logit_dp.clip_meth
                           } | {("mlp", "ghost", "spreadout")}
 
 
+def _infinite_clip_marks(case):
+  if case in _DEFAULT_INFINITE_CLIP:
+    return ()
+  return pytest.mark.extended if case in _EXTENDED_INFINITE_CLIP else _SLOW
+
+
 @pytest.mark.parametrize("kind,method,loss_name", [
-    pytest.param(
-        kind, method, loss_name, marks=() if
-        (kind, method, loss_name) in _DEFAULT_INFINITE_CLIP else pytest.mark.extended if
-        (kind, method, loss_name) in _EXTENDED_INFINITE_CLIP else _SLOW) for kind in ("mlp", "conv")
-    for method in logit_dp.clip_methods.METHODS for loss_name in sorted(LOSSES)
+    pytest.param(*case, marks=_infinite_clip_marks(case))
+    for case in itertools.product(("mlp", "conv"), logit_dp.clip_methods.METHODS, sorted(LOSSES))
 ])
 def test_infinite_clip_norm_is_jax_grad(kind, loss_name, method):
   embed_fn, params, x, x_prime = make_model(kind, n=6)
