@@ -42,7 +42,10 @@ VARIANTS = {
 }
 
 
-def run(n: int, repeats: int) -> dict:
+def run(n: int, repeats: int, variants: dict | None = None) -> dict:
+  """Times the training steps of `variants` (name: (method spec, patches); default VARIANTS),
+  each patch (module, attribute, value) set while its step is built."""
+  variants = VARIANTS if variants is None else variants
   embed_fn, params, x, x_prime, _ = sb.build_problem("embedding", n, 32)
   args = argparse.Namespace(temperature=1.0, clip_norm=1.0, noise_multiplier=1.0,
                             learning_rate=1e-3)
@@ -60,7 +63,7 @@ def run(n: int, repeats: int) -> dict:
       for module, name, value in saved:
         setattr(module, name, value)
 
-  steps = {name: compiled(*variant) for name, variant in VARIANTS.items()}
+  steps = {name: compiled(*variant) for name, variant in variants.items()}
   for step, step_args in steps.values():
     jax.block_until_ready(step(*step_args))
   times = {name: [] for name in steps}

@@ -277,6 +277,26 @@ def test_bad_batches():
     fn(params, x, x_prime, jnp.ones((3,), bool))
 
 
+def test_ghost_layer_chunks_of_any_row_count_give_the_exact_norms(monkeypatch):
+  """On the CPU a ghost layer's pair terms come in chunks of GHOST_LAYER_CHUNK_PAIRS // n rows
+  (8 up to n = 512, 4 at n = 1,000, 1 from n = 4,096); chunks of 3 rows, the last one padded,
+  give the materialised norms too."""
+  from logit_dp._src import chunking
+  from logit_dp._src import layerwise
+  assert [chunking.ghost_layer_chunk_rows(n) for n in (2, 512, 1000, 2000, 4096, 10 ** 5)
+         ] == [8, 8, 4, 2, 1, 1]
+  embed_fn, params, x, x_prime = make_model("conv", n=7)
+  monkeypatch.setattr(layerwise, "use_ghost", lambda layer, d: True)
+  exact = logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
+                                                float_allowance=False)
+  monkeypatch.setattr(chunking, "ghost_layer_chunk_rows", lambda n: 3)
+  fresh = lambda p, xs: embed_fn(p, xs)  # a new function: nothing compiled is reused
+  norms = logit_dp.clip_methods.pair_grad_norms(fresh, params, x, x_prime, "ghost",
+                                                float_allowance=False)
+  atol = 1e-5 * float(np.max(exact))  # as in test_accelerator_pair_chunks_give_the_same_exact_norms
+  np.testing.assert_allclose(norms, exact, rtol=1e-4, atol=atol)
+
+
 @pytest.mark.slow  # the accelerator's chunking simulated on CPU (conv, n = 13)
 def test_accelerator_pair_chunks_give_the_same_exact_norms(monkeypatch):
   """The accelerator's larger, uncapped pair-term chunks (one chunk of 13 rows here, against

@@ -24,7 +24,13 @@ from logit_dp._src import rows as rows_lib
 CROSS_GRAM_CHUNK_FLOATS = 1 << 23
 # Floats held by one chunk of a ghost layer's pair terms (rows × n × (T² + 2TC + d)).
 GHOST_LAYER_CHUNK_FLOATS = 1 << 24
-GHOST_LAYER_CHUNK_ROWS = 8  # its batched small contractions run fastest in small chunks (CPU)
+# On the CPU a ghost layer's chunk holds at most GHOST_LAYER_CHUNK_ROWS rows and, where more
+# than one row, at most GHOST_LAYER_CHUNK_PAIRS pairs (`ghost_layer_chunk_rows`): its batched
+# small contractions (T×T by T×C per pair) run fastest in small chunks, and smaller ones as n
+# grows (embedding net: 4 rows 10% faster than 8 at n = 1,000, 8 rows 3% faster than 4 at
+# n = 256; docs/BENCHMARKS.md).
+GHOST_LAYER_CHUNK_ROWS = 8
+GHOST_LAYER_CHUNK_PAIRS = 4096
 # On an accelerator the pair-term chunks are this many times larger and not capped in rows:
 # a chunk there is a few kernel launches, and at the CPU sizes (1-13 rows at n = 10,000)
 # the launches, not the arithmetic, would set the time.
@@ -81,6 +87,12 @@ def map_row_chunks(fn, xs, chunk: int | None) -> Any:
   if chunk is None or chunk >= n:
     return fn(*xs)
   return unchunk_rows(map_chunks(fn, xs, chunk), n)
+
+
+def ghost_layer_chunk_rows(n_columns: int) -> int:
+  """The row cap of a ghost layer's pair-term chunks against n_columns columns on the CPU:
+  GHOST_LAYER_CHUNK_PAIRS // n_columns, between 1 and GHOST_LAYER_CHUNK_ROWS."""
+  return max(1, min(GHOST_LAYER_CHUNK_ROWS, GHOST_LAYER_CHUNK_PAIRS // max(n_columns, 1)))
 
 
 def _chunk_rows(n_rows: int, row_floats: int, budget: int, max_rows: int | None) -> int:

@@ -339,3 +339,14 @@ def test_first_built_markdown_sums_the_counts_of_every_phase():
       ]))
   assert md.splitlines()[-1] == ("| mlp | 8 | ghost | 1.50 (2.00) | 1.50 (2.00) | 1.50 (2.00) | "
                                  "2.0, 2.0 | 10.0, 10.0 | 9, 3 | 0, 0 |")
+
+
+@pytest.mark.slow  # three compilations of a training step
+def test_ghost_chunk_rows_times_each_cap_and_restores_the_library():
+  from benchmarks import ghost_chunk_rows  # pylint: disable=g-import-not-at-top
+  from logit_dp._src import chunking  # pylint: disable=g-import-not-at-top
+  shipped = chunking.ghost_layer_chunk_rows
+  (result,) = ghost_chunk_rows.main(["--sizes", "8", "--rows", "1", "--repeats", "1"])
+  assert set(result["variants"]) == {"non-private", "ghost", "ghost, 1 row"}
+  assert all(v["ratio"] > 0 for v in result["variants"].values())
+  assert result["shipped_rows"] == 8 and chunking.ghost_layer_chunk_rows is shipped

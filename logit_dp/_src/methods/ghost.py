@@ -287,7 +287,8 @@ def ghost_layer_cross_spec(a_rows, deltas_rows, u_rows, a_columns, deltas_column
 
   rows = tuple(b.reshape(b.shape[0], -1) for b in (a_rows, deltas_rows)) + (u_rows,)
   row_floats = n * (t * t + 2 * t * c + d)
-  return fn, rows, row_floats, chunking.GHOST_LAYER_CHUNK_FLOATS, chunking.GHOST_LAYER_CHUNK_ROWS
+  return (fn, rows, row_floats, chunking.GHOST_LAYER_CHUNK_FLOATS,
+          chunking.ghost_layer_chunk_rows(n))
 
 
 def ghost_layer_cross_terms(a_rows, deltas_rows, u_rows, a_columns, deltas_columns, v) -> jax.Array:
