@@ -15,7 +15,8 @@ Time (one process, the steps interleaved, median of --repeats after a warm-up):
         --out results/ghost_time_resnet64.json
 
 times one training step (gradient, noise, Adam) of "ghost", "triangle" and the non-private
-step. Ratios, not absolute times: these machines are shared and noisy.
+step (--methods: a subset; --no-warmup: each step's first run is its first timed one, for steps
+of many minutes). Ratios, not absolute times: these machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ def timing(args) -> list:
   for n in (int(s) for s in args.sizes.split(",")):
     embed_fn, params, x, x_prime, _ = step_benchmark.build_problem(args.model, n, args.image_size)
     steps = {}
-    for spec in [step_benchmark.BASELINE, f"triangle{mb}", f"ghost{mb}"]:
+    specs = {"nonprivate": step_benchmark.BASELINE, "triangle": f"triangle{mb}",
+             "ghost": f"ghost{mb}"}
+    for spec in (specs[m] for m in args.methods.split(",")):
       compiled, opt_state, info = step_benchmark.compile_step(spec, embed_fn, params, x, x_prime,
                                                               settings)
-      jax.block_until_ready(compiled(params, opt_state, x, x_prime))  # warm-up
+      if args.warmup:
+        jax.block_until_ready(compiled(params, opt_state, x, x_prime))
       steps[spec] = (compiled, opt_state, info)
       print(f"compiled {spec} at n = {n}: {info}", flush=True)
     times = {spec: [] for spec in steps}
@@ -119,6 +123,10 @@ def main(argv=None) -> list:
   parser.add_argument("--skip-unbounded", action="store_true",
                       help="memory: only the blocked path, not the one-block contrast")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--methods", default="nonprivate,triangle,ghost",
+                      help="time: a subset of nonprivate,triangle,ghost (nonprivate first)")
+  parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                      help="time: an untimed run of each step before the timed ones")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   rows = memory(args) if args.what == "memory" else timing(args)
