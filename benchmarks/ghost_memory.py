@@ -86,8 +86,9 @@ def timing(args) -> list:
   for n in (int(s) for s in args.sizes.split(",")):
     embed_fn, params, x, x_prime, _ = step_benchmark.build_problem(args.model, n, args.image_size)
     steps = {}
-    specs = {"nonprivate": step_benchmark.BASELINE, "triangle": f"triangle{mb}",
-             "ghost": f"ghost{mb}"}
+    specs = {
+        "nonprivate": step_benchmark.BASELINE, "triangle": f"triangle{mb}", "ghost": f"ghost{mb}"
+    }
     for spec in (specs[m] for m in args.methods.split(",")):
       compiled, opt_state, info = step_benchmark.compile_step(spec, embed_fn, params, x, x_prime,
                                                               settings)
