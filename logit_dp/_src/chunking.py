@@ -24,11 +24,11 @@ from logit_dp._src import rows as rows_lib
 CROSS_GRAM_CHUNK_FLOATS = 1 << 23
 # Floats held by one chunk of a ghost layer's pair terms (rows × n × (T² + 2TC + d)).
 GHOST_LAYER_CHUNK_FLOATS = 1 << 24
-# On the CPU a ghost layer's chunk holds at most GHOST_LAYER_CHUNK_ROWS rows and, where more
-# than one row, at most GHOST_LAYER_CHUNK_PAIRS pairs (`ghost_layer_chunk_rows`): its batched
-# small contractions (T×T by T×C per pair) run fastest in small chunks, and smaller ones as n
-# grows (embedding net: 4 rows 10% faster than 8 at n = 1,000, 8 rows 3% faster than 4 at
-# n = 256; docs/BENCHMARKS.md).
+# On the CPU a ghost layer's chunk holds at most GHOST_LAYER_CHUNK_ROWS rows and at most
+# GHOST_LAYER_CHUNK_PAIRS pairs, but at least one row (`ghost_layer_chunk_rows`): its batched
+# small contractions (T×T by T×C per pair) run fastest in small chunks, the smaller the larger
+# n (the embedding net's step: 4 rows 3–10% faster than 8 at n = 1,000, 2 rows 6% faster at
+# n = 2,000; docs/BENCHMARKS.md).
 GHOST_LAYER_CHUNK_ROWS = 8
 GHOST_LAYER_CHUNK_PAIRS = 4096
 # On an accelerator the pair-term chunks are this many times larger and not capped in rows:
