@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from logit_dp._src import dot_convolution
-from logit_dp._src import linear_ops
 from logit_dp._src import numerics
 
 
@@ -78,17 +77,21 @@ def pair_norms(pair_grad: Callable, params, pairs, out_dtype, chunk: int, in_flo
   @jax.custom_batching.custom_vmap
   def norms(p, a, consts):
     with jax.enable_x64(True):
-      return linear_ops.evaluate_substituting(jex.ClosedJaxpr(closed.jaxpr, consts),
-                                              jax.tree_util.tree_leaves((p, a)),
-                                              lambda eqn, values: None)[0]
+      return jex.jaxpr_as_fun(jex.ClosedJaxpr(closed.jaxpr,
+                                              consts))(*jax.tree_util.tree_leaves((p, a)))[0]
 
   @norms.def_vmap
   def _batched(axis_size, in_batched, p, a, consts):
-    args = jax.tree_util.tree_map(
-        lambda t, batched: t
-        if batched else jnp.broadcast_to(t, (axis_size,) + jnp.shape(t)), (p, a, consts),
-        tuple(in_batched))
-    return jax.lax.map(lambda one: norms(*one), args), True
+    del axis_size  # lax.map over the batched arguments; the others are the same for each
+    leaves, treedef = jax.tree_util.tree_flatten((p, a, consts))
+    batched = jax.tree_util.tree_leaves(tuple(in_batched))
+
+    def one(batched_leaves):
+      rest = iter(batched_leaves)
+      return norms(*jax.tree_util.tree_unflatten(
+          treedef, [next(rest) if b else leaf for leaf, b in zip(leaves, batched)]))
+
+    return jax.lax.map(one, [leaf for leaf, b in zip(leaves, batched) if b]), True
 
   @jax.custom_jvp
   def differentiable(p, a):
