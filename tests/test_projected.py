@@ -15,6 +15,7 @@ import pytest
 import logit_dp
 from conftest import SmallConv
 from conftest import make_model
+from helpers import float64_clipped_reference
 from helpers import make_batch
 from helpers import rel_err
 from logit_dp import audit
@@ -239,7 +240,8 @@ def test_each_pair_norm_depends_on_its_own_pair_only():
 
 @pytest.mark.extended
 def test_clipped_grad_is_the_clipped_sum_of_materialised_pair_gradients():
-  """ḡ = Σ_ij τ_ij·min(1, B/N_ij)·∇Z_ij with N_ij the projected norms and ∇Z_ij by jax.grad."""
+  """ḡ = Σ_ij τ_ij·min(1, B/N_ij)·∇Z_ij with N_ij the projected norms and ∇Z_ij by jax.grad
+  (in float64, `helpers.float64_clipped_reference`)."""
   embed_fn, params, x, x_prime = make_model("mlp", n=N, seed=4)
   reference = jax.random.normal(jax.random.PRNGKey(11), (3,) + x.shape[1:])
   loss = logit_dp.losses.contrastive(temperature=0.5)
@@ -248,22 +250,9 @@ def test_clipped_grad_is_the_clipped_sum_of_materialised_pair_gradients():
   clip_norm = float(np.median(norms))
   _, got = logit_dp.clipped_grad(embed_fn, loss, clip_norm, projected)(params, x, x_prime)
 
-  unit = lambda p, a: logit_dp.losses.normalize(embed_fn(p, a[None]))[0]
-
-  @jax.jit  # one compilation of the materialised sum
-  def materialised_sum(params, norms):
-    z = logit_dp.losses.cosine_similarity(embed_fn(params, x), embed_fn(params, x_prime))
-    weights = jax.grad(loss)(z) * jnp.minimum(1.0, clip_norm / norms)
-
-    def weighted_pair_grad(i, j):
-      g = jax.grad(lambda p: jnp.dot(unit(p, x[i]), unit(p, x_prime[j])))(params)
-      return jax.tree_util.tree_map(lambda leaf: weights[i, j] * leaf, g)
-
-    rows, cols = (a.ravel() for a in jnp.meshgrid(jnp.arange(N), jnp.arange(N), indexing="ij"))
-    return jax.tree_util.tree_map(lambda a: jnp.sum(a, axis=0),
-                                  jax.vmap(weighted_pair_grad)(rows, cols))
-
-  want = materialised_sum(params, norms)
+  with jax.enable_x64(True):
+    _, want = float64_clipped_reference(embed_fn, loss, params, x, x_prime, clip_norm,
+                                        clip_by=norms)
   assert rel_err(got, want) < 1e-4
   assert np.mean(norms > clip_norm) > 0.3  # clipping happened
 
