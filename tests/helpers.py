@@ -80,6 +80,22 @@ def make_batch(embed_fn, params, x, x_prime, positive_embed_fn=None):
                               positive_embed_fn=positive_embed_fn)
 
 
+def float32_jacobian_norms(embed_fn, params, x, x_prime, positive_embed_fn=None):
+  """(s_u, s_v) in float64: the Frobenius norms of the normalised embeddings' Jacobians of x
+  and x' (by positive_embed_fn where given: a second tower) as the library computes them in
+  float32 (under jit, as in clipped_grad), the scale of its float allowances."""
+  from logit_dp._src import pair_terms
+
+  @jax.jit
+  def norms(params, x, x_prime):
+    batch = make_batch(embed_fn, params, x, x_prime, positive_embed_fn=positive_embed_fn)
+    f_v = batch.factors(batch.x_prime, positive=positive_embed_fn is not None)
+    return (pair_terms.jacobian_norms(batch.factors(batch.x).gram),
+            pair_terms.jacobian_norms(f_v.gram))
+
+  return tuple(np.asarray(s, np.float64) for s in norms(params, x, x_prime))
+
+
 def save_config_started_before(config, workdir, *fields) -> None:
   """Writes ``config``'s config.json into ``workdir`` without ``fields``: the config.json of a
   run started before those fields existed (what `train.check_resumable` must still accept)."""

@@ -18,6 +18,7 @@ import pytest
 import logit_dp
 from conftest import SmallConv
 from helpers import clip_method
+from helpers import float32_jacobian_norms
 from helpers import make_batch
 from helpers import method_kwargs
 from logit_dp import audit
@@ -68,17 +69,7 @@ def _batch_and_factors(embed_fn, params, x, x_prime):
 
 @functools.cache
 def _family_jacobian_norms(family: str) -> tuple[np.ndarray, np.ndarray]:
-  """(s_u, s_v) in float64 of the family's problem: the Frobenius norms of the normalised
-  embedding's Jacobians of x and x' as the library computes them in float32 (under jit, as in
-  clipped_grad)."""
-  embed_fn, params, x, x_prime = _problem(family)
-
-  @jax.jit
-  def norms(params, x, x_prime):
-    _, factors = _batch_and_factors(embed_fn, params, x, x_prime)
-    return tuple(pair_terms.jacobian_norms(f.gram) for f in factors)
-
-  return tuple(np.asarray(s, np.float64) for s in norms(params, x, x_prime))
+  return float32_jacobian_norms(*_problem(family))
 
 
 FAMILIES = ("near_identical", "near_identical_off_diagonal", "unrelated")

@@ -17,12 +17,12 @@ import pytest
 
 import logit_dp
 from helpers import flat
+from helpers import float32_jacobian_norms
 from helpers import make_batch
 from helpers import rel_err
 from logit_dp import audit
 from logit_dp import distributed
 from logit_dp._src import numerics
-from logit_dp._src import pair_terms
 
 # "projected" supports one tower only (a ValueError: test_projected.py).
 TWO_TOWER_METHODS = tuple(m for m in logit_dp.clip_methods.METHODS if m != "projected")
@@ -136,23 +136,10 @@ def _batch(f, g, params, x, x_prime):
   return make_batch(f, params, x, x_prime, positive_embed_fn=g)
 
 
-def _jacobian_norms(f, g, params, x, x_prime):
-  """(s_u, s_v) in float64: the Frobenius norms of the normalised embeddings' Jacobians of x
-  (by f) and x' (by g; g = None: one tower) as the library computes them in float32 (under
-  jit, as in clipped_grad)."""
-  @jax.jit
-  def norms(params, x, x_prime):
-    batch = make_batch(f, params, x, x_prime, positive_embed_fn=g)
-    f_v = batch.factors(batch.x_prime) if g is None else batch.factors(batch.x_prime, positive=True)
-    return pair_terms.jacobian_norms(batch.factors(batch.x).gram), pair_terms.jacobian_norms(
-        f_v.gram)
-
-  return tuple(np.asarray(s, np.float64) for s in norms(params, x, x_prime))
-
-
 @functools.cache
 def _tower_jacobian_norms(kind: str) -> tuple[np.ndarray, np.ndarray]:
-  return _jacobian_norms(*_towers(kind))
+  f, g, params, x, x_prime = _towers(kind)
+  return float32_jacobian_norms(f, params, x, x_prime, positive_embed_fn=g)
 
 
 @pytest.mark.slow  # the shared-parameter path is checked against jax.grad by default above
@@ -263,7 +250,7 @@ def test_one_tower_written_as_two_gives_the_one_tower_norms(method):
   # rounding of the tiny positive norms, ~1e-4); a flagged pair one tower forms as a vector from
   # its factors carries the vector allowance 2⁻¹⁸·S_ij (~3e-5 here), two towers form it in
   # float64 (docs/PRIVACY.md).
-  s_u, s_v = _jacobian_norms(f, None, params, x, x_prime)
+  s_u, s_v = float32_jacobian_norms(f, params, x, x_prime)
   allowance = numerics.VECTOR_FLOAT_ERROR * (s_u[:, None] + s_v[None, :])
   one, two = np.asarray(one, np.float64), np.asarray(two, np.float64)
   assert np.all(np.abs(two - one) <= 1e-5 * np.abs(one) + 1e-7 + 1.01 * allowance)
