@@ -178,8 +178,9 @@ def float64_clipped_reference(embed_fn, loss, params, x, x_prime, clip_norm, cli
                               eps: float = 1e-6):
   """(‖∇_w Z_ij‖ (n, n), Σ_ij τ_ij·min(1, B/c_ij)·∇_w Z_ij) in float64 by jax.grad of each Z_ij,
   all rows valid, with c = clip_by or the exact norms when None (call under x64)."""
-  p64, x64, xp64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64),
-                                          (params, x, x_prime))
+  widen = lambda a: (jnp.asarray(a, jnp.float64)
+                     if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a)  # not token ids
+  p64, x64, xp64 = jax.tree_util.tree_map(widen, (params, x, x_prime))
   grads, norms, tau = _float64_pair_grads(embed_fn, loss, eps)(p64, x64, xp64)
   clip_by = norms if clip_by is None else jnp.asarray(clip_by, jnp.float64)
   lam = tau * jnp.minimum(1.0, clip_norm / clip_by)

@@ -253,8 +253,10 @@ def _op_patches(op: linear_ops.LinearOp, act) -> jax.Array:
   if op.kind == "dense":
     rows = jnp.transpose(act, op.act_to_rows)
     return rows.reshape(rows.shape[0], op.positions, op.fan_in)
-  if op.kind == "embed":  # row ids (m, *positions, 1) -> one-hot rows of the table
-    ids = act.reshape(act.shape[0], op.positions)
+  if op.kind == "embed":  # index vectors (m, *positions, 1 or 2) -> one-hot rows of the table
+    ids = act[..., 0].reshape(act.shape[0], op.positions)
+    if op.embed_clamps:
+      ids = jnp.clip(ids, 0, op.fan_in - 1)
     return jax.nn.one_hot(ids, op.fan_in, dtype=jnp.float32)
   return conv_patches(jnp.transpose(act, op.conv_input_axes), *op.conv_config)
 
@@ -471,6 +473,8 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   patches[l]: (m, T, P) inputs of layer l, with a ones column for a bias
   ([] if not with_patches); site_flat: (m, d, q_e) per-example Jacobian columns of the
   elementwise leaves (`Plan.sites`) from the same backward passes (None without sites)."""
+  if not plan.layers and not plan.sites:  # nothing to perturb: the model as it is
+    return normalize_fn(embed_fn(params, x)), [], [], None
   leaves, treedef = jax.tree_util.tree_flatten(params)
   m = _num_rows(x)
   closed, out_tree, found = _found_ops(embed_fn, leaves, treedef, x, with_bias=False)

@@ -81,6 +81,7 @@ class LinearOp:
   # (heads, head_dim)), whose row-major flattening is the canonical feature axis c;
   # None: one axis of size features.
   feature_shape: tuple[int, ...] | None = None
+  embed_clamps: bool = False  # embed: row ids out of range are clamped (else they read nothing)
 
   @property
   def positions(self) -> int:
@@ -253,26 +254,40 @@ def _dense_op(eqn, path, kernel_position, kernel) -> LinearOp | None:
 
 
 def _embed_op(eqn, path, table) -> LinearOp | None:
-  """An embedding lookup y[e, t, c] = W[i_et, c] (``jnp.take(W, ids, axis=0)``, ``nn.Embed``):
-  the dense form with one-hot patches, A[e, t] = onehot(i_et) of the table's V rows."""
+  """An embedding lookup y[e, t, c] = W[i_et, c] (``jnp.take(W, ids, axis=0)``, ``nn.Embed``,
+  and Equinox's vmapped ``W[i]``): the dense form with one-hot patches, A[e, t] = onehot(i_et)
+  of the table's V rows.
+
+  The gather reads whole rows: slice sizes (1, C), the row index first in each index vector;
+  a second index (the column start, as vmap writes a row read) is ignored only where the mode
+  clamps it, so that it is 0 whatever its value (CLIP, PROMISE_IN_BOUNDS); a clamped row index
+  is clamped the same way in the patches.
+  """
   dims, params = eqn.params["dimension_numbers"], eqn.params
   w_aval, ids_aval, out_aval = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
-  if (w_aval.ndim != 2 or ids_aval.ndim < 2 or ids_aval.shape[-1] != 1
-      or not _float32(w_aval, out_aval) or not jnp.issubdtype(ids_aval.dtype, jnp.integer)
-      or tuple(dims.collapsed_slice_dims) != (0,) or tuple(dims.start_index_map) != (0,)
-      or tuple(dims.offset_dims) != (out_aval.ndim - 1,)
+  mode = str(params.get("mode"))
+  clamps = "CLIP" in mode or "PROMISE_IN_BOUNDS" in mode
+  if (w_aval.ndim != 2 or ids_aval.ndim < 2 or not _float32(w_aval, out_aval)
+      or not jnp.issubdtype(ids_aval.dtype, jnp.integer)
       or tuple(getattr(dims, "operand_batching_dims", ())) != ()
       or tuple(params["slice_sizes"]) != (1, w_aval.shape[1])):
+    return None
+  rank = out_aval.ndim
+  by_row = (ids_aval.shape[-1] == 1 and tuple(dims.start_index_map) == (0,)
+            and tuple(dims.collapsed_slice_dims) == (0,) and tuple(dims.offset_dims) == (rank - 1,))
+  by_slice = (clamps and ids_aval.shape[-1] == 2 and tuple(dims.start_index_map) == (0, 1)
+              and tuple(dims.collapsed_slice_dims) == () and tuple(dims.offset_dims)
+              == (rank - 2, rank - 1))
+  if not (by_row or by_slice):
     return None
   leaf, index, leaf_shape = table
   axes, ok = _kernel_axes(index, leaf_shape)
   if not ok:
     return None
   vocab, features = (int(a) for a in w_aval.shape)
-  out_shape = tuple(int(a) for a in out_aval.shape[1:])
-  rank = out_aval.ndim
+  out_shape = tuple(int(a) for a in out_aval.shape[1:-1]) + (features,)
   return LinearOp(path, "embed", leaf, axes, 1, tuple(ids_aval.shape), out_shape, vocab, features,
-                  (), tuple(range(rank)))
+                  (), tuple(range(rank)), embed_clamps=clamps)
 
 
 def _conv_op(eqn, path, kernel) -> LinearOp | None:

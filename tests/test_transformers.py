@@ -1,0 +1,188 @@
+"""Transformer encoders (text, ViT, their CLIP pair) in flax.linen, flax.nnx, Equinox and plain
+einsum: every clip method runs on them, ghost's norms and ḡ are float64 truth, the reference
+method uses nothing but JAX's differentiation, and `describe_plan` says how every parameter is
+handled."""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import logit_dp
+from benchmarks import transformers
+from helpers import float64_clipped_reference
+from helpers import flat
+from logit_dp._src import layerwise
+from logit_dp._src import linear_ops
+from logit_dp._src import plan_report
+
+TINY = dict(width=8, depth=1, num_heads=2, mlp_dim=16, length=4, vocab_size=20, image_side=8,
+            patch_size=4, embedding_dim=4)
+N = 4
+LOSS = logit_dp.losses.contrastive(temperature=0.5)
+
+
+@functools.cache
+def _problem(framework, arch):
+  return transformers.build(framework, arch, N, **TINY)
+
+
+def _cases(default):
+  return [(f, a) if (f, a) in default else pytest.param(f, a, marks=pytest.mark.extended)
+          for a in transformers.ARCHS for f in transformers.FRAMEWORKS]
+
+
+def _clip_by_and_reference(embed_fn, params, x, x_prime, positive):
+  """The float64 pair norms, a B between them, and the float64 ḡ clipped by the true norms
+  (one tower: helpers.float64_clipped_reference; two towers: each pair's jax.grad here)."""
+  with jax.enable_x64(True):
+    if positive is None:
+      truth, _ = float64_clipped_reference(embed_fn, LOSS, params, x, x_prime, np.inf)
+      clip_norm = float(np.median(truth))
+      _, grad = float64_clipped_reference(embed_fn, LOSS, params, x, x_prime, clip_norm)
+      return truth, clip_norm, jax.tree_util.tree_map(np.asarray, grad)
+    p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
+    x64 = x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    unit = lambda e: e / jnp.sqrt(jnp.sum(e * e) + 1e-12)
+    z = lambda p, i, j: jnp.dot(unit(embed_fn(p, x64[i:i + 1])[0]),
+                                unit(positive(p, x_prime[j:j + 1])[0]))
+    grads = [[jax.grad(z)(p64, i, j) for j in range(N)] for i in range(N)]
+    truth = np.array([[np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree_util.tree_leaves(
+        grads[i][j]))) for j in range(N)] for i in range(N)])
+    u = jnp.stack([unit(embed_fn(p64, x64[i:i + 1])[0]) for i in range(N)])
+    v = jnp.stack([unit(positive(p64, x_prime[j:j + 1])[0]) for j in range(N)])
+    tau = np.asarray(jax.grad(LOSS)(u @ v.T, jnp.ones((N,), bool)))
+    clip_norm = float(np.median(truth))
+    lam = tau * np.minimum(1.0, clip_norm / truth)
+    grad = jax.tree_util.tree_map(lambda *g: sum(l * np.asarray(a) for l, a in zip(lam.ravel(), g)),
+                                  *[grads[i][j] for i in range(N) for j in range(N)])
+    return truth, clip_norm, grad
+
+
+@pytest.mark.parametrize("framework,arch",
+                         _cases({("linen", "text"), ("nnx", "vit")}))
+def test_ghost_norms_and_gradient_are_float64_truth(framework, arch):
+  embed_fn, params, x, x_prime, positive = _problem(framework, arch)
+  truth, clip_norm, expected = _clip_by_and_reference(embed_fn, params, x, x_prime, positive)
+  ghost = np.asarray(logit_dp.clip_methods.pair_grad_norms(
+      embed_fn, params, x, x_prime, "ghost", float_allowance=False, positive_embed_fn=positive))
+  # float32 Gram forms lose ~1e-7·max² to cancellation (as in test_frameworks).
+  np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
+  clipped = np.asarray(logit_dp.clip_methods.pair_grad_norms(
+      embed_fn, params, x, x_prime, "ghost", positive_embed_fn=positive))
+  assert np.all(clipped >= truth * (1 - 1e-6))  # with its allowance: an upper bound
+  grad_fn = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm, "ghost", positive_embed_fn=positive)
+  _, grad = grad_fn(params, x, x_prime)
+  # ḡ is clipped by the norms with their float allowance, a relative 1e-5 or so above truth.
+  np.testing.assert_allclose(flat(grad), flat(expected), rtol=0,
+                             atol=2e-4 * float(np.max(np.abs(flat(expected)))))
+
+
+@pytest.mark.parametrize("framework,arch",
+                         _cases({("linen", "text"), ("equinox", "vit"), ("plain", "text")}))
+def test_no_parameter_of_a_transformer_takes_the_jacrev_route(framework, arch):
+  embed_fn, params, x, x_prime, positive = _problem(framework, arch)
+  report = logit_dp.clip_methods.describe_plan(embed_fn, params, x, x_prime=x_prime,
+                                               positive_embed_fn=positive)
+  assert report.slow == ()
+  routes = {leaf.path: leaf.route for leaf in report.leaves}
+  embedding = [path for path in routes if "embed" in path.lower() and "kernel" not in path]
+  norms = [path for path in routes if ("norm" in path.lower() or "Norm" in path)]
+  assert bool(embedding) == (arch != "vit")  # a lookup table: factored as a layer
+  assert all(routes[path] in ("ghost", "flattened") for path in embedding)
+  assert norms and all(routes[path] == "elementwise" for path in norms)
+  assert len(report.leaves) == len(jax.tree_util.tree_leaves(params))
+  assert str(report).splitlines()[0].split()[:3] == ["parameter", "size", "route"]
+
+
+@pytest.mark.parametrize("method", [
+    "ghost",
+    pytest.param("projected", marks=pytest.mark.extended),
+    pytest.param("triangle", marks=pytest.mark.extended),
+    pytest.param("materialize", marks=pytest.mark.extended)
+])
+def test_every_method_runs_on_the_linen_transformer_and_bounds_the_truth(method):
+  embed_fn, params, x, x_prime, _ = _problem("linen", "text")
+  truth, _, _ = _clip_by_and_reference(embed_fn, params, x, x_prime, None)
+  if method == "projected":  # public reference token ids, drawn apart from the batch
+    method = logit_dp.clip_methods.Projected(reference_inputs=jax.random.randint(
+        jax.random.key(7), (4, TINY["length"]), 0, TINY["vocab_size"]))
+  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method))
+  assert np.all(np.isfinite(norms)) and np.all(norms >= truth * (1 - 1e-6))
+  _, grad = logit_dp.clipped_grad(embed_fn, LOSS, 1.0, method)(params, x, x_prime)
+  assert np.all(np.isfinite(flat(grad)))
+
+
+def test_materialize_uses_nothing_but_jax_differentiation(monkeypatch):
+  embed_fn, params, x, x_prime, _ = _problem("linen", "text")
+  truth, _, _ = _clip_by_and_reference(embed_fn, params, x, x_prime, None)
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the engine was used")
+
+  monkeypatch.setattr(linear_ops, "scan", refuse)
+  monkeypatch.setattr(layerwise, "make_plan", refuse)
+  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
+                                                           "materialize", float_allowance=False))
+  np.testing.assert_allclose(norms, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
+
+
+def test_an_operation_the_engine_cannot_read_takes_the_exact_slow_path(monkeypatch):
+  embed_fn, params, x, x_prime, _ = _problem("linen", "text")
+  truth, _, _ = _clip_by_and_reference(embed_fn, params, x, x_prime, None)
+
+  def unreadable(*args, **kwargs):
+    raise ValueError("an equation of a form the recogniser does not expect")
+
+  monkeypatch.setattr(linear_ops, "_dense_op", unreadable)
+  report = logit_dp.clip_methods.describe_plan(embed_fn, params, x)
+  assert any("query" in leaf.path for leaf in report.slow)
+  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
+                                                           float_allowance=False))
+  np.testing.assert_allclose(norms, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
+
+
+def test_a_large_parameter_on_the_slow_path_warns_once(monkeypatch):
+  monkeypatch.setattr(plan_report, "_warned", set())
+  table = jax.random.normal(jax.random.key(0), (64, 80))  # 5,120 floats, used through sin
+  params = {"w": table, "head": jnp.ones((80, 4))}
+  embed_fn = lambda p, x: jnp.sin(x @ jnp.sin(p["w"])) @ p["head"]
+  x = jax.random.normal(jax.random.key(1), (N, 64))
+  report = logit_dp.clip_methods.describe_plan(embed_fn, params, x)
+  assert [leaf.path for leaf in report.slow] == ["['w']"]
+  grad_fn = logit_dp.clipped_grad(embed_fn, LOSS, 1.0)
+  with pytest.warns(UserWarning, match=r"\['w'\] \(5,120 floats\) takes the slow path"):
+    grad_fn(params, x, x + 0.1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    logit_dp.clipped_grad(embed_fn, LOSS, 1.0)(params, x, x + 0.1)  # warned already
+
+
+def test_dense_general_and_einsum_of_several_axes_are_exact():
+  """The shapes of the original crash: DenseGeneral(features=(4, 16)) and a plain einsum."""
+  import flax.linen as nn
+
+  class Heads(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.DenseGeneral(features=(4, 16))(x)  # (n, 4, 16)
+      h = nn.DenseGeneral(features=8, axis=(-2, -1))(jnp.tanh(h))  # contracts both
+      return h
+
+  model = Heads()
+  x = jax.random.normal(jax.random.key(0), (N, 12))
+  params = model.init(jax.random.key(1), x[:1])
+  kernel = jax.random.normal(jax.random.key(2), (12, 2, 3))
+  plain = lambda p, x: jnp.einsum("nc,chd->nhd", x, p["k"]).reshape(x.shape[0], -1)
+  for embed_fn, p in ((model.apply, params), (plain, {"k": kernel})):
+    x_prime = x + 0.1 * jax.random.normal(jax.random.key(3), x.shape)
+    with jax.enable_x64(True):
+      truth, _ = float64_clipped_reference(embed_fn, LOSS, p, x, x_prime, np.inf)
+    report = logit_dp.clip_methods.describe_plan(embed_fn, p, x)
+    assert report.slow == () and {leaf.route for leaf in report.leaves} <= {"ghost", "flattened"}
+    ghost = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, p, x, x_prime, "ghost",
+                                                             float_allowance=False))
+    np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
