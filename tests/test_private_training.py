@@ -624,6 +624,107 @@ def test_warnings_of_the_last_steps_come_at_the_end_of_the_loop():
   assert steps == [1, 2]
 
 
+def test_non_finite_parameters_stop_the_loop_with_no_step_recorded_past_the_report():
+  """NaN parameters (a diverged run): every valid pair with finite inputs has a non-finite
+  embedding. Under the default "warn" the loop stops with NonFiniteParametersError at the
+  first report (at most two steps late), and the ledger holds no step that was not released:
+  the rest of the budget is not spent on pure noise."""
+  _, params = _embed()
+  x, xp = _data()
+  nan_params = jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan), params)
+  pt = _setup(steps=10, noise_key=jax.random.key(7))
+  train_step, opt_state = pt.make_train_step(), pt.optimizer.init(params)
+  with pytest.raises(logit_dp.NonFiniteParametersError,
+                     match=r"step 1: all \d+ valid pair\(s\) with finite inputs have non-finite "
+                     "embeddings"):
+    for batch in pt.batches():
+      _, opt_state, _ = train_step(nan_params, opt_state, batch, (x, xp))
+  assert 1 <= pt.ledger.steps <= 3  # reported at most two steps late
+  assert pt.ledger.released_updates == pt.ledger.steps  # no step recorded past the last release
+  # Once reported (here by flush), the loop records no further step: its next batch is refused.
+  pt = _setup(steps=10, noise_key=jax.random.key(8))
+  train_step, opt_state = pt.make_train_step(), pt.optimizer.init(params)
+  batches = pt.batches()
+  train_step(nan_params, opt_state, next(batches), (x, xp))
+  with pytest.raises(logit_dp.NonFiniteParametersError, match="step 1: all"):
+    train_step.flush()
+  with pytest.raises(logit_dp.NonFiniteParametersError, match="step 1: all"):
+    next(batches)
+  assert pt.ledger.steps == pt.ledger.released_updates == 1
+  with pytest.raises(StopIteration):  # that loop is over
+    next(batches)
+  assert pt.ledger.steps == 1
+  # Under "error" the step waits for its report and releases nothing.
+  pt = _setup(steps=10, noise_key=jax.random.key(9))
+  error_step = pt.make_train_step(on_nonfinite="error")
+  with pytest.raises(logit_dp.NonFiniteParametersError, match="lower the learning rate"):
+    for batch in pt.batches():
+      error_step(nan_params, pt.optimizer.init(params), batch, (x, xp))
+  assert pt.ledger.steps == 1 and pt.ledger.released_updates == 0
+
+
+def test_non_finite_data_is_reported_with_its_record_indices():
+  """Finite parameters and records with NaN values: the report names the records and is not
+  the parameters' error; the other pairs train."""
+  _, params = _embed()
+  x, xp = _data()
+  pt = _setup(steps=4, noise_key=jax.random.key(10), sampler_seed=3)
+  train_step, opt_state = pt.make_train_step(), pt.optimizer.init(params)
+  batch = next(pt.batches())
+  valid_rows = np.flatnonzero(np.asarray(batch.mask))[[1, 3]]
+  bad = np.asarray(batch.indices)[valid_rows]
+  x_bad = np.asarray(x).copy()
+  x_bad[bad[0], 2] = np.nan
+  xp_bad = np.asarray(xp).copy()
+  xp_bad[bad[1], 0] = np.inf
+  names = f"records {bad[0]}, {bad[1]} of x_all or x_prime_all"
+  with pytest.warns(logit_dp.NonFiniteRowsWarning, match=f"2 valid pair\\(s\\) have non-finite "
+                    f"inputs \\(NaN/inf\\): {names}"):
+    train_step(params, opt_state, batch, (x_bad, xp_bad))
+    train_step.flush()
+  assert train_step.num_dropped() == 2
+  # "error": the same batch (same sampler seed) raises before the release, naming the records;
+  # the array form has no record indices and names the batch's rows.
+  pt = _setup(steps=4, noise_key=jax.random.key(10), sampler_seed=3)
+  error_step, opt_state = pt.make_train_step(on_nonfinite="error"), pt.optimizer.init(params)
+  batches = pt.batches()
+  batch = next(batches)
+  with pytest.raises(FloatingPointError, match=f"{names}. Fix or remove") as info:
+    error_step(params, opt_state, batch, (x_bad, xp_bad))
+  assert not isinstance(info.value, logit_dp.NonFiniteParametersError)
+  assert pt.ledger.released_updates == 0
+  rows = f"rows {valid_rows[0]}, {valid_rows[1]} of the batch"
+  with pytest.raises(FloatingPointError, match=rows):
+    error_step(params, opt_state, x_bad[batch.indices], xp_bad[batch.indices], batch.mask)
+
+
+def test_an_optimizer_state_of_another_training_is_named_as_such():
+  """A state this training did not produce (another make_private's noise key, or a noise count
+  it never released) is refused with a message that says so, not as an unrecorded step."""
+  _, params = _embed()
+  x, xp = _data()
+  other = _setup(steps=4, noise_key=jax.random.key(11))
+  other_step, other_state = other.make_train_step(), other.optimizer.init(params)
+  for batch in other.batches(2):
+    params, other_state, _ = other_step(params, other_state, batch, (x, xp))
+  pt = _setup(steps=4, noise_key=jax.random.key(12))
+  train_step = pt.make_train_step()
+  pt_batches = pt.batches()
+  pt_batch = next(pt_batches)
+  with pytest.raises(ValueError, match="opt_state was not produced by this training: its noise "
+                     "key"):
+    train_step(params, other_state, pt_batch, (x, xp))
+  # The same noise key, and a count this training never released.
+  same_key = _setup(steps=4, noise_key=jax.random.key(11))
+  batch = next(same_key.batches())
+  with pytest.raises(ValueError, match="its noise count is 2, and this training has released 0"):
+    same_key.make_train_step()(params, other_state, batch, (x, xp))
+  assert pt.ledger.released_updates == same_key.ledger.released_updates == 0
+  # Its own state trains.
+  train_step(params, pt.optimizer.init(params), pt_batch, (x, xp))
+  assert pt.ledger.released_updates == 1
+
+
 @pytest.mark.slow
 def test_checkpoint_restores_ledger_and_sampler_position(tmp_path):
   """A run stopped after 3 of 5 steps and restored into a fresh make_private (other secret
