@@ -2,10 +2,11 @@
 
 The blocks of one page run in order, each in a fresh namespace unless its first line says it
 continues the block above ("# Continues the block above (...)."; `helpers.run_blocks`): then
-in that block's namespace. A block line ``# -> TEXT`` quotes the line its prints write there. Every page with python
-blocks is listed below, so a new page's code cannot go unexecuted. The slow pages (a training
-loop, several model libraries, multi-device compilation: half a minute or more each) are
-slow-marked and run in CI with the README's blocks, after `pip install -e '.[docs]'` (Equinox).
+in that block's namespace. A block line ``# -> TEXT`` quotes the line its prints write there.
+Every page with python blocks is listed below, so a new page's code cannot go unexecuted. The
+slow pages (a training loop, several model libraries, multi-device compilation: half a minute or
+more each) are slow-marked and run in CI with the README's blocks, after
+`pip install -e '.[docs]'` (Equinox).
 """
 
 import math
@@ -54,12 +55,13 @@ def _pages():
 
 def _run_page(page):
   """Runs the page's blocks (`helpers.run_blocks`); the namespace of the last one."""
-  namespace = {}
+  last = {}
   for i, (block, namespace, printed) in enumerate(run_blocks(python_blocks(_read(page)), page)):
     quoted = re.findall(r"^# -> (.*)$", block, re.M)
     if quoted:
       assert printed == quoted, f"{page} block {i}"
-  return namespace
+    last = namespace
+  return last
 
 
 def test_every_page_with_code_is_executed():

@@ -17,8 +17,8 @@ import logit_dp
 ROOT = pathlib.Path(logit_dp.__file__).parent
 # logit_dp and its public modules (every logit_dp/<name>.py, contrast_clipping included).
 PUBLIC_MODULES = [logit_dp] + [
-    importlib.import_module(f"logit_dp.{path.stem}") for path in sorted(ROOT.glob("*.py"))
-    if not path.stem.startswith("_")
+    importlib.import_module(f"logit_dp.{path.stem}")
+    for path in sorted(ROOT.glob("*.py")) if not path.stem.startswith("_")
 ]
 
 # Keywords of the functions that grouped_clipped_grad and stochastic=True return (their
@@ -59,9 +59,8 @@ def _message_names() -> dict[str, list[str]]:
   helpers = set()
   for path, tree in trees.items():
     for node in ast.walk(tree):
-      if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
-              and getattr(node.exc.func, "id", None) in ("ValueError", "TypeError")
-              and node.exc.args):
+      if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and getattr(
+          node.exc.func, "id", None) in ("ValueError", "TypeError") and node.exc.args):
         continue
       for match in _NAMED.finditer(_text(node.exc.args[0])):
         add(match.group(1), path, node)
@@ -134,8 +133,10 @@ def test_every_name_in_a_message_is_a_public_argument():
   public = _public_names()
   found = _message_names()
   assert {"num_records", "expected_batch_size", "clip_norm", "mask"} <= set(found)
-  unknown = {name: where for name, where in found.items()
-             if name not in public and name not in NOT_ARGUMENTS}
+  unknown = {
+      name: where for name, where in found.items()
+      if name not in public and name not in NOT_ARGUMENTS
+  }
   assert not unknown, ("error messages name arguments that no public signature has: "
                        f"{unknown}")
   assert not set(NOT_ARGUMENTS) & public  # a listed name that became an argument: unlist it
@@ -149,13 +150,15 @@ def _make_private(**overrides):
   return logit_dp.make_private(**args)
 
 
-@pytest.mark.parametrize("argument,value", [
-    ("expected_batch_size", 512), ("expected_batch_size", 0), ("num_records", 0),
-    ("num_records", 2.5), ("clip_norm", -1.0), ("target_epsilon", 0.0), ("target_delta", 2.0),
-    ("steps", 0), ("epochs", -1.0), ("accountant", "moments"), ("sampler_seed", -1),
-    ("mean", 1), ("overflow", "wrap"), ("max_batch_size", 0), ("noise_multiplier", -1.0),
-    ("method", "fastest"), ("group_size", 4.0), ("microbatch_size", 0), ("optimizer", None),
-    ("embed_fn", None), ("noise_key", 0)])
+@pytest.mark.parametrize("argument,value",
+                         [("expected_batch_size", 512), ("expected_batch_size", 0),
+                          ("num_records", 0), ("num_records", 2.5), ("clip_norm", -1.0),
+                          ("target_epsilon", 0.0), ("target_delta", 2.0), ("steps", 0),
+                          ("epochs", -1.0), ("accountant", "moments"), ("sampler_seed", -1),
+                          ("mean", 1), ("overflow", "wrap"), ("max_batch_size", 0),
+                          ("noise_multiplier", -1.0), ("method", "fastest"), ("group_size", 4.0),
+                          ("microbatch_size", 0), ("optimizer", None), ("embed_fn", None),
+                          ("noise_key", 0)])
 def test_make_private_messages_name_its_own_arguments(argument, value):
   """A bad argument of make_private gets a message that names it, and every argument the
   message names is one of make_private's."""

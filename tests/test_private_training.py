@@ -634,9 +634,10 @@ def test_non_finite_parameters_stop_the_loop_with_no_step_recorded_past_the_repo
   nan_params = jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan), params)
   pt = _setup(steps=10, noise_key=jax.random.key(7))
   train_step, opt_state = pt.make_train_step(), pt.optimizer.init(params)
-  with pytest.raises(logit_dp.NonFiniteParametersError,
-                     match=r"step 1: all \d+ valid pair\(s\) with finite inputs have non-finite "
-                     "embeddings"):
+  with pytest.raises(
+      logit_dp.NonFiniteParametersError,
+      match=r"step 1: all \d+ valid pair\(s\) with finite inputs have non-finite "
+      "embeddings"):
     for batch in pt.batches():
       _, opt_state, _ = train_step(nan_params, opt_state, batch, (x, xp))
   assert 1 <= pt.ledger.steps <= 3  # reported at most two steps late

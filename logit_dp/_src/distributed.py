@@ -127,9 +127,8 @@ def resolve_devices(devices: DevicesArg = None) -> list:
   if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
     k = int(devices)
     if not 1 <= k <= len(all_devices):
-      raise ValueError(
-          f"devices must be -1 (all) or between 1 and {len(all_devices)} (the visible "
-          f"devices), got {k}.")
+      raise ValueError(f"devices must be -1 (all) or between 1 and {len(all_devices)} (the visible "
+                       f"devices), got {k}.")
     if jax.process_count() > 1 and k != len(all_devices):
       raise ValueError(
           f"with {jax.process_count()} processes the mesh must use all {len(all_devices)} "

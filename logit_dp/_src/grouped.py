@@ -369,8 +369,8 @@ def _check_record_ids(record_ids, mask, n: int) -> jax.Array:
     if valid_ids.size and valid_ids.min() < 0:
       raise ValueError("record_ids must be ≥ 0.")
     if len(np.unique(valid_ids)) != valid_ids.size:
-      raise ValueError("record_ids must be unique among the valid rows: a record is sampled at "
-                       "most once per batch.")
+      raise ValueError("record_ids of the valid rows must be unique: a record is sampled at most "
+                       "once per batch.")
   return ids
 
 

@@ -586,6 +586,7 @@ def restore_checkpoint(directory, template: Any,
     # Other shapes are refused from the metadata, before any read: a restore that fails
     # while reading leaves orbax's reads behind, to report their errors whenever collected.
     differences = state_differences(directory, step, template)
+    restored = None
     if not any(": shape " in line for line in differences):
       try:
         restored = mngr.restore(
@@ -593,11 +594,10 @@ def restore_checkpoint(directory, template: Any,
                 _STATE_ITEM: ocp.args.StandardRestore(template),
                 _LEDGER_ITEM: ocp.args.JsonRestore(),
             }))
-        differences = []
       except ValueError:
         if not differences:
           raise
-    if differences:
+    if restored is None:
       shown = "\n  ".join(differences[:20])
       more = f"\n  ... and {len(differences) - 20} more" if len(differences) > 20 else ""
       raise ValueError(

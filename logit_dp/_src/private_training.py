@@ -574,11 +574,10 @@ class PrivateTraining(NamedTuple):
       parts = []
       if num_bad_inputs > 0:
         more = f" (the first {len(rows)} of {num_bad_inputs})" if num_bad_inputs > len(rows) else ""
-        parts.append(
-            f"{num_bad_inputs} valid pair(s) have non-finite inputs (NaN/inf): "
-            f"{named(rows, records)}{more} of x_all or x_prime_all"
-            f"{' (after augment)' if augment is not None else ''}. Fix or remove those "
-            "records.")
+        parts.append(f"{num_bad_inputs} valid pair(s) have non-finite inputs (NaN/inf): "
+                     f"{named(rows, records)}{more} of x_all or x_prime_all"
+                     f"{' (after augment)' if augment is not None else ''}. Fix or remove those "
+                     "records.")
       if num_model > 0:
         parts.append(
             f"{num_model} valid pair(s) with finite inputs have non-finite embeddings "
