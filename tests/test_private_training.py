@@ -637,7 +637,7 @@ def test_non_finite_parameters_stop_the_loop_with_no_step_recorded_past_the_repo
   with pytest.raises(
       logit_dp.NonFiniteParametersError,
       match=r"step 1: all \d+ valid pair\(s\) with finite inputs have non-finite "
-      "embeddings"):
+      r"embeddings \(NaN/inf\): the parameters hold NaN/inf"):
     for batch in pt.batches():
       _, opt_state, _ = train_step(nan_params, opt_state, batch, (x, xp))
   assert 1 <= pt.ledger.steps <= 3  # reported at most two steps late

@@ -513,13 +513,19 @@ class PrivateTraining(NamedTuple):
         inputs_ok = inputs_ok & rows_lib.finite_rows(extra["extra_views"])
       bad_inputs = mask & ~inputs_ok
       (bad_rows,) = jnp.nonzero(bad_inputs, size=NAMED_ROWS, fill_value=-1)
+      params_finite = jnp.all(
+          jnp.stack([
+              jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(params)
+              if jnp.issubdtype(leaf.dtype, jnp.inexact)
+          ] or [jnp.bool_(True)]))
       params, opt_state, loss_value, num_dropped, stats = update_lib.private_update(
           grad_fn, optimizer, params, opt_state, x, x_prime, mask, clip_stats=clip_stats, **extra)
       flags = jnp.concatenate([
           jnp.stack([
               jnp.sum(mask, dtype=jnp.int32),
               num_dropped.astype(jnp.int32),
-              jnp.sum(bad_inputs, dtype=jnp.int32)
+              jnp.sum(bad_inputs, dtype=jnp.int32),
+              params_finite.astype(jnp.int32)
           ]),
           bad_rows.astype(jnp.int32)
       ])
@@ -543,7 +549,8 @@ class PrivateTraining(NamedTuple):
       return "records " + ", ".join(str(int(records[r])) for r in rows)
 
     def report(number: int, flags, records, stop: bool = True) -> None:
-      num_valid, num_dropped, num_bad_inputs, *rows = (int(v) for v in np.asarray(flags))
+      num_valid, num_dropped, num_bad_inputs, params_finite, *rows = (
+          int(v) for v in np.asarray(flags))
       rows = [r for r in rows if r >= 0]
       if on_nonfinite != "ignore":
         dropped[0] += num_dropped
@@ -558,13 +565,15 @@ class PrivateTraining(NamedTuple):
       num_model = num_dropped - num_bad_inputs  # finite inputs, non-finite embeddings
       finite_inputs = num_valid - num_bad_inputs
       if num_model > 0 and num_model == finite_inputs:
+        cause = ("the parameters hold NaN/inf (the model diverged)" if not params_finite else
+                 "the parameters are finite but the model overflows on every pair")
         message = (
             f"Private step {number}: all {finite_inputs} valid pair(s) with finite inputs have "
-            "non-finite embeddings (NaN/inf), so the parameters are non-finite (the model "
-            "diverged) and every update from them is pure noise. Training stops here so that "
-            "the rest of the privacy budget is not spent on noise: lower the learning rate (or "
-            "clip_norm) and train from the parameters of an earlier step, e.g. "
-            "private.restore_checkpoint of a checkpoint saved before the divergence.")
+            f"non-finite embeddings (NaN/inf): {cause}, so every update from them is pure "
+            "noise. Training stops here so that the rest of the privacy budget is not spent on "
+            "noise: lower the learning rate (or clip_norm) and train from the parameters of an "
+            "earlier step, e.g. private.restore_checkpoint of a checkpoint saved before the "
+            "divergence.")
         if synchronous or (stop and loop.failure is None):
           loop.failure = NonFiniteParametersError(message)
           raise loop.failure
@@ -602,8 +611,8 @@ class PrivateTraining(NamedTuple):
 
     def check_own(opt_state, params, count: int) -> None:
       """ValueError unless opt_state (not returned by this step) holds this training's noise
-        key (``optimizer``'s, or a restored checkpoint's) and at most the noise count it
-        released."""
+      key (``optimizer``'s, or a restored checkpoint's) and at most the noise count it
+      released."""
       if not own_key:
         own_key.append(_key_bytes(_noise_state(optimizer.init(params))))
       if _key_bytes(_noise_state(opt_state)) not in loop.noise_keys | {own_key[0]}:
