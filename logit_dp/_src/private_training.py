@@ -42,7 +42,6 @@ from logit_dp._src import grouped as grouped_lib
 from logit_dp._src import ledger as ledger_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import methods
-from logit_dp._src import noise as noise_lib
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src import update as update_lib
@@ -812,6 +811,15 @@ def _check_count(name: str, value) -> int:
   return out
 
 
+def _is_prng_key(key) -> bool:
+  """Whether key is what `transform` takes: a typed JAX PRNG key, or raw uint32 key data."""
+  try:
+    dtype, ndim = jnp.result_type(key), jnp.ndim(key)
+  except TypeError:
+    return False
+  return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key) or (dtype == jnp.uint32 and ndim == 1))
+
+
 def _secret_seed() -> int:
   # `secrets` on process 0, shared with every process (one noise key, one sampler for all).
   return distributed.broadcast_seed()
@@ -923,13 +931,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                                    or not isinstance(sampler_seed, int) or sampler_seed < 0):
     raise ValueError(f"sampler_seed must be an integer ≥ 0 or None, got {sampler_seed!r}.")
   b = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
-  if noise_key is not None:
-    try:
-      noise_lib._key_data(noise_key)  # pylint: disable=protected-access
-    except ValueError:
-      raise ValueError("noise_key must be a JAX PRNG key (jax.random.key(seed) or "
-                       "jax.random.PRNGKey(seed)), or None to draw a secret one, got "
-                       f"{noise_key!r}.") from None
+  if noise_key is not None and not _is_prng_key(noise_key):
+    raise ValueError("noise_key must be a JAX PRNG key (jax.random.key(seed) or "
+                     f"jax.random.PRNGKey(seed)), or None to draw a secret one, got {noise_key!r}.")
 
   grouped = mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL
   if "num_groups" in grad_kwargs:
