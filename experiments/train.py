@@ -903,6 +903,8 @@ def train_method(config, method: str, ds: dict[str, np.ndarray], pairs: np.ndarr
       try:
         params, opt_state, loss_value, *stats = train_step_fn(state.params, state.opt_state,
                                                               poisson_batch, records)
+      except logit_dp.NonFiniteParametersError:  # diverged, whatever the policy
+        raise
       except FloatingPointError as e:  # on_nonfinite="error": raised before the release
         raise FloatingPointError(
             f"[{method}] {e} Stopping (config.on_nonfinite_rows='error').") from None

@@ -39,6 +39,7 @@ from logit_dp._src.mechanisms import Mechanism
 from logit_dp._src.noise import AddNoiseState
 from logit_dp._src.noise import transform
 from logit_dp._src.private_training import EmptyBatchWarning
+from logit_dp._src.private_training import NonFiniteParametersError
 from logit_dp._src.private_training import NonFiniteRowsWarning
 from logit_dp._src.private_training import PrivateTraining
 from logit_dp._src.private_training import UnrecordedStepError
@@ -61,6 +62,7 @@ __all__ = [
     "ClippedGradFn",
     "EmptyBatchWarning",
     "Mechanism",
+    "NonFiniteParametersError",
     "NonFiniteRowsWarning",
     "PrivateTraining",
     "UnrecordedStepError",

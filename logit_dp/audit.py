@@ -8,7 +8,7 @@
 * The one-run audit of Steinke, Nasr & Jagielski (2023) with white-box gradient canaries
   (`GradientCanaries`, `epsilon_lower_bound`).
 
-docs/PRIVACY.md records the results.
+docs/privacy_audits.md records the results.
 """
 
 from logit_dp._src.audit import RemovalAudit

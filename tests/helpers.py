@@ -1,7 +1,9 @@
-"""Tree arithmetic used by the tests, and the optional jax_privacy."""
+"""Tree arithmetic used by the tests, the optional jax_privacy, and the documentation's python
+blocks."""
 
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -225,8 +227,63 @@ def import_jax_privacy():
   try:
     import jax_privacy
   except ImportError as e:
-    message = f"jax_privacy is not installed ({e}): pip install 'logit_dp[jax-privacy]'"
+    message = f"jax_privacy is not installed ({e}): pip install -e '.[jax-privacy]'"
     if os.environ.get(REQUIRE_JAX_PRIVACY):
       pytest.fail(f"{message}; {REQUIRE_JAX_PRIVACY} is set.", pytrace=False)
     pytest.skip(message, allow_module_level=True)
   return jax_privacy
+
+
+# The python blocks of the README and of the documentation pages. A block is standalone (it runs
+# in a fresh namespace), unless its first line says it continues the one before it,
+# "# Continues the block above (the names it uses)."; it then runs in that block's namespace.
+CONTINUED = re.compile(r"# Continues the blocks? above\b")
+
+
+def python_blocks(text: str) -> list[str]:
+  """The ```python fenced blocks of a markdown text."""
+  return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def continues(block: str) -> bool:
+  """Whether a block is marked as continuing the block before it."""
+  return CONTINUED.match(block) is not None
+
+
+def free_names(block: str) -> set[str]:
+  """The names a block reads without defining or importing them (builtins aside): what it
+  needs from the blocks before it."""
+  import ast
+  import builtins
+  defined, read = set(), set()
+  for node in ast.walk(ast.parse(block)):
+    if isinstance(node, ast.Name):
+      (defined if isinstance(node.ctx, (ast.Store, ast.Del)) else read).add(node.id)
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      defined.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      defined.add(node.name)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      args = node.args
+      defined.update(a.arg for a in args.posonlyargs + args.args + args.kwonlyargs)
+      defined.update(a.arg for a in (args.vararg, args.kwarg) if a is not None)
+    elif isinstance(node, ast.ExceptHandler) and node.name:
+      defined.add(node.name)
+  return read - defined - set(dir(builtins))
+
+
+def run_blocks(blocks, where: str):
+  """Runs the blocks in order, each standalone one in a fresh namespace and each continued one
+  in the namespace of the block before it; yields (block, namespace, printed lines)."""
+  import contextlib
+  import io
+  namespace = None
+  for i, block in enumerate(blocks):
+    if continues(block):
+      assert namespace is not None, f"{where} block {i} continues no block"
+    else:
+      namespace = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      exec(compile(block, f"{where} python block {i}", "exec"), namespace)  # noqa: S102
+    yield block, namespace, out.getvalue().splitlines()

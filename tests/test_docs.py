@@ -1,14 +1,14 @@
 """Every python block of the documentation pages runs as written.
 
-The blocks of one page run in order in one namespace (a block may continue the one before it).
-A block line ``# -> TEXT`` quotes the line its prints write there. Every page with python
-blocks is listed below, so a new page's code cannot go unexecuted. The slow pages (a training
-loop, several model libraries, multi-device compilation: half a minute or more each) are
-slow-marked and run in CI with the README's blocks, after `pip install -e '.[docs]'` (Equinox).
+The blocks of one page run in order, each in a fresh namespace unless its first line says it
+continues the block above ("# Continues the block above (...)."; `helpers.run_blocks`): then
+in that block's namespace. A block line ``# -> TEXT`` quotes the line its prints write there.
+Every page with python blocks is listed below, so a new page's code cannot go unexecuted. The
+slow pages (a training loop, several model libraries, multi-device compilation: half a minute or
+more each) are slow-marked and run in CI with the README's blocks, after
+`pip install -e '.[docs]'` (Equinox).
 """
 
-import contextlib
-import io
 import math
 import os
 import re
@@ -18,7 +18,11 @@ import pytest
 from scipy import stats
 
 import logit_dp
+from helpers import continues
+from helpers import free_names
 from helpers import import_jax_privacy
+from helpers import python_blocks
+from helpers import run_blocks
 from logit_dp import accounting
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
@@ -36,11 +40,6 @@ SLOW_PAGES = (
 JAX_PRIVACY_PAGES = ("guides/jax_privacy.md",)
 
 
-def python_blocks(text):
-  """The ```python fenced blocks of a markdown text, as in tests/test_readme.py."""
-  return re.findall(r"```python\n(.*?)```", text, re.S)
-
-
 def _read(page):
   with open(os.path.join(DOCS, page), encoding="utf-8") as f:
     return f.read()
@@ -55,15 +54,14 @@ def _pages():
 
 
 def _run_page(page):
-  namespace = {}
-  for i, block in enumerate(python_blocks(_read(page))):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-      exec(compile(block, f"{page} python block {i}", "exec"), namespace)  # noqa: S102
+  """Runs the page's blocks (`helpers.run_blocks`); the namespace of the last one."""
+  last = {}
+  for i, (block, namespace, printed) in enumerate(run_blocks(python_blocks(_read(page)), page)):
     quoted = re.findall(r"^# -> (.*)$", block, re.M)
     if quoted:
-      assert out.getvalue().splitlines() == quoted, f"{page} block {i}"
-  return namespace
+      assert printed == quoted, f"{page} block {i}"
+    last = namespace
+  return last
 
 
 def test_every_page_with_code_is_executed():
@@ -71,9 +69,28 @@ def test_every_page_with_code_is_executed():
   assert with_code == set(FAST_PAGES) | set(SLOW_PAGES) | set(JAX_PRIVACY_PAGES)
 
 
+def test_every_block_stands_alone_or_says_it_continues():
+  """A block that reads names it does not define is marked as continuing the one above, and a
+  page's first block continues nothing."""
+  for page in _pages():
+    for i, block in enumerate(python_blocks(_read(page))):
+      if continues(block):
+        assert i > 0, f"{page} block 0 continues no block"
+      else:
+        assert not free_names(block), (page, i, sorted(free_names(block)))
+
+
+# Warnings that a page's blocks raise on purpose (the worked example's δ = 1/N).
+EXPECTED_WARNINGS = {"guides/privacy_budget.md": "1/N"}
+
+
 @pytest.mark.parametrize("page", FAST_PAGES)
 def test_page_blocks_run(page):
-  _run_page(page)
+  if page in EXPECTED_WARNINGS:
+    with pytest.warns(UserWarning, match=EXPECTED_WARNINGS[page]):
+      _run_page(page)
+  else:
+    _run_page(page)
 
 
 @pytest.mark.slow

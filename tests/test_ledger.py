@@ -352,6 +352,27 @@ def test_a_calibrated_ledger_checks_its_planned_steps_without_accounting_again(m
   assert calls == [past]
 
 
+def test_a_refused_restore_leaves_no_failed_reads_behind(tmp_path):
+  """A restore refused for other shapes leaves no suspended orbax reads that would print
+  "Exception ignored ... Encountered error while reading array index" when collected later."""
+  import gc
+  import sys
+  params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  adam = optax.adam(1e-3)
+  ledger_lib.save_checkpoint(str(tmp_path), 1, (params, adam.init(params)),
+                             PrivacyLedger(SIGMA, RATE, DELTA))
+  wider = {"w": jnp.ones((3, 5)), "b": jnp.zeros(5)}
+  with pytest.raises(ValueError, match="differs from the template"):
+    ledger_lib.restore_checkpoint(str(tmp_path), (wider, adam.init(wider)))
+  reported, hook = [], sys.unraisablehook
+  sys.unraisablehook = reported.append
+  try:
+    gc.collect()
+  finally:
+    sys.unraisablehook = hook
+  assert not [r for r in reported if "read_array_index" in repr(r.object)], reported
+
+
 def test_restore_says_which_checkpoint_is_missing_and_what_differs(tmp_path):
   """The low-level restore: a directory that does not exist, one without a checkpoint and a
   missing step are told apart; a template of another optimizer chain or other shapes is

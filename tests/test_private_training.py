@@ -624,6 +624,94 @@ def test_warnings_of_the_last_steps_come_at_the_end_of_the_loop():
   assert steps == [1, 2]
 
 
+def test_non_finite_parameters_stop_the_loop_with_no_step_recorded_past_the_report():
+  """NaN parameters (a diverged run): every valid pair with finite inputs has a non-finite
+  embedding. Under the default "warn" the loop stops with NonFiniteParametersError at the
+  first report (at most two steps late), and the ledger holds no step that was not released:
+  the rest of the budget is not spent on pure noise."""
+  _, params = _embed()
+  x, xp = _data()
+  nan_params = jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.nan), params)
+  pt = _setup(steps=10, noise_key=jax.random.key(7))
+  train_step, opt_state = pt.make_train_step(), pt.optimizer.init(params)
+  batches = pt.batches()
+  with pytest.raises(
+      logit_dp.NonFiniteParametersError,
+      match=r"step 1: all \d+ valid pair\(s\) with finite inputs have non-finite "
+      r"embeddings \(NaN/inf\): the parameters hold NaN/inf"):
+    for batch in batches:
+      _, opt_state, _ = train_step(nan_params, opt_state, batch, (x, xp))
+  steps = pt.ledger.steps
+  assert 1 <= steps <= 3  # reported at most two steps late
+  assert pt.ledger.released_updates == steps  # no step recorded past the last release
+  # Raised by the step or by the loop before its next step: that loop hands out no more.
+  with pytest.raises((logit_dp.NonFiniteParametersError, StopIteration)):
+    next(batches)
+  assert pt.ledger.steps == pt.ledger.released_updates == steps
+  # Under "error" the step waits for its report and releases nothing.
+  pt = _setup(steps=10, noise_key=jax.random.key(9))
+  error_step = pt.make_train_step(on_nonfinite="error")
+  with pytest.raises(logit_dp.NonFiniteParametersError, match="lower the learning rate"):
+    for batch in pt.batches():
+      error_step(nan_params, pt.optimizer.init(params), batch, (x, xp))
+  assert pt.ledger.steps == 1 and pt.ledger.released_updates == 0
+
+
+def test_non_finite_data_is_reported_with_its_record_indices():
+  """Finite parameters and records with NaN values: the report names the records (the array
+  form: the batch's rows) and is not the parameters' error; the other pairs train."""
+  _, params = _embed()
+  x, xp = _data()
+  pt = _setup(steps=4, noise_key=jax.random.key(10))
+  train_step, opt_state = pt.make_train_step(), pt.optimizer.init(params)
+  batch = next(pt.batches())
+  valid_rows = np.flatnonzero(np.asarray(batch.mask))[[1, 3]]
+  bad = np.asarray(batch.indices)[valid_rows]
+  x_bad = np.asarray(x).copy()
+  x_bad[bad[0], 2] = np.nan
+  xp_bad = np.asarray(xp).copy()
+  xp_bad[bad[1], 0] = np.inf
+  with pytest.warns(
+      logit_dp.NonFiniteRowsWarning,
+      match=r"step 1: 2 of \d+ valid pair\(s\) were dropped \(masked out, still "
+      r"private\)\. 2 valid pair\(s\) have non-finite inputs \(NaN/inf\): "
+      f"records {bad[0]}, {bad[1]} of x_all or x_prime_all. Fix or remove"):
+    _, opt_state, _ = train_step(params, opt_state, batch, (x_bad, xp_bad))
+    train_step.flush()
+  pt.ledger.record_steps(1)  # the low-level path: the array form
+  with pytest.warns(logit_dp.NonFiniteRowsWarning,
+                    match=f"rows {valid_rows[0]}, {valid_rows[1]} of the batch"):
+    train_step(params, opt_state, x_bad[batch.indices], xp_bad[batch.indices], batch.mask)
+    train_step.flush()
+  assert train_step.num_dropped() == 4 and pt.ledger.released_updates == 2
+
+
+def test_an_optimizer_state_of_another_training_is_named_as_such():
+  """A state this training did not produce (another make_private's noise key, or a noise count
+  it never released) is refused with a message that says so, not as an unrecorded step."""
+  _, params = _embed()
+  x, xp = _data()
+  other = _setup(steps=4, noise_key=jax.random.key(11))
+  other_state = other.optimizer.init(params)
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  for _ in range(2):  # two updates of the other training
+    _, other_state = other.optimizer.update(zeros, other_state, params)
+  pt = _setup(steps=4, noise_key=jax.random.key(12))
+  train_step = pt.make_train_step()
+  batch = next(pt.batches())
+  with pytest.raises(ValueError, match="opt_state was not produced by this training: its noise "
+                     "key"):
+    train_step(params, other_state, batch, (x, xp))
+  # The same noise key, and a count this training never released.
+  same_key = pt._replace(optimizer=other.optimizer)
+  with pytest.raises(ValueError, match="its noise count is 2, and this training has released 0"):
+    same_key.make_train_step()(params, other_state, batch, (x, xp))
+  assert pt.ledger.released_updates == 0
+  # Its own state trains.
+  train_step(params, pt.optimizer.init(params), batch, (x, xp))
+  assert pt.ledger.released_updates == 1
+
+
 @pytest.mark.slow
 def test_checkpoint_restores_ledger_and_sampler_position(tmp_path):
   """A run stopped after 3 of 5 steps and restored into a fresh make_private (other secret

@@ -1,12 +1,10 @@
 """Every python block of README.md runs as written and prints what the README quotes.
 
-The blocks run in order in one namespace (the two-tower block continues the
-make_private one). A block line ``# -> TEXT`` quotes the next line its prints
-write.
+The blocks run in order, each in a fresh namespace unless its first line says it continues the
+block above (`helpers.run_blocks`: the two-tower block continues the make_private one). A
+block line ``# -> TEXT`` quotes the next line its prints write.
 """
 
-import contextlib
-import io
 import math
 import os
 import re
@@ -14,6 +12,10 @@ import re
 import pytest
 
 import logit_dp
+from helpers import continues
+from helpers import free_names
+from helpers import python_blocks
+from helpers import run_blocks
 from logit_dp import accounting
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -25,7 +27,7 @@ def _text():
 
 
 def _blocks():
-  return re.findall(r"```python\n(.*?)```", _text(), re.S)
+  return python_blocks(_text())
 
 
 # The tests that execute the README are slow (the module fixture runs every block: two training
@@ -36,11 +38,9 @@ _SLOW = pytest.mark.slow
 @pytest.fixture(scope="module")
 def executed():
   namespace, runs = {}, []
-  for i, block in enumerate(_blocks()):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-      exec(compile(block, f"README.md python block {i}", "exec"), namespace)  # noqa: S102
-    runs.append((block, out.getvalue().splitlines()))
+  for block, block_namespace, printed in run_blocks(_blocks(), "README.md"):
+    namespace.update(block_namespace)
+    runs.append((block, printed))
   return namespace, runs
 
 
@@ -48,6 +48,13 @@ def test_readme_has_the_blocks_this_test_knows():
   blocks = _blocks()
   assert len(blocks) == 2
   assert sum("# -> " in b for b in blocks) == 2
+  assert [continues(b) for b in blocks] == [False, True]
+
+
+def test_every_block_stands_alone_or_says_it_continues():
+  """A block that reads names it does not define is marked as continuing the one above."""
+  for i, block in enumerate(_blocks()):
+    assert continues(block) or not free_names(block), (i, free_names(block))
 
 
 def test_privacy_paragraph_constant():

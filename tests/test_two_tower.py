@@ -249,7 +249,7 @@ def test_one_tower_written_as_two_gives_the_one_tower_norms(method):
   # The two paths sum the same terms in different orders (rtol, and atol for the float32
   # rounding of the tiny positive norms, ~1e-4); a flagged pair one tower forms as a vector from
   # its factors carries the vector allowance 2⁻¹⁸·S_ij (~3e-5 here), two towers form it in
-  # float64 (docs/PRIVACY.md).
+  # float64 (docs/privacy_floating_point.md).
   s_u, s_v = float32_jacobian_norms(f, params, x, x_prime)
   allowance = numerics.VECTOR_FLOAT_ERROR * (s_u[:, None] + s_v[None, :])
   one, two = np.asarray(one, np.float64), np.asarray(two, np.float64)

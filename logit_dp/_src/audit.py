@@ -244,7 +244,7 @@ def _prepare(loss, x, x_prime, mask, dtype=jnp.float32):
   as_dtype = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
   x, x_prime = jax.tree_util.tree_map(as_dtype, (x, x_prime))
   if not (bool(jnp.all(rows_lib.finite_rows(x))) and bool(jnp.all(rows_lib.finite_rows(x_prime)))):
-    raise ValueError("audit inputs must be finite.")
+    raise ValueError("x and x_prime must be finite (an audit has no pair to drop).")
   return x, x_prime, mask
 
 

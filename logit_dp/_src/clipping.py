@@ -174,7 +174,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   there and cast the noisy update to the params' dtype afterwards (post-processing;
   `optax.apply_updates` does). Clip norms carry float allowances scaled to the
   unit roundoff of the lowest precision embed_fn computes in (float64 runs get
-  float64's; docs/PRIVACY.md). Float64 arrays made while x64 was enabled and passed
+  float64's; docs/privacy_floating_point.md). Float64 arrays made while x64 was enabled and passed
   inside ``jax.enable_x64(False)`` are computed in float32, as jnp computes them there.
 
   Returns:
@@ -241,8 +241,8 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
     microbatch_size: examples per chunk, as in `clipped_grad`.
     cosine_eps: ε of the cosine similarity, as in `clipped_grad`.
     float_allowance: include the float allowance that keeps every norm at or above the true
-      norm (the default, what clipping uses; docs/PRIVACY.md); False returns the computed
-      values without it (for comparing methods; never clip by them).
+      norm (the default, what clipping uses; docs/privacy_floating_point.md); False returns
+      the computed values without it (for comparing methods; never clip by them).
     positive_embed_fn: the tower of x_prime, as in `clipped_grad`.
     key: the key of a stochastic embed_fn(params, x, key) (as
       ``clipped_grad(..., stochastic=True)`` with this key); None: embed_fn(params, x).

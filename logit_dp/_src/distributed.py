@@ -127,13 +127,12 @@ def resolve_devices(devices: DevicesArg = None) -> list:
   if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
     k = int(devices)
     if not 1 <= k <= len(all_devices):
-      raise ValueError(
-          f"num_devices must be -1 (all) or between 1 and {len(all_devices)} (the visible "
-          f"devices), got {k}.")
+      raise ValueError(f"devices must be -1 (all) or between 1 and {len(all_devices)} (the visible "
+                       f"devices), got {k}.")
     if jax.process_count() > 1 and k != len(all_devices):
       raise ValueError(
           f"with {jax.process_count()} processes the mesh must use all {len(all_devices)} "
-          f"devices (num_devices=-1), got {k}.")
+          f"devices (devices=-1), got {k}.")
     return list(all_devices[:k])
   if isinstance(devices, bool):
     raise TypeError(f"devices must be None, an int or a sequence of devices, got {devices!r}.")
@@ -211,7 +210,7 @@ def replicate(tree, mesh: Mesh) -> Any:
     return jax.device_put(tree, NamedSharding(mesh, P()))
   except AssertionError as e:  # jax's cross-process comparison (multihost_utils.assert_equal)
     raise ValueError(
-        f"replicate: the processes passed different values ({e}). Every process must hold the "
+        f"replicate: the processes passed different values ({e}). Every process needs the "
         "same parameters and optimizer state: initialise from the same seed and draw the noise "
         "key from distributed.broadcast_seed(), not from `secrets` on each process.") from e
 

@@ -583,16 +583,21 @@ def restore_checkpoint(directory, template: Any,
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   with _opened(directory, step) as (mngr, step):
-    try:
-      restored = mngr.restore(
-          step, args=ocp.args.Composite(**{
-              _STATE_ITEM: ocp.args.StandardRestore(template),
-              _LEDGER_ITEM: ocp.args.JsonRestore(),
-          }))
-    except ValueError:
-      differences = state_differences(directory, step, template)
-      if not differences:
-        raise
+    # Other shapes are refused from the metadata, before any read: a restore that fails
+    # while reading leaves orbax's reads behind, to report their errors whenever collected.
+    differences = state_differences(directory, step, template)
+    restored = None
+    if not any(": shape " in line for line in differences):
+      try:
+        restored = mngr.restore(
+            step, args=ocp.args.Composite(**{
+                _STATE_ITEM: ocp.args.StandardRestore(template),
+                _LEDGER_ITEM: ocp.args.JsonRestore(),
+            }))
+      except ValueError:
+        if not differences:
+          raise
+    if restored is None:
       shown = "\n  ".join(differences[:20])
       more = f"\n  ... and {len(differences) - 20} more" if len(differences) > 20 else ""
       raise ValueError(
@@ -600,7 +605,7 @@ def restore_checkpoint(directory, template: Any,
           f"template:\n  {shown}{more}\nBuild the template as the state was saved: the same "
           "params and the same optimizer chain (optimizer=, mean=). Do not restore part of "
           "it: the rest would start afresh, and a fresh noise state draws noise already "
-          "released.") from None
+          "released.")
   ledger = PrivacyLedger.from_dict(restored[_LEDGER_ITEM])
   return restored[_STATE_ITEM], ledger, int(step)
 

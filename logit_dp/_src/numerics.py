@@ -5,7 +5,7 @@ embeddings finite: |Z_ij| < 1 still holds and the gradient at u = 0 is I/ε, lar
 and clipped like any other), and Z_ij = ⟨n(u_i), n(v_j)⟩.
 
 Float allowances are added to every pair norm before clipping, so that a clip factor never
-uses a norm below the true one (docs/PRIVACY.md, "Clip norms in float32"). With
+uses a norm below the true one (docs/privacy_floating_point.md, "Clip norms in float32"). With
 s_i = ‖J_i‖_F (per-example Jacobian of the normalised embedding), S_ij = s_i + s'_j and u the
 unit roundoff of the dtype the norms are computed in (`computation_dtype`: 2⁻²⁴ for float32,
 2⁻⁵³ for float64): a norm formed from its vector (materialize) is raised by

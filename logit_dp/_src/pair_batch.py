@@ -72,8 +72,8 @@ class PairBatch:
     else:  # both views as one batch: the forward pass is compiled once
       u_loc, v_loc = split_views(self._embed(join_views((self.x, self.x_prime))), 2)
     if u_loc.shape[-1] != v_loc.shape[-1]:
-      raise ValueError(f"the two towers must embed into the same dimension: embed_fn gives "
-                       f"{u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
+      raise ValueError(f"embed_fn and positive_embed_fn must embed into the same dimension: "
+                       f"embed_fn gives {u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
     ok = inputs_ok & rows_lib.finite_rows(u_loc) & rows_lib.finite_rows(v_loc)
     self.u_loc, self.v_loc = rows_lib.where_rows(ok, u_loc), rows_lib.where_rows(ok, v_loc)
     self.rows = collective.local_rows(n_local)

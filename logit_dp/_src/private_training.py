@@ -66,6 +66,17 @@ class UnrecordedStepError(RuntimeError):
   noise already released."""
 
 
+class NonFiniteParametersError(FloatingPointError):
+  """A private step dropped every valid pair whose inputs are finite because its embeddings
+  are not: the parameters are non-finite (a diverged run), and every further update would be
+  pure noise. Raised by `PrivateTraining.make_train_step`'s step at its first report of such
+  a step (under "warn" too), and by `PrivateTraining.batches` before it records another step."""
+
+
+#: How many record indices (or rows) with non-finite values a report names.
+NAMED_ROWS = 8
+
+
 def _noise_states(tree) -> list[AddNoiseState]:
   """Every `AddNoiseState` in a pytree (an optimizer state, or a state that holds one)."""
   is_noise = lambda s: isinstance(s, AddNoiseState)
@@ -88,6 +99,14 @@ def _host_int(value) -> int:
   if isinstance(value, jax.Array) and not value.is_fully_addressable:
     value = value.addressable_data(0)
   return int(value)
+
+
+def _key_bytes(state: AddNoiseState) -> bytes:
+  """The noise key of a noise state, as bytes (multi-host: this process's copy)."""
+  key = state.rng_key
+  if isinstance(key, jax.Array) and not key.is_fully_addressable:
+    key = key.addressable_data(0)
+  return np.asarray(key).tobytes()
 
 
 def _is_ready(value) -> bool:
@@ -114,10 +133,30 @@ def _host_device():
 
 class _Loop:
   """What the batches() loops and train steps over one ledger share in a process: the batches
-  handed out and not used yet (by id), and the steps' report flushes."""
+  handed out and not used yet (by id), the steps' report flushes and polls (the reports of
+  the steps that have run, without waiting), the `NonFiniteParametersError` that stopped the
+  loop (None while none has), and the noise keys of the optimizer states restored into this
+  ledger (`PrivateTraining.restore_checkpoint`)."""
   def __init__(self):
     self.unused: dict[int, PoissonBatch] = {}
     self.flushes = weakref.WeakSet()
+    self.polls = weakref.WeakSet()
+    self.failure: NonFiniteParametersError | None = None
+    self.noise_keys: set[bytes] = set()
+
+  def poll(self) -> None:
+    """Makes the reports of the train steps that have run; raises the loop's
+    `NonFiniteParametersError` (again) once there is one."""
+    for poll in list(self.polls):
+      poll()
+    if self.failure is not None:
+      raise NonFiniteParametersError(str(self.failure))
+
+  def flush(self, stop: bool) -> None:
+    """Makes every report not made yet; with stop=False (the loop is closing on an error or
+    a break) a `NonFiniteParametersError` is a `NonFiniteRowsWarning` instead."""
+    for flush in list(self.flushes):
+      flush(stop=stop)
 
 
 _LOOPS: dict[int, tuple[weakref.ref, _Loop]] = {}
@@ -176,8 +215,8 @@ def _gather(data, indices: np.ndarray, num_records: int, mask: np.ndarray, mesh=
                     f"N = {num_records} pair records along axis 0, got {type(data).__name__}.")
   on_device = any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(data))
   if mesh is not None and on_device and jax.process_count() > 1:
-    raise TypeError("On a mesh spanning several processes the records must be host (NumPy) "
-                    "arrays: each process gathers its own rows of the batch.")
+    raise TypeError("On a mesh spanning several processes the records (x_all, x_prime_all) must "
+                    "be host (NumPy) arrays: each process gathers its own rows of the batch.")
 
   def checked(leaf):
     if not isinstance(leaf, jax.Array):
@@ -267,8 +306,9 @@ class PrivateTraining(NamedTuple):
     records the step (`PrivacyLedger.record_steps`(1)), so every batch handed out
     is accounted for, whether or not its update is released. The position is the
     ledger's step count: after `restore_checkpoint`, or a second call, it continues
-    where the ledger stands. When the loop ends, the reports the train steps have
-    not made yet (non-finite rows, empty batches) are made.
+    where the ledger stands. Before recording a step it makes the reports of the
+    train steps that have run (non-finite rows, empty batches), and when the loop
+    ends, those not made yet.
 
     Args:
       steps: stop once the ledger holds this many steps, counted from the start of
@@ -283,6 +323,9 @@ class PrivateTraining(NamedTuple):
         loop would train nothing; ``steps`` counts from the start of the run).
       RuntimeError: the ledger recorded steps inside the loop (``record_steps``
         is the low-level path; here it would count each step twice).
+      NonFiniteParametersError: a train step reported non-finite parameters
+        (`make_train_step`); no step is recorded after it, and this loop hands out
+        no further batch (a new call to ``batches`` starts a new loop).
     """
     end = self.steps if steps is None else accounting.check_steps(steps)
     start = self.ledger.steps
@@ -305,9 +348,14 @@ class PrivateTraining(NamedTuple):
 
   def _batches(self, end: int) -> Iterator[PoissonBatch]:
     loop = _loop(self.ledger)
+    loop.failure = None  # a new loop: the parameters may have been fixed
     device = _host_device()
+    completed = False
     try:
       while self.ledger.steps < end:
+        # The reports of the steps that have run, before the next step is recorded: a
+        # NonFiniteParametersError stops the loop with no step recorded past it.
+        loop.poll()
         step = self.ledger.steps
         if device is None:
           batch = self.sampler(step)
@@ -322,9 +370,9 @@ class PrivateTraining(NamedTuple):
               f"The ledger went from {step + 1} to {self.ledger.steps} steps inside the loop "
               "over PrivateTraining.batches(), which records every step itself: remove the "
               "ledger.record_steps call (it counts the step twice).")
+      completed = True
     finally:
-      for flush in list(loop.flushes):
-        flush()
+      loop.flush(stop=completed)
 
   def make_train_step(self, *, on_nonfinite: str = "warn", on_empty: str = "warn",
                       augment: Callable | None = None, clip_stats: bool = False,
@@ -352,7 +400,10 @@ class PrivateTraining(NamedTuple):
     ledger has already released (``ledger.released_updates``, shared by every
     step built from this `PrivateTraining`, saved in its checkpoints and kept by
     `restore_checkpoint`): the same noise on another gradient would reveal their
-    difference. A batch that `batches` has not handed out (another run's, one
+    difference. An optimizer state this training did not produce is refused with
+    ValueError: its noise key is neither ``optimizer``'s nor that of a state
+    restored by `restore_checkpoint`, or its noise count exceeds the updates this
+    training released. A batch that `batches` has not handed out (another run's, one
     drawn by hand), or one already used, is refused with ValueError: every update
     has a fresh Poisson batch of its own.
 
@@ -364,11 +415,26 @@ class PrivateTraining(NamedTuple):
     the update is pure noise) are reported per ``on_nonfinite`` and ``on_empty``:
 
     * "warn" (default): `NonFiniteRowsWarning`, `EmptyBatchWarning`, late: at the
-      first later call that finds the step done (at most two steps late), at
-      ``train_step.flush()`` and at the end of the `batches` loop;
+      first later call that finds the step done (at most two steps late), when
+      `batches` is about to record its next step, at ``train_step.flush()`` and at
+      the end of the `batches` loop;
     * "error": FloatingPointError, ValueError before the call returns (it waits
       for the step); the update is discarded, nothing is released;
     * "ignore": nothing is read.
+
+    A report tells the data's fault from the model's. Valid pairs with non-finite
+    inputs (after ``augment``) are named by their record indices (``batch.indices``;
+    the array form names the batch's rows, or its ``record_ids``): fix or remove those
+    records. When every valid pair whose inputs are finite has non-finite embeddings,
+    the parameters are non-finite (a diverged run) and every further update would be
+    pure noise: the report raises `NonFiniteParametersError` (a FloatingPointError)
+    under "warn" too, and the `batches` loop records no step after it (it checks
+    before recording each step), so the budget left is not spent on noise. Under
+    "warn" the steps of the two reports' delay are released and recorded; the ledger
+    holds no step that was not released. The stop depends on the parameters, which
+    are released, and on the batch holding a valid pair with finite inputs. The
+    reports (record indices, counts) describe the private data and are not private:
+    they are for whoever holds the data, not for release.
 
     ``train_step.num_dropped()`` is the total of the dropped pairs reported ("warn" or
     "error"; 0 with "ignore").
@@ -439,22 +505,52 @@ class PrivateTraining(NamedTuple):
         extra["key"] = jax.random.fold_in(model_key, step)
       if group_key is not None:  # DP-GCL: the records regrouped at every step
         extra.update(record_ids=record_ids, group_key=jax.random.fold_in(group_key, step))
+      # Valid rows whose inputs (as grad_fn gets them) are not finite: the data's fault. The
+      # other dropped rows have finite inputs and non-finite embeddings: the model's.
+      inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
+      if "extra_views" in extra:
+        inputs_ok = inputs_ok & rows_lib.finite_rows(extra["extra_views"])
+      bad_inputs = mask & ~inputs_ok
+      (bad_rows,) = jnp.nonzero(bad_inputs, size=NAMED_ROWS, fill_value=-1)
+      params_finite = jnp.all(
+          jnp.stack([
+              jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(params)
+              if jnp.issubdtype(leaf.dtype, jnp.inexact)
+          ] or [jnp.bool_(True)]))
       params, opt_state, loss_value, num_dropped, stats = update_lib.private_update(
           grad_fn, optimizer, params, opt_state, x, x_prime, mask, clip_stats=clip_stats, **extra)
-      flags = jnp.stack([jnp.sum(mask, dtype=jnp.int32), num_dropped.astype(jnp.int32)])
+      flags = jnp.concatenate([
+          jnp.stack([
+              jnp.sum(mask, dtype=jnp.int32),
+              num_dropped.astype(jnp.int32),
+              jnp.sum(bad_inputs, dtype=jnp.int32),
+              params_finite.astype(jnp.int32)
+          ]),
+          bad_rows.astype(jnp.int32)
+      ])
       return params, opt_state, loss_value, flags, stats
 
     update = jax.jit(update, static_argnames="num_rows") if jit else update
 
     # The noise count array the last call returned and its value: read without the device.
     returned_count: list = [None, None]
-    # (update number, flags) of released updates not reported yet, oldest first.
-    pending: list[tuple[int, jax.Array]] = []
+    # (update number, flags, record indices of the rows or None) of released updates not
+    # reported yet, oldest first.
+    pending: list[tuple[int, jax.Array, np.ndarray | None]] = []
+    own_key: list = []  # the noise key of ``optimizer``, once read
 
     dropped = [0]  # the valid pairs dropped in the reported steps
 
-    def report(number: int, flags) -> None:
-      num_valid, num_dropped = (int(v) for v in np.asarray(flags))
+    def named(rows, records) -> str:
+      """The records (or the batch's rows, without record indices) of the rows ``rows``."""
+      if records is None:
+        return "rows " + ", ".join(str(r) for r in rows) + " of the batch"
+      return "records " + ", ".join(str(int(records[r])) for r in rows)
+
+    def report(number: int, flags, records, stop: bool = True) -> None:
+      num_valid, num_dropped, num_bad_inputs, params_finite, *rows = (
+          int(v) for v in np.asarray(flags))
+      rows = [r for r in rows if r >= 0]
       if on_nonfinite != "ignore":
         dropped[0] += num_dropped
       if num_valid == 0:
@@ -463,28 +559,83 @@ class PrivateTraining(NamedTuple):
             "False), so the released update is pure noise. A Poisson batch is empty with "
             f"probability (1 − q)^N = (1 − {self.sampling_rate:g})^{num_records}; "
             "anything else is a masking error.", EmptyBatchWarning, ValueError)
-      if num_dropped > 0:
-        _report(
-            on_nonfinite, f"Private step {number}: {num_dropped} of {num_valid} "
-            "valid pair(s) have non-finite inputs or embeddings (NaN/inf) and were dropped "
-            "(masked out, still private). Check the data, or lower the learning rate if the "
-            "model diverges.", NonFiniteRowsWarning, FloatingPointError)
+      if num_dropped == 0 or on_nonfinite == "ignore":
+        return
+      num_model = num_dropped - num_bad_inputs  # finite inputs, non-finite embeddings
+      finite_inputs = num_valid - num_bad_inputs
+      if num_model > 0 and num_model == finite_inputs:
+        cause = ("the parameters hold NaN/inf (the model diverged)" if not params_finite else
+                 "the parameters are finite but the model overflows on every pair")
+        message = (
+            f"Private step {number}: all {finite_inputs} valid pair(s) with finite inputs have "
+            f"non-finite embeddings (NaN/inf): {cause}, so every update from them is pure "
+            "noise. Training stops here so that the rest of the privacy budget is not spent on "
+            "noise: lower the learning rate (or clip_norm) and train from the parameters of an "
+            "earlier step, e.g. private.restore_checkpoint of a checkpoint saved before the "
+            "divergence.")
+        if synchronous or (stop and loop.failure is None):
+          loop.failure = NonFiniteParametersError(message)
+          raise loop.failure
+        if loop.failure is None:  # the loop closes before the error: said as a warning
+          _report("warn", message, NonFiniteRowsWarning, NonFiniteParametersError)
+        return
+      parts = []
+      if num_bad_inputs > 0:
+        more = f" (the first {len(rows)} of {num_bad_inputs})" if num_bad_inputs > len(rows) else ""
+        parts.append(f"{num_bad_inputs} valid pair(s) have non-finite inputs (NaN/inf): "
+                     f"{named(rows, records)}{more} of x_all or x_prime_all"
+                     f"{' (after augment)' if augment is not None else ''}. Fix or remove those "
+                     "records.")
+      if num_model > 0:
+        parts.append(
+            f"{num_model} valid pair(s) with finite inputs have non-finite embeddings "
+            "(NaN/inf): the model overflows on them; lower the learning rate if it diverges.")
+      _report(
+          on_nonfinite, f"Private step {number}: {num_dropped} of {num_valid} valid pair(s) "
+          "were dropped (masked out, still private). " + " ".join(parts), NonFiniteRowsWarning,
+          FloatingPointError)
 
-    def flush() -> None:
-      """Makes the reports of every released update not reported yet (waits for them)."""
+    def flush(stop: bool = True) -> None:
+      """Makes the reports of every released update not reported yet (waits for them).
+
+      Raises `NonFiniteParametersError` at the first report of a step whose valid pairs
+      with finite inputs all have non-finite embeddings (stop=False: warns instead)."""
       while pending:
-        report(*pending.pop(0))
+        report(*pending.pop(0), stop=stop)
 
     def report_finished() -> None:
       # Steps that have run, without waiting; more than two steps behind: wait for the oldest.
       while pending and (len(pending) > 2 or _is_ready(pending[0][1])):
         report(*pending.pop(0))
 
-    def released_count(opt_state) -> int:
+    def check_own(opt_state, params, count: int) -> None:
+      """ValueError unless opt_state (not returned by this step) holds this training's noise
+      key (``optimizer``'s, or a restored checkpoint's) and at most the noise count it
+      released."""
+      if not own_key:
+        own_key.append(_key_bytes(_noise_state(optimizer.init(params))))
+      if _key_bytes(_noise_state(opt_state)) not in loop.noise_keys | {own_key[0]}:
+        raise ValueError(
+            "opt_state was not produced by this training: its noise key is neither the key of "
+            "this PrivateTraining's optimizer nor that of a state restored by its "
+            "restore_checkpoint (it comes from another make_private, or another run). "
+            "Start from private.optimizer.init(params), continue from the opt_state the last "
+            "step returned, or resume with private.restore_checkpoint.")
+      if count > ledger.released_updates:
+        raise ValueError(
+            f"opt_state was not produced by this training: its noise count is {count}, and "
+            f"this training has released {ledger.released_updates} noisy update(s) (another "
+            "run with the same noise key made it). Start from private.optimizer.init(params), "
+            "continue from the opt_state the last step returned, or resume with "
+            "private.restore_checkpoint.")
+
+    def released_count(opt_state, params) -> int:
       count = _noise_state(opt_state).count
       if count is returned_count[0]:
         return returned_count[1]
-      return _host_int(count)
+      released = _host_int(count)
+      check_own(opt_state, params, released)
+      return released
 
     def train_step(params, opt_state, batch, data, mask=None, *, record_ids=None):
       if isinstance(batch, PoissonBatch):
@@ -500,7 +651,7 @@ class PrivateTraining(NamedTuple):
         if record_ids is not None:
           raise TypeError("train_step(params, opt_state, batch, (x_all, x_prime_all)) groups "
                           "the records by batch.indices itself: pass no record_ids.")
-        indices = np.asarray(batch.indices)
+        indices = records = np.asarray(batch.indices)
         num_rows = indices.shape[0]
         x, x_prime, mask = _gather(data, indices, num_records, np.asarray(batch.mask), mesh)
         if grouped:
@@ -519,7 +670,8 @@ class PrivateTraining(NamedTuple):
         if (record_ids is None) == grouped:
           raise ValueError("record_ids= is required by method='dp_gcl' (pass batch.indices) "
                            f"and taken by it only; this run's method is {self.method!r}.")
-      released = released_count(opt_state)
+        records = None if record_ids is None else np.asarray(record_ids)
+      released = released_count(opt_state, params)
       if released < ledger.released_updates:
         raise UnrecordedStepError(
             f"The optimizer state's noise count is {released}, and the ledger has released "
@@ -542,13 +694,14 @@ class PrivateTraining(NamedTuple):
                                                                released, record_ids, keys,
                                                                num_rows=num_rows)
       if synchronous:
-        report(released + 1, flags)  # raises before anything is released
+        report(released + 1, flags, records)  # raises before anything is released
       ledger.released_updates = released + 1
       if isinstance(batch, PoissonBatch):
         del loop.unused[id(batch)]
       returned_count[:] = [_noise_state(state_out).count, released + 1]
       if deferred:
-        pending.append((released + 1, flags))
+        # After the update: a NonFiniteParametersError leaves no recorded step unreleased.
+        pending.append((released + 1, flags, records))
         report_finished()
       if clip_stats:
         return params_out, state_out, loss_value, stats
@@ -562,7 +715,9 @@ class PrivateTraining(NamedTuple):
 
     train_step.flush = flush  # pyright: ignore[reportFunctionMemberAccess]
     train_step.num_dropped = num_dropped  # pyright: ignore[reportFunctionMemberAccess]
+    train_step._poll = report_finished  # pyright: ignore[reportFunctionMemberAccess]
     loop.flushes.add(flush)
+    loop.polls.add(report_finished)
     return train_step
 
   def save_checkpoint(self, directory, state: Any, *, max_to_keep: int | None = None) -> None:
@@ -639,6 +794,8 @@ class PrivateTraining(NamedTuple):
                    + [_host_int(s.count) for s in _noise_states(state)])
     mine.released_updates = released
     ledger = dataclasses.replace(mine, steps=ledger.steps, released_updates=released)
+    # The restored state's noise key continues this training (the train steps accept it).
+    _loop(ledger).noise_keys.update(_key_bytes(s) for s in _noise_states(state))
     return state, self._replace(ledger=ledger, sampler=BudgetedSampler.bind(sampler, ledger))
 
 
@@ -652,6 +809,15 @@ def _check_count(name: str, value) -> int:
   if out != value or out < 1:
     raise ValueError(f"{name} must be a positive integer, got {value!r}.")
   return out
+
+
+def _is_prng_key(key) -> bool:
+  """Whether key is what `transform` takes: a typed JAX PRNG key, or raw uint32 key data."""
+  try:
+    dtype, ndim = jnp.result_type(key), jnp.ndim(key)
+  except TypeError:
+    return False
+  return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key) or (dtype == jnp.uint32 and ndim == 1))
 
 
 def _secret_seed() -> int:
@@ -755,12 +921,19 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   delta = accounting.check_delta(target_delta)
   n = _check_count("num_records", num_records)
   accounting.check_accountant(accountant)
-  q = accounting.sampling_rate_for(expected_batch_size, n)
+  try:
+    q = accounting.sampling_rate_for(expected_batch_size, n)
+  except ValueError:
+    raise ValueError(f"expected_batch_size must be a number in (0, num_records={n}], got "
+                     f"{expected_batch_size!r}.") from None
   t = accounting.check_steps(steps) if epochs is None else accounting.steps_for_epochs(epochs, q)
   if sampler_seed is not None and (isinstance(sampler_seed, bool)
                                    or not isinstance(sampler_seed, int) or sampler_seed < 0):
     raise ValueError(f"sampler_seed must be an integer ≥ 0 or None, got {sampler_seed!r}.")
   b = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
+  if noise_key is not None and not _is_prng_key(noise_key):
+    raise ValueError("noise_key must be a JAX PRNG key (jax.random.key(seed) or "
+                     f"jax.random.PRNGKey(seed)), or None to draw a secret one, got {noise_key!r}.")
 
   grouped = mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL
   if "num_groups" in grad_kwargs:
