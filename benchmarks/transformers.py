@@ -329,6 +329,60 @@ def _grad_fns(embed_fn, positive_embed_fn, methods, n: int) -> dict:
   return fns
 
 
+def _forward_macs(fn, params, x) -> float:
+  """Multiply-adds of one example's forward pass (XLA's cost analysis: flops / 2)."""
+  compiled = jax.jit(fn).lower(params, jax.tree_util.tree_map(lambda a: a[:1], x)).compile()
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+  return float(analysis["flops"]) / 2
+
+
+def _gram_and_cross_macs(plan, leaves, d: int) -> tuple[float, float]:
+  """Lower bounds of the (per-example Gram, per-pair cross term) multiply-adds of a plan's
+  layers, each the cheaper of its two forms, without the runtime weight of
+  `layerwise.LayerCall.pair_cost`: from factors T²P + T²Cd + Td²C (Gram) and T²P + 2TCd + T²C
+  (cross); flattened T·P·C·d to form and d²PC (Gram and cross); flat columns d²q each."""
+  flat = sum(int(np.size(leaves[i])) for i in plan.generic)
+  gram, cross = float(d * d * flat), float(d * d * flat)
+  for layer in plan.layers:
+    t, p, c = layer.positions, layer.fan_in, layer.features
+    gram += min(t * t * p + t * t * c * d + t * d * d * c, t * p * c * d + d * d * p * c)
+    cross += min(t * t * p + 2 * t * c * d + t * t * c, d * d * p * c)
+  return gram, cross
+
+
+def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict:
+  """The arithmetic floor of ghost against the non-private gradient, in multiply-adds.
+
+  Non-private: forward and backward of both views, 3·n·(F + F') (F, F' one example's forward
+  multiply-adds of each tower). Ghost at least: the forward and d cotangent passes of both views
+  (each pass ≈ a forward's work: only activation cotangents), n·(1 + d)·(F + F'); the
+  per-example Grams, n·(G + G'); and the cross terms, n²·X for the parameters both towers
+  share (all of them with one tower; none for a disjoint CLIP pair). G and X from the plan
+  (`_gram_and_cross_macs`).
+  """
+  from logit_dp._src import layerwise  # pylint: disable=import-outside-toplevel
+  from logit_dp._src import two_tower  # pylint: disable=import-outside-toplevel
+  leaves = jax.tree_util.tree_leaves(params)
+  d = int(jax.eval_shape(embed_fn, params, x).shape[-1])
+  positive = positive_embed_fn or embed_fn
+  macs = _forward_macs(embed_fn, params, x) + _forward_macs(positive, params, x_prime)
+  if positive_embed_fn is None:
+    plan = layerwise.make_plan(embed_fn, params, x[:4], d)
+    gram, cross = _gram_and_cross_macs(plan, leaves, d)
+    gram *= 2
+  else:
+    towers = two_tower.tower_plans(embed_fn, positive_embed_fn, params, x[:4], x_prime[:4], d)
+    g_u, _ = _gram_and_cross_macs(towers.anchor, leaves, d)
+    g_v, _ = _gram_and_cross_macs(towers.positive, leaves, d)
+    gram = g_u + g_v
+    cross = d * d * sum(int(np.size(leaves[i])) for i in towers.shared)
+  nonprivate = 3 * n * macs
+  ghost = n * (1 + d) * macs + n * gram + n * n * cross
+  return {"forward_macs": macs, "nonprivate_macs": nonprivate, "ghost_floor_macs": ghost,
+          "ghost_floor_ratio": ghost / nonprivate}
+
+
 def measure(framework: str, arch: str, n: int, methods, repeats: int) -> dict:
   """Compile and step seconds of each method, and their ratios to the non-private step."""
   embed_fn, params, x, x_prime, positive = build(framework, arch, n)
@@ -351,6 +405,7 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int) -> dict:
       "ratio": {name: step[name] / step["nonprivate"] for name in fns},
       "compile_ratio": {name: first_compile[name] / max(first_compile["nonprivate"], 1e-9)
                         for name in fns},
+      "floor": floor_ratio(embed_fn, params, x, x_prime, positive, n),
       "routes": [(leaf.path, leaf.route) for leaf in logit_dp.clip_methods.describe_plan(
           embed_fn, params, x[:4], x_prime=x_prime[:4], positive_embed_fn=positive).leaves]
   }
@@ -371,7 +426,8 @@ def main():
       for framework in args.frameworks.split(","):
         row = measure(framework, arch, n, args.methods.split(","), args.repeats)
         rows.append(row)
-        print(f"{framework:8s} {arch:5s} n={n:4d} " + "  ".join(
+        print(f"{framework:8s} {arch:5s} n={n:4d} floor {row['floor']['ghost_floor_ratio']:.1f}x "
+              + "  ".join(
             f"{name} {row['ratio'][name]:.1f}x (compile {row['compile_ratio'][name]:.1f}x)"
             for name in row["ratio"]), flush=True)
         if args.out:
