@@ -7,7 +7,7 @@ loop calls:
 * `clipped_grad`: the per-pair clipped gradient ḡ of a similarity loss (a `ClippedGradFn`
   carrying its `Mechanism` and sensitivity);
 * `sensitivity`: its L2 sensitivity C under adding or removing one pair
-  (`person_sensitivity`: one person with up to K pairs);
+  (`losses.person_sensitivity`: one person with up to K pairs);
 * `transform`: the Gaussian noise N(0, (σC)²) as an optax transformation;
 * `make_private`: all of it, with a Poisson sampler and a privacy ledger, for a target (ε, δ)
   (a `PrivateTraining`).
@@ -44,7 +44,6 @@ from logit_dp._src.private_training import NonFiniteRowsWarning
 from logit_dp._src.private_training import PrivateTraining
 from logit_dp._src.private_training import UnrecordedStepError
 from logit_dp._src.private_training import make_private
-from logit_dp._src.sensitivity import person_sensitivity
 from logit_dp._src.sensitivity import sensitivity
 
 __version__ = "0.2.0"
@@ -68,7 +67,6 @@ __all__ = [
     "UnrecordedStepError",
     "clipped_grad",
     "make_private",
-    "person_sensitivity",
     "sensitivity",
     "transform",
 ]

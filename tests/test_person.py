@@ -60,24 +60,24 @@ def test_person_sensitivity_formula_is_at_most_k_times_c_and_its_supremum_is_k_c
   a = math.exp(2 / temperature)
   for n in (2, 5, 16, 1000):
     c_n = logit_dp.sensitivity(loss, 0.5, batch_size=n)
-    assert logit_dp.person_sensitivity(loss, 0.5, 1, batch_size=n) == pytest.approx(c_n, rel=1e-12)
+    assert logit_dp.losses.person_sensitivity(loss, 0.5, 1, batch_size=n) == pytest.approx(c_n, rel=1e-12)
     for k in (2, 3, 8):
       want = max((2 * j + 2 * (n - j) * j * a / (j * a + n - j)) / temperature
                  for j in range(1, min(k, n) + 1)) * 0.5
-      got = logit_dp.person_sensitivity(loss, 0.5, k, batch_size=n)
+      got = logit_dp.losses.person_sensitivity(loss, 0.5, k, batch_size=n)
       assert got == pytest.approx(want, rel=1e-12)
       assert got <= k * c_n * (1 + 1e-12)
       if n > k >= 2:
         assert got < k * c_n  # strictly below K·C(n) for a finite batch
   for k in (1, 4):
-    assert logit_dp.person_sensitivity(loss, 0.5, k) == pytest.approx(
+    assert logit_dp.losses.person_sensitivity(loss, 0.5, k) == pytest.approx(
         k * logit_dp.sensitivity(loss, 0.5), rel=1e-12)
-    assert logit_dp.person_sensitivity(
+    assert logit_dp.losses.person_sensitivity(
         loss, 0.5, k, neighboring_relation=Relation.REPLACE_ONE) == pytest.approx(
             2 * k * logit_dp.sensitivity(loss, 0.5), rel=1e-12)
   spread = logit_dp.losses.spreadout()
-  assert logit_dp.person_sensitivity(spread, 1.0, 3) == 18.0
-  assert logit_dp.person_sensitivity(spread, 1.0, 3, batch_size=10) == pytest.approx(6 + 12 * 7 / 9)
+  assert logit_dp.losses.person_sensitivity(spread, 1.0, 3) == 18.0
+  assert logit_dp.losses.person_sensitivity(spread, 1.0, 3, batch_size=10) == pytest.approx(6 + 12 * 7 / 9)
 
 
 def test_per_mechanism_person_sensitivity_and_argument_checks():
@@ -88,7 +88,7 @@ def test_per_mechanism_person_sensitivity_and_argument_checks():
   assert mech.LOGIT_DP.sensitivity(loss, 0.5, max_pairs_per_user=4) == pytest.approx(
       4 * logit_dp.sensitivity(loss, 0.5))
   grad_fn = logit_dp.clipped_grad(lambda p, x: x @ p, loss, 0.5)
-  assert grad_fn.sensitivity(max_pairs_per_user=3) == logit_dp.person_sensitivity(loss, 0.5, 3)
+  assert grad_fn.sensitivity(max_pairs_per_user=3) == logit_dp.losses.person_sensitivity(loss, 0.5, 3)
 
   class NoPersonConstant:  # a loss with the per-pair constant only: K·C(n)
     min_batch_size = 2
@@ -96,11 +96,11 @@ def test_per_mechanism_person_sensitivity_and_argument_checks():
     def sensitivity_factor(self, batch_size=None):
       return loss.sensitivity_factor(batch_size)
 
-  assert logit_dp.person_sensitivity(NoPersonConstant(), 1.0, 3, batch_size=7) == pytest.approx(
+  assert logit_dp.losses.person_sensitivity(NoPersonConstant(), 1.0, 3, batch_size=7) == pytest.approx(
       3 * logit_dp.sensitivity(loss, 1.0, batch_size=7))
   for bad in (0, -1, 1.5, True, "2"):
     with pytest.raises(ValueError, match="max_pairs_per_user"):
-      logit_dp.person_sensitivity(loss, 1.0, bad)
+      logit_dp.losses.person_sensitivity(loss, 1.0, bad)
 
 
 @pytest.mark.parametrize("temperature,n,k", [(1.0, 8, 3), (0.5, 6, 2), (1.0, 12, 4)])
@@ -195,7 +195,7 @@ def test_removing_a_whole_person_never_exceeds_the_per_person_sensitivity(
   if method != "ghost":
     assert result.ratio > 0.7  # the 2B claim is nearly attained
   else:
-    assert result.bound == pytest.approx(logit_dp.person_sensitivity(loss, clip_norm, 3, 10))
+    assert result.bound == pytest.approx(logit_dp.losses.person_sensitivity(loss, clip_norm, 3, 10))
 
 
 def test_dp_gcl_grouped_by_pair_fails_the_person_audit():
@@ -324,7 +324,7 @@ def test_make_private_per_person_samples_people_and_calibrates_to_the_per_person
   loss = logit_dp.losses.contrastive(1.0)
   pt = _private(user_ids=USER_IDS, max_pairs_per_user=2, steps=None, epochs=1)
   assert pt.sampling_rate == 4 / PEOPLE and pt.steps == 4 and pt.max_pairs_per_user == 2
-  assert pt.sensitivity == logit_dp.person_sensitivity(loss, 1.0, 2) == pytest.approx(
+  assert pt.sensitivity == logit_dp.losses.person_sensitivity(loss, 1.0, 2) == pytest.approx(
       2 * logit_dp.sensitivity(loss, 1.0))
   assert pt.ledger.unit == "person" and pt.ledger.num_examples == PEOPLE
   assert isinstance(pt.sampler, logit_dp.ledger.BudgetedPersonSampler)
