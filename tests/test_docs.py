@@ -100,6 +100,9 @@ def test_jax_privacy_page_gives_the_ledgers_epsilon():
       accounting.epsilon(ns["noise_std"] / ns["C_rep"], ns["delta"], ns["b"] / ns["N"], ns["T"]),
       rel_tol=1e-12)
   assert ns["eps_replace"] < ns["eps_replace_2c"]
+  # Per person: UserSelectionStrategy's batches, the per-person ledger's ε.
+  assert ns["private"].ledger.unit == "person" and ns["private"].ledger.steps == ns["T"]
+  assert math.isclose(ns["eps_person_jax_privacy"], ns["eps_person_ledger"], rel_tol=1e-9)
 
 
 def _sci(x, digits):
