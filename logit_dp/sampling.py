@@ -1,5 +1,6 @@
 """Poisson batch sampling, padded to a fixed size (what the accounting assumes:
-`PoissonSampler`; per person: `PersonPoissonSampler`), and shuffled batches for non-private training (`ShuffledBatcher`)."""
+`PoissonSampler`; per person: `PersonPoissonSampler`), and shuffled batches for non-private
+training (`ShuffledBatcher`)."""
 
 from logit_dp._src.sampling import DEFAULT_OVERFLOW_PROBABILITY
 from logit_dp._src.sampling import OVERFLOW_POLICIES

@@ -127,15 +127,14 @@ def test_user_selection_strategy_drives_per_person_training_with_the_ledgers_eps
   params, x, x_prime = _problem(n)
   private = logit_dp.make_private(embed_fn, LOSS, 1.0, target_epsilon=2.0, target_delta=1e-4,
                                   num_records=n, expected_batch_size=4, steps=steps,
-                                  optimizer=optax.sgd(0.1), user_ids=user_ids,
-                                  max_pairs_per_user=k)
+                                  optimizer=optax.sgd(0.1), user_ids=user_ids, max_pairs_per_user=k)
   people = private.sampler.num_people
   assert private.sampling_rate == 4 / people and private.ledger.unit == "person"
   strategy = batch_selection.UserSelectionStrategy(
       batch_selection.CyclicPoissonSampling(
           sampling_prob=private.sampling_rate, iterations=steps,
-          partition_type=batch_selection.PartitionType.INDEPENDENT),
-      examples_per_user_per_batch=k, shuffle_per_user=True)
+          partition_type=batch_selection.PartitionType.INDEPENDENT), examples_per_user_per_batch=k,
+      shuffle_per_user=True)
   train_step = private.make_train_step()
   opt_state = private.optimizer.init(params)
   width = private.sampler.max_batch_size

@@ -18,6 +18,7 @@ from helpers import float64_clipped_reference
 from logit_dp import audit
 from logit_dp import models
 from logit_dp.ledger import PrivacyLedger
+from logit_dp.losses import person_sensitivity
 from logit_dp.sampling import PersonPoissonSampler
 
 TOL = 1e-4  # float32 slack on a ratio that must be ≤ 1
@@ -60,24 +61,25 @@ def test_person_sensitivity_formula_is_at_most_k_times_c_and_its_supremum_is_k_c
   a = math.exp(2 / temperature)
   for n in (2, 5, 16, 1000):
     c_n = logit_dp.sensitivity(loss, 0.5, batch_size=n)
-    assert logit_dp.losses.person_sensitivity(loss, 0.5, 1, batch_size=n) == pytest.approx(c_n, rel=1e-12)
+    assert person_sensitivity(loss, 0.5, 1, batch_size=n) == pytest.approx(c_n, rel=1e-12)
     for k in (2, 3, 8):
       want = max((2 * j + 2 * (n - j) * j * a / (j * a + n - j)) / temperature
-                 for j in range(1, min(k, n) + 1)) * 0.5
-      got = logit_dp.losses.person_sensitivity(loss, 0.5, k, batch_size=n)
+                 for j in range(1,
+                                min(k, n) + 1)) * 0.5
+      got = person_sensitivity(loss, 0.5, k, batch_size=n)
       assert got == pytest.approx(want, rel=1e-12)
       assert got <= k * c_n * (1 + 1e-12)
       if n > k >= 2:
         assert got < k * c_n  # strictly below K·C(n) for a finite batch
   for k in (1, 4):
-    assert logit_dp.losses.person_sensitivity(loss, 0.5, k) == pytest.approx(
-        k * logit_dp.sensitivity(loss, 0.5), rel=1e-12)
-    assert logit_dp.losses.person_sensitivity(
-        loss, 0.5, k, neighboring_relation=Relation.REPLACE_ONE) == pytest.approx(
-            2 * k * logit_dp.sensitivity(loss, 0.5), rel=1e-12)
+    assert person_sensitivity(loss, 0.5, k) == pytest.approx(k * logit_dp.sensitivity(loss, 0.5),
+                                                             rel=1e-12)
+    assert person_sensitivity(loss, 0.5, k,
+                              neighboring_relation=Relation.REPLACE_ONE) == pytest.approx(
+                                  2 * k * logit_dp.sensitivity(loss, 0.5), rel=1e-12)
   spread = logit_dp.losses.spreadout()
-  assert logit_dp.losses.person_sensitivity(spread, 1.0, 3) == 18.0
-  assert logit_dp.losses.person_sensitivity(spread, 1.0, 3, batch_size=10) == pytest.approx(6 + 12 * 7 / 9)
+  assert person_sensitivity(spread, 1.0, 3) == 18.0
+  assert person_sensitivity(spread, 1.0, 3, batch_size=10) == pytest.approx(6 + 12 * 7 / 9)
 
 
 def test_per_mechanism_person_sensitivity_and_argument_checks():
@@ -88,7 +90,7 @@ def test_per_mechanism_person_sensitivity_and_argument_checks():
   assert mech.LOGIT_DP.sensitivity(loss, 0.5, max_pairs_per_user=4) == pytest.approx(
       4 * logit_dp.sensitivity(loss, 0.5))
   grad_fn = logit_dp.clipped_grad(lambda p, x: x @ p, loss, 0.5)
-  assert grad_fn.sensitivity(max_pairs_per_user=3) == logit_dp.losses.person_sensitivity(loss, 0.5, 3)
+  assert grad_fn.sensitivity(max_pairs_per_user=3) == person_sensitivity(loss, 0.5, 3)
 
   class NoPersonConstant:  # a loss with the per-pair constant only: K·C(n)
     min_batch_size = 2
@@ -96,11 +98,11 @@ def test_per_mechanism_person_sensitivity_and_argument_checks():
     def sensitivity_factor(self, batch_size=None):
       return loss.sensitivity_factor(batch_size)
 
-  assert logit_dp.losses.person_sensitivity(NoPersonConstant(), 1.0, 3, batch_size=7) == pytest.approx(
+  assert person_sensitivity(NoPersonConstant(), 1.0, 3, batch_size=7) == pytest.approx(
       3 * logit_dp.sensitivity(loss, 1.0, batch_size=7))
   for bad in (0, -1, 1.5, True, "2"):
     with pytest.raises(ValueError, match="max_pairs_per_user"):
-      logit_dp.losses.person_sensitivity(loss, 1.0, bad)
+      person_sensitivity(loss, 1.0, bad)
 
 
 @pytest.mark.parametrize("temperature,n,k", [(1.0, 8, 3), (0.5, 6, 2), (1.0, 12, 4)])
@@ -155,8 +157,10 @@ def _model(kind, seed=1):
   k = jax.random.split(jax.random.key(seed), 3)
   if kind == "linear":
     return _linear, {"w": jax.random.normal(k[0], (3, 3))}
-  return _mlp, {"w1": jax.random.normal(k[0], (3, 4)), "b1": 0.1 * jax.random.normal(k[1], (4,)),
-                "w2": jax.random.normal(k[2], (4, 3))}
+  return _mlp, {
+      "w1": jax.random.normal(k[0], (3, 4)), "b1": 0.1 * jax.random.normal(k[1], (4,)),
+      "w2": jax.random.normal(k[2], (4, 3))
+  }
 
 
 def test_person_removal_gaps_are_the_brute_force_ones():
@@ -195,7 +199,7 @@ def test_removing_a_whole_person_never_exceeds_the_per_person_sensitivity(
   if method != "ghost":
     assert result.ratio > 0.7  # the 2B claim is nearly attained
   else:
-    assert result.bound == pytest.approx(logit_dp.losses.person_sensitivity(loss, clip_norm, 3, 10))
+    assert result.bound == pytest.approx(person_sensitivity(loss, clip_norm, 3, 10))
 
 
 def test_dp_gcl_grouped_by_pair_fails_the_person_audit():
@@ -314,8 +318,7 @@ def _private(**kwargs):
   args = dict(target_epsilon=3.0, target_delta=1e-3, num_records=N, expected_batch_size=4,
               optimizer=optax.sgd(0.1), steps=5, noise_key=jax.random.key(1), sampler_seed=3)
   args.update(kwargs)
-  return logit_dp.make_private(embed_fn, logit_dp.losses.contrastive(temperature=1.0), 1.0,
-                               **args)
+  return logit_dp.make_private(embed_fn, logit_dp.losses.contrastive(temperature=1.0), 1.0, **args)
 
 
 def test_make_private_per_person_samples_people_and_calibrates_to_the_per_person_sensitivity():
@@ -324,20 +327,19 @@ def test_make_private_per_person_samples_people_and_calibrates_to_the_per_person
   loss = logit_dp.losses.contrastive(1.0)
   pt = _private(user_ids=USER_IDS, max_pairs_per_user=2, steps=None, epochs=1)
   assert pt.sampling_rate == 4 / PEOPLE and pt.steps == 4 and pt.max_pairs_per_user == 2
-  assert pt.sensitivity == logit_dp.losses.person_sensitivity(loss, 1.0, 2) == pytest.approx(
+  assert pt.sensitivity == person_sensitivity(loss, 1.0, 2) == pytest.approx(
       2 * logit_dp.sensitivity(loss, 1.0))
   assert pt.ledger.unit == "person" and pt.ledger.num_examples == PEOPLE
   assert isinstance(pt.sampler, logit_dp.ledger.BudgetedPersonSampler)
   assert pt.sampler.sampling_rate == pt.ledger.sampling_rate
   # σ is the accountant's at the rate over people (at δ_acc, the δ less the overflow term).
-  assert pt.noise_multiplier == logit_dp.accounting.noise_multiplier(
-      3.0, pt.ledger.target_delta, 4 / PEOPLE, 4)
+  assert pt.noise_multiplier == logit_dp.accounting.noise_multiplier(3.0, pt.ledger.target_delta,
+                                                                     4 / PEOPLE, 4)
   assert pt.ledger.delta(4) <= 1e-3 and pt.ledger.epsilon(4) <= 3.0
   pair = _private(steps=4, expected_batch_size=4 * N / PEOPLE)
   assert "per person" in str(pt.ledger) and "per pair" in str(pair.ledger)
   for method, kw in (("naive", {}), ("dp_gcl", {"group_size": 2})):
-    assert _private(user_ids=USER_IDS, max_pairs_per_user=3, method=method,
-                    **kw).sensitivity == 2.0
+    assert _private(user_ids=USER_IDS, max_pairs_per_user=3, method=method, **kw).sensitivity == 2.0
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -413,9 +415,8 @@ def test_dp_gcl_per_person_train_step_groups_the_rows_by_person():
     zeros = jax.tree_util.tree_map(jnp.zeros_like, want)
     noise_only = pt.optimizer.update(zeros, opt_state, params)[0]
     jax.tree_util.tree_map(
-        lambda new, old, n, w: np.testing.assert_allclose(new - old - n, -w, rtol=1e-4,
-                                                          atol=1e-5), new_params, params,
-        noise_only, want)
+        lambda new, old, n, w: np.testing.assert_allclose(new - old - n, -w, rtol=1e-4, atol=1e-5),
+        new_params, params, noise_only, want)
     params, opt_state = new_params, new_state
 
 
@@ -443,21 +444,20 @@ def test_person_run_checkpoint_resumes_its_batches_and_refuses_other_people(tmp_
   other_people = np.repeat(np.arange(PEOPLE), 3)[::-1].copy()
   other_people[:2] = [100, 101]
   with pytest.raises(ValueError, match="user_ids"):
-    _private(user_ids=other_people, max_pairs_per_user=2, steps=4).restore_checkpoint(
-        tmp_path, template)
+    _private(user_ids=other_people, max_pairs_per_user=2,
+             steps=4).restore_checkpoint(tmp_path, template)
   with pytest.raises(ValueError, match="user_ids"):
     logit_dp.ledger.restore_sampler(tmp_path)
   with pytest.raises(ValueError):
     _private(steps=4, expected_batch_size=12).restore_checkpoint(tmp_path, template)
-  for batch in resumed.batches():
+  for _ in resumed.batches():  # the rest of the budget, recorded
     pass
   with pytest.raises(logit_dp.ledger.PrivacyBudgetExceededError, match="per person"):
     next(iter(resumed.batches()))
 
 
 def test_ledger_unit_is_saved_printed_and_checked():
-  ledger = PrivacyLedger(noise_multiplier=1.0, sampling_rate=0.1, target_delta=1e-5,
-                         unit="person")
+  ledger = PrivacyLedger(noise_multiplier=1.0, sampling_rate=0.1, target_delta=1e-5, unit="person")
   data = ledger.to_dict()
   assert data["unit"] == "person" and data["format_version"] == 3
   assert PrivacyLedger.from_dict(data) == ledger

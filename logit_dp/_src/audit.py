@@ -667,8 +667,8 @@ def _people(user_ids, n: int) -> tuple[np.ndarray, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _make_person_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None,
-                      group_by=None, positive_embed_fn=None):
+def _make_person_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, group_by=None,
+                      positive_embed_fn=None):
   """core(params, x, x_prime, mask, person) of the audited grad_fn: DP-GCL groups by
   ``person`` (group_by="person") or by the row (group_by="pair"); the others ignore it."""
   if mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL:
@@ -724,8 +724,8 @@ def _person_setup(embed_fn, loss, clip_norm, x, x_prime, user_ids, mask, method,
   return method, clip_norm, core, x, x_prime, mask, jnp.asarray(person), num_people
 
 
-def person_removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, user_ids,
-                        *, mask=None, method: str = "ghost",
+def person_removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, user_ids, *,
+                        mask=None, method: str = "ghost",
                         cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                         num_groups: int | None = None, group_seed: int = 0,
                         extra_views_fn: Callable | None = None, group_by: str | None = None,
@@ -849,7 +849,6 @@ def search_worst_person_removal(embed_fn: EmbedFn, params, loss, clip_norm: floa
     raise ValueError(f"num_restarts must be an integer ≥ 1, got {num_restarts!r}.")
   if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
     raise ValueError(f"num_steps must be an integer ≥ 1, got {num_steps!r}.")
-  n = np.asarray(user_ids).shape[0]
   x, x_prime = adversarial_person_batch(key, user_ids, dim)
   method, _, core, x, x_prime, mask, person, num_people = _person_setup(
       embed_fn, loss, clip_norm, x, x_prime, user_ids, None, method, cosine_eps, num_groups,
@@ -867,8 +866,7 @@ def search_worst_person_removal(embed_fn: EmbedFn, params, loss, clip_norm: floa
       best, best_point = value, (v["x"], v["x_prime"])
     if not math.isfinite(best):
       break
-  del n
   return max_person_removal_ratio(embed_fn, params, loss, clip_norm, best_point[0], best_point[1],
                                   user_ids, method=method, cosine_eps=cosine_eps,
-                                  num_groups=num_groups, group_seed=group_seed,
-                                  group_by=group_by, positive_embed_fn=positive_embed_fn)
+                                  num_groups=num_groups, group_seed=group_seed, group_by=group_by,
+                                  positive_embed_fn=positive_embed_fn)

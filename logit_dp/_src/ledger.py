@@ -210,8 +210,7 @@ class PrivacyLedger:
     """
     return cls(noise_multiplier=noise_multiplier, sampling_rate=sampler.sampling_rate,
                target_delta=target_delta, num_examples=sampler.num_units,
-               overflow_probability=sampler.step_overflow_probability, unit=sampler.unit,
-               **kwargs)
+               overflow_probability=sampler.step_overflow_probability, unit=sampler.unit, **kwargs)
 
   @classmethod
   def calibrated(cls, sampler, target_epsilon: float, target_delta: float, steps: int,
@@ -352,9 +351,9 @@ class PrivacyLedger:
       new_delta = self.delta(steps)
       if new_delta > self.delta_budget:
         raise PrivacyBudgetExceededError(
-            f"Running to step {steps} would certify δ = {new_delta:.6g} (per {self.unit}) > δ budget "
-            f"{self.delta_budget:g} (accountant δ {self.target_delta:g} plus the overflow term "
-            "of the padded batches). Stop training, or call ledger.record_steps(k, "
+            f"Running to step {steps} would certify δ = {new_delta:.6g} (per {self.unit}) > δ "
+            f"budget {self.delta_budget:g} (accountant δ {self.target_delta:g} plus the overflow "
+            "term of the padded batches). Stop training, or call ledger.record_steps(k, "
             "allow_exceeding_budget=True) to continue knowingly.")
     _WITHIN_BUDGET[key] = max(_WITHIN_BUDGET.get(key, 0), int(steps))
 

@@ -142,7 +142,8 @@ class Contrastive:
       n = check_batch_size(batch_size, self.min_batch_size)
       # (n−k)·p_k = (n−k)·k/(k + (n−k)/a), written to avoid overflow.
       factor = max((2.0 * k + 2.0 * (n - k) * k / (k + (n - k) / a)) / self.temperature
-                   for k in range(1, min(k_max, n) + 1))
+                   for k in range(1,
+                                  min(k_max, n) + 1))
     return _warn_if_large(factor, f"contrastive loss at temperature {self.temperature}")
 
   def replace_sensitivity_factor(self, batch_size: int | None = None) -> float:

@@ -299,10 +299,11 @@ class PrivateTraining(NamedTuple):
                   f" of the budget ε = {self.ledger.epsilon_budget:g}")
         raise PrivacyBudgetExceededError(
             f"The budget of T = {self.steps} steps is spent: the ledger holds {start} steps, "
-            f"(ε, δ) = ({eps:.4g}, {delta:.3g}) per {self.ledger.unit}{budget}, so batches() has no step to hand out "
-            "and the loop would train nothing. To train further, set up a run with a larger "
-            "budget (make_private with a larger target_epsilon, or more epochs or steps); a "
-            "second run on the same records spends its ε on top of this one's.")
+            f"(ε, δ) = ({eps:.4g}, {delta:.3g}) per {self.ledger.unit}{budget}, so batches() "
+            "has no step to hand out and the loop would train nothing. To train further, set up "
+            "a run with a larger budget (make_private with a larger target_epsilon, or more "
+            "epochs or steps); a second run on the same records spends its ε on top of this "
+            "one's.")
       raise ValueError(
           f"batches(steps={end}) stops once the ledger holds {end} steps, and it holds "
           f"{start}: the loop would train nothing. steps counts from the start of the run "
@@ -418,7 +419,7 @@ class PrivateTraining(NamedTuple):
     # Per person, DP-GCL groups the records by their people (every pair of a person in one
     # group), which its per-person sensitivity 2B needs.
     person_of_record = (self.sampler.person_of_record
-                        if grouped and self.max_pairs_per_user is not None else None)
+                        if grouped and isinstance(self.sampler, PersonPoissonSampler) else None)
     mesh = getattr(grad_fn, "mesh", None)
     multiple = 1 if mesh is None else int(mesh.shape[distributed.DATA_AXIS])
     loop = _loop(ledger)
@@ -561,8 +562,8 @@ class PrivateTraining(NamedTuple):
       if mesh is not None:  # as the step returns them: one compilation for every step
         params, opt_state = _replicated((params, opt_state), mesh)
       params_out, state_out, loss_value, flags, stats = update(params, opt_state, x, x_prime, mask,
-                                                               released, record_ids, user_ids,
-                                                               keys, num_rows=num_rows)
+                                                               released, record_ids, user_ids, keys,
+                                                               num_rows=num_rows)
       if synchronous:
         report(released + 1, flags)  # raises before anything is released
       ledger.released_updates = released + 1
@@ -847,7 +848,7 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   else:
     poisson = PersonPoissonSampler(num_records=n, sampling_rate=q, max_batch_size=max_batch_size,
                                    seed=seed, overflow=overflow, user_ids=user_ids,
-                                   max_pairs_per_user=max_pairs_per_user)
+                                   max_pairs_per_user=int(max_pairs_per_user or 0))
   with warnings.catch_warnings():  # δ ≥ 1/N was already reported above, once
     warnings.filterwarnings("ignore", message="target_delta=", category=UserWarning)
     if noise_multiplier is None:

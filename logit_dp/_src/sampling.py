@@ -385,8 +385,9 @@ class ShuffledBatcher:
 def check_user_ids(user_ids, num_records: int) -> np.ndarray:
   """user_ids as an int64 array of shape (N,): the person of every record; ValueError/TypeError
   naming ``user_ids`` otherwise."""
-  if isinstance(user_ids, (str, bytes)) or not hasattr(user_ids, "__len__") and not hasattr(
-      user_ids, "shape"):
+  if isinstance(
+      user_ids,
+      (str, bytes)) or not hasattr(user_ids, "__len__") and not hasattr(user_ids, "shape"):
     raise TypeError("user_ids must be an integer array with one entry per record (its "
                     f"person), got {type(user_ids).__name__}.")
   ids = np.asarray(user_ids)
@@ -464,9 +465,9 @@ def person_max_batch_size_for(pairs_per_person, sampling_rate: float, max_pairs_
   return low
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("num_people", "sampling_rate", "max_batch_size",
-                                    "max_pairs_per_user"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("num_people", "sampling_rate", "max_batch_size", "max_pairs_per_user"))
 def person_poisson_batch(key: jax.Array, person_of_record: jax.Array, num_people: int,
                          sampling_rate: float, max_batch_size: int,
                          max_pairs_per_user: int) -> PoissonBatch:
@@ -580,7 +581,10 @@ class PersonPoissonSampler(PoissonSampler):
     """M, the number of distinct people."""
     return int(self._counts.shape[0])  # pyright: ignore[reportAttributeAccessIssue]
 
-  num_units = num_people
+  @property
+  def num_units(self) -> int:
+    """M: q is the rate over people."""
+    return self.num_people
 
   @property
   def person_of_record(self) -> np.ndarray:

@@ -132,8 +132,8 @@ def grouped_sensitivity(
 
 def check_max_pairs_per_user(max_pairs_per_user) -> int:
   """max_pairs_per_user as an int K ≥ 1; ValueError otherwise."""
-  if (isinstance(max_pairs_per_user, bool)
-      or not isinstance(max_pairs_per_user, (int, np.integer)) or max_pairs_per_user < 1):
+  if (isinstance(max_pairs_per_user, bool) or not isinstance(max_pairs_per_user, (int, np.integer))
+      or max_pairs_per_user < 1):
     raise ValueError("max_pairs_per_user must be an integer ≥ 1 (K, the most pairs of one person "
                      f"in a batch), got {max_pairs_per_user!r}.")
   return int(max_pairs_per_user)
