@@ -35,10 +35,15 @@ def weight_change(loss, z, removed):
     out = np.zeros(n, bool)
     out[list(removed)] = True
     keep = ~out
-    tau = np.asarray(jax.grad(loss)(z), np.float64)
-    tau_without = np.asarray(jax.grad(loss)(z[keep][:, keep]), np.float64)
+    tau = np.asarray(_jitted_grad(loss)(z), np.float64)
+    tau_without = np.asarray(_jitted_grad(loss)(z[keep][:, keep]), np.float64)
   return (np.abs(tau[out]).sum() + np.abs(tau[keep][:, out]).sum()
           + np.abs(tau[keep][:, keep] - tau_without).sum())
+
+
+@functools.cache
+def _jitted_grad(loss):
+  return jax.jit(jax.grad(loss))
 
 
 def adversarial_person_z(n, k):
@@ -424,13 +429,11 @@ def test_person_run_checkpoint_resumes_its_batches_and_refuses_other_people(tmp_
   """A per-person run saved after 2 steps and restored into a fresh make_private (other secret
   seed) draws the uninterrupted run's batches, keeps its unit and its people; other people, a
   per-pair run or no user_ids are refused; the budget is refused past T, per person."""
-  embed_fn, params = _embed()
-  x, xp = _data()
+  _, params = _embed()
   first = _private(user_ids=USER_IDS, max_pairs_per_user=2, steps=4)
-  step = first.make_train_step()
   state = (params, first.optimizer.init(params))
-  for batch in first.batches(2):
-    state = step(*state, batch, (x, xp))[:2]
+  for _ in first.batches(2):  # two steps recorded (their updates are not needed here)
+    pass
   first.save_checkpoint(tmp_path, state)
   fresh = _private(user_ids=USER_IDS, max_pairs_per_user=2, steps=4, sampler_seed=11)
   template = (params, fresh.optimizer.init(params))
