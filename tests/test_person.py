@@ -341,10 +341,11 @@ def test_make_private_per_person_samples_people_and_calibrates_to_the_per_person
   assert pt.noise_multiplier == logit_dp.accounting.noise_multiplier(3.0, pt.ledger.target_delta,
                                                                      4 / PEOPLE, 4)
   assert pt.ledger.delta(4) <= 1e-3 and pt.ledger.epsilon(4) <= 3.0
-  pair = _private(steps=4, expected_batch_size=4 * N / PEOPLE)
-  assert "per person" in str(pt.ledger) and "per pair" in str(pair.ledger)
+  pair = PrivacyLedger(noise_multiplier=pt.noise_multiplier, sampling_rate=0.25, target_delta=1e-3)
+  assert "per person" in str(pt.ledger) and "per pair" in str(pair)
   for method, kw in (("naive", {}), ("dp_gcl", {"group_size": 2})):
-    assert _private(user_ids=USER_IDS, max_pairs_per_user=3, method=method, **kw).sensitivity == 2.0
+    assert _private(user_ids=USER_IDS, max_pairs_per_user=3, method=method, steps=None, epochs=1,
+                    **kw).sensitivity == 2.0
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
