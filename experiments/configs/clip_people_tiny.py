@@ -9,6 +9,7 @@ from experiments.configs import clip_tiny
 def get_config():
   config = clip_tiny.get_config()
   config.people = ml_collections.ConfigDict(
-      dict(max_pairs=4, alpha=1.5, seed=0, max_pairs_per_user=2, expected_people_per_batch=6.0))
+      dict(max_pairs=4, alpha=1.5, seed=0, max_pairs_per_user=2, expected_people_per_batch=6.0,
+           mode="native"))
   config.methods = ("logit_dp", "dp_gcl")
   return config

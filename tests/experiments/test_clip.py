@@ -158,3 +158,33 @@ def test_tiny_run_per_person_end_to_end(tmp_path):
   assert results["methods"]["dp_gcl"]["sensitivity"] == pytest.approx(2 * config.clip_norm)
   with open(os.path.join(workdir, "results.md")) as f:
     assert "per person" in f.read()
+
+
+def test_group_privacy_target_and_capped_records():
+  """The per-pair target's group privacy at K pairs is the person-level (ε, δ); the capped
+  records hold min(K, own) records of every owner."""
+  for eps, delta, k in ((1.0, 1e-5, 2), (8.0, 1e-5, 4), (3.0, 1e-6, 1)):
+    eps_pair, delta_pair = clip.group_privacy_target(eps, delta, k)
+    assert clip.group_privacy(eps_pair, delta_pair, k) == pytest.approx((eps, delta), rel=1e-12)
+  owners = clip.simulate_owners(300, 16, 1.5, 0)
+  keep = clip.capped_records(owners, 3, 0)
+  np.testing.assert_array_equal(np.bincount(owners[keep], minlength=owners.max() + 1),
+                                np.minimum(np.bincount(owners), 3))
+
+
+@pytest.mark.slow  # a private two-tower training on the K-capped records
+def test_tiny_run_of_the_group_privacy_baseline(tmp_path):
+  """mode="group_privacy": per-pair DP-GCL on the K-capped records at the per-pair target, its
+  (ε, δ) converted by group privacy to at most the person-level target."""
+  config = clip_people_tiny.get_config()
+  config.data.label_names = _names_file(tmp_path)
+  config.people.mode = "group_privacy"
+  config.methods = ("dp_gcl",)
+  r = clip.run(config, str(tmp_path / "run"), quiet=True)["methods"]["dp_gcl"]
+  owners = clip.simulate_owners(200, 4, 1.5, 0)
+  assert r["unit"] == "person (group privacy)" and r["max_pairs_per_user"] == 2
+  assert r["num_records_capped"] == np.minimum(np.bincount(owners), 2).sum() == r["num_units"]
+  assert r["epsilon_per_pair"] <= config.target_epsilon / 2
+  assert (r["epsilon"], r["delta"]) == pytest.approx(
+      clip.group_privacy(r["epsilon_per_pair"], r["delta_per_pair"], 2), rel=1e-12)
+  assert r["epsilon"] <= config.target_epsilon and r["delta"] <= config.target_delta * (1 + 1e-9)
