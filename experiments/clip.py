@@ -16,6 +16,15 @@ name>", tokenised with a word vocabulary built here from the class names (nothin
 downloaded). The metric is zero-shot accuracy on the test images: an image is assigned
 the class whose name text embeds closest to it (cosine), the same protocol as CLIP.
 
+Privacy per person (``config.people.max_pairs_per_user`` = K > 0): the records get simulated
+owners (`simulate_owners`: a heavy-tailed number of pairs per person, 1 to
+``config.people.max_pairs``), and every private method runs with
+``make_private(user_ids=, max_pairs_per_user=K)``, ``config.people.expected_people_per_batch``
+people per batch, ε per person (the table says which unit). With ``config.people.mode =
+"group_privacy"`` the comparison's baseline runs instead: per-pair training on the K-capped
+records (`capped_records`) at the per-pair target whose group privacy is the person-level
+(ε, δ) (`group_privacy_target`), its guarantee converted by group privacy.
+
 Methods (``config.methods``): the private mechanisms "logit_dp" (per-pair clipping,
 ``config.clip_method``), "dp_gcl" (hash groups of ``config.dp_gcl.group_size`` expected records,
 each group's gradient clipped) and "naive_dp" (the whole batch's gradient clipped), each set up
@@ -220,6 +229,77 @@ def _pairs(ds, tokens, indices):
   return ds["x_train"][indices], jax.tree_util.tree_map(lambda a: a[ds["y_train"][indices]], tokens)
 
 
+def simulate_owners(num_records: int, max_pairs: int = 16, alpha: float = 1.5,
+                    seed: int = 0) -> np.ndarray:
+  """Simulated owners of the records: (N,) person ids, a heavy-tailed number of pairs each.
+
+  Person sizes are drawn i.i.d. from {1, …, max_pairs} with P[s] ∝ s^−alpha until every record
+  has an owner (the last person takes the records left); the records are dealt to the people in
+  a random order. Everything comes from ``seed`` (public: the owners are part of the simulated
+  data, not of the mechanism).
+  """
+  if num_records < 1 or max_pairs < 1:
+    raise ValueError(f"num_records and max_pairs must be ≥ 1, got {num_records}, {max_pairs}.")
+  rng = np.random.default_rng(seed)
+  sizes_all = np.arange(1, max_pairs + 1)
+  weights = sizes_all.astype(np.float64) ** -float(alpha)
+  sizes = []
+  while sum(sizes) < num_records:
+    sizes.append(int(rng.choice(sizes_all, p=weights / weights.sum())))
+  sizes[-1] -= sum(sizes) - num_records
+  owners = np.repeat(np.arange(len(sizes)), sizes)
+  return owners[rng.permutation(num_records)]
+
+
+def group_privacy_target(epsilon: float, delta: float, k: int) -> tuple[float, float]:
+  """The per-pair (ε′, δ′) = (ε/k, δ/(k·e^{(k−1)ε′})) whose group privacy for k pairs,
+  (kε′, k·e^{(k−1)ε′}·δ′), is (ε, δ): the per-pair target of a person-level (ε, δ) when every
+  person has at most k pairs."""
+  eps = float(epsilon) / k
+  return eps, float(delta) / (k * np.exp((k - 1) * eps))
+
+
+def group_privacy(epsilon: float, delta: float, k: int) -> tuple[float, float]:
+  """(kε, k·e^{(k−1)ε}·δ): a per-pair (ε, δ) guarantee for a group of k pairs."""
+  return k * float(epsilon), min(1.0, k * float(np.exp((k - 1) * float(epsilon))) * float(delta))
+
+
+def capped_records(owners: np.ndarray, k: int, seed: int) -> np.ndarray:
+  """Sorted indices of at most k records per owner, chosen at random (public seed): the K-capped
+  dataset of per-pair training converted by group privacy."""
+  rng = np.random.default_rng([seed, k])
+  order = rng.permutation(len(owners))
+  ranks = np.empty(len(owners), np.int64)
+  seen: dict[int, int] = {}
+  for r in order:
+    ranks[r] = seen.get(int(owners[r]), 0)
+    seen[int(owners[r])] = ranks[r] + 1
+  return np.flatnonzero(ranks < k)
+
+
+def _people_mode(config) -> str | None:
+  people = config.get("people")
+  if people is None or not people.get("max_pairs_per_user"):
+    return None
+  mode = people.get("mode", "native")
+  if mode not in ("native", "group_privacy"):
+    raise ValueError(f"config.people.mode must be 'native' or 'group_privacy', got {mode!r}.")
+  return mode
+
+
+def person_kwargs(config, num_records: int) -> dict:
+  """make_private's keywords of privacy per person (config.people.max_pairs_per_user = K > 0,
+  mode "native"): simulated owners (`simulate_owners`), K and the expected people per batch; {}
+  per pair and in mode "group_privacy" (per-pair training on the K-capped records)."""
+  people = config.get("people")
+  if _people_mode(config) != "native":
+    return {}
+  owners = simulate_owners(num_records, int(people.max_pairs), float(people.alpha),
+                           int(people.seed))
+  return dict(user_ids=owners, max_pairs_per_user=int(people.max_pairs_per_user),
+              expected_batch_size=float(people.expected_people_per_batch))
+
+
 def make_private_method(config, method: str) -> dict:
   """The `make_private` keywords of a private method: its method name and DP-GCL's group size."""
   if method == "logit_dp":
@@ -238,15 +318,26 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
   embed_images, embed_texts, params = towers
   noise_seed, sampling_seed = train_lib.privacy_seeds(config, workdir, method)
   loss = logit_dp.losses.contrastive(config.temperature)
+  target = (config.target_epsilon, config.target_delta)
+  mode = _people_mode(config)
+  if mode == "group_privacy":  # per pair on the K-capped records, (ε, δ) per person by groups
+    people = config.people
+    k = int(people.max_pairs_per_user)
+    owners = simulate_owners(len(ds["y_train"]), int(people.max_pairs), float(people.alpha),
+                             int(people.seed))
+    keep = capped_records(owners, k, int(people.seed))
+    ds = dict(ds, x_train=ds["x_train"][keep], y_train=ds["y_train"][keep])
+    target = group_privacy_target(*target, k)
   num_records = len(ds["y_train"])
-  private = logit_dp.make_private(embed_images, loss, config.clip_norm,
-                                  target_epsilon=config.target_epsilon,
-                                  target_delta=config.target_delta, num_records=num_records,
-                                  expected_batch_size=config.batch_size, epochs=config.num_epochs,
+  # Per person (config.people): simulated owners, K pairs each at most, E[people] per batch.
+  per_person = {"expected_batch_size": config.batch_size, **person_kwargs(config, num_records)}
+  private = logit_dp.make_private(embed_images, loss, config.clip_norm, target_epsilon=target[0],
+                                  target_delta=target[1], num_records=num_records,
+                                  epochs=config.num_epochs,
                                   optimizer=optax.adam(config.learning_rates[method]), mean=True,
                                   microbatch_size=config.microbatch_size,
                                   noise_key=jax.random.key(noise_seed), sampler_seed=sampling_seed,
-                                  positive_embed_fn=embed_texts,
+                                  positive_embed_fn=embed_texts, **per_person,
                                   **make_private_method(config, method))
   grouped = method == "dp_gcl"
   # Diagnostic on the initial parameters and 64 TEST pairs (never on training records, which
@@ -297,6 +388,12 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
                                                                 *test_pairs))
   if grouped:
     out.update(group_size=config.dp_gcl.group_size, num_groups=private.grad_fn.num_groups)
+  out.update(unit=private.ledger.unit, max_pairs_per_user=private.max_pairs_per_user,
+             num_units=private.sampler.num_units)
+  if mode == "group_privacy":  # the per-pair guarantee converted to a person of ≤ K pairs
+    out.update(epsilon_per_pair=epsilon, delta_per_pair=delta, max_pairs_per_user=k,
+               unit="person (group privacy)", num_records_capped=num_records)
+    out["epsilon"], out["delta"] = group_privacy(epsilon, delta, k)
   return out
 
 
@@ -443,11 +540,12 @@ def search_result(workdir: str) -> dict[str, Any]:
 
 
 def format_table(results: dict[str, Any]) -> str:
+  """The results as a markdown table; ε states its unit (per pair or per person)."""
   rows = [
       "| method | ε | δ | steps | zero-shot top-1 | zero-shot top-5 |", "|---|---|---|---|---|---|"
   ]
   for method, r in results["methods"].items():
-    eps = f"{r['epsilon']:.2f}" if "epsilon" in r else "∞"
+    eps = f"{r['epsilon']:.2f} per {r.get('unit', 'pair')}" if "epsilon" in r else "∞"
     delta = f"{r['delta']:.0e}" if "delta" in r else "–"
     rows.append(f"| {METHOD_LABELS[method]} | {eps} | {delta} | {r['steps']} | "
                 f"{r['zero_shot_top1']:.4f} | {r['zero_shot_top5']:.4f} |")

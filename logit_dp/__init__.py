@@ -6,7 +6,8 @@ loop calls:
 
 * `clipped_grad`: the per-pair clipped gradient ḡ of a similarity loss (a `ClippedGradFn`
   carrying its `Mechanism` and sensitivity);
-* `sensitivity`: its L2 sensitivity C under adding or removing one pair;
+* `sensitivity`: its L2 sensitivity C under adding or removing one pair
+  (`losses.person_sensitivity`: one person with up to K pairs);
 * `transform`: the Gaussian noise N(0, (σC)²) as an optax transformation;
 * `make_private`: all of it, with a Poisson sampler and a privacy ledger, for a target (ε, δ)
   (a `PrivateTraining`).

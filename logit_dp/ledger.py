@@ -3,6 +3,8 @@ that refuses the steps the budget does not allow (`BudgetedSampler`), and orbax 
 save and restore the ledger with the training state."""
 
 from logit_dp._src.ledger import LEDGER_FORMAT_VERSION
+from logit_dp._src.ledger import UNITS
+from logit_dp._src.ledger import BudgetedPersonSampler
 from logit_dp._src.ledger import BudgetedSampler
 from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
@@ -13,10 +15,12 @@ from logit_dp._src.ledger import restore_sampler
 from logit_dp._src.ledger import save_checkpoint
 
 __all__ = [
+    "BudgetedPersonSampler",
     "BudgetedSampler",
     "LEDGER_FORMAT_VERSION",
     "PrivacyBudgetExceededError",
     "PrivacyLedger",
+    "UNITS",
     "accountant_delta",
     "latest_step",
     "restore_checkpoint",

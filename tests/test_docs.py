@@ -35,6 +35,7 @@ SLOW_PAGES = (
     "getting_started/index.md",
     "guides/bring_your_own_model.md",
     "guides/distributed.md",
+    "guides/privacy_per_person.md",
 )
 # Pages that need jax_privacy (the `jax-privacy` extra); slow, run in CI with it installed.
 JAX_PRIVACY_PAGES = ("guides/jax_privacy.md",)
@@ -116,6 +117,9 @@ def test_jax_privacy_page_gives_the_ledgers_epsilon():
       accounting.epsilon(ns["noise_std"] / ns["C_rep"], ns["delta"], ns["b"] / ns["N"], ns["T"]),
       rel_tol=1e-12)
   assert ns["eps_replace"] < ns["eps_replace_2c"]
+  # Per person: UserSelectionStrategy's batches, the per-person ledger's ε.
+  assert ns["private"].ledger.unit == "person" and ns["private"].ledger.steps == ns["T"]
+  assert math.isclose(ns["eps_person_jax_privacy"], ns["eps_person_ledger"], rel_tol=1e-9)
 
 
 def _sci(x, digits):

@@ -10,6 +10,7 @@ import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import logit_dp
@@ -113,3 +114,43 @@ def test_gaussian_privatizer_adds_noise_of_std_sigma_times_the_sensitivity():
     samples = np.concatenate(samples)
     lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], samples.size) / samples.size
     assert lo < np.mean(samples ** 2) / stddev ** 2 < hi
+
+
+def test_user_selection_strategy_drives_per_person_training_with_the_ledgers_epsilon():
+  """jax_privacy's UserSelectionStrategy (people Poisson-sampled at the rate of
+  make_private(user_ids=, max_pairs_per_user=K), K records each, repeats of a person with fewer
+  dropped) picks the batches of the per-person train step, at most K records per person; its
+  DpsgdTrainingAccountant over the people gives the per-person ledger's ε."""
+  rng = np.random.default_rng(0)
+  n, k, steps = 60, 2, 6
+  user_ids = np.sort(rng.integers(0, 25, size=n)) * 7  # up to 25 people, 1 or more pairs each
+  params, x, x_prime = _problem(n)
+  private = logit_dp.make_private(embed_fn, LOSS, 1.0, target_epsilon=2.0, target_delta=1e-4,
+                                  num_records=n, expected_batch_size=4, steps=steps,
+                                  optimizer=optax.sgd(0.1), user_ids=user_ids, max_pairs_per_user=k)
+  people = private.sampler.num_people
+  assert private.sampling_rate == 4 / people and private.ledger.unit == "person"
+  strategy = batch_selection.UserSelectionStrategy(
+      batch_selection.CyclicPoissonSampling(
+          sampling_prob=private.sampling_rate, iterations=steps,
+          partition_type=batch_selection.PartitionType.INDEPENDENT), examples_per_user_per_batch=k,
+      shuffle_per_user=True)
+  train_step = private.make_train_step()
+  opt_state = private.optimizer.init(params)
+  width = private.sampler.max_batch_size
+  for user_batch in strategy.batch_iterator(user_ids, rng=1):
+    rows = np.unique(np.asarray(user_batch, np.int64))  # a person's repeats once
+    owners, counts = np.unique(user_ids[rows], return_counts=True)
+    assert counts.max(initial=0) <= k and len(owners) == len(user_batch)
+    mask = np.arange(width) < rows.size
+    rows = np.pad(rows, (0, width - rows.size))
+    private.ledger.record_steps(1)
+    params, opt_state, _ = train_step(params, opt_state, x[rows], x_prime[rows], mask)
+  assert private.ledger.steps == private.ledger.released_updates == steps
+  theirs = jp_accounting.DpsgdTrainingAccountant(
+      jp_accounting.PldAccountantConfig(value_discretization_interval=1e-3)).compute_epsilon(
+          steps,
+          jp_accounting.DpParams(noise_multipliers=private.noise_multiplier, num_samples=people,
+                                 delta=private.ledger.target_delta, batch_size=4))
+  assert theirs == pytest.approx(private.ledger.epsilon(), rel=1e-9)
+  assert private.ledger.epsilon() <= 2.0

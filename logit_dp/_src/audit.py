@@ -611,3 +611,262 @@ def search_worst_replacement(embed_fn: EmbedFn, params, loss, clip_norm: float, 
                           chunk=chunk, cosine_eps=cosine_eps, num_groups=num_groups,
                           group_seed=group_seed, dtype=dtype)
   return _result(gaps, loss, clip_norm, mask, method, params, bx, bxp, (by, byp))
+
+
+# ----------------------------------------------------------------------------
+# Privacy per person: removing a whole person.
+# ----------------------------------------------------------------------------
+
+#: How an audited DP-GCL run groups its rows: by the person of each row (what privacy per person
+#: needs and `make_private(user_ids=)` does) or by each row's own record id (per pair: the
+#: negative control, a person's pairs land in several groups).
+GROUP_BY = ("person", "pair")
+
+
+@dataclasses.dataclass(frozen=True)
+class PersonRemovalAudit:
+  """The result of one person-removal audit.
+
+  Attributes:
+    ratio: max_u gap_u / C_K(n), gap_u = ‖ḡ(X) − ḡ(X without every pair of person u)‖₂, n the
+      valid pairs of X and K the most valid pairs of one person in X (`person_sensitivity`;
+      Naive-DP and DP-GCL: 2B). Must be ≤ 1.
+    ratio_sup: max_u gap_u / C_K(∞), the bound Poisson training calibrates to.
+    max_gap: max_u gap_u.
+    worst_person: the u attaining it (dense index: 0..M−1 in the order of the ids).
+    bound, bound_sup: C_K(n) and C_K(∞).
+    max_pairs: K, the most valid pairs of one person in X.
+    gaps: (M,) gap_u of every person (0 for a person without a valid pair).
+    method: the audited method; group_by: DP-GCL's grouping ("person" or "pair"; None otherwise).
+    x, x_prime, params, user_ids: the batch the audit ran on.
+  """
+  ratio: float
+  ratio_sup: float
+  max_gap: float
+  worst_person: int
+  bound: float
+  bound_sup: float
+  max_pairs: int
+  gaps: np.ndarray
+  method: str
+  group_by: str | None = None
+  x: Any = None
+  x_prime: Any = None
+  params: Any = None
+  user_ids: Any = None
+
+
+def _people(user_ids, n: int) -> tuple[np.ndarray, int]:
+  ids = np.asarray(user_ids)
+  if ids.shape != (n,) or ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"user_ids must be an integer array of shape ({n},), the person of every "
+                     f"row, got shape {ids.shape}, dtype {ids.dtype}.")
+  _, person = np.unique(ids, return_inverse=True)
+  person = person.reshape(-1).astype(np.int32)
+  return person, int(person.max()) + 1
+
+
+@functools.lru_cache(maxsize=64)
+def _make_person_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping=None, group_by=None,
+                      positive_embed_fn=None):
+  """core(params, x, x_prime, mask, person) of the audited grad_fn: DP-GCL groups by
+  ``person`` (group_by="person") or by the row (group_by="pair"); the others ignore it."""
+  if mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL:
+    if grouping is None:
+      raise ValueError("method='dp_gcl' needs num_groups.")
+    fn = grouped.grouped_clipped_grad(embed_fn, loss, clip_norm, grouping.num_groups,
+                                      cosine_eps=cosine_eps, positive_embed_fn=positive_embed_fn)
+
+    def grouped_core(params, x, x_prime, mask, person):
+      ids = person if group_by == "person" else jnp.arange(rows_lib.num_rows(x))
+      groups = grouped.assign_groups(ids, jax.random.PRNGKey(grouping.group_seed),
+                                     grouping.num_groups)
+      views = None if grouping.extra_views_fn is None else grouping.extra_views_fn(x, x_prime)
+      return fn.core(params, x, x_prime, mask, groups, views)
+
+    return grouped_core
+  fn = clipping.private_grad(embed_fn, loss, clip_norm, method, cosine_eps=cosine_eps,
+                             positive_embed_fn=positive_embed_fn)
+  return lambda params, x, x_prime, mask, person: fn.core(params, x, x_prime, mask)
+
+
+def _person_gaps_fn(core, params, x, x_prime, mask, person, num_people):
+  """gap_u² for every person u: ḡ(X) against ḡ(X with every row of u masked out)."""
+  full = _flat(core(params, x, x_prime, mask, person)[1])
+
+  def one(u):
+    d = _flat(core(params, x, x_prime, mask & (person != u), person)[1]) - full
+    return jnp.sum(d * d)
+
+  present = jax.ops.segment_sum(mask.astype(jnp.int32), person, num_segments=num_people) > 0
+  return jnp.where(present, jax.vmap(one)(jnp.arange(num_people)), 0.0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _person_gaps_jit(core, params, x, x_prime, mask, person, num_people):
+  return jnp.sqrt(_person_gaps_fn(core, params, x, x_prime, mask, person, num_people))
+
+
+def _person_setup(embed_fn, loss, clip_norm, x, x_prime, user_ids, mask, method, cosine_eps,
+                  num_groups, group_seed, extra_views_fn, group_by, positive_embed_fn):
+  method = _check_method(method)
+  clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=False)
+  grouping = _grouping(method, num_groups, group_seed, extra_views_fn)
+  if grouping is None:
+    if group_by is not None:
+      raise ValueError("group_by is for method='dp_gcl' only.")
+  elif group_by not in GROUP_BY:
+    raise ValueError(f"group_by must be one of {GROUP_BY}, got {group_by!r}.")
+  x, x_prime, mask = _prepare(loss, x, x_prime, mask)
+  person, num_people = _people(user_ids, rows_lib.num_rows(x))
+  core = _make_person_core(embed_fn, loss, clip_norm, method, cosine_eps, grouping,
+                           group_by if grouping is not None else None, positive_embed_fn)
+  return method, clip_norm, core, x, x_prime, mask, jnp.asarray(person), num_people
+
+
+def person_removal_gaps(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime, user_ids, *,
+                        mask=None, method: str = "ghost",
+                        cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                        num_groups: int | None = None, group_seed: int = 0,
+                        extra_views_fn: Callable | None = None, group_by: str | None = None,
+                        positive_embed_fn: EmbedFn | None = None) -> np.ndarray:
+  """gap_u = ‖ḡ(X) − ḡ(X without every pair of person u)‖₂ for every person u, as an (M,) array.
+
+  A person is removed by masking out all of their rows, which removes their rows and columns
+  of the similarity matrix (as deleting them does). user_ids: (n,) integer person of every row;
+  people are numbered 0..M−1 in the order of their ids. method="dp_gcl" takes num_groups,
+  group_seed, extra_views_fn and group_by: "person" (groups hash the person, as
+  `make_private(user_ids=)` does) or "pair" (groups hash the row: a person's pairs can fall in
+  several groups, the negative control). The other arguments are `removal_gaps`'s.
+  """
+  method, _, core, x, x_prime, mask, person, num_people = _person_setup(
+      embed_fn, loss, clip_norm, x, x_prime, user_ids, mask, method, cosine_eps, num_groups,
+      group_seed, extra_views_fn, group_by, positive_embed_fn)
+  return np.asarray(_person_gaps_jit(core, params, x, x_prime, mask, person, num_people),
+                    np.float64)
+
+
+def _person_bounds(loss, clip_norm, method, n_valid, max_pairs):
+  mechanism = mechanisms.Mechanism.of_method(method)
+  k = max(max_pairs, 1)
+  return (mechanism.sensitivity(loss, clip_norm, batch_size=max(n_valid, 2), max_pairs_per_user=k),
+          mechanism.sensitivity(loss, clip_norm, batch_size=None, max_pairs_per_user=k))
+
+
+def _person_result(gaps, loss, clip_norm, method, group_by, mask, person, params, x, x_prime,
+                   user_ids) -> PersonRemovalAudit:
+  gaps = np.asarray(gaps, np.float64)
+  mask = np.asarray(mask)
+  counts = np.bincount(np.asarray(person)[mask], minlength=gaps.shape[0])
+  max_pairs = int(counts.max()) if counts.size else 0
+  bound, bound_sup = _person_bounds(loss, clip_norm, method, int(mask.sum()), max_pairs)
+  u = int(np.argmax(gaps))
+  return PersonRemovalAudit(ratio=float(gaps[u] / bound), ratio_sup=float(gaps[u] / bound_sup),
+                            max_gap=float(gaps[u]), worst_person=u, bound=bound,
+                            bound_sup=bound_sup, max_pairs=max_pairs, gaps=gaps, method=method,
+                            group_by=group_by, x=x, x_prime=x_prime, params=params,
+                            user_ids=np.asarray(user_ids))
+
+
+def max_person_removal_ratio(embed_fn: EmbedFn, params, loss, clip_norm: float, x, x_prime,
+                             user_ids, *, mask=None, method: str = "ghost",
+                             cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                             num_groups: int | None = None, group_seed: int = 0,
+                             extra_views_fn: Callable | None = None, group_by: str | None = None,
+                             positive_embed_fn: EmbedFn | None = None) -> PersonRemovalAudit:
+  """max_u gap_u (`person_removal_gaps`) and its ratio to the per-person sensitivity.
+
+  The bound is the one `make_private(user_ids=, max_pairs_per_user=K)` calibrates to, with K
+  the most valid pairs of one person in X: Logit-DP `person_sensitivity(loss, B, K, n)`
+  (``ratio``) and its supremum over n (``ratio_sup``); Naive-DP and DP-GCL 2B. For DP-GCL
+  grouped by pair (group_by="pair") the 2B claim is false, and the audit shows it.
+  """
+  method, clip_norm, core, x, x_prime, mask, person, num_people = _person_setup(
+      embed_fn, loss, clip_norm, x, x_prime, user_ids, mask, method, cosine_eps, num_groups,
+      group_seed, extra_views_fn, group_by, positive_embed_fn)
+  gaps = _person_gaps_jit(core, params, x, x_prime, mask, person, num_people)
+  return _person_result(gaps, loss, clip_norm, method, group_by, mask, person, params, x, x_prime,
+                        user_ids)
+
+
+def adversarial_person_batch(key, user_ids, dim: int, *, spread: float = 1e-2,
+                             scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """(x, x′) with every person's pairs near-identical: person u's anchors and positives are
+  c_u + spread·noise around one centre c_u ~ N(0, scale²) (dimension ``dim``), so each of a
+  person's positives is a hardest negative of the person's other anchors."""
+  person, num_people = _people(user_ids, np.asarray(user_ids).shape[0])
+  kc, kx, kxp = jax.random.split(key, 3)
+  centres = scale * jax.random.normal(kc, (num_people, dim), jnp.float32)[person]
+  x = centres + spread * scale * jax.random.normal(kx, centres.shape, jnp.float32)
+  return x, x + spread * scale * jax.random.normal(kxp, centres.shape, jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _person_ascent(core, num_people, num_steps, learning_rate, params, x, x_prime, mask, person):
+  """Adam ascent on (x, x′) of logsumexp_u log gap_u²; returns the best max_u gap_u² seen and
+  its point (the first non-finite one, as +inf, if any)."""
+  opt = optax.adam(learning_rate)
+
+  def objective(v):
+    sq = _person_gaps_fn(core, params, v["x"], v["x_prime"], mask, person, num_people)
+    return jax.nn.logsumexp(jnp.where(sq > 0, jnp.log(sq + _TINY), -jnp.inf)), jnp.max(sq)
+
+  def step(carry, _):
+    v, state, best, best_v = carry
+    (_, max_sq), g = jax.value_and_grad(objective, has_aux=True)(v)
+    failed = ~jnp.isfinite(max_sq) & jnp.isfinite(best)
+    better = failed | (jnp.isfinite(max_sq) & (max_sq > best))
+    best_v = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), v, best_v)
+    best = jnp.where(failed, jnp.inf, jnp.where(better, max_sq, best))
+    g = jax.tree_util.tree_map(lambda t: jnp.where(jnp.isfinite(t), -t, 0.0), g)  # ascent
+    updates, state = opt.update(g, state, v)
+    return (optax.apply_updates(v, updates), state, best, best_v), None
+
+  v0 = {"x": x, "x_prime": x_prime}
+  (_, _, best, best_v), _ = jax.lax.scan(step, (v0, opt.init(v0), jnp.asarray(-1.0), v0), None,
+                                         length=num_steps)
+  return best, best_v
+
+
+def search_worst_person_removal(embed_fn: EmbedFn, params, loss, clip_norm: float, user_ids, *,
+                                dim: int, key, num_restarts: int = 4, num_steps: int = 30,
+                                learning_rate: float = 0.05, method: str = "ghost",
+                                cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
+                                num_groups: int | None = None, group_seed: int = 0,
+                                group_by: str | None = None,
+                                positive_embed_fn: EmbedFn | None = None) -> PersonRemovalAudit:
+  """Searches for the batch maximising max_u gap_u / C_K: adversarial starts, then Adam.
+
+  Restart r starts from `adversarial_person_batch` (every person's pairs near-identical, each
+  other's hardest negatives; spread 10⁻² at scale 1, 0.1, 10 in turn, and on odd restarts the
+  positives rolled by one row, so that a person's near-identical pairs sit off the diagonal)
+  and runs ``num_steps`` Adam steps of ascent on logsumexp_u log(gap_u² + 10⁻³⁰) over the
+  inputs (x, x′) of shape (n, dim). The best point is re-audited (`max_person_removal_ratio`).
+  A search is a lower bound on the worst case, never a proof (docs/METHOD.md, "Privacy per
+  person", holds the proofs).
+  """
+  if isinstance(num_restarts, bool) or int(num_restarts) != num_restarts or num_restarts < 1:
+    raise ValueError(f"num_restarts must be an integer ≥ 1, got {num_restarts!r}.")
+  if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
+    raise ValueError(f"num_steps must be an integer ≥ 1, got {num_steps!r}.")
+  x, x_prime = adversarial_person_batch(key, user_ids, dim)
+  method, _, core, x, x_prime, mask, person, num_people = _person_setup(
+      embed_fn, loss, clip_norm, x, x_prime, user_ids, None, method, cosine_eps, num_groups,
+      group_seed, None, group_by, positive_embed_fn)
+  best, best_point = -1.0, (x, x_prime)
+  for r in range(int(num_restarts)):
+    scale = _RESTART_SCALES[r % len(_RESTART_SCALES)]
+    x0, xp0 = adversarial_person_batch(jax.random.fold_in(key, r), user_ids, dim, scale=scale)
+    if r % 2 == 1:
+      xp0 = jnp.roll(xp0, 1, axis=0)
+    value, v = _person_ascent(core, num_people, int(num_steps), float(learning_rate), params, x0,
+                              xp0, mask, person)
+    value = float(value)
+    if not math.isfinite(value) or value > best:
+      best, best_point = value, (v["x"], v["x_prime"])
+    if not math.isfinite(best):
+      break
+  return max_person_removal_ratio(embed_fn, params, loss, clip_norm, best_point[0], best_point[1],
+                                  user_ids, method=method, cosine_eps=cosine_eps,
+                                  num_groups=num_groups, group_seed=group_seed, group_by=group_by,
+                                  positive_embed_fn=positive_embed_fn)

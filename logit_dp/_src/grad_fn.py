@@ -103,7 +103,7 @@ class ClippedGradFn(CheckedCall):
   def sensitivity(
       self,
       neighboring_relation: dp_accounting.NeighboringRelation = sensitivity_lib.ADD_OR_REMOVE_ONE,
-      *, batch_size: int | None = None) -> float:
+      *, batch_size: int | None = None, max_pairs_per_user: int | None = None) -> float:
     """The L2 sensitivity of ḡ under a neighbouring relation, as jax_privacy's
     `BoundedSensitivityCallable.sensitivity`.
 
@@ -112,6 +112,9 @@ class ClippedGradFn(CheckedCall):
         out): C; REPLACE_ONE: the replace-one sensitivity (`Mechanism.sensitivity`).
       batch_size: n when every batch has exactly n pairs; None: any batch size, as under
         Poisson sampling.
+      max_pairs_per_user: K: the unit is a person with up to K pairs in a batch
+        (`person_sensitivity` for Logit-DP, 2B for Naive-DP, 2B for DP-GCL called with
+        ``user_ids=``, the person of every row); None: a pair.
 
     Returns:
       The sensitivity as a Python float. ValueError for an unclipped function, TypeError for a
@@ -125,7 +128,8 @@ class ClippedGradFn(CheckedCall):
     elif neighboring_relation is None:
       neighboring_relation = sensitivity_lib.ADD_OR_REMOVE_ONE
     return self.mechanism.sensitivity(self.loss, self.clip_norm, batch_size,
-                                      neighboring_relation=neighboring_relation)
+                                      neighboring_relation=neighboring_relation,
+                                      max_pairs_per_user=max_pairs_per_user)
 
   def with_num_dropped(self, params, x, x_prime, mask=None,
                        **kwargs) -> tuple[jax.Array, Any, jax.Array]:

@@ -221,6 +221,10 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and contribute exactly
   nothing. record_ids: (n,) integer ids of the records (unique among valid rows; the
   sampler's indices). group_key: the JAX key of the assignment (public, data-independent).
+  user_ids: optional (n,) integer person of every row: the groups are then
+  `assign_groups(user_ids, group_key, G)`, every record of a person in one group, so adding or
+  removing a person (all of their records) changes one group: sensitivity 2B per person
+  (docs/METHOD.md, "Privacy per person").
   extra_views: optional (n, k, ...) extra augmented views of each record (same example
   shape as x; one tower only). Called eagerly, grad_fn raises ValueError when a valid record
   has non-finite inputs or embeddings; under jit such records are dropped (the same as
@@ -336,13 +340,15 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     return body(params, x, x_prime, mask, group_ids, extra_views, True, key)
 
   def check_inputs(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None,
-                   key=None):
+                   key=None, user_ids=None):
     key = stochastic_lib.check_key(key, stochastic, "grouped_clipped_grad")
     x, x_prime, mask = checks.check_pair_inputs(x, x_prime, mask, loss.min_batch_size)
     ids = _check_record_ids(record_ids, mask, rows_lib.num_rows(x))
     if extra_views is not None and not two_towers:  # two towers: the core refuses them
       extra_views = _check_extra_views(extra_views, x)
-    groups = assign_groups(ids, group_key, num_groups)
+    # Per person: the groups hash the person, so all of a person's records share one group.
+    by = ids if user_ids is None else _check_user_ids(user_ids, mask, rows_lib.num_rows(x))
+    groups = assign_groups(by, group_key, num_groups)
     return (params, x, x_prime, mask, groups, extra_views) + ((key,) if stochastic else ())
 
   def check_model(params, x, x_prime, mask, groups, extra_views, key=None):
@@ -371,6 +377,18 @@ def _check_record_ids(record_ids, mask, n: int) -> jax.Array:
     if len(np.unique(valid_ids)) != valid_ids.size:
       raise ValueError("record_ids of the valid rows must be unique: a record is sampled at most "
                        "once per batch.")
+  return ids
+
+
+def _check_user_ids(user_ids, mask, n: int) -> jax.Array:
+  ids = jnp.asarray(user_ids)
+  if ids.shape != (n,) or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"user_ids must be an integer array of shape ({n},), the person of every "
+                     f"row, got shape {ids.shape}, dtype {ids.dtype}.")
+  if not rows_lib.is_traced((ids, mask)):
+    valid_ids = np.asarray(ids)[np.asarray(mask)]
+    if valid_ids.size and valid_ids.min() < 0:
+      raise ValueError("user_ids must be ≥ 0.")
   return ids
 
 

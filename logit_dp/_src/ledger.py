@@ -16,7 +16,9 @@ and restored with it (`restore_checkpoint`), so:
 
 Formal guarantees. After ``steps`` steps, each a Poisson-sampled Gaussian
 mechanism with noise multiplier σ and sampling rate q on a released sum of
-sensitivity C (under add-or-remove-one-pair adjacency), the whole run —
+sensitivity C (under add-or-remove-one-``unit`` adjacency: unit="pair", one record;
+unit="person", one person with all of their records, q then the rate at which people are
+sampled and C the per-person sensitivity, `logit_dp.sampling.PersonPoissonSampler`), the whole run —
 every intermediate model included — is (ε, δ)-DP with ε = `epsilon()` and
 δ = `delta()` = target_delta + overflow term, where the overflow term
 (1 + e^ε)·(1 − (1 − p_over)^steps) accounts for batches that could not be
@@ -58,13 +60,18 @@ import pathlib
 from typing import Any
 
 from logit_dp._src import accounting
+from logit_dp._src.sampling import PersonPoissonSampler
 from logit_dp._src.sampling import PoissonBatch
 from logit_dp._src.sampling import PoissonSampler
 from logit_dp._src.sampling import overflow_term
 
-LEDGER_FORMAT_VERSION = 2
-#: Format versions `PrivacyLedger.from_dict` reads (version 1 has no ``released_updates``).
-_READABLE_FORMAT_VERSIONS = (1, 2)
+LEDGER_FORMAT_VERSION = 3
+#: Format versions `PrivacyLedger.from_dict` reads (version 1 has no ``released_updates``,
+#: versions 1 and 2 no ``unit``: a pair).
+_READABLE_FORMAT_VERSIONS = (1, 2, 3)
+#: The units of privacy a ledger accounts for: one pair record, or one person with all of their
+#: pairs (`logit_dp.make_private(user_ids=, max_pairs_per_user=)`).
+UNITS = ("pair", "person")
 
 
 class PrivacyBudgetExceededError(ValueError):
@@ -126,6 +133,9 @@ class PrivacyLedger:
       refuses an optimizer state whose noise count is below it: the same noise on
       another gradient would reveal their difference). Saved in checkpoints; 0 for
       those written before it existed.
+    unit: the unit of privacy the guarantee is for, "pair" (default) or "person" (q is then
+      the rate over people, num_examples the number of people); every printout of the
+      guarantee states it. Saved in checkpoints; "pair" for those written before it existed.
 
   Example:
     >>> ledger = PrivacyLedger(noise_multiplier=sigma, sampling_rate=q,
@@ -147,8 +157,11 @@ class PrivacyLedger:
   pld_discretization: float = accounting.DEFAULT_PLD_DISCRETIZATION
   delta_budget: float | None = None
   released_updates: int = 0
+  unit: str = "pair"
 
   def __post_init__(self):
+    if self.unit not in UNITS:
+      raise ValueError(f"unit must be one of {UNITS}, got {self.unit!r}.")
     self.noise_multiplier = accounting.check_noise_multiplier(self.noise_multiplier)
     if self.noise_multiplier == 0:
       raise ValueError("noise_multiplier must be > 0 for a private run (σ = 0 gives ε = ∞).")
@@ -191,12 +204,13 @@ class PrivacyLedger:
                   **kwargs) -> PrivacyLedger:
     """A ledger matching a `logit_dp.sampling.PoissonSampler`.
 
-    Takes q, N and the per-step overflow probability from the sampler, so the
-    reported δ includes the overflow term of its padded batch size.
+    Takes q, N (people for a `PersonPoissonSampler`), the unit and the per-step overflow
+    probability from the sampler, so the reported δ includes the overflow term of its padded
+    batch size.
     """
     return cls(noise_multiplier=noise_multiplier, sampling_rate=sampler.sampling_rate,
-               target_delta=target_delta, num_examples=sampler.num_records,
-               overflow_probability=sampler.step_overflow_probability, **kwargs)
+               target_delta=target_delta, num_examples=sampler.num_units,
+               overflow_probability=sampler.step_overflow_probability, unit=sampler.unit, **kwargs)
 
   @classmethod
   def calibrated(cls, sampler, target_epsilon: float, target_delta: float, steps: int,
@@ -223,12 +237,13 @@ class PrivacyLedger:
     p_over = sampler.step_overflow_probability
     delta_acc = accountant_delta(eps, dlt, steps, p_over)
     discretization = kwargs.get("pld_discretization", accounting.DEFAULT_PLD_DISCRETIZATION)
-    accounting.warn_if_large_delta(dlt, sampler.num_records, stacklevel=3)
+    accounting.warn_if_large_delta(dlt, sampler.num_units, stacklevel=3)
     sigma = accounting.noise_multiplier(eps, delta_acc, sampler.sampling_rate, steps, accountant,
                                         pld_discretization=discretization)
     ledger = cls(noise_multiplier=sigma, sampling_rate=sampler.sampling_rate,
-                 target_delta=delta_acc, accountant=accountant, num_examples=sampler.num_records,
-                 overflow_probability=p_over, epsilon_budget=eps, delta_budget=dlt, **kwargs)
+                 target_delta=delta_acc, accountant=accountant, num_examples=sampler.num_units,
+                 overflow_probability=p_over, epsilon_budget=eps, delta_budget=dlt,
+                 unit=sampler.unit, **kwargs)
     # ε(T) is the calibration's own (cached) value: steps 1, …, T pass the budget checks
     # without accounting again.
     ledger.check_budgets(steps)
@@ -252,7 +267,7 @@ class PrivacyLedger:
     """
     eps = accounting.check_epsilon(epsilon_budget)
     dlt = accounting.check_delta(delta_budget)
-    accounting.warn_if_large_delta(dlt, sampler.num_records, stacklevel=3)
+    accounting.warn_if_large_delta(dlt, sampler.num_units, stacklevel=3)
     delta_acc = accountant_delta(eps, dlt, steps, sampler.step_overflow_probability)
     ledger = cls.for_sampler(sampler, noise_multiplier, delta_acc, accountant=accountant,
                              epsilon_budget=eps, delta_budget=dlt, **kwargs)
@@ -303,7 +318,7 @@ class PrivacyLedger:
     budget = "" if self.epsilon_budget is None else f" of budget {self.epsilon_budget:g}"
     if self.delta_budget is not None:
       budget += f" (δ budget {self.delta_budget:g})"
-    return (f"({eps:.4g}, {dlt:.3g})-DP after {self.steps} steps{budget} "
+    return (f"({eps:.4g}, {dlt:.3g})-DP per {self.unit} after {self.steps} steps{budget} "
             f"[σ={self.noise_multiplier:.6g}, q={self.sampling_rate:.6g}, {self.accountant}]")
 
   # -- Recording. -------------------------------------------------------------
@@ -328,7 +343,7 @@ class PrivacyLedger:
     new_eps = self.epsilon(steps)
     if self.epsilon_budget is not None and new_eps > self.epsilon_budget:
       raise PrivacyBudgetExceededError(
-          f"Running to step {steps} would spend ε = {new_eps:.4g} > budget "
+          f"Running to step {steps} would spend ε = {new_eps:.4g} (per {self.unit}) > budget "
           f"{self.epsilon_budget:g} at δ = {self.target_delta:g} (currently ε = "
           f"{self.epsilon():.4g} after {self.steps} steps). Stop training, or call "
           "ledger.record_steps(k, allow_exceeding_budget=True) to continue knowingly.")
@@ -336,9 +351,9 @@ class PrivacyLedger:
       new_delta = self.delta(steps)
       if new_delta > self.delta_budget:
         raise PrivacyBudgetExceededError(
-            f"Running to step {steps} would certify δ = {new_delta:.6g} > δ budget "
-            f"{self.delta_budget:g} (accountant δ {self.target_delta:g} plus the overflow term "
-            "of the padded batches). Stop training, or call ledger.record_steps(k, "
+            f"Running to step {steps} would certify δ = {new_delta:.6g} (per {self.unit}) > δ "
+            f"budget {self.delta_budget:g} (accountant δ {self.target_delta:g} plus the overflow "
+            "term of the padded batches). Stop training, or call ledger.record_steps(k, "
             "allow_exceeding_budget=True) to continue knowingly.")
     _WITHIN_BUDGET[key] = max(_WITHIN_BUDGET.get(key, 0), int(steps))
 
@@ -375,7 +390,8 @@ class PrivacyLedger:
   def from_dict(cls, data: dict[str, Any]) -> PrivacyLedger:
     """Inverse of `to_dict`; rejects unknown keys and unknown format versions.
 
-    Version 1 (no ``released_updates``) reads with released_updates = 0.
+    Version 1 (no ``released_updates``) reads with released_updates = 0; versions 1 and 2
+    (no ``unit``) with unit = "pair".
     """
     data = dict(data)
     version = data.pop("format_version", LEDGER_FORMAT_VERSION)
@@ -411,14 +427,22 @@ class BudgetedSampler(PoissonSampler):
 
   @classmethod
   def bind(cls, sampler: PoissonSampler, ledger: PrivacyLedger) -> BudgetedSampler:
-    """The sampler ``sampler`` (same N, q, padded size, seed, overflow policy) bound to ledger."""
-    fields = {f.name: getattr(sampler, f.name) for f in dataclasses.fields(PoissonSampler)}
+    """The sampler ``sampler`` (same N, q, padded size, seed, overflow policy) bound to ledger;
+    a `PersonPoissonSampler` gives a `BudgetedPersonSampler` (same people and K too)."""
+    if ledger.unit != sampler.unit:
+      raise ValueError(f"The ledger accounts per {ledger.unit} and the sampler samples per "
+                       f"{sampler.unit}: the guarantee would be for the wrong unit.")
+    plain = PersonPoissonSampler if isinstance(sampler, PersonPoissonSampler) else PoissonSampler
+    fields = {f.name: getattr(sampler, f.name) for f in dataclasses.fields(plain)}
+    if plain is PersonPoissonSampler and not issubclass(cls, PersonPoissonSampler):
+      cls = BudgetedPersonSampler
     return cls(**fields, ledger=ledger)
 
   def unbudgeted(self) -> PoissonSampler:
-    """The plain `PoissonSampler` with the same fields (low-level: checks no budget)."""
-    return PoissonSampler(
-        **{f.name: getattr(self, f.name) for f in dataclasses.fields(PoissonSampler)})
+    """The plain `PoissonSampler` (`PersonPoissonSampler`) with the same fields (low-level:
+    checks no budget)."""
+    plain = PersonPoissonSampler if isinstance(self, PersonPoissonSampler) else PoissonSampler
+    return plain(**{f.name: getattr(self, f.name) for f in dataclasses.fields(plain)})
 
   def __call__(self, step: int) -> PoissonBatch:
     """The padded batch of step ``step``; raises past the ledger's budget or on overflow."""
@@ -429,6 +453,12 @@ class BudgetedSampler(PoissonSampler):
     return super().__call__(int(step))
 
   sample = __call__
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetedPersonSampler(BudgetedSampler, PersonPoissonSampler):
+  """A `PersonPoissonSampler` that refuses the steps its ledger's budget does not allow, as
+  `BudgetedSampler` does (its ledger's unit is "person")."""
 
 
 # ----------------------------------------------------------------------------
@@ -447,7 +477,10 @@ def _manager(directory, max_to_keep: int | None = None, create: bool = True):
 
 
 def _sampler_dict(sampler: PoissonSampler) -> dict[str, Any]:
-  return {f.name: getattr(sampler, f.name) for f in dataclasses.fields(PoissonSampler)}
+  out = {f.name: getattr(sampler, f.name) for f in dataclasses.fields(PoissonSampler)}
+  if isinstance(sampler, PersonPoissonSampler):  # the people by digest, not their ids
+    out.update(max_pairs_per_user=sampler.max_pairs_per_user, users_digest=sampler.users_digest)
+  return out
 
 
 def save_checkpoint(directory, step: int, state: Any, ledger: PrivacyLedger, *,
@@ -610,9 +643,14 @@ def restore_checkpoint(directory, template: Any,
   return restored[_STATE_ITEM], ledger, int(step)
 
 
-def restore_sampler(directory, step: int | None = None) -> PoissonSampler | None:
+def restore_sampler(directory, step: int | None = None, *,
+                    user_ids: Any = None) -> PoissonSampler | None:
   """The `PoissonSampler` saved with checkpoint ``step`` (default: the newest) by
   `save_checkpoint(..., sampler=)`; None if that checkpoint holds no sampler.
+
+  A `PersonPoissonSampler` is saved with a digest of its people, not their ids: pass the
+  run's ``user_ids`` to restore it (ValueError when they are missing or are not the people
+  the checkpoint was made with).
 
   Raises:
     FileNotFoundError: no checkpoint in ``directory``.
@@ -623,4 +661,14 @@ def restore_sampler(directory, step: int | None = None) -> PoissonSampler | None
       return None
     restored = mngr.restore(step,
                             args=ocp.args.Composite(**{_SAMPLER_ITEM: ocp.args.JsonRestore()}))
-  return PoissonSampler(**restored[_SAMPLER_ITEM])
+  fields = dict(restored[_SAMPLER_ITEM])
+  if "users_digest" not in fields:
+    return PoissonSampler(**fields)
+  if user_ids is None:
+    raise ValueError(f"Checkpoint {step} in {os.fspath(directory)!r} holds a person-level "
+                     "sampler: pass user_ids=, the person of every record.")
+  try:
+    return PersonPoissonSampler(**fields, user_ids=user_ids)
+  except ValueError as error:
+    raise ValueError(f"Checkpoint {step} in {os.fspath(directory)!r}: user_ids are not the "
+                     f"people its run sampled ({error})") from None

@@ -81,6 +81,13 @@ class Contrastive:
   s̃_ij/s_ij is one factor for every j ≠ k and Σ_{j≠k} |s_ij − s̃_ij| = |s_ik − s̃_ik|; with
   its column-k terms (s_ik + s̃_ik)/τ the row costs 2·max(s_ik, s̃_ik)/τ ≤ 2p/τ. Hence
   C_rep/B ≤ (4 + 2(n−1)p)/τ = C/B + 2/τ, below 2C/B for every n ≥ 2.
+
+  Removing a set P of k pairs at once (one person's; rows and columns P disappear): each row
+  of P costs ≤ 2/τ as above; a row i ∉ P loses the columns P, of softmax mass S_i = Σ_{j∈P} s_ij
+  ≤ p_k = k·a/(k·a + n − k), and renormalises, s'_ij = s_ij/(1 − S_i), so its columns P and its
+  moved weights cost S_i/τ + S_i/τ. Hence C_k/B ≤ (2k + 2(n−k)p_k)/τ ≤ k·C/B (k = 1: C/B), with
+  supremum over n k·2(1 + a)/τ; the configuration û_k = 1, v̂_k = −1 (k ∈ P), û_i = −1, v̂_j = 1
+  otherwise attains the weights (docs/METHOD.md, "Privacy per person").
   """
 
   temperature: float = 1.0
@@ -123,6 +130,22 @@ class Contrastive:
       factor = (2.0 + 2.0 * (n - 1) / (1.0 + (n - 1) / a)) / self.temperature
     return _warn_if_large(factor, f"contrastive loss at temperature {self.temperature}")
 
+  def person_sensitivity_factor(self, max_pairs: int, batch_size: int | None = None) -> float:
+    """C_K/B for removing up to K = max_pairs pairs (their rows and columns) at once:
+    max_{k ≤ min(K, n)} (2k + 2(n−k)·p_k)/τ with p_k = k·a/(k·a + n − k), or its supremum
+    K·2(1 + e^{2/τ})/τ = K·C(∞)/B when batch_size is None (`person_sensitivity`)."""
+    k_max = check_batch_size(max_pairs, 1)
+    a = math.exp(2.0 / self.temperature)
+    if batch_size is None:
+      factor = k_max * 2.0 * (1.0 + a) / self.temperature
+    else:
+      n = check_batch_size(batch_size, self.min_batch_size)
+      # (n−k)·p_k = (n−k)·k/(k + (n−k)/a), written to avoid overflow.
+      factor = max((2.0 * k + 2.0 * (n - k) * k / (k + (n - k) / a)) / self.temperature
+                   for k in range(1,
+                                  min(k_max, n) + 1))
+    return _warn_if_large(factor, f"contrastive loss at temperature {self.temperature}")
+
   def replace_sensitivity_factor(self, batch_size: int | None = None) -> float:
     """C_rep/B = (4 + 2(n−1)p)/τ under replace-one, or its supremum (4 + 2e^{2/τ})/τ."""
     a = math.exp(2.0 / self.temperature)
@@ -151,6 +174,10 @@ class Spreadout:
 
   Hence C/B ≤ 2 + 2 + (n−1)·2/(n−1) = 6 for every n.
 
+  Removing a set P of k pairs at once: the k rows of P cost ≤ 2 each, their columns in the
+  other rows ≤ 2k(n−k)/(n−1), and the other rows' weights move from 2Z_ij/(n−1) to
+  2Z_ij/(n−k−1): ≤ 2k(n−k)/(n−1) in all. Hence C_k/B ≤ 2k + 4k(n−k)/(n−1) ≤ 6k.
+
   Replace-one (pair k replaced, n unchanged): the weights of every other pair (i, j ≠ k) stay
   2Z_ij/(n−1), so only row k and column k move, each by ≤ 2 + 2: C_rep/B ≤ 8 (attained at
   Z = 1 everywhere with opposite clipped gradients).
@@ -177,6 +204,15 @@ class Spreadout:
     if batch_size is not None:
       check_batch_size(batch_size, self.min_batch_size)
     return 6.0
+
+  def person_sensitivity_factor(self, max_pairs: int, batch_size: int | None = None) -> float:
+    """C_K/B for removing up to K = max_pairs pairs at once: max_{k ≤ min(K, n)}
+    (2k + 4k(n−k)/(n−1)), or its supremum 6K when batch_size is None (`person_sensitivity`)."""
+    k_max = check_batch_size(max_pairs, 1)
+    if batch_size is None:
+      return 6.0 * k_max
+    n = check_batch_size(batch_size, self.min_batch_size)
+    return max(2.0 * k + 4.0 * k * (n - k) / (n - 1) for k in range(1, min(k_max, n) + 1))
 
   def replace_sensitivity_factor(self, batch_size: int | None = None) -> float:
     """C_rep/B = 8 under replace-one, for every batch size."""

@@ -40,11 +40,20 @@ class Mechanism(enum.Enum):
 
   def sensitivity(
       self, loss, clip_norm: float, batch_size: int | None = None, *,
-      neighboring_relation: dp_accounting.NeighboringRelation = sensitivity_lib.ADD_OR_REMOVE_ONE
-  ) -> float:
+      neighboring_relation: dp_accounting.NeighboringRelation = sensitivity_lib.ADD_OR_REMOVE_ONE,
+      max_pairs_per_user: int | None = None) -> float:
     """C of ḡ under neighboring_relation: `sensitivity(loss, B, batch_size)` for Logit-DP, 2B
-    for Naive-DP and DP-GCL (batch_size None: any batch size, as under Poisson sampling)."""
+    for Naive-DP and DP-GCL (batch_size None: any batch size, as under Poisson sampling).
+
+    With max_pairs_per_user = K the unit is a person with up to K pairs in a batch:
+    `person_sensitivity(loss, B, K, batch_size)` for Logit-DP; 2B for Naive-DP; 2B for DP-GCL
+    grouped by person (`grouped_clipped_grad`'s ``user_ids=``, which `make_private(user_ids=)`
+    always passes; grouped by pair a person can change K groups)."""
     relation = dict(neighboring_relation=neighboring_relation)
+    if max_pairs_per_user is not None:
+      k = sensitivity_lib.check_max_pairs_per_user(max_pairs_per_user)
+      if self is Mechanism.LOGIT_DP:
+        return sensitivity_lib.person_sensitivity(loss, clip_norm, k, batch_size, **relation)
     if self is Mechanism.LOGIT_DP:
       return sensitivity_lib.sensitivity(loss, clip_norm, batch_size, **relation)
     if self is Mechanism.NAIVE_DP:

@@ -50,8 +50,10 @@ from logit_dp._src.ledger import BudgetedSampler
 from logit_dp._src.ledger import PrivacyBudgetExceededError
 from logit_dp._src.ledger import PrivacyLedger
 from logit_dp._src.noise import AddNoiseState
+from logit_dp._src.sampling import PersonPoissonSampler
 from logit_dp._src.sampling import PoissonBatch
 from logit_dp._src.sampling import PoissonSampler
+from logit_dp._src.sampling import check_user_ids
 
 #: What `PrivateTraining.make_train_step` does on non-finite rows or an empty batch.
 REPORT_POLICIES = ("warn", "error", "ignore")
@@ -272,7 +274,10 @@ class PrivateTraining(NamedTuple):
       fold_in(model_key, t), handed to grad_fn by `make_train_step`. None otherwise.
     group_key: DP-GCL (method="dp_gcl"): the key of the group assignment, independent of the
       data; step t groups its records by `assign_groups(record_ids, fold_in(group_key, t), G)`
-      (`make_train_step`). None otherwise.
+      (`make_train_step`; per person: by the records' people). None otherwise.
+    max_pairs_per_user: K of privacy per person (`make_private(user_ids=, max_pairs_per_user=)`:
+      the unit is a person, ``sensitivity`` the per-person C_K, ``sampler`` a
+      `PersonPoissonSampler`, ``ledger.unit`` "person"); None: the unit is a pair.
 
   The training loop (every released step recorded before it happens; the step gathers
   the batch's records and masks its padding itself)::
@@ -296,6 +301,7 @@ class PrivateTraining(NamedTuple):
   method: str
   model_key: Any = None
   group_key: Any = None
+  max_pairs_per_user: int | None = None
 
   def batches(self, steps: int | None = None) -> Iterator[PoissonBatch]:
     """Yields the Poisson batches of steps ledger.steps, …, T − 1, recording each first.
@@ -336,10 +342,11 @@ class PrivateTraining(NamedTuple):
                   f" of the budget ε = {self.ledger.epsilon_budget:g}")
         raise PrivacyBudgetExceededError(
             f"The budget of T = {self.steps} steps is spent: the ledger holds {start} steps, "
-            f"(ε, δ) = ({eps:.4g}, {delta:.3g}){budget}, so batches() has no step to hand out "
-            "and the loop would train nothing. To train further, set up a run with a larger "
-            "budget (make_private with a larger target_epsilon, or more epochs or steps); a "
-            "second run on the same records spends its ε on top of this one's.")
+            f"(ε, δ) = ({eps:.4g}, {delta:.3g}) per {self.ledger.unit}{budget}, so batches() "
+            "has no step to hand out and the loop would train nothing. To train further, set up "
+            "a run with a larger budget (make_private with a larger target_epsilon, or more "
+            "epochs or steps); a second run on the same records spends its ε on top of this "
+            "one's.")
       raise ValueError(
           f"batches(steps={end}) stops once the ledger holds {end} steps, and it holds "
           f"{start}: the loop would train nothing. steps counts from the start of the run "
@@ -475,6 +482,10 @@ class PrivateTraining(NamedTuple):
       raise TypeError(f"clip_stats=True: {grad_fn!r} computes no clip statistics.")
     keys = (self.model_key, self.group_key)
     grouped = self.group_key is not None
+    # Per person, DP-GCL groups the records by their people (every pair of a person in one
+    # group), which its per-person sensitivity 2B needs.
+    person_of_record = (self.sampler.person_of_record
+                        if grouped and isinstance(self.sampler, PersonPoissonSampler) else None)
     mesh = getattr(grad_fn, "mesh", None)
     multiple = 1 if mesh is None else int(mesh.shape[distributed.DATA_AXIS])
     loop = _loop(ledger)
@@ -495,7 +506,7 @@ class PrivateTraining(NamedTuple):
         x_prime_new = _joined(x_prime_new, _rows(x_prime, num_rows))
       return x_new, x_prime_new, ({} if len(views) == 2 else {"extra_views": views[2]})
 
-    def update(params, opt_state, x, x_prime, mask, step, record_ids, keys, num_rows):
+    def update(params, opt_state, x, x_prime, mask, step, record_ids, user_ids, keys, num_rows):
       model_key, group_key = keys
       extra = {}
       if augment is not None:
@@ -505,6 +516,8 @@ class PrivateTraining(NamedTuple):
         extra["key"] = jax.random.fold_in(model_key, step)
       if group_key is not None:  # DP-GCL: the records regrouped at every step
         extra.update(record_ids=record_ids, group_key=jax.random.fold_in(group_key, step))
+        if user_ids is not None:
+          extra["user_ids"] = user_ids
       # Valid rows whose inputs (as grad_fn gets them) are not finite: the data's fault. The
       # other dropped rows have finite inputs and non-finite embeddings: the model's.
       inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
@@ -637,7 +650,7 @@ class PrivateTraining(NamedTuple):
       check_own(opt_state, params, released)
       return released
 
-    def train_step(params, opt_state, batch, data, mask=None, *, record_ids=None):
+    def train_step(params, opt_state, batch, data, mask=None, *, record_ids=None, user_ids=None):
       if isinstance(batch, PoissonBatch):
         if mask is not None:
           raise TypeError("train_step(params, opt_state, batch, (x_all, x_prime_all)) masks "
@@ -648,14 +661,17 @@ class PrivateTraining(NamedTuple):
               "recorded), once; this one was used already, is another run's, or was drawn by "
               "hand. A pipeline with its own batches calls train_step(params, opt_state, x, "
               "x_prime, mask) after ledger.record_steps(1).")
-        if record_ids is not None:
+        if record_ids is not None or user_ids is not None:
           raise TypeError("train_step(params, opt_state, batch, (x_all, x_prime_all)) groups "
-                          "the records by batch.indices itself: pass no record_ids.")
+                          "the records by batch.indices itself: pass no record_ids or "
+                          "user_ids.")
         indices = records = np.asarray(batch.indices)
         num_rows = indices.shape[0]
         x, x_prime, mask = _gather(data, indices, num_records, np.asarray(batch.mask), mesh)
         if grouped:
           record_ids = indices
+        if person_of_record is not None:
+          user_ids = person_of_record[indices]
       else:
         if mask is None:
           raise TypeError(
@@ -671,6 +687,13 @@ class PrivateTraining(NamedTuple):
           raise ValueError("record_ids= is required by method='dp_gcl' (pass batch.indices) "
                            f"and taken by it only; this run's method is {self.method!r}.")
         records = None if record_ids is None else np.asarray(record_ids)
+        if (user_ids is None) == (person_of_record is not None):
+          raise ValueError(
+              "user_ids= (the person of every row: sampler.person_of_record[batch.indices]) is "
+              "required by method='dp_gcl' with privacy per person, which groups the rows by "
+              "person, and taken by it only.")
+        if user_ids is not None:
+          user_ids = np.asarray(user_ids)
       released = released_count(opt_state, params)
       if released < ledger.released_updates:
         raise UnrecordedStepError(
@@ -691,7 +714,7 @@ class PrivateTraining(NamedTuple):
       if mesh is not None:  # as the step returns them: one compilation for every step
         params, opt_state = _replicated((params, opt_state), mesh)
       params_out, state_out, loss_value, flags, stats = update(params, opt_state, x, x_prime, mask,
-                                                               released, record_ids, keys,
+                                                               released, record_ids, user_ids, keys,
                                                                num_rows=num_rows)
       if synchronous:
         report(released + 1, flags, records)  # raises before anything is released
@@ -770,7 +793,8 @@ class PrivateTraining(NamedTuple):
         raise
       raise FileNotFoundError(f"{error} Pass missing_ok=True to start afresh when there is no "
                               "checkpoint yet.") from None
-    sampler = ledger_lib.restore_sampler(directory, step)
+    sampler = ledger_lib.restore_sampler(directory, step,
+                                         user_ids=getattr(self.sampler, "user_ids", None))
     if sampler is None:
       raise ValueError(
           f"Checkpoint {step} in {directory!r} holds no sampler (saved without sampler=): "
@@ -779,13 +803,14 @@ class PrivateTraining(NamedTuple):
           "of that run>) instead.")
     mine = self.ledger
     for name in ("noise_multiplier", "sampling_rate", "target_delta", "accountant",
-                 "overflow_probability", "pld_discretization"):
+                 "overflow_probability", "pld_discretization", "unit"):
       if getattr(ledger, name) != getattr(mine, name):
         raise ValueError(f"Checkpoint {step} in {directory!r} was made with ledger {name} = "
                          f"{getattr(ledger, name)!r}, this run has {getattr(mine, name)!r}: "
                          "its steps cannot continue this run's accounting.")
-    for name in ("num_records", "sampling_rate", "max_batch_size", "overflow"):
-      if getattr(sampler, name) != getattr(self.sampler, name):
+    for name in ("num_records", "sampling_rate", "max_batch_size", "overflow", "unit",
+                 "max_pairs_per_user", "users_digest"):
+      if getattr(sampler, name, None) != getattr(self.sampler, name, None):
         raise ValueError(f"Checkpoint {step} in {directory!r} was made with sampler {name} = "
                          f"{getattr(sampler, name)!r}, this run has "
                          f"{getattr(self.sampler, name)!r}.")
@@ -833,7 +858,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                  noise_key: Any = None, sampler_seed: int | None = None,
                  max_batch_size: int | None = None, overflow: str = "error",
                  group_size: float | None = None, noise_multiplier: float | None = None,
-                 mesh: Any = None, **grad_kwargs) -> PrivateTraining:
+                 mesh: Any = None, user_ids: Any = None, max_pairs_per_user: int | None = None,
+                 **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
@@ -857,6 +883,19 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   for the conditions on embed_fn and what is not covered). A loop over
   `PrivateTraining.batches` with the step of `PrivateTraining.make_train_step`
   meets the sampling, recording and step-count conditions by construction.
+
+  Privacy per person (``user_ids=u, max_pairs_per_user=K``). The unit is a person: neighbouring
+  datasets add or remove one person with all of their pairs. The sampler is a
+  `sampling.PersonPoissonSampler`: each of the M = len(unique(u)) people joins a batch with
+  probability q = expected_batch_size / M (expected_batch_size counts people, epochs passes
+  over the people) and brings min(K, own pairs) of their pairs, a uniformly random subset drawn
+  with the secret sampling randomness, independently of the other people. C is the per-person
+  sensitivity, ``grad_fn.sensitivity(batch_size=None, max_pairs_per_user=K)``: Logit-DP
+  `person_sensitivity(loss, B, K)` = K·C(∞) (at most K·C for any batch; docs/METHOD.md,
+  "Privacy per person"), Naive-DP 2B, DP-GCL 2B with the train step grouping the rows by
+  person (every pair of a person in one group). The theorem above then holds with "one pair"
+  read "one person" (docs/PRIVACY.md); the ledger says so (``ledger.unit`` = "person", in its
+  printout and checkpoints). With user_ids=None the unit is a pair and nothing above changes.
 
   Args:
     embed_fn: embed_fn(params, x) -> (n, d), acting on examples independently.
@@ -894,6 +933,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     noise_multiplier: σ > 0 fixed instead of calibrated. (target_epsilon, target_delta) are
       then the budget: the ledger reports ε at δ_acc, as with a calibrated σ, and `batches`
       raises `PrivacyBudgetExceededError` before a step that would exceed it.
+    user_ids: privacy per person: an (N,) integer array, the person of every record (None:
+      privacy per pair). Needs max_pairs_per_user.
+    max_pairs_per_user: K ≥ 1, the most pairs of one person in a batch (with user_ids only).
     mesh: a `jax.sharding.Mesh` with a "data" axis (`distributed.data_mesh`) for
       data-parallel training (one or several processes): ``grad_fn`` is then
       `distributed.make_sharded_grad_fn`'s, the same ḡ and C as on one device, and the
@@ -921,10 +963,25 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   delta = accounting.check_delta(target_delta)
   n = _check_count("num_records", num_records)
   accounting.check_accountant(accountant)
+  people = None
+  if user_ids is None:
+    if max_pairs_per_user is not None:
+      raise ValueError("max_pairs_per_user is for privacy per person: pass it with user_ids= "
+                       "(the person of every record).")
+    units = n
+  else:
+    if max_pairs_per_user is None:
+      raise ValueError("user_ids= (privacy per person) needs max_pairs_per_user=K, the most "
+                       "pairs of one person in a batch.")
+    max_pairs_per_user = sensitivity_lib.check_max_pairs_per_user(max_pairs_per_user)
+    user_ids = check_user_ids(user_ids, n)
+    people = len(np.unique(user_ids))
+    units = people
   try:
-    q = accounting.sampling_rate_for(expected_batch_size, n)
+    q = accounting.sampling_rate_for(expected_batch_size, units)
   except ValueError:
-    raise ValueError(f"expected_batch_size must be a number in (0, num_records={n}], got "
+    bound = f"num_records={n}" if people is None else f"the number of people in user_ids, {units}"
+    raise ValueError(f"expected_batch_size must be a number in (0, {bound}], got "
                      f"{expected_batch_size!r}.") from None
   t = accounting.check_steps(steps) if epochs is None else accounting.steps_for_epochs(epochs, q)
   if sampler_seed is not None and (isinstance(sampler_seed, bool)
@@ -952,12 +1009,20 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     grad_fn = distributed.make_sharded_grad_fn(embed_fn, loss, b, distributed.check_mesh(mesh),
                                                method=method, microbatch_size=microbatch_size,
                                                **grad_kwargs)
-  c = grad_fn.sensitivity(batch_size=None)
+  if people is None:
+    c = grad_fn.sensitivity(batch_size=None)
+  else:  # the per-person C_K: the noise is calibrated to it below
+    c = grad_fn.sensitivity(batch_size=None, max_pairs_per_user=max_pairs_per_user)
 
-  accounting.warn_if_large_delta(delta, n, stacklevel=3)
-  poisson = PoissonSampler(num_records=n, sampling_rate=q, max_batch_size=max_batch_size,
-                           seed=_secret_seed() if sampler_seed is None else sampler_seed,
-                           overflow=overflow)
+  accounting.warn_if_large_delta(delta, units, stacklevel=3)
+  seed = _secret_seed() if sampler_seed is None else sampler_seed
+  if people is None:
+    poisson = PoissonSampler(num_records=n, sampling_rate=q, max_batch_size=max_batch_size,
+                             seed=seed, overflow=overflow)
+  else:
+    poisson = PersonPoissonSampler(num_records=n, sampling_rate=q, max_batch_size=max_batch_size,
+                                   seed=seed, overflow=overflow, user_ids=user_ids,
+                                   max_pairs_per_user=int(max_pairs_per_user or 0))
   with warnings.catch_warnings():  # δ ≥ 1/N was already reported above, once
     warnings.filterwarnings("ignore", message="target_delta=", category=UserWarning)
     if noise_multiplier is None:
@@ -976,4 +1041,5 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
                          noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
-                         steps=t, method=grad_fn.method, model_key=model_key, group_key=group_key)
+                         steps=t, method=grad_fn.method, model_key=model_key, group_key=group_key,
+                         max_pairs_per_user=max_pairs_per_user)

@@ -43,6 +43,10 @@ We do not use the truncation-specific amplification analysis of
 `dp_accounting.TruncatedSubsampledGaussianDpEvent`: it assumes random-subset
 truncation and a decomposable sum, whose sensitivity is not the Logit-DP one.
 
+Privacy per person: `PersonPoissonSampler` samples people instead of records (each person
+joins with probability q and brings at most K of their pairs, chosen secretly), for the
+guarantee of `make_private(user_ids=, max_pairs_per_user=)`.
+
 For non-private baselines, `ShuffledBatcher` visits every record exactly once
 per epoch. Its batches are *not* Poisson samples and are not covered by the
 accounting.
@@ -52,9 +56,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -301,6 +306,16 @@ class PoissonSampler:
     return self.num_records * self.sampling_rate
 
   @property
+  def unit(self) -> str:
+    """The unit of privacy: "pair" (one record; `PersonPoissonSampler`: "person")."""
+    return "pair"
+
+  @property
+  def num_units(self) -> int:
+    """How many units the sampling rate q is over: N records (`PersonPoissonSampler`: people)."""
+    return self.num_records
+
+  @property
   def step_overflow_probability(self) -> float:
     """p_over = P[Binomial(N+1, q) > max_batch_size] for this sampler."""
     assert self.max_batch_size is not None  # an int after __post_init__
@@ -360,3 +375,258 @@ class ShuffledBatcher:
       idx = np.zeros(self.batch_size, np.int32)
       idx[:len(chunk)] = chunk
       yield idx, mask
+
+
+# ----------------------------------------------------------------------------
+# Privacy per person.
+# ----------------------------------------------------------------------------
+
+
+def check_user_ids(user_ids, num_records: int) -> np.ndarray:
+  """user_ids as an int64 array of shape (N,): the person of every record; ValueError/TypeError
+  naming ``user_ids`` otherwise."""
+  if isinstance(
+      user_ids,
+      (str, bytes)) or not hasattr(user_ids, "__len__") and not hasattr(user_ids, "shape"):
+    raise TypeError("user_ids must be an integer array with one entry per record (its "
+                    f"person), got {type(user_ids).__name__}.")
+  ids = np.asarray(user_ids)
+  if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
+    raise TypeError("user_ids must be an integer array with one entry per record (its person), "
+                    f"got dtype {ids.dtype}.")
+  if ids.shape != (num_records,):
+    raise ValueError(f"user_ids must have shape ({num_records},), one person id per record "
+                     f"(num_records = {num_records}), got shape {ids.shape}.")
+  return ids.astype(np.int64)
+
+
+def _people(user_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(person index of every record in 0..M−1, the records of every person): dense persons in
+  the order of their ids."""
+  _, person, counts = np.unique(user_ids, return_inverse=True, return_counts=True)
+  return person.astype(np.int32).reshape(-1), counts
+
+
+def _log_mgf(t: float, capped: np.ndarray, sampling_rate: float, extra: int) -> float:
+  """log E[e^{t·S}] of S = Σ_m capped[m]·Bernoulli(q)·m summed over people, plus one more person
+  of ``extra`` pairs (the neighbour); capped[m] = people who bring m pairs."""
+  q = sampling_rate
+  m = np.arange(capped.shape[0])
+  if q == 1.0:
+    terms = t * m
+    last = t * extra
+  else:
+    terms = np.logaddexp(math.log1p(-q), math.log(q) + t * m)
+    last = float(np.logaddexp(math.log1p(-q), math.log(q) + t * extra))
+  return float(np.sum(capped * terms) + last)
+
+
+def person_overflow_probability(pairs_per_person, sampling_rate: float, max_batch_size: int,
+                                max_pairs_per_user: int) -> float:
+  """A bound on p_over = P[S > max_batch_size] for the pairs S of a person-level Poisson batch,
+  on the dataset or a neighbour with one more person (bringing K pairs).
+
+  S = Σ_u ξ_u·m_u + ξ·K, ξ ~ Bernoulli(q) i.i.d., m_u = min(K, pairs of person u). The Chernoff
+  bound P[S ≥ b + 1] ≤ min_{t>0} e^{−t(b+1)}·E[e^{tS}] is returned (minimised numerically: any
+  t gives a valid bound); 0 when b ≥ Σ_u m_u + K, where overflow is impossible.
+  """
+  from scipy import optimize  # pylint: disable=g-import-not-at-top
+  q = _check_rate(sampling_rate)
+  b = _check_int("max_batch_size", max_batch_size, 1)
+  k = _check_int("max_pairs_per_user", max_pairs_per_user, 1)
+  m = np.minimum(np.asarray(pairs_per_person, np.int64), k)
+  if b >= int(np.sum(m)) + k:
+    return 0.0
+  capped = np.bincount(m, minlength=k + 1).astype(np.float64)
+  bound = lambda t: _log_mgf(t, capped, q, k) - t * (b + 1)
+  result = optimize.minimize_scalar(bound, bounds=(0.0, 50.0), method="bounded",
+                                    options={"xatol": 1e-10})
+  value = min(bound(float(result.x)), bound(0.0))
+  return float(min(1.0, math.exp(min(value, 0.0))))
+
+
+def person_max_batch_size_for(pairs_per_person, sampling_rate: float, max_pairs_per_user: int, *,
+                              overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY) -> int:
+  """Smallest padded batch size b (in pairs) with `person_overflow_probability` ≤
+  overflow_probability (bisection; at most Σ_u min(K, pairs of u) + K, where overflow is
+  impossible)."""
+  p = float(overflow_probability)
+  if not 0 < p < 1:
+    raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability!r}.")
+  k = _check_int("max_pairs_per_user", max_pairs_per_user, 1)
+  high = int(np.sum(np.minimum(np.asarray(pairs_per_person, np.int64), k))) + k
+  low = 1
+  while low < high:
+    mid = (low + high) // 2
+    if person_overflow_probability(pairs_per_person, sampling_rate, mid, k) <= p:
+      high = mid
+    else:
+      low = mid + 1
+  return low
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("num_people", "sampling_rate", "max_batch_size", "max_pairs_per_user"))
+def person_poisson_batch(key: jax.Array, person_of_record: jax.Array, num_people: int,
+                         sampling_rate: float, max_batch_size: int,
+                         max_pairs_per_user: int) -> PoissonBatch:
+  """Draws one person-level Poisson batch of records, padded to ``max_batch_size`` (jittable).
+
+  Every person u ∈ {0, …, M−1} joins independently with probability q (one uniform 32-bit
+  draw per person from the first half of ``key``, compared with `inclusion_threshold`). Every
+  record draws a uniform 32-bit key from the second half; a person who joins brings the
+  min(K, c_u) of their c_u records with the smallest keys (ties: the smaller index), i.e. a
+  uniformly random K-subset, independent of the other people and of who joins. The records
+  are returned as `poisson_batch`'s: increasing indices, padding, mask, overflow flag.
+
+  Args:
+    key: the step's key (fold_in(PRNGKey(seed), t)).
+    person_of_record: (N,) int32, the person index (0..M−1) of every record.
+    num_people: M (static).
+    sampling_rate: q over people (static).
+    max_batch_size: padded size in records (static).
+    max_pairs_per_user: K (static).
+  """
+  people_key, pairs_key = jax.random.split(key)
+  threshold = inclusion_threshold(sampling_rate)
+  if threshold is None:
+    joins = jnp.ones((num_people,), bool)
+  else:
+    joins = jax.random.bits(people_key, (num_people,), jnp.uint32) < jnp.uint32(threshold)
+  n = person_of_record.shape[0]
+  draws = jax.random.bits(pairs_key, (n,), jnp.uint32)
+  positions = jnp.arange(n, dtype=jnp.int32)
+  order = jnp.lexsort((positions, draws, person_of_record))  # by person, then key, then index
+  sorted_people = person_of_record[order]
+  first = jnp.searchsorted(sorted_people, sorted_people, side="left").astype(jnp.int32)
+  rank = jnp.zeros((n,), jnp.int32).at[order].set(positions - first)
+  include = joins[person_of_record] & (rank < max_pairs_per_user)
+  sampled_size = jnp.sum(include, dtype=jnp.int32)
+  (indices,) = jnp.nonzero(include, size=max_batch_size, fill_value=0)
+  batch_size = jnp.minimum(sampled_size, max_batch_size).astype(jnp.int32)
+  mask = jnp.arange(max_batch_size) < batch_size
+  indices = jnp.where(mask, indices.astype(jnp.int32), 0)
+  return PoissonBatch(indices=indices, mask=mask, batch_size=batch_size, sampled_size=sampled_size,
+                      overflow=sampled_size > max_batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PersonPoissonSampler(PoissonSampler):
+  """Poisson sampling of people: the batches of privacy per person.
+
+  At every step each of the M people (the distinct values of ``user_ids``) joins the batch
+  independently with probability q = ``sampling_rate``, and a person who joins brings
+  min(K, c_u) of their c_u records, a uniformly random subset drawn from the step's secret
+  key independently of the other people (`person_poisson_batch`). The batch is a
+  `PoissonBatch` of record indices, like `PoissonSampler`'s, so every train step takes it
+  unchanged. The batch of step t depends only on (seed, t): fold_in(PRNGKey(seed), t).
+
+  Formal guarantees. Unit of privacy: a person, with all of their records; neighbouring
+  datasets add or remove one person. Whatever the other people hold, the batch of a dataset
+  with person u is that of the dataset without u plus, with probability q and independently
+  of the rest, at most K records of u chosen from u's records and randomness alone. A released
+  sum whose change is ≤ C_K when at most K pairs of one person join or leave (`make_private`
+  calibrates to it: `person_sensitivity`, 2B for Naive-DP and DP-GCL grouped by person) is then
+  the Poisson-subsampled Gaussian mechanism over people with rate q, which
+  `logit_dp.accounting` accounts for; the random choice of the K records is a mixture over
+  randomness independent of the data, which keeps the guarantee (joint convexity, as for a
+  stochastic model; docs/PRIVACY.md, "Privacy per person"). Overflow is handled as for
+  `PoissonSampler` with p_over the Chernoff bound of `person_overflow_probability` (an upper
+  bound on the probability, which is all the δ term needs). The seed must be secret: it
+  reveals who is in each batch and which of their records.
+
+  Attributes:
+    num_records: N, the number of records (pairs); the batches index them.
+    sampling_rate: q ∈ (0, 1] over people.
+    max_batch_size: padded size in records; None: `person_max_batch_size_for` at
+      ``overflow_probability``.
+    seed, overflow, overflow_probability: as for `PoissonSampler`.
+    user_ids: (N,) integer person id of every record (not compared; ``users_digest`` is).
+    max_pairs_per_user: K ≥ 1.
+    users_digest: a SHA-256 digest of the person of every record (computed; it identifies
+      the grouping in checkpoints without storing it).
+  """
+  user_ids: Any = dataclasses.field(default=None, compare=False, repr=False)
+  max_pairs_per_user: int = 1
+  users_digest: str = ""
+
+  def __post_init__(self):
+    n = _check_int("num_records", self.num_records, 1)
+    ids = check_user_ids(self.user_ids, n)
+    k = _check_int("max_pairs_per_user", self.max_pairs_per_user, 1)
+    q = _check_rate(self.sampling_rate)
+    person, counts = _people(ids)
+    digest = users_digest(ids)
+    if self.users_digest and self.users_digest != digest:
+      raise ValueError("users_digest does not match user_ids: these are not the people the "
+                       "sampler was made for.")
+    object.__setattr__(self, "user_ids", ids)
+    object.__setattr__(self, "max_pairs_per_user", k)
+    object.__setattr__(self, "users_digest", digest)
+    object.__setattr__(self, "_person", person)
+    object.__setattr__(self, "_counts", counts)
+    if self.max_batch_size is None:
+      b = person_max_batch_size_for(counts, q, k, overflow_probability=self.overflow_probability)
+      object.__setattr__(self, "max_batch_size", b)
+    super().__post_init__()
+
+  @property
+  def unit(self) -> str:
+    """"person"."""
+    return "person"
+
+  @property
+  def num_people(self) -> int:
+    """M, the number of distinct people."""
+    return int(self._counts.shape[0])  # pyright: ignore[reportAttributeAccessIssue]
+
+  @property
+  def num_units(self) -> int:
+    """M: q is the rate over people."""
+    return self.num_people
+
+  @property
+  def person_of_record(self) -> np.ndarray:
+    """(N,) int32: the person index (0..M−1, in the order of the ids) of every record."""
+    return self._person  # pyright: ignore[reportAttributeAccessIssue]
+
+  @property
+  def pairs_per_person(self) -> np.ndarray:
+    """(M,) the number of records of every person."""
+    return self._counts  # pyright: ignore[reportAttributeAccessIssue]
+
+  @property
+  def expected_batch_size(self) -> float:
+    """E[people] = M·q, the expected number of sampled people per step."""
+    return self.num_people * self.sampling_rate
+
+  @property
+  def step_overflow_probability(self) -> float:
+    """The Chernoff bound on p_over of `person_overflow_probability` for this sampler."""
+    assert self.max_batch_size is not None  # an int after __post_init__
+    return person_overflow_probability(self.pairs_per_person, self.sampling_rate,
+                                       self.max_batch_size, self.max_pairs_per_user)
+
+  def overflow_delta(self, steps: int, epsilon: float) -> float:
+    """Extra δ of the padded batches: (1 + e^ε)·(1 − (1 − p_over)^T)."""
+    p = self.step_overflow_probability
+    if p >= 1:
+      return 0.0 if _check_int("steps", steps, 0) == 0 else 1.0
+    return overflow_term(epsilon, steps, p)
+
+  def __call__(self, step: int) -> PoissonBatch:
+    """The padded batch of step ``step``; raises on overflow if overflow="error"."""
+    assert self.max_batch_size is not None  # an int after __post_init__
+    batch = person_poisson_batch(self.key(step), jnp.asarray(self.person_of_record),
+                                 self.num_people, self.sampling_rate, self.max_batch_size,
+                                 self.max_pairs_per_user)
+    return check_overflow(batch, self.overflow)
+
+  sample = __call__
+
+
+def users_digest(user_ids) -> str:
+  """SHA-256 of the dense person index of every record (the grouping, not the raw ids)."""
+  person, _ = _people(np.asarray(user_ids, np.int64))
+  return hashlib.sha256(np.ascontiguousarray(person, dtype="<i4").tobytes()).hexdigest()

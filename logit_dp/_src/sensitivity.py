@@ -22,6 +22,19 @@ another pair, the batch size unchanged; docs/PRIVACY.md, "Replace-one"):
 * Naive-DP and DP-GCL: 2B (both released vectors have norm ≤ B; a replaced record keeps its
   id, hence its group).
 
+Per person (`person_sensitivity`; docs/METHOD.md, "Privacy per person"): a person owns up to K
+pairs of a batch, and neighbouring datasets differ by one person with all their pairs. Removing
+them removes up to K rows and K columns of Z:
+
+* Logit-DP: C_K(n) = B·max_{k ≤ min(K, n)} (G1_k + G2_k + L_k), the loss's
+  ``person_sensitivity_factor`` (contrastive (2k + 2(n−k)p_k)/τ, p_k = k·a/(k·a + n − k);
+  spreadout 2k + 4k(n−k)/(n−1)); C_K(n) ≤ K·C(n) and sup_n C_K(n) = K·C(∞). A loss without the
+  constant gets K·C(n), valid for every loss (one pair at a time, C increasing in n).
+* Naive-DP: 2B (both released vectors have norm ≤ B).
+* DP-GCL grouped by person (`grouped_clipped_grad(...)(..., user_ids=)`): 2B, every pair of the
+  person is in one group; grouped by pair it is 2B·K (K groups can change), which the audit
+  shows (`tests/test_person.py`).
+
 Adding N(0, (σC)²I) to ḡ then gives the Gaussian mechanism with noise multiplier σ under the
 relation C is taken for.
 """
@@ -31,6 +44,7 @@ from __future__ import annotations
 import math
 
 import dp_accounting
+import numpy as np
 
 ADD_OR_REMOVE_ONE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -114,3 +128,52 @@ def grouped_sensitivity(
   """
   check_relation(neighboring_relation)
   return 2.0 * check_clip_norm(clip_norm, allow_inf=False)
+
+
+def check_max_pairs_per_user(max_pairs_per_user) -> int:
+  """max_pairs_per_user as an int K ≥ 1; ValueError otherwise."""
+  if (isinstance(max_pairs_per_user, bool) or not isinstance(max_pairs_per_user, (int, np.integer))
+      or max_pairs_per_user < 1):
+    raise ValueError("max_pairs_per_user must be an integer ≥ 1 (K, the most pairs of one person "
+                     f"in a batch), got {max_pairs_per_user!r}.")
+  return int(max_pairs_per_user)
+
+
+def person_sensitivity(
+    loss, clip_norm: float, max_pairs_per_user: int, batch_size: int | None = None, *,
+    neighboring_relation: dp_accounting.NeighboringRelation = ADD_OR_REMOVE_ONE) -> float:
+  """L2 sensitivity C_K of the Logit-DP gradient ḡ when one person, with up to K pairs in the
+  batch, is added or removed.
+
+  Removing the person's k ≤ K pairs removes k rows and k columns of the similarity matrix:
+
+      C_K(n) = B·max_{k ≤ min(K, n)} (G1_k + G2_k + L_k),
+
+  contrastive (2k + 2(n−k)·p_k)/τ with p_k = k·a/(k·a + n − k), a = e^{2/τ}; spreadout
+  2k + 4k(n−k)/(n−1) (proof: `losses.Contrastive`, `losses.Spreadout`, docs/METHOD.md). It is at
+  most K·C(n) (equal for K = 1), and its supremum over n, what Poisson sampling needs
+  (batch_size=None), is K·C(∞): for an unbounded batch the person costs K single pairs.
+  A loss without ``person_sensitivity_factor`` gets K·C(n): removing the pairs one at a time
+  moves ḡ by ≤ C(n) each. Replace-one (a person replaced by another with up to K pairs): 2·C_K,
+  by the triangle inequality through the batch without the person.
+
+  Args:
+    loss: a loss from `logit_dp.losses`.
+    clip_norm: B, the per-pair gradient clip norm (finite, > 0).
+    max_pairs_per_user: K ≥ 1, the most pairs one person brings to a batch.
+    batch_size: n, when every batch has exactly n pairs; None: the supremum over n.
+    neighboring_relation: the `dp_accounting.NeighboringRelation`, with a person as the unit.
+
+  Returns:
+    C_K as a Python float.
+  """
+  b = check_clip_norm(clip_norm, allow_inf=False)
+  k = check_max_pairs_per_user(max_pairs_per_user)
+  relation = check_relation(neighboring_relation)
+  if not hasattr(loss, "sensitivity_factor"):
+    raise ValueError(f"No sensitivity is known for loss {loss!r}; use a loss from logit_dp.losses.")
+  if hasattr(loss, "person_sensitivity_factor"):
+    factor = loss.person_sensitivity_factor(k, batch_size)
+  else:
+    factor = k * loss.sensitivity_factor(batch_size)
+  return (2.0 if relation is REPLACE_ONE else 1.0) * factor * b

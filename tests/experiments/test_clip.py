@@ -15,6 +15,7 @@ import pytest
 from experiments import clip
 from experiments.configs import clip_cifar10
 from experiments.configs import clip_cifar100
+from experiments.configs import clip_people_tiny
 from experiments.configs import clip_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,3 +128,63 @@ def test_real_cifar100_pairs_and_texts():
   ds = clip.load_images(config)
   assert len(ds["names"]) == 100 and ds["x_train"].shape[1:] == (32, 32, 3)
   assert ds["y_train"].max() < 100
+
+
+def test_simulated_owners_hold_every_record_with_1_to_max_pairs():
+  owners = clip.simulate_owners(500, max_pairs=16, alpha=1.5, seed=3)
+  assert owners.shape == (500,)
+  counts = np.bincount(owners)
+  assert counts.min() >= 1 and counts.max() <= 16 and counts.sum() == 500
+  assert np.mean(counts == 1) > np.mean(counts == 16)  # heavy-tailed: many small owners
+  np.testing.assert_array_equal(owners, clip.simulate_owners(500, 16, 1.5, 3))
+
+
+@pytest.mark.slow  # two private two-tower trainings (privacy per person), a minute on 2 cores
+def test_tiny_run_per_person_end_to_end(tmp_path):
+  """clip_people_tiny: Logit-DP and DP-GCL run natively per person on simulated owners: q over
+  people, C per person (K·C for Logit-DP, 2B for DP-GCL), ε per person in results and table."""
+  config = clip_people_tiny.get_config()
+  config.data.label_names = _names_file(tmp_path)
+  workdir = str(tmp_path / "run")
+  results = clip.run(config, workdir, quiet=True)
+  people = len(np.unique(clip.simulate_owners(200, 4, 1.5, 0)))
+  for method in ("logit_dp", "dp_gcl"):
+    r = results["methods"][method]
+    assert r["unit"] == "person" and r["max_pairs_per_user"] == 2 and r["num_units"] == people
+    assert r["sampling_rate"] == pytest.approx(6 / people)
+    assert 0 < r["epsilon"] <= config.target_epsilon
+  assert results["methods"]["logit_dp"]["sensitivity"] == pytest.approx(
+      2 * 2 * (1 + np.exp(2.0)) * config.clip_norm, rel=1e-3)  # K·sup_n C, τ = 1
+  assert results["methods"]["dp_gcl"]["sensitivity"] == pytest.approx(2 * config.clip_norm)
+  with open(os.path.join(workdir, "results.md")) as f:
+    assert "per person" in f.read()
+
+
+def test_group_privacy_target_and_capped_records():
+  """The per-pair target's group privacy at K pairs is the person-level (ε, δ); the capped
+  records hold min(K, own) records of every owner."""
+  for eps, delta, k in ((1.0, 1e-5, 2), (8.0, 1e-5, 4), (3.0, 1e-6, 1)):
+    eps_pair, delta_pair = clip.group_privacy_target(eps, delta, k)
+    assert clip.group_privacy(eps_pair, delta_pair, k) == pytest.approx((eps, delta), rel=1e-12)
+  owners = clip.simulate_owners(300, 16, 1.5, 0)
+  keep = clip.capped_records(owners, 3, 0)
+  np.testing.assert_array_equal(np.bincount(owners[keep], minlength=owners.max() + 1),
+                                np.minimum(np.bincount(owners), 3))
+
+
+@pytest.mark.slow  # a private two-tower training on the K-capped records
+def test_tiny_run_of_the_group_privacy_baseline(tmp_path):
+  """mode="group_privacy": per-pair DP-GCL on the K-capped records at the per-pair target, its
+  (ε, δ) converted by group privacy to at most the person-level target."""
+  config = clip_people_tiny.get_config()
+  config.data.label_names = _names_file(tmp_path)
+  config.people.mode = "group_privacy"
+  config.methods = ("dp_gcl",)
+  r = clip.run(config, str(tmp_path / "run"), quiet=True)["methods"]["dp_gcl"]
+  owners = clip.simulate_owners(200, 4, 1.5, 0)
+  assert r["unit"] == "person (group privacy)" and r["max_pairs_per_user"] == 2
+  assert r["num_records_capped"] == np.minimum(np.bincount(owners), 2).sum() == r["num_units"]
+  assert r["epsilon_per_pair"] <= config.target_epsilon / 2
+  assert (r["epsilon"], r["delta"]) == pytest.approx(
+      clip.group_privacy(r["epsilon_per_pair"], r["delta_per_pair"], 2), rel=1e-12)
+  assert r["epsilon"] <= config.target_epsilon and r["delta"] <= config.target_delta * (1 + 1e-9)
