@@ -46,22 +46,22 @@ import numpy as np
 from logit_dp._src import checks
 from logit_dp._src import chunking
 from logit_dp._src import clip_stats
+from logit_dp._src import collective as collective_lib
 from logit_dp._src import grad_fn as grad_fn_lib
+from logit_dp._src import group_norms
+from logit_dp._src import layerwise
 from logit_dp._src import losses as losses_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import numerics
+from logit_dp._src import pair_batch
 from logit_dp._src import precision
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src import stochastic as stochastic_lib
+from logit_dp._src import two_tower
 
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
 _HIGHEST = jax.lax.Precision.HIGHEST
-# Relative float allowance on every group-gradient norm before clipping: the norm is a float
-# sum of squares of the very vector that is scaled, so its computed value is within a few
-# ulps·log(p) of the true one; clipping by (1 + 2⁻¹²)·norm keeps the released clipped group
-# gradient's true norm ≤ B (tests/test_grouped.py measures the float32 error against float64).
-_NORM_FLOAT_ALLOWANCE = 2.0 ** -12
 
 #: grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None) -> (ℒ, ḡ),
 #: as built by `grouped_clipped_grad`: a `ClippedGradFn` of `Mechanism.DP_GCL`. Its ``core(params,
@@ -152,22 +152,15 @@ def _zero_rows(ok, a):
   return jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a))
 
 
-def _scan_chunks(fn, init, xs, chunk: int | None):
-  """carry = fn(carry, rows) over the leading axis of xs (tuple) in chunks of `chunk` rows;
-  the last chunk is zero-padded (its padded rows must contribute nothing)."""
-  n = rows_lib.num_rows(xs[0])
-  if chunk is None or chunk >= n:
-    return fn(init, xs)
-  num_chunks = -(-n // chunk)
-  pad = num_chunks * chunk - n
+def _first(xs):
+  """The first example of an input, with its batch axis (an array or a pytree)."""
+  return jax.tree_util.tree_map(lambda a: a[:1], xs)
 
-  def split(a):
-    a = jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
-    return a.reshape((num_chunks, chunk) + a.shape[1:])
 
-  split_rows = tuple(jax.tree_util.tree_map(split, a) for a in xs)  # an input may be a pytree
-  carry, _ = jax.lax.scan(lambda c, rows: (fn(c, rows), None), init, split_rows)
-  return carry
+def _flat_size(plan, params) -> int:
+  """q: the flat columns (flattened layers and generic leaves) of a plan's factors."""
+  columns = two_tower.flat_columns(plan, jax.tree_util.tree_leaves(params))
+  return max([stop for _, stop in columns.values()], default=0)
 
 
 def _embed_rows(embed_fn, params, xs, eps, chunk):
@@ -184,7 +177,8 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
                          microbatch_size: int | None = None,
                          cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                          positive_embed_fn: EmbedFn | None = None,
-                         stochastic: bool = False) -> GroupedGradFn:
+                         stochastic: bool = False,
+                         axis_name: str | None = None) -> GroupedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
 
   grad_fn returns (ℒ, ḡ) with ℒ = Σ_g L_g and ḡ = Σ_g min(1, B/‖∇_w L_g‖)·∇_w L_g, a SUM
@@ -236,6 +230,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   checks.check_positive_embed_fn(positive_embed_fn)
   stochastic = stochastic_lib.check_stochastic(stochastic)
   stochastic_lib.check_signature(embed_fn, stochastic)
+  group_norms.check_factor_fields()
   temperature = float(loss.temperature)
   two_towers = positive_embed_fn is not None and positive_embed_fn is not embed_fn
 
@@ -245,13 +240,16 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     if two_towers and extra_views is not None:
       raise ValueError("extra_views are augmented views embedded by the one tower; with two "
                        "towers (positive_embed_fn=) pass extra_views=None.")
-    n = rows_lib.num_rows(x)
+    c = collective_lib.Collective(axis_name)
+    params = c.local_params(params)
+    n = rows_lib.num_rows(x)  # this device's records
     k = 0 if extra_views is None else extra_views.shape[1]
-    views = extra_views if k else None
+    views = [extra_views[:, m] for m in range(k)]  # view after view, each like x
     inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
-    if views is not None:
-      inputs_ok = inputs_ok & _finite_rows(views)
-    x, x_prime, views = (rows_lib.where_rows(inputs_ok, a) for a in (x, x_prime, views))
+    for view in views:
+      inputs_ok = inputs_ok & rows_lib.finite_rows(view)
+    x, x_prime = rows_lib.where_rows(inputs_ok, x), rows_lib.where_rows(inputs_ok, x_prime)
+    views = [rows_lib.where_rows(inputs_ok, view) for view in views]
     fn = positive_fn = embed_fn
     if two_towers:
       positive_fn = cast(EmbedFn, positive_embed_fn)
@@ -260,74 +258,92 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       fn = stochastic_lib.PerExample(cast(stochastic_lib.StochasticEmbedFn, embed_fn), impl)
       positive_fn = fn if not two_towers else stochastic_lib.PerExample(
           cast(stochastic_lib.StochasticEmbedFn, positive_embed_fn), impl)
-      rows = jnp.arange(n)
+      rows = c.local_rows(n)  # the rows of the global batch: the keys of one device
       x = stochastic_lib.attach(x, key, stochastic_lib.VIEW_X, rows)
       x_prime = stochastic_lib.attach(x_prime, key, stochastic_lib.VIEW_X_PRIME, rows)
-      if views is not None:
-        view_keys = jax.vmap(lambda m: stochastic_lib.example_keys(key, 3 + m, rows),
-                             out_axes=1)(jnp.arange(k))  # (n, k, *key_shape)
-        views = stochastic_lib.Keyed(views, view_keys)
+      views = [stochastic_lib.attach(view, key, 3 + m, rows) for m, view in enumerate(views)]
     embed = lambda f, xs: _embed_rows(f, params, xs, cosine_eps, microbatch_size)
     u, v = embed(fn, x), embed(positive_fn, x_prime)
-    w = None
-    if views is not None:
-      flat_views = jax.tree_util.tree_map(lambda a: a.reshape((n * k,) + a.shape[2:]), views)
-      w = embed(fn, flat_views).reshape(n, k, -1)
-    ok = inputs_ok & _finite_rows(u, v, *(() if w is None else (w,)))
-    valid = mask & ok
-    num_nonfinite = jnp.sum(mask & ~ok)
+    w = [embed(fn, view) for view in views]
+    ok = inputs_ok & _finite_rows(u, v, *w)
+    valid_local = mask & ok
+    num_nonfinite = jnp.sum(c.gather(mask & ~ok))
     u, v = _zero_rows(ok, u), _zero_rows(ok, v)
-    w = None if w is None else _zero_rows(ok, w)
-    group_ids = jnp.where(valid, group_ids, 0).astype(jnp.int32)
+    w = [_zero_rows(ok, view) for view in w]
+    # The loss spans the global batch (gathered over the devices of a mesh).
+    valid = c.gather(valid_local)
+    groups = jnp.where(valid, c.gather(group_ids), num_groups).astype(jnp.int32)
+    w_all = jnp.stack(c.gather(w), axis=1) if k else None
 
     def total_loss(u, v, w):
-      return jnp.sum(grouped_contrastive_row_losses(u, v, w, valid, group_ids, temperature))
+      loss_groups = jnp.where(valid, groups, 0)
+      return jnp.sum(grouped_contrastive_row_losses(u, v, w, valid, loss_groups, temperature))
 
-    loss_value, cots = jax.value_and_grad(total_loss, argnums=(0, 1, 2) if k else (0, 1))(u, v, w)
-    cot_w = cots[2] if k else None
-    one = lambda a: a[None]
+    loss_value, cots = jax.value_and_grad(total_loss, argnums=(0, 1, 2) if k else (0, 1))(
+        c.gather(u), c.gather(v), w_all)
+    here = c.local_rows(n)
+    cot_u, cot_v = cots[0][here], cots[1][here]
+    cot_w = [cots[2][here, m] for m in range(k)]
 
-    def record_grad(xr, xpr, viewsr, cur, cvr, cwr):
-      if two_towers:  # each tower embeds its own view of the record
-        embeds = lambda p: (numerics.normalize(fn(p, jax.tree_util.tree_map(one, xr)), cosine_eps),
-                            numerics.normalize(positive_fn(p, jax.tree_util.tree_map(one, xpr)),
-                                               cosine_eps))
-        _, vjp = jax.vjp(embeds, params)
-        return vjp((cur[None], cvr[None]))[0]
-      parts = (xr, xpr) + (() if viewsr is None else (viewsr,))
-      examples = jax.tree_util.tree_map(
-          lambda *a: jnp.concatenate([a[0][None], a[1][None]] + list(a[2:])), *parts)
-      _, vjp = jax.vjp(lambda p: numerics.normalize(fn(p, examples), cosine_eps), params)
-      cotangents = [cur[None], cvr[None]] + ([] if cwr is None else [cwr])
-      return vjp(jnp.concatenate(cotangents))[0]
+    # The examples by embedding function: one part (all views of one tower stacked) or two.
+    if not two_towers and all(rows_lib.same_layout(x, a) for a in [x_prime] + views):
+      plan = layerwise.make_plan(fn, params, x, 1)
+      examples = [(fn, plan, [x, x_prime] + views, [cot_u, cot_v] + cot_w)]
+      columns = [np.arange(_flat_size(plan, params))]
+    else:
+      plans = two_tower.tower_plans(fn, positive_fn, params, x, x_prime, 1)
+      examples = [(fn, plans.anchor, [x] + views, [cot_u] + cot_w),
+                  (positive_fn, plans.positive, [x_prime], [cot_v])]
+      columns = list(group_norms.flat_columns_map(plans, params))
+    parts = []
+    for (part_fn, plan, xs, cot), part_columns in zip(examples, columns):
+      factors = group_norms.weighted_factors(part_fn, params, plan, pair_batch.join_views(xs),
+                                             jnp.concatenate(cot), cosine_eps, microbatch_size,
+                                             c.local_params)
+      parts.append(group_norms.Part(plan, factors, len(xs), part_columns))
 
-    def accumulate(acc, rows):
-      xr, xpr, viewsr, cur, cvr, cwr, keep, gid = rows
-      grads = jax.vmap(record_grad)(xr, xpr, viewsr, cur, cvr, cwr)
-      # Dropped and padded records add exactly 0 (a non-finite Jacobian times 0 is NaN).
-      grads = jax.tree_util.tree_map(lambda g: _zero_rows(keep, g), grads)
-      return jax.tree_util.tree_map(
-          lambda a, g: a + jax.ops.segment_sum(g, gid, num_segments=num_groups), acc, grads)
-
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros((num_groups,) + p.shape, p.dtype), params)
-    group_grads = _scan_chunks(accumulate, zeros,
-                               (x, x_prime, views, cots[0], cots[1], cot_w, valid, group_ids),
-                               microbatch_size)
-    leaves = jax.tree_util.tree_leaves(group_grads)
-    sq = sum(jnp.sum(g.reshape(num_groups, -1) ** 2, axis=1) for g in leaves)
-    norms = jnp.sqrt(sq) * (1.0 + _NORM_FLOAT_ALLOWANCE)
-    finite = jnp.isfinite(norms)
+    # ‖∇L_g‖² of every group: each device those of its share of the groups, from the factors
+    # of the global batch.
+    share = -(-num_groups // c.size())
+    gathered = [part._replace(factors=c.gather(part.factors)) for part in parts]
+    dtype = parts[0].factors.gram.dtype
+    sq = group_norms.group_sq_norms(gathered, groups, share, n, first_group=c.index() * share,
+                                    dtype=dtype)
+    sq = c.gather(sq)[:num_groups]
+    # Float allowance (docs/METHOD.md, "DP-GCL"): S_g = Σ_{e∈g} ‖J_eᵀc_e‖ bounds the terms
+    # whose rounding the norm and ḡ carry; the allowances scale to the computation's dtype.
+    local_groups = jnp.where(valid_local, group_ids, num_groups).astype(jnp.int32)
+    sizes = sum(
+        group_norms.group_sums(
+            jnp.sqrt(jnp.maximum(part.factors.gram[:, 0, 0], 0.0)),
+            group_norms.example_groups(local_groups, part.views), num_groups) for part in parts)
+    sizes = c.psum(sizes)
+    norm_dtype = numerics.lowest_precision(
+        [u.dtype, dtype] + [numerics.computation_dtype(f, params, _first(xs[0]))
+                            for f, _, xs, _ in examples])
+    norms = (jnp.sqrt(jnp.maximum(sq, 0.0) + numerics.gram_error(norm_dtype) * sizes ** 2)
+             + numerics.vector_error(norm_dtype) * sizes)
     factor = numerics.clip_factor(norms, bound)
-    grads = jax.tree_util.tree_map(
-        lambda g: jnp.tensordot(factor.astype(g.dtype), _zero_rows(finite, g), axes=1, precision=
-                                _HIGHEST), group_grads)
+
+    # ḡ = Σ_g factor_g ∇L_g = Σ_e J_eᵀ(factor_{g(e)} c_e): the weighted factors contracted.
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    weights, keeps = [], []
+    for part in parts:
+      example_group = group_norms.example_groups(local_groups, part.views)
+      weight = jnp.where(example_group < num_groups,
+                         factor[jnp.minimum(example_group, num_groups - 1)], 0.0)
+      weights.append(weight[:, None].astype(dtype))
+      keeps.append(weight != 0)
+    grads = c.psum(jax.tree_util.tree_unflatten(
+        treedef, group_norms.transpose_parts(parts, weights, keeps, leaves)))
     all_dropped = (num_nonfinite > 0) & ~jnp.any(valid)
-    loss_value = jnp.where(all_dropped, jnp.nan, loss_value)
+    loss_value = c.replicated(jnp.where(all_dropped, jnp.nan, loss_value))
     if with_stats:  # the norms of the groups with a valid record
-      members = jax.ops.segment_sum(valid.astype(jnp.int32), group_ids, num_segments=num_groups)
-      return loss_value, grads, clip_stats.summarize(norms, members > 0, bound,
-                                                     jnp.sum(valid, dtype=jnp.int32), num_nonfinite)
-    return loss_value, grads, num_nonfinite
+      members = group_norms.group_sums(valid.astype(jnp.int32), groups, num_groups)
+      stats = clip_stats.summarize(norms, members > 0, bound, jnp.sum(valid, dtype=jnp.int32),
+                                   num_nonfinite)
+      return loss_value, grads, jax.tree_util.tree_map(c.replicated, stats)
+    return loss_value, grads, c.replicated(num_nonfinite)
 
   def core(params, x, x_prime, mask, group_ids, extra_views, key=None):
     return body(params, x, x_prime, mask, group_ids, extra_views, False, key)
