@@ -404,6 +404,8 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
   shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
   stochastic = shard_fn.stochastic
   batch_spec = P(axis_name)
+  if shard_fn.mechanism is mechanisms.Mechanism.DP_GCL:
+    return _sharded_grouped_grad_fn(shard_fn, embed_fn, loss, mesh, axis_name, kwargs)
   # The model's key of a stochastic embed_fn, replicated.
   in_specs = (P(), batch_spec, batch_spec, batch_spec) + ((P(),) if stochastic else ())
   shard_mapped = _shard_map(shard_fn.core, mesh, in_specs, (P(), P(), P()))
@@ -425,6 +427,50 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
                        clip_norm=shard_fn.clip_norm, loss=loss, clip_method=shard_fn.clip_method,
                        description=shard_fn.description, shard_mapped=shard_mapped, mesh=mesh,
                        stats_core=jax.jit(stats_mapped), stochastic=stochastic)
+
+
+def _sharded_grouped_grad_fn(shard_fn, embed_fn, loss, mesh: Mesh, axis_name: str,
+                             kwargs) -> ShardedGradFn:
+  """`make_sharded_grad_fn` of DP-GCL (`grouped_clipped_grad` with axis_name): grad_fn(params, x,
+  x_prime, mask=None, *, record_ids, group_key, extra_views=None[, key]) on the GLOBAL batch.
+
+  The records are grouped on the whole batch (`assign_groups` of the global record ids), and
+  the group ids and extra views are split along the axis with the records.
+  """
+  k = _axis_size(mesh, axis_name)
+  stochastic = shard_fn.stochastic
+  batch_spec = P(axis_name)
+  # (params, x, x_prime, mask, group ids, extra views[, key]).
+  in_specs = (P(), batch_spec, batch_spec, batch_spec, batch_spec,
+              batch_spec) + ((P(),) if stochastic else ())
+  shard_mapped = _shard_map(shard_fn.core, mesh, in_specs, (P(), P(), P()))
+  stats_mapped = _shard_map(shard_fn.stats_core, mesh, in_specs, (P(), P(), P()))
+  data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
+  check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
+
+  def check_inputs(params, x, x_prime, mask=None, *, record_ids=None, group_key=None,
+                   extra_views=None, key=None):
+    # The single-device checks on the global batch (record ids, extra views, the groups),
+    # then the placement of the sharded functions.
+    params, x, x_prime, mask, groups, views, *key_arg = shard_fn.check_inputs(
+        params, x, x_prime, mask, record_ids=record_ids, group_key=group_key,
+        extra_views=extra_views, key=key)
+    params, x, x_prime, mask, *key_arg = check_global(params, x=x, x_prime=x_prime, mask=mask,
+                                                      key=tuple(key_arg))
+    if not rows_lib.is_traced((groups, views)):
+      groups, views = jax.device_put((groups, views), data)
+    return (params, x, x_prime, mask, groups, views, *key_arg)
+
+  def check_model(params, x, x_prime, mask, groups, views, key=None):
+    del mask, groups, views
+    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime, key)
+
+  return ShardedGradFn(core=jax.jit(shard_mapped), check_inputs=check_inputs,
+                       check_model=check_model, mechanism=shard_fn.mechanism,
+                       clip_norm=shard_fn.clip_norm, loss=loss, num_groups=shard_fn.num_groups,
+                       description=shard_fn.description, unit=shard_fn.unit,
+                       shard_mapped=shard_mapped, mesh=mesh, stats_core=jax.jit(stats_mapped),
+                       stochastic=stochastic)
 
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
