@@ -51,7 +51,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # batch takes the exact per-group path over all records (`group_sq_norms`).
 OVERFLOW_PROBABILITY = 1e-6
 # Floats one step of the per-group loop holds at most (several groups per step when they fit).
-STEP_FLOATS = 1 << 22
+STEP_FLOATS = 1 << 20
 
 # The factor fields this module contracts. A new kind of factor in `layerwise.Factors` must be
 # added here (and to `_group_sq_norm_fn`) before DP-GCL can use it: otherwise its parameters would
