@@ -25,7 +25,7 @@ This module adds the plumbing around that core:
 * `broadcast_seed`: a secret seed drawn once (process 0) and shared by every
   process, for the noise key and the sampler.
 * `make_sharded_grad_fn`: the jitted shard_map of `clipped_grad` /
-  `naive_clipped_grad`, returning the global (ℒ, ḡ), replicated.
+  `naive_clipped_grad` / `grouped_clipped_grad`, returning the global (ℒ, ḡ), replicated.
 * `make_private_optimizer` / `make_private_train_step`: ḡ → `logit_dp.transform`
   (noise) → optax, the low-level step (`make_private(mesh=...)` sets up the sampler and
   the ledger around the same update).
@@ -374,7 +374,7 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
                          method: str | methods.ClipMethod = "ghost", *, naive: bool = False,
                          axis_name: str = DATA_AXIS, **kwargs) -> ShardedGradFn:
-  """Data-parallel `clipped_grad` (or `naive_clipped_grad`) over `mesh`.
+  """Data-parallel `clipped_grad` (or `naive_clipped_grad`, `grouped_clipped_grad`) over `mesh`.
 
   Returns grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ): x, x_prime, mask
   hold the GLOBAL batch (any sharding; it is placed P(axis_name), so its size
@@ -391,7 +391,10 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
     embed_fn, loss, clip_norm: as in `logit_dp.clipped_grad`.
     mesh: a mesh with axis `axis_name` (e.g. `data_mesh()`).
     method: as in `make_private`: a clip method of `clipped_grad` (Logit-DP; an object or a
-      registered name) or "naive" (`naive_clipped_grad`, Naive-DP).
+      registered name), "naive" (`naive_clipped_grad`, Naive-DP) or "dp_gcl"
+      (`grouped_clipped_grad`, DP-GCL, with num_groups= in kwargs: grad_fn then also takes
+      record_ids=, group_key= and extra_views= of the global batch, split along the axis with
+      it; the groups and ḡ are those of one device).
     naive: True is the same as method="naive".
     axis_name: the mesh axis the batch is split along.
     **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device),
