@@ -38,9 +38,8 @@ import logit_dp
 def mlp(widths):
   """(embed_fn, params) of a tanh MLP with the given layer widths (input first)."""
   keys = jax.random.split(jax.random.PRNGKey(0), len(widths))
-  params = [{
-      "w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros((b,))
-  } for k, a, b in zip(keys, widths[:-1], widths[1:])]
+  params = [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros((b,))}
+            for k, a, b in zip(keys, widths[:-1], widths[1:])]
 
   def embed_fn(p, x):
     for i, layer in enumerate(p):
@@ -71,8 +70,7 @@ def memory(widths, n, num_groups) -> dict:
   analysis = grad_fn.core.lower(*args).compile().memory_analysis()
   accumulator = 4 * num_groups * p
   return dict(widths=list(widths), n=n, num_groups=num_groups, parameters=p,
-              compile_s=time.perf_counter() - start,
-              temp_bytes=int(analysis.temp_size_in_bytes),
+              compile_s=time.perf_counter() - start, temp_bytes=int(analysis.temp_size_in_bytes),
               argument_bytes=int(analysis.argument_size_in_bytes),
               output_bytes=int(analysis.output_size_in_bytes), accumulator_bytes=accumulator,
               temp_over_accumulator=int(analysis.temp_size_in_bytes) / accumulator)
@@ -108,8 +106,8 @@ def step_time(widths, n, num_groups, repeats) -> dict:
     plain_s.append(_median_seconds(nonprivate, plain_args, 1))
     private_s.append(_median_seconds(private, args, 1))
   plain, gcl = statistics.median(plain_s), statistics.median(private_s)
-  return dict(widths=list(widths), n=n, num_groups=num_groups, nonprivate_s=plain,
-              dp_gcl_s=gcl, ratio=gcl / plain, repeats=repeats)
+  return dict(widths=list(widths), n=n, num_groups=num_groups, nonprivate_s=plain, dp_gcl_s=gcl,
+              ratio=gcl / plain, repeats=repeats)
 
 
 def main(argv=None) -> None:

@@ -15,17 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_model
-from conftest import require_devices
-from helpers import flat
-from helpers import rel_err
-from helpers import tree_norm
 from test_grouped import _float_towers
 from test_grouped import _group_gradients
 from test_grouped import _group_loss
 
 import logit_dp
 from benchmarks import frameworks
+from conftest import make_model
+from conftest import require_devices
+from helpers import flat
+from helpers import rel_err
+from helpers import tree_norm
 from logit_dp import distributed
 from logit_dp._src import group_norms
 
@@ -60,7 +60,8 @@ def _clipped(grads, clip_norm):
   norms = [tree_norm(g) for g in grads]
   total = jax.tree_util.tree_map(jnp.zeros_like, grads[0])
   for g, norm in zip(grads, norms):
-    total = jax.tree_util.tree_map(lambda t, a, f=min(1.0, clip_norm / norm): t + f * a, total, g)
+    factor = min(1.0, clip_norm / norm)
+    total = jax.tree_util.tree_map(lambda t, a, f=factor: t + f * a, total, g)
   return total, np.array(norms)
 
 
@@ -75,9 +76,11 @@ def _check_against_float64_truth(fn, params, x, x_prime, views=None, num_groups=
     norms = np.sort([tree_norm(g) for g in truth])
     for clip_norm in (1e-3 * norms[0], float(np.sqrt(norms[0] * norms[1]))):
       want, _ = _clipped(truth, clip_norm)
-      grad_fn = logit_dp.baselines.grouped_clipped_grad(
-          fn, logit_dp.losses.contrastive(TEMPERATURE), clip_norm, num_groups,
-          microbatch_size=microbatch_size, positive_embed_fn=positive_fn)
+      grad_fn = logit_dp.baselines.grouped_clipped_grad(fn,
+                                                        logit_dp.losses.contrastive(TEMPERATURE),
+                                                        clip_norm, num_groups,
+                                                        microbatch_size=microbatch_size,
+                                                        positive_embed_fn=positive_fn)
       _, got = grad_fn(params, x, x_prime, jnp.asarray(MASK), record_ids=jnp.asarray(IDS),
                        group_key=KEY, extra_views=views)
       assert flat(got).dtype == np.float64
@@ -85,8 +88,8 @@ def _check_against_float64_truth(fn, params, x, x_prime, views=None, num_groups=
 
 
 def _views(x, k, seed=5):
-  return x[:, None] + 0.3 * jax.random.normal(jax.random.PRNGKey(seed), (x.shape[0], k) +
-                                              x.shape[1:])
+  return x[:, None] + 0.3 * jax.random.normal(jax.random.PRNGKey(seed),
+                                              (x.shape[0], k) + x.shape[1:])
 
 
 @pytest.mark.parametrize("kind,k,microbatch", [
@@ -163,8 +166,9 @@ def test_capacity_is_a_binomial_tail_bound():
 
 
 # Negative control: with the allowances set to 0, the tiny case releases 1.00000002·B.
-@pytest.mark.parametrize("spread,scale",
-                         [(1e-3, 1e-3), pytest.param(1e-4, 1.0, marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "spread,scale",
+    [(1e-3, 1e-3), pytest.param(1e-4, 1.0, marks=pytest.mark.extended)])
 def test_released_group_gradients_never_exceed_b_in_float32(spread, scale):
   """Near-identical records and views (the group gradient cancels) and tiny inputs, in
   float32: for B swept across a group's float64 norm, the released clipped group gradient (the
@@ -172,14 +176,15 @@ def test_released_group_gradients_never_exceed_b_in_float32(spread, scale):
   fn, params, x, _ = make_model("mlp", 8, seed=4)
   x = scale * x
   x_prime = x + spread * scale * jax.random.normal(jax.random.PRNGKey(9), x.shape)
-  views = x[:, None] + spread * scale * jax.random.normal(jax.random.PRNGKey(8), (8, 2) + x.shape[1:])
+  views = x[:, None] + spread * scale * jax.random.normal(jax.random.PRNGKey(8),
+                                                          (8, 2) + x.shape[1:])
   ids = jnp.arange(8)
   groups = np.asarray(logit_dp.baselines.assign_groups(ids, KEY, 2))
   loss = logit_dp.losses.contrastive(0.5)
   members = groups == groups[0]
   with jax.enable_x64(True):
-    truth = _group_gradients(_group_loss(fn, *_float64((x, x_prime, views)), 0.5),
-                             _float64(params), members, groups)
+    truth = _group_gradients(_group_loss(fn, *_float64((x, x_prime, views)), 0.5), _float64(params),
+                             members, groups)
     norm = tree_norm(truth[0][1])
   for bound in norm * (1.0 + np.array([-1e-7, 0.0, 1e-7])):
     grad_fn = logit_dp.baselines.grouped_clipped_grad(fn, loss, float(bound), 2)

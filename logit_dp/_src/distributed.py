@@ -444,8 +444,8 @@ def _sharded_grouped_grad_fn(shard_fn, embed_fn, loss, mesh: Mesh, axis_name: st
   stochastic = shard_fn.stochastic
   batch_spec = P(axis_name)
   # (params, x, x_prime, mask, group ids, extra views[, key]).
-  in_specs = (P(), batch_spec, batch_spec, batch_spec, batch_spec,
-              batch_spec) + ((P(),) if stochastic else ())
+  in_specs = (P(), batch_spec, batch_spec, batch_spec, batch_spec, batch_spec) + (
+      (P(),) if stochastic else ())
   shard_mapped = _shard_map(shard_fn.core, mesh, in_specs, (P(), P(), P()))
   stats_mapped = _shard_map(shard_fn.stats_core, mesh, in_specs, (P(), P(), P()))
   data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())

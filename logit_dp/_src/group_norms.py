@@ -34,7 +34,7 @@ their shared leaves (`two_tower.shared_columns`), so their group vectors add up 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +113,8 @@ def weighted_factors(embed_fn, params, plan: layerwise.Plan, xs, cotangents, eps
   n = rows_lib.num_rows(xs)
   if microbatch_size is None or microbatch_size >= n:
     return chunk_factors(xs, cotangents)
-  return chunking.unchunk_rows(chunking.map_chunks(chunk_factors, (xs, cotangents),
-                                                   microbatch_size), n)
+  return chunking.unchunk_rows(
+      chunking.map_chunks(chunk_factors, (xs, cotangents), microbatch_size), n)
 
 
 def capacity(num_records: int, num_groups: int) -> int:
@@ -123,8 +123,8 @@ def capacity(num_records: int, num_groups: int) -> int:
   if g <= 1:
     return max(n, 1)
   p = 1.0 / g
-  log_pmf = lambda s: (math.lgamma(n + 1) - math.lgamma(s + 1) - math.lgamma(n - s + 1) + s *
-                       math.log(p) + (n - s) * math.log1p(-p))
+  log_pmf = lambda s: (math.lgamma(n + 1) - math.lgamma(s + 1) - math.lgamma(n - s + 1) + s * math.
+                       log(p) + (n - s) * math.log1p(-p))
   tail = 1.0  # P(X > s - 1) = P(X ≥ s)
   for s in range(n + 1):
     tail -= math.exp(log_pmf(s))  # now P(X > s)
@@ -210,7 +210,7 @@ def _group_sq_norm_fn(parts, dtype):
   return one_group
 
 
-def group_sq_norms(parts, group_ids, num_groups: int, n_local: int, first_group=0,
+def group_sq_norms(parts, group_ids, num_groups: int, n_local: int, first_group: Any = 0,
                    dtype=jnp.float32) -> jax.Array:
   """(G_share,) ‖∇L_g‖² of the groups first_group .. first_group + num_groups − 1.
 
@@ -270,9 +270,8 @@ def example_groups(group_ids, views: int) -> jax.Array:
 def transpose_parts(parts_local, cotangents, keeps, leaves) -> list:
   """Σ over parts of `layerwise.factors_transpose`: Σ_e J_eᵀ(weight_e c_e) per leaf, from the
   weighted factors (cotangents (m, 1) the weights; keeps (m,) bool: examples not kept add 0)."""
-  total = None
+  total = [jnp.zeros_like(leaf) for leaf in leaves]
   for part, cot, keep in zip(parts_local, cotangents, keeps):
     grads = layerwise.factors_transpose(part.plan, part.factors, cot, leaves, keep)
-    total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    total = [a + b for a, b in zip(total, grads)]
   return total
-

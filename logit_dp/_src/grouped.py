@@ -176,8 +176,7 @@ def _embed_rows(embed_fn, params, xs, eps, chunk):
 def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: int, *,
                          microbatch_size: int | None = None,
                          cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-                         positive_embed_fn: EmbedFn | None = None,
-                         stochastic: bool = False,
+                         positive_embed_fn: EmbedFn | None = None, stochastic: bool = False,
                          axis_name: str | None = None) -> GroupedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
 
@@ -267,8 +266,9 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     c = collective_lib.Collective(axis_name)
     params = c.local_params(params)
     n = rows_lib.num_rows(x)  # this device's records
-    k = 0 if extra_views is None else extra_views.shape[1]
-    views = [extra_views[:, m] for m in range(k)]  # view after view, each like x
+    # view after view, each like x
+    views = [] if extra_views is None else [extra_views[:, m] for m in range(extra_views.shape[1])]
+    k = len(views)
     inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
     for view in views:
       inputs_ok = inputs_ok & rows_lib.finite_rows(view)
@@ -303,8 +303,8 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       loss_groups = jnp.where(valid, groups, 0)
       return jnp.sum(grouped_contrastive_row_losses(u, v, w, valid, loss_groups, temperature))
 
-    loss_value, cots = jax.value_and_grad(total_loss, argnums=(0, 1, 2) if k else (0, 1))(
-        c.gather(u), c.gather(v), w_all)
+    loss_value, cots = jax.value_and_grad(total_loss, argnums=(0, 1, 2) if k else
+                                          (0, 1))(c.gather(u), c.gather(v), w_all)
     here = c.local_rows(n)
     cot_u, cot_v = cots[0][here], cots[1][here]
     cot_w = [cots[2][here, m] for m in range(k)]
@@ -338,13 +338,13 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     # whose rounding the norm and ḡ carry; the allowances scale to the computation's dtype.
     local_groups = jnp.where(valid_local, group_ids, num_groups).astype(jnp.int32)
     sizes = sum(
-        group_norms.group_sums(
-            jnp.sqrt(jnp.maximum(part.factors.gram[:, 0, 0], 0.0)),
-            group_norms.example_groups(local_groups, part.views), num_groups) for part in parts)
+        group_norms.group_sums(jnp.sqrt(jnp.maximum(part.factors.gram[:, 0, 0], 0.0)),
+                               group_norms.example_groups(local_groups, part.views), num_groups)
+        for part in parts)
     sizes = c.psum(sizes)
     norm_dtype = numerics.lowest_precision(
-        [u.dtype, dtype] + [numerics.computation_dtype(f, params, _first(xs[0]))
-                            for f, _, xs, _ in examples])
+        [u.dtype, dtype]
+        + [numerics.computation_dtype(f, params, _first(xs[0])) for f, _, xs, _ in examples])
     norms = (jnp.sqrt(jnp.maximum(sq, 0.0) + numerics.gram_error(norm_dtype) * sizes ** 2)
              + numerics.vector_error(norm_dtype) * sizes)
     factor = numerics.clip_factor(norms, bound)
@@ -358,8 +358,9 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
                          factor[jnp.minimum(example_group, num_groups - 1)], 0.0)
       weights.append(weight[:, None].astype(dtype))
       keeps.append(weight != 0)
-    grads = c.psum(jax.tree_util.tree_unflatten(
-        treedef, group_norms.transpose_parts(parts, weights, keeps, leaves)))
+    grads = c.psum(
+        jax.tree_util.tree_unflatten(treedef,
+                                     group_norms.transpose_parts(parts, weights, keeps, leaves)))
     all_dropped = (num_nonfinite > 0) & ~jnp.any(valid)
     loss_value = c.replicated(jnp.where(all_dropped, jnp.nan, loss_value))
     if with_stats:  # the norms of the groups with a valid record

@@ -543,11 +543,8 @@ class PrivateTraining(NamedTuple):
             "ledger.record_steps(1) before the update on the low-level path.")
       if multiple > 1:
         x, x_prime, mask = distributed.pad_to_multiple(x, x_prime, mask, multiple)
-      if grouped and rows_lib.num_rows(x) > np.shape(record_ids)[0]:  # the mesh's masked rows
-        record_ids = np.concatenate([
-            np.asarray(record_ids),
-            np.zeros((rows_lib.num_rows(x) - np.shape(record_ids)[0],), np.asarray(record_ids).dtype)
-        ])
+      if grouped and record_ids is not None:
+        record_ids = _padded_ids(record_ids, rows_lib.num_rows(x))  # the mesh's masked rows
       if mesh is not None:  # as the step returns them: one compilation for every step
         params, opt_state = _replicated((params, opt_state), mesh)
       params_out, state_out, loss_value, flags, stats = update(params, opt_state, x, x_prime, mask,
@@ -669,6 +666,14 @@ def _check_count(name: str, value) -> int:
 def _secret_seed() -> int:
   # `secrets` on process 0, shared with every process (one noise key, one sampler for all).
   return distributed.broadcast_seed()
+
+
+def _padded_ids(record_ids, num_rows: int) -> Any:
+  """record_ids with zeros appended up to num_rows (the ids of masked padding rows)."""
+  ids = np.asarray(record_ids)
+  if ids.ndim != 1 or ids.shape[0] >= num_rows:
+    return record_ids  # as given (the grad_fn checks its shape)
+  return np.concatenate([ids, np.zeros((num_rows - ids.shape[0],), ids.dtype)])
 
 
 def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: float,
