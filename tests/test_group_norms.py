@@ -18,6 +18,7 @@ import pytest
 from test_grouped import _float_towers
 from test_grouped import _group_gradients
 from test_grouped import _group_loss
+from test_grouped import two_towers
 
 import logit_dp
 from benchmarks import frameworks
@@ -232,3 +233,20 @@ def test_one_device_and_eight_give_the_same_gradient(towers):
     assert rel_err(got, want) < 1e-5, clip_norm
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
     assert sharded.sensitivity() == one.sensitivity() == 2 * clip_norm
+
+
+@pytest.mark.extended
+def test_dropout_on_eight_devices_gives_the_single_device_gradient():
+  """A stochastic model: every example keyed by its row of the global batch, on any device."""
+  require_devices(8)
+  f, f_prime, params, x, texts = two_towers("shared", 8, seed=2, dropout=0.5)
+  loss = logit_dp.losses.contrastive(TEMPERATURE)
+  key, ids = jax.random.key(11), jnp.arange(8) * 7
+  kwargs = dict(positive_embed_fn=f_prime, stochastic=True)
+  single = logit_dp.baselines.grouped_clipped_grad(f, loss, 0.05, 2, **kwargs)
+  want_loss, want = single(params, x, texts, record_ids=ids, group_key=KEY, key=key)
+  sharded = distributed.make_sharded_grad_fn(f, loss, 0.05, distributed.data_mesh(8),
+                                             method="dp_gcl", num_groups=2, **kwargs)
+  got_loss, got = sharded(params, x, texts, record_ids=ids, group_key=KEY, key=key)
+  assert rel_err(got, want) < 1e-5
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
