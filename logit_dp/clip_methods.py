@@ -6,7 +6,8 @@ e.g. ``method=clip_methods.Ghost(memory_budget=1 << 30)``, or a registered name 
 default object ("ghost", "materialize", "triangle"; "projected" needs its reference inputs). A
 new method subclasses `ClipMethod` and is added by `register`. `pair_grad_norms` returns the
 norms a method clips by, `ClipStats` what clipping did on a batch (``grad_fn.with_stats``), and
-`shared_parameters` which parameters two towers share.
+`shared_parameters` which parameters two towers share, and `describe_plan` how the norms of
+every parameter are computed (and which take the slow path).
 """
 
 from logit_dp._src.clip_stats import QUANTILE_LEVELS
@@ -20,6 +21,9 @@ from logit_dp._src.methods import Materialize
 from logit_dp._src.methods import Projected
 from logit_dp._src.methods import Triangle
 from logit_dp._src.methods import names
+from logit_dp._src.plan_report import LeafRoute
+from logit_dp._src.plan_report import PlanReport
+from logit_dp._src.plan_report import describe_plan
 from logit_dp._src.methods import register
 from logit_dp._src.methods import resolve
 from logit_dp._src.two_tower import shared_parameters
@@ -29,11 +33,14 @@ __all__ = [
     "ClipStats",
     "DEFAULT_PROJECTION_RANK",
     "Ghost",
+    "LeafRoute",
     "METHODS",
     "Materialize",
+    "PlanReport",
     "Projected",
     "QUANTILE_LEVELS",
     "Triangle",
+    "describe_plan",
     "names",
     "pair_grad_norms",
     "register",

@@ -9,6 +9,10 @@
   batch, which breaks per-example clipping, so it is never used.
 * :class:`FinetuneHead` -- the 64-32-``num_classes`` MLP trained on top of a
   frozen encoder for CIFAR-100 (20 coarse classes) fine-tuning.
+* :class:`TextTransformer` -- a pre-LayerNorm transformer text encoder (token and learned
+  position embeddings, flax's ``MultiHeadDotProductAttention``, mean pooling).
+* :class:`ViT` -- a Vision Transformer (patch convolution, class token, learned positions).
+  The two make a CLIP pair (image tower and text tower in one params pytree).
 
 Every model maps a batch ``(n, H, W, C)`` to ``(n, d)`` and treats examples
 independently, as required by :func:`logit_dp.clipped_grad`.
@@ -23,7 +27,10 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-__all__ = ["EmbeddingNet", "ResNet18", "ResNetBlock", "FinetuneHead", "MLPEmbedding", "make_model"]
+__all__ = [
+    "EmbeddingNet", "ResNet18", "ResNetBlock", "FinetuneHead", "MLPEmbedding", "TransformerBlock",
+    "TextTransformer", "ViT", "make_model"
+]
 
 kaiming_normal = nn.initializers.variance_scaling(2.0, "fan_in", "normal")
 xavier_normal = nn.initializers.xavier_normal()
@@ -146,12 +153,82 @@ class MLPEmbedding(nn.Module):
     return nn.Dense(self.embedding_dim, kernel_init=xavier_normal)(x)
 
 
+class TransformerBlock(nn.Module):
+  """Pre-LayerNorm block: x + Attn(LN(x)), then x + MLP(LN(x)) (GELU), on (n, T, width)."""
+
+  num_heads: int = 4
+  mlp_dim: int = 256
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    """(n, T, width) -> (n, T, width)."""
+    h = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(h, h)
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(self.mlp_dim)(h)
+    return x + nn.Dense(x.shape[-1])(nn.gelu(h))
+
+
+class TextTransformer(nn.Module):
+  """Token ids (n, length) -> (n, embedding_dim): token embedding plus learned positions,
+  ``depth`` pre-LN blocks, a final LayerNorm, mean pooling over tokens and a projection."""
+
+  vocab_size: int = 1000
+  length: int = 16
+  width: int = 64
+  depth: int = 2
+  num_heads: int = 4
+  mlp_dim: int = 256
+  embedding_dim: int = 32
+
+  @nn.compact
+  def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
+    """(n, length) int token ids -> (n, embedding_dim) embeddings."""
+    x = nn.Embed(self.vocab_size, self.width)(tokens)
+    x = x + self.param("positions", nn.initializers.normal(0.02), (self.length, self.width))
+    for _ in range(self.depth):
+      x = TransformerBlock(self.num_heads, self.mlp_dim)(x)
+    x = jnp.mean(nn.LayerNorm()(x), axis=1)
+    return nn.Dense(self.embedding_dim)(x)
+
+
+class ViT(nn.Module):
+  """Images (n, H, W, C) -> (n, embedding_dim): ``patch_size`` patches embedded by a strided
+  convolution, a class token and learned positions, ``depth`` pre-LN blocks, a final
+  LayerNorm of the class token and a projection."""
+
+  patch_size: int = 4
+  width: int = 64
+  depth: int = 2
+  num_heads: int = 4
+  mlp_dim: int = 256
+  embedding_dim: int = 32
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    """(n, H, W, C) images -> (n, embedding_dim) embeddings."""
+    p = self.patch_size
+    x = nn.Conv(self.width, (p, p), strides=(p, p), padding="VALID")(jnp.asarray(x, jnp.float32))
+    x = x.reshape(x.shape[0], -1, self.width)
+    cls = self.param("cls", nn.initializers.zeros, (1, 1, self.width))
+    x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.width)), x], axis=1)
+    x = x + self.param("positions", nn.initializers.normal(0.02), x.shape[1:])
+    for _ in range(self.depth):
+      x = TransformerBlock(self.num_heads, self.mlp_dim)(x)
+    return nn.Dense(self.embedding_dim)(nn.LayerNorm()(x[:, 0]))
+
+
 def make_model(name: str, **kwargs) -> nn.Module:
-  """Builds a model by name: ``embedding_net``, ``resnet18`` or ``mlp``."""
+  """Builds a model by name: ``embedding_net``, ``resnet18``, ``mlp``, ``text_transformer`` or
+  ``vit``."""
   if name == "embedding_net":
     return EmbeddingNet(**kwargs)
   if name == "resnet18":
     return ResNet18(**kwargs)
   if name == "mlp":
     return MLPEmbedding(**kwargs)
+  if name == "text_transformer":
+    return TextTransformer(**kwargs)
+  if name == "vit":
+    return ViT(**kwargs)
   raise ValueError(f"unknown model {name!r}")

@@ -195,7 +195,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
     batch, loss_value, tau = pair_batch.forward(embed_fn, loss, params, x, x_prime, mask,
                                                 cosine_eps, microbatch_size, collective,
                                                 positive_embed_fn, key, float64_positive_pairs,
-                                                clip.embeds_with_factors)
+                                                clip.embeds_with_factors, clip.layer_factors)
     keyed_clip = clip.with_key(key)
     if with_stats:
       norms, grads = keyed_clip.norms_and_clipped_grad(batch, tau[batch.rows], clip_norm)
@@ -282,7 +282,8 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine
                                microbatch_size=microbatch_size,
                                collective=collective_lib.Collective(None),
                                positive_embed_fn=positive_embed_fn,
-                               float64_positive_pairs=float64_positive_pairs)
+                               float64_positive_pairs=float64_positive_pairs,
+                               layer_factors=clip.layer_factors)
   return clip.with_key(key).pair_norms(batch, allowance)
 
 

@@ -71,7 +71,7 @@ _LOOPED_MIN_BATCH = 128
 
 class LayerCall(NamedTuple):
   """One recognised layer call: kind, parameter leaves and factor sizes."""
-  kind: str  # "dense" or "conv"
+  kind: str  # "dense", "conv" or "embed"
   leaves: tuple[int, ...]  # flat indices of (kernel,) or (kernel, bias)
   out_shape: tuple[int, ...]  # per-example shape of y, (*positions, C)
   positions: int  # T
@@ -90,15 +90,29 @@ class LayerCall(NamedTuple):
 
 
 class Plan(NamedTuple):
-  """Which leaves are factored through which layer calls, and which are generic."""
+  """Which leaves are factored through which layer calls, and which have flat per-example
+  Jacobian columns (`generic`): from their elementwise sites where all their uses are such
+  sites (`sites`), otherwise from `jax.jacrev` per example."""
   layers: tuple[LayerCall, ...]
   ghost: tuple[bool, ...]  # per layer: cross term from factors (True) or flattened
   generic: tuple[int, ...]  # leaves the embedding uses outside recognised layers
+  sites: tuple[linear_ops.ElementwiseSite, ...] = ()  # of the generic leaves in `elementwise`
 
   @property
   def factored_leaves(self) -> frozenset:
     """Indices of the leaves some recognised layer call owns."""
     return frozenset(i for layer in self.layers for i in layer.leaves)
+
+  @property
+  def elementwise(self) -> frozenset:
+    """Generic leaves whose columns come from their elementwise sites, not from jax.jacrev."""
+    return frozenset(site.leaf for site in self.sites)
+
+  @property
+  def jacobian_leaves(self) -> tuple[int, ...]:
+    """Generic leaves whose columns come from `jax.jacrev` per example (the slow path)."""
+    elementwise = self.elementwise
+    return tuple(i for i in self.generic if i not in elementwise)
 
 
 def _num_rows(x) -> int:
@@ -106,7 +120,8 @@ def _num_rows(x) -> int:
   return jax.tree_util.tree_leaves(x)[0].shape[0]
 
 
-def _is_float(x) -> bool:
+def is_float(x) -> bool:
+  """Whether x (an array or an abstract value) has a floating dtype."""
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
@@ -238,6 +253,9 @@ def _op_patches(op: linear_ops.LinearOp, act) -> jax.Array:
   if op.kind == "dense":
     rows = jnp.transpose(act, op.act_to_rows)
     return rows.reshape(rows.shape[0], op.positions, op.fan_in)
+  if op.kind == "embed":  # row ids (m, *positions, 1) -> one-hot rows of the table
+    ids = act.reshape(act.shape[0], op.positions)
+    return jax.nn.one_hot(ids, op.fan_in, dtype=jnp.float32)
   return conv_patches(jnp.transpose(act, op.conv_input_axes), *op.conv_config)
 
 
@@ -321,7 +339,7 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
       depends = _dependent_inputs(closed)
     scans.append(found)
   ops, ops_plus = scans[0].ops, scans[1].ops
-  bad = {i for i, leaf in enumerate(leaves) if not _is_float(leaf)}
+  bad = {i for i, leaf in enumerate(leaves) if not is_float(leaf)}
   bad |= scans[0].other_uses | scans[1].other_uses
   owners = collections.Counter(i for op in ops for i in op.leaves)
   bad |= {i for i, count in owners.items() if count > 1}
@@ -339,8 +357,26 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
       if not set(op.leaves) & bad)
   factored = {i for layer in layers for i in layer.leaves}
   generic = tuple(
-      sorted(i for i in depends if i < len(leaves) and i not in factored and _is_float(leaves[i])))
-  return Plan(layers, tuple(use_ghost(layer, d) for layer in layers), generic)
+      sorted(i for i in depends if i < len(leaves) and i not in factored and is_float(leaves[i])))
+  sites, sites_plus = scans[0].sites, scans[1].sites
+  site_bad = set(bad) | set(owners)
+  if [(s.path, s.leaf, s.kind) for s in sites] != [(s.path, s.leaf, s.kind) for s in sites_plus]:
+    site_bad |= {s.leaf for s in sites}
+  else:
+    for site, site_plus in zip(sites, sites_plus):
+      if not (site.out_shape[0] == n and site_plus.out_shape[0] == n + 1
+              and site.out_shape[1:] == site_plus.out_shape[1:]
+              and np.array_equal(site.index, site_plus.index)):
+        site_bad.add(site.leaf)  # the leading axis is not the example axis
+  planned_sites = tuple(s for s in sites if s.leaf in generic and s.leaf not in site_bad)
+  return Plan(layers, tuple(use_ghost(layer, d) for layer in layers), generic, planned_sites)
+
+
+def jacobian_plan(params) -> Plan:
+  """The plan without layers: every float leaf gets per-example Jacobians from `jax.jacrev`
+  (the reference path, which depends on nothing but JAX's own differentiation)."""
+  leaves = jax.tree_util.tree_leaves(params)
+  return Plan((), (), tuple(i for i, leaf in enumerate(leaves) if is_float(leaf)))
 
 
 def use_ghost(layer: LayerCall, d: int) -> bool:
@@ -407,31 +443,64 @@ def dense_layers_gram(patches, deltas) -> jax.Array:
   return jnp.einsum("mkc,mlc->mkl", joined, scaled, precision=_HIGHEST)
 
 
+def _site_columns(plan: Plan, leaves, site_deltas, site_acts) -> jax.Array:
+  """(m, q_e): the per-example Jacobian columns of the elementwise leaves (`Plan.sites`) for
+  one cotangent, in `Plan.generic` order, from δ at each site (`linear_ops.ElementwiseSite`)."""
+  columns = {}
+  for site, delta, act in zip(plan.sites, site_deltas, site_acts):
+    m = delta.shape[0]
+    coef = delta if site.kind == "shift" else delta * jnp.broadcast_to(act, delta.shape)
+    flat_index = site.index.reshape(-1)
+    used = np.nonzero(flat_index >= 0)[0]
+    values = coef.reshape(m, -1)
+    if used.size != flat_index.size:
+      values = values[:, used]
+    size = int(np.size(leaves[site.leaf]))
+    col = jax.ops.segment_sum(values.T, flat_index[used], num_segments=size,
+                              indices_are_sorted=False).T
+    col = site.sign * col if site.kind == "shift" and site.sign != 1.0 else col
+    columns[site.leaf] = col if site.leaf not in columns else columns[site.leaf] + col
+  return jnp.concatenate([columns[i] for i in plan.generic if i in columns], axis=-1)
+
+
 def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches: bool,
             stacked: bool = True):
-  """(u, deltas, patches) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d);
+  """(u, deltas, patches, site_flat) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d);
   deltas[l] = ∂u_k/∂y_l for every coordinate k, (m, T, d, C) per planned layer call l (one
   backward pass per k; not stacked: a list over k of the lists over l, each (m, *out_shape));
   patches[l]: (m, T, P) inputs of layer l, with a ones column for a bias
-  ([] if not with_patches)."""
+  ([] if not with_patches); site_flat: (m, d, q_e) per-example Jacobian columns of the
+  elementwise leaves (`Plan.sites`) from the same backward passes (None without sites)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   m = _num_rows(x)
   closed, out_tree, found = _found_ops(embed_fn, leaves, treedef, x, with_bias=False)
   factored = plan.factored_leaves
   selected = [op for op in found.ops if op.kernel_leaf in factored]
+  elementwise = plan.elementwise
+  sites = [site for site in found.sites if site.leaf in elementwise]
   if ([(op.kind, op.kernel_leaf, op.out_shape, op.act_shape[0]) for op in selected] != [
       (layer.kind, layer.leaves[0], layer.out_shape, m) for layer in plan.layers
+  ] or [(site.path, site.leaf, site.out_shape[1:], site.out_shape[0]) for site in sites] != [
+      (site.path, site.leaf, site.out_shape[1:], m) for site in plan.sites
   ]):  # never silently mis-factor (a missing ξ means δ = 0)
     raise RuntimeError("logit_dp: embed_fn's layer calls differ from its plan; "
                        "embed_fn must trace the same way on every call.")
   position = {op.path: index for index, op in enumerate(selected)}
+  site_position = {site.path: index for index, site in enumerate(sites)}
+  num_layers = len(plan.layers)
   xis = [varying(jnp.zeros((m,) + layer.out_shape, jnp.float32)) for layer in plan.layers]
+  xis += [varying(jnp.zeros(site.out_shape, jnp.float32)) for site in sites]
   args = leaves + jax.tree_util.tree_leaves(x)
 
   def embed(perturbations):
-    patches = []
+    patches, acts = [], [None] * len(sites)
 
     def on_op(op, values, compute):
+      if isinstance(op, linear_ops.ElementwiseSite):
+        k = site_position[op.path]
+        if op.kind == "scale":
+          acts[k] = jax.lax.stop_gradient(jnp.asarray(values[op.act_position], jnp.float32))
+        return compute() + perturbations[num_layers + k]
       y = _op_channels_last_conv(op, *values) if op.kind == "conv" else compute()
       index = position.get(op.path)
       if index is None:
@@ -443,16 +512,23 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
         patches.append(jax.lax.stop_gradient(a))
       return y + op.to_raw(perturbations[index])
 
-    out = linear_ops.evaluate(closed, args, on_op, found.ops)
-    return normalize_fn(jax.tree_util.tree_unflatten(out_tree, out)), patches
+    out = linear_ops.evaluate(closed, args, on_op, found.ops + sites)
+    return normalize_fn(jax.tree_util.tree_unflatten(out_tree, out)), (patches, acts)
 
-  u, vjp_fn, patches = jax.vjp(embed, xis, has_aux=True)
+  u, vjp_fn, (patches, acts) = jax.vjp(embed, xis, has_aux=True)
   d = u.shape[-1]
   eye = jnp.asarray(np.eye(d, dtype=u.dtype))  # a constant of the program: no kernel builds it
-  backward = lambda c: vjp_fn(jnp.zeros_like(u) + c)[0]
+
+  def backward(c):
+    grads = vjp_fn(jnp.zeros_like(u) + c)[0]
+    if not sites:
+      return grads
+    return grads[:num_layers] + [_site_columns(plan, leaves, grads[num_layers:], acts)]
+
   # (d, m, *out_shape) of one layer's coordinates to the factors' (m, T, d, C).
   factor_layout = lambda delta, layer: jnp.moveaxis(
       jnp.reshape(delta, (d, m, layer.positions, layer.features)), 0, 2)
+  split = lambda deltas: (deltas[:num_layers], deltas[num_layers] if sites else None)
   if d <= _LOOPED_COTANGENTS and m >= _LOOPED_MIN_BATCH:
     # d separate backward passes, one after another: ~2x faster than one vmapped pass on CPU
     # for large batches (n = 1000, embedding net). A loop, not d unrolled copies: the same
@@ -460,13 +536,15 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
     if stacked:
       # A layer of one position (dense) has its δ written straight into (m, 1, d, C): no
       # transpose after the loop. The others stack (d, m, T, C) and are transposed after it
-      # (writing their T·m rows of C floats with a stride in the loop is slower).
-      direct = [layer.positions == 1 for layer in plan.layers]
+      # (writing their T·m rows of C floats with a stride in the loop is slower). The
+      # elementwise columns go straight into (m, d, q_e).
+      direct = [layer.positions == 1 for layer in plan.layers] + [True] * bool(sites)
 
       def one_coordinate(k, held):
         def put(held_l, g, straight):
           if straight:
-            return jax.lax.dynamic_update_index_in_dim(held_l, g.reshape(m, 1, 1, -1), k, axis=2)
+            return jax.lax.dynamic_update_index_in_dim(held_l, g.reshape(held_l.shape[:1] + (
+                1,) * (held_l.ndim - 3) + (1, -1)), k, axis=held_l.ndim - 2)
           return jax.lax.dynamic_update_index_in_dim(held_l, g, k, axis=0)
 
         return [put(*args) for args in zip(held, backward(eye[k]), direct)]
@@ -476,20 +554,26 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
               jnp.zeros((m, 1, d, layer.features) if straight else (d, m) + layer.out_shape,
                         jnp.float32)) for layer, straight in zip(plan.layers, direct)
       ]
+      if sites:
+        q_e = sum(int(np.size(leaves[i])) for i in plan.generic if i in elementwise)
+        held.append(varying(jnp.zeros((m, d, q_e), jnp.float32)))
       held = jax.lax.fori_loop(0, d, one_coordinate, held)
+      layer_held, site_flat = split(held)
       deltas = [
           delta if straight else factor_layout(delta, layer)
-          for delta, layer, straight in zip(held, plan.layers, direct)
+          for delta, layer, straight in zip(layer_held, plan.layers, direct)
       ]
-      return u, deltas, patches
+      return u, deltas, patches, site_flat
     deltas = jax.lax.map(backward, eye)
   else:
     deltas = jax.vmap(backward)(eye)
+  deltas, site_flat = split(list(deltas))
+  site_flat = None if site_flat is None else jnp.moveaxis(site_flat, 0, 1)
   if stacked:
     deltas = [factor_layout(delta, layer) for delta, layer in zip(deltas, plan.layers)]
   else:
     deltas = [[layer_deltas[k] for layer_deltas in deltas] for k in range(d)]
-  return u, deltas, patches
+  return u, deltas, patches, site_flat
 
 
 def embedding_deltas(embed_fn, params, plan: Plan, x, normalize_fn) -> list:
@@ -511,7 +595,8 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   """
   m = _num_rows(x)
   leaves = jax.tree_util.tree_leaves(params)
-  u, deltas, patches = _deltas(embed_fn, params, plan, x, normalize_fn, varying, with_patches=True)
+  u, deltas, patches, site_flat = _deltas(embed_fn, params, plan, x, normalize_fn, varying,
+                                          with_patches=True)
   d = u.shape[-1]
   flat, ghost_patches, ghost_deltas = [], [], []
   gram = jnp.zeros((m, d, d), u.dtype)
@@ -533,13 +618,33 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   if dense:
     gram = gram + dense_layers_gram(*zip(*dense))
   if plan.generic:
-    flat.append(generic_jacobian(plan.generic))
+    flat.append(_generic_columns(plan, generic_jacobian, site_flat, leaves))
   flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
   # Example by example: the batched (m, d, q)·(m, q, d) contraction runs 3-6x slower on CPU.
   if flat.shape[-1]:
     gram = gram + jax.lax.map(lambda f: jnp.matmul(f, f.T, precision=_HIGHEST), flat)
   factors = Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
   return (u, factors) if with_embeddings else factors
+
+
+def _generic_columns(plan: Plan, generic_jacobian, site_flat, leaves) -> jax.Array:
+  """(m, d, q) columns of `Plan.generic` in its order: the elementwise leaves' from their
+  sites (site_flat), the others' from generic_jacobian (jax.jacrev per example)."""
+  jacobian = plan.jacobian_leaves
+  if not plan.sites:
+    return generic_jacobian(jacobian)
+  if not jacobian:
+    return site_flat
+  by_jacobian = generic_jacobian(jacobian)
+  parts, offsets = [], {"site": 0, "jacobian": 0}
+  elementwise = plan.elementwise
+  for i in plan.generic:
+    source = "site" if i in elementwise else "jacobian"
+    size = int(np.size(leaves[i]))
+    block = site_flat if source == "site" else by_jacobian
+    parts.append(block[..., offsets[source]:offsets[source] + size])
+    offsets[source] += size
+  return jnp.concatenate(parts, axis=-1)
 
 
 def factors_transpose(plan: Plan, factors: Factors, cotangents, leaves, keep=None) -> list:

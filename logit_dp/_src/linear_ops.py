@@ -62,7 +62,7 @@ class LinearOp:
   is the input patch of output position t (`layerwise.conv_patches`).
   """
   path: tuple[int, ...]  # equation indices, outermost first
-  kind: str  # "dense" or "conv"
+  kind: str  # "dense", "conv" or "embed" (a row lookup: one-hot patches)
   kernel_leaf: int
   kernel_axes: tuple[int, ...] | None  # None: the leaf is K in row-major order
   act_position: int  # operand index of A in the equation
@@ -77,6 +77,10 @@ class LinearOp:
   conv_config: tuple = ()  # conv: (window, strides, padding, lhs_dilation, rhs_dilation)
   precision: Any = None
   bias_leaf: int | None = None
+  # The equation's feature axes (W's free axes: none, one, or several as DenseGeneral's
+  # (heads, head_dim)), whose row-major flattening is the canonical feature axis c;
+  # None: one axis of size features.
+  feature_shape: tuple[int, ...] | None = None
 
   @property
   def positions(self) -> int:
@@ -88,17 +92,52 @@ class LinearOp:
     """(kernel,) or (kernel, bias) leaf indices."""
     return (self.kernel_leaf,) if self.bias_leaf is None else (self.kernel_leaf, self.bias_leaf)
 
+  def expanded(self, canonical) -> np.ndarray | jax.Array:
+    """(m, *out_shape) in the canonical layout -> (m, *positions, *feature_shape)."""
+    if self.feature_shape is None:
+      return canonical
+    return canonical.reshape(canonical.shape[:-1] + tuple(self.feature_shape))
+
   def to_raw(self, canonical) -> jax.Array:
     """An array in the canonical output layout (m, *out_shape), in the equation's layout."""
-    return jnp.transpose(canonical, tuple(int(a) for a in np.argsort(self.raw_to_canonical)))
+    return jnp.transpose(self.expanded(canonical),
+                         tuple(int(a) for a in np.argsort(self.raw_to_canonical)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ElementwiseSite:
+  """A leaf W entering one elementwise equation of the examples' activations a:
+
+      scale:  y = a ⊙ W'    ("mul"),
+      shift:  y = a ± W'    ("add", "sub"), or W' placed beside a ("concatenate"),
+
+  W' a reindexing (broadcast) of W that is the same for every example. Given δ_e = ∂û_e/∂y_e,
+  the per-example Jacobian of W is a sum over the output elements p of one example,
+
+      ∂û_e/∂W_j = Σ_{p: index[p] = j} coef_e[p]·δ_e[p],   coef = a (scale) or ±1 (shift),
+
+  one segment sum over the elements of y (no per-example backward pass).
+  """
+  path: tuple[int, ...]  # equation indices, outermost first
+  kind: str  # "scale" or "shift"
+  leaf: int
+  out_shape: tuple[int, ...]  # the equation's output, examples first
+  index: np.ndarray  # (*out_shape[1:]): the leaf element of each output element of an example
+  act_position: int | None = None  # scale: operand index of a
+  sign: float = 1.0  # shift: +1, or −1 for W' subtracted
+
+  @property
+  def leaves(self) -> tuple[int, ...]:
+    return (self.leaf,)
 
 
 @dataclasses.dataclass
 class Scan:
-  """What `scan` found: the recognised operations in evaluation order, and every leaf with a
-  use that is not (a reindexing into) one of them."""
+  """What `scan` found: the recognised operations in evaluation order, the elementwise sites
+  of leaves, and every leaf with a use that is neither (a reindexing into) one of them."""
   ops: list[LinearOp]
   other_uses: set[int]
+  sites: list[ElementwiseSite] = dataclasses.field(default_factory=list)
 
 
 def trace(embed_fn, params, x) -> tuple[jex.ClosedJaxpr, Any]:
@@ -120,7 +159,15 @@ def _is_var(atom) -> bool:
 
 
 def _reindex(eqn, index: np.ndarray) -> np.ndarray | None:
-  """The index array after a reindexing equation, or None if it is not one."""
+  """The index array after a reindexing equation, or None if it is not one (or one whose
+  parameters this scan does not read: then its leaf takes the generic path)."""
+  try:
+    return _reindexed(eqn, index)
+  except (ValueError, TypeError, KeyError, IndexError):
+    return None
+
+
+def _reindexed(eqn, index: np.ndarray) -> np.ndarray | None:
   name, params = eqn.primitive.name, eqn.params
   out_shape = tuple(eqn.outvars[0].aval.shape)
   if name == "reshape":
@@ -196,12 +243,36 @@ def _dense_op(eqn, path, kernel_position, kernel) -> LinearOp | None:
   raw_to_canonical = (tuple(range(n_act
                                   + n_w)) if act_position == 0 else tuple(range(n_w, n_w + n_act))
                       + tuple(range(n_w)))
-  out_shape = tuple(act_aval.shape[a] for a in act_free[1:]) + tuple(
-      w_aval.shape[a] for a in w_free)
+  out_shape = tuple(act_aval.shape[a] for a in act_free[1:]) + (features,)
+  feature_shape = tuple(int(w_aval.shape[a]) for a in w_free)
   return LinearOp(path, "dense", leaf, axes, act_position, tuple(act_aval.shape), out_shape, fan_in,
                   features,
                   tuple(act_free) + act_contract, raw_to_canonical,
-                  precision=eqn.params.get("precision"))
+                  precision=eqn.params.get("precision"),
+                  feature_shape=feature_shape)
+
+
+def _embed_op(eqn, path, table) -> LinearOp | None:
+  """An embedding lookup y[e, t, c] = W[i_et, c] (``jnp.take(W, ids, axis=0)``, ``nn.Embed``):
+  the dense form with one-hot patches, A[e, t] = onehot(i_et) of the table's V rows."""
+  dims, params = eqn.params["dimension_numbers"], eqn.params
+  w_aval, ids_aval, out_aval = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
+  if (w_aval.ndim != 2 or ids_aval.ndim < 2 or ids_aval.shape[-1] != 1
+      or not _float32(w_aval, out_aval) or not jnp.issubdtype(ids_aval.dtype, jnp.integer)
+      or tuple(dims.collapsed_slice_dims) != (0,) or tuple(dims.start_index_map) != (0,)
+      or tuple(dims.offset_dims) != (out_aval.ndim - 1,)
+      or tuple(getattr(dims, "operand_batching_dims", ())) != ()
+      or tuple(params["slice_sizes"]) != (1, w_aval.shape[1])):
+    return None
+  leaf, index, leaf_shape = table
+  axes, ok = _kernel_axes(index, leaf_shape)
+  if not ok:
+    return None
+  vocab, features = (int(a) for a in w_aval.shape)
+  out_shape = tuple(int(a) for a in out_aval.shape[1:])
+  rank = out_aval.ndim
+  return LinearOp(path, "embed", leaf, axes, 1, tuple(ids_aval.shape), out_shape, vocab, features,
+                  (), tuple(range(rank)))
 
 
 def _conv_op(eqn, path, kernel) -> LinearOp | None:
@@ -285,26 +356,102 @@ def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) ->
       else:
         env[eqn.outvars[0]] = (leaf, moved, leaf_shape)
       continue
-    op = None
-    if len(derived) == 1 and name == "dot_general":
-      op = _dense_op(eqn, here, derived[0][0], derived[0][1])
-    elif len(derived) == 1 and name == "conv_general_dilated" and derived[0][0] == 1:
-      op = _conv_op(eqn, here, derived[0][1])
+    op = _recognised_op(eqn, here, derived)
     if op is not None:
       result.ops.append(op)
       if with_bias and uses[eqn.outvars[0]] == 1:  # a bias add must be its only reader
         m = op.act_shape[0]
         # The canonical feature c of every output element (bijectivity: sizes are checked).
         features = np.broadcast_to(np.arange(op.features, dtype=np.int32), (m,) + op.out_shape)
-        outputs[eqn.outvars[0]] = (op, np.transpose(features, np.argsort(op.raw_to_canonical)))
+        outputs[eqn.outvars[0]] = (op, np.transpose(op.expanded(features),
+                                                    np.argsort(op.raw_to_canonical)))
       continue
     if with_bias and len(derived) == 1 and name in ("add", "add_any") and _bias_add(
         eqn, derived[0], outputs):
+      continue
+    site = _elementwise_site(eqn, here, derived)
+    if site is not None:
+      result.sites.append(site)
       continue
     result.other_uses |= leaves_here
   for v in jaxpr.outvars:
     if _is_var(v) and v in env:
       result.other_uses.add(env[v][0])
+
+
+def _recognised_op(eqn, path, derived) -> LinearOp | None:
+  """The `LinearOp` of a dot_general or convolution with one derived operand, or None.
+
+  An equation of a form the recognisers do not expect (one this version of JAX writes
+  differently, say) is not recognised rather than raising: its leaves then take the generic
+  per-example Jacobians, which are exact for any JAX operation.
+  """
+  if len(derived) != 1:
+    return None
+  name = eqn.primitive.name
+  try:
+    if name == "dot_general":
+      return _dense_op(eqn, path, derived[0][0], derived[0][1])
+    if name == "conv_general_dilated" and derived[0][0] == 1:
+      return _conv_op(eqn, path, derived[0][1])
+    if name == "gather" and derived[0][0] == 0:
+      return _embed_op(eqn, path, derived[0][1])
+  except (ValueError, TypeError, KeyError, IndexError):
+    return None
+  return None
+
+
+def _same_for_every_example(index: np.ndarray, out_shape) -> np.ndarray | None:
+  """index broadcast to out_shape, for one example (its rows along axis 0 are all equal), or
+  None where it is not such a broadcast."""
+  if index.ndim != len(out_shape) or not out_shape or index.shape[0] not in (1, out_shape[0]):
+    return None
+  try:
+    full = np.broadcast_to(index, out_shape)
+  except ValueError:
+    return None
+  if not (full == full[:1]).all():
+    return None
+  return np.array(full[0])
+
+
+def _elementwise_site(eqn, path, derived) -> ElementwiseSite | None:
+  """The `ElementwiseSite` of a mul / add / sub / concatenate with one derived operand."""
+  name = eqn.primitive.name
+  if len(derived) != 1 or len(eqn.outvars) != 1:
+    return None
+  out_aval = eqn.outvars[0].aval
+  if not _float32(out_aval, *(v.aval for v in eqn.invars)) or out_aval.ndim < 2:
+    return None
+  out_shape = tuple(int(a) for a in out_aval.shape)
+  position, (leaf, index, _) = derived[0]
+  try:
+    if name in ("mul", "add", "add_any", "sub") and len(eqn.invars) == 2:
+      other = eqn.invars[1 - position]
+      if np.ndim(getattr(other, "aval", other)) not in (0, len(out_shape)):
+        return None
+      per_example = _same_for_every_example(index, out_shape)
+      if per_example is None:
+        return None
+      if name == "mul":
+        return ElementwiseSite(path, "scale", leaf, out_shape, per_example, act_position=1 - position)
+      sign = -1.0 if name == "sub" and position == 1 else 1.0
+      return ElementwiseSite(path, "shift", leaf, out_shape, per_example, sign=sign)
+    if name == "concatenate":
+      axis = int(eqn.params["dimension"])
+      if axis == 0:
+        return None
+      parts = [
+          index if k == position else np.full(tuple(v.aval.shape), -1, index.dtype)
+          for k, v in enumerate(eqn.invars)
+      ]
+      per_example = _same_for_every_example(np.concatenate(parts, axis=axis), out_shape)
+      if per_example is None:
+        return None
+      return ElementwiseSite(path, "shift", leaf, out_shape, per_example)
+  except (ValueError, TypeError, KeyError, IndexError):
+    return None
+  return None
 
 
 def _bias_add(eqn, derived, outputs) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 from logit_dp._src import chunking
 from logit_dp._src import layerwise
 from logit_dp._src import numerics
+from logit_dp._src import plan_report
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import stochastic
 from logit_dp._src import two_tower
@@ -35,21 +36,25 @@ class PairBatch:
   """
   def __init__(self, embed_fn, params, x, x_prime, mask, *, eps, microbatch_size, collective,
                positive_embed_fn=None, float64_positive_pairs: bool = True,
-               embeds_with_factors: Callable[[PairBatch], bool] | None = None):
+               embeds_with_factors: Callable[[PairBatch], bool] | None = None,
+               layer_factors: bool = True):
     """embeds_with_factors(batch): whether the embeddings come from one pass that also computes
     the Jacobian factors of both views (`joint_factors`, for the clip method that contracts
     them; asked when one tower embeds views of one layout). Otherwise (and when None) the
-    embeddings come from a forward pass of their own and `joint_factors` is None."""
+    embeddings come from a forward pass of their own and `joint_factors` is None.
+    layer_factors: False: the model is used as it is, with no layer recognised
+    (`layerwise.jacobian_plan`; the reference method's batch)."""
     self.embed_fn, self.params, self.eps = embed_fn, params, eps
+    self.layer_factors = layer_factors
     self.float64_positive_pairs = float64_positive_pairs
     self.two_tower = positive_embed_fn is not None and positive_embed_fn is not embed_fn
     self.positive_embed_fn = positive_embed_fn if self.two_tower else embed_fn
     # The same function, with recognised convolutions differentiated into channels-last
     # convolutions: JAX's own rule runs 4-50x slower inside the loops of microbatching and of
     # materialize on XLA:CPU (layerwise.channels_last_conv). Factors intercept embed_fn themselves.
-    self._embed_fn = layerwise.with_recognised_layers(embed_fn)
-    self._positive_fn = (layerwise.with_recognised_layers(self.positive_embed_fn)
-                         if self.two_tower else self._embed_fn)
+    recognised = layerwise.with_recognised_layers if layer_factors else lambda fn: fn
+    self._embed_fn = recognised(embed_fn)
+    self._positive_fn = recognised(self.positive_embed_fn) if self.two_tower else self._embed_fn
     self.microbatch_size, self.c = microbatch_size, collective
     n_local = rows_lib.num_rows(x)
     inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
@@ -142,18 +147,26 @@ class PairBatch:
   @functools.cached_property
   def plan(self) -> layerwise.Plan:
     """Which parameters get per-layer factors and which generic per-example Jacobians."""
+    if not self.layer_factors:
+      return layerwise.jacobian_plan(self.params)
     if self.two_tower:
       return self.tower_plans.anchor
-    return layerwise.make_plan(self.embed_fn, self.params, self.x, self.embedding_dim)
+    plan = layerwise.make_plan(self.embed_fn, self.params, self.x, self.embedding_dim)
+    plan_report.warn_slow_leaves(plan_report.report((plan,), self.params, self.embedding_dim))
+    return plan
 
   @functools.cached_property
   def tower_plans(self) -> two_tower.TowerPlans:
     """The plans of both towers (the same plan twice with one tower)."""
-    if not self.two_tower:
+    if not self.two_tower or not self.layer_factors:
       return two_tower.TowerPlans(self.plan, self.plan,
                                   tuple(sorted(two_tower.dependencies(self.plan))))
-    return two_tower.tower_plans(self.embed_fn, self.positive_embed_fn, self.params, self.x,
-                                 self.x_prime, self.embedding_dim)
+    plans = two_tower.tower_plans(self.embed_fn, self.positive_embed_fn, self.params, self.x,
+                                  self.x_prime, self.embedding_dim)
+    plan_report.warn_slow_leaves(
+        plan_report.report((plans.anchor, plans.positive), self.params, self.embedding_dim,
+                           frozenset(plans.shared)))
+    return plans
 
   def _plan_of(self, positive: bool) -> layerwise.Plan:
     return self.tower_plans.positive if positive and self.two_tower else self.plan
@@ -306,13 +319,15 @@ def finite_or(grads, redo) -> Any:
 
 def forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, collective,
             positive_embed_fn=None, key=None, float64_positive_pairs: bool = True,
-            embeds_with_factors=None) -> tuple[PairBatch, jax.Array, jax.Array]:
+            embeds_with_factors=None,
+            layer_factors: bool = True) -> tuple[PairBatch, jax.Array, jax.Array]:
   """(batch, ℒ, τ): embeddings, the loss on the global Z and τ_ij = ∂ℒ/∂Z_ij (0 off valid pairs).
 
   key: a stochastic embed_fn(params, x, key): the batch embeds every example with its own key
   (`stochastic.bind`, rows numbered over the global batch); None: embed_fn(params, x).
   float64_positive_pairs: form the positive pairs' norms in float64 (`pair_terms.diagonal_norms`).
-  embeds_with_factors: as in `PairBatch` (the clip method's `embeds_with_factors`).
+  embeds_with_factors, layer_factors: as in `PairBatch` (the clip method's
+  `embeds_with_factors` and `layer_factors`).
   """
   params = collective.local_params(params)
   embed_fn, positive_embed_fn, x, x_prime = stochastic.bind(
@@ -320,7 +335,7 @@ def forward(embed_fn, loss, params, x, x_prime, mask, eps, microbatch_size, coll
   batch = PairBatch(embed_fn, params, x, x_prime, mask, eps=eps, microbatch_size=microbatch_size,
                     collective=collective, positive_embed_fn=positive_embed_fn,
                     float64_positive_pairs=float64_positive_pairs,
-                    embeds_with_factors=embeds_with_factors)
+                    embeds_with_factors=embeds_with_factors, layer_factors=layer_factors)
   loss_value, tau = jax.value_and_grad(loss)(batch.z, batch.valid)
   tau = jnp.where(batch.valid[:, None] & batch.valid[None, :], tau, 0.0)
   # Every valid pair dropped as non-finite (e.g. NaN parameters): the loss is NaN, not the

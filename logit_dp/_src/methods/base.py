@@ -36,6 +36,9 @@ class ClipMethod(abc.ABC):
   """
 
   name: ClassVar[str]
+  #: Whether the method builds on the engine's per-layer factors (`layerwise.make_plan`);
+  #: False: every per-example Jacobian comes from `jax.jacrev` of the model as it is.
+  layer_factors: ClassVar[bool] = True
 
   def for_model(self, embed_fn, positive_embed_fn) -> ClipMethod:
     """This method as it clips the model embed_fn (and positive_embed_fn, the tower of x_prime,

@@ -1,7 +1,9 @@
 """"materialize": Algorithm 1 of the paper, every pair gradient by its own backward pass.
 
 The reference the other methods are tested against: exact norms, n² backward passes, in
-blocks of pairs of about `chunking.PAIR_BLOCK_FLOATS` floats.
+blocks of pairs of about `chunking.PAIR_BLOCK_FLOATS` floats. It depends on nothing but JAX's
+own differentiation: the model runs as it is (no layer of it is recognised or rewritten), and
+the Jacobian norms of its float allowance come from `jax.jacrev` per example.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Materialize(base.ClipMethod):
     pair_block_size: pairs per block (None: about `chunking.PAIR_BLOCK_FLOATS` floats).
   """
   name: ClassVar[str] = "materialize"
+  layer_factors: ClassVar[bool] = False  # the reference: JAX's own differentiation only
   pair_block_size: int | None = None
 
   def __post_init__(self):

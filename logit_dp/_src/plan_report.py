@@ -1,0 +1,167 @@
+"""How the engine computes each parameter's per-pair gradient norms: `describe_plan`, and the
+one-time warning when a large parameter takes the slow path.
+
+Every float parameter leaf the embedding depends on takes one of these routes
+(`layerwise.make_plan`):
+
+* ``ghost``: a recognised layer (dense / DenseGeneral / einsum, convolution, embedding
+  lookup) whose pair terms are contracted from its factors (inputs a_t and output
+  cotangents δ_t over T positions): T²P + k(2TCd + T²C) multiply-adds per pair;
+* ``flattened``: a recognised layer whose per-example Jacobian is formed from the same factors
+  (Σ_t a_t ⊗ δ_t) and enters the flat cross-Gram: d²·P·C per pair;
+* ``elementwise``: a scale or shift of the activations (LayerNorm/RMSNorm scale and bias,
+  learned positions, a class token), its per-example Jacobian a segment sum of δ at its use
+  (no extra backward pass); d²·size per pair in the flat cross-Gram;
+* ``jacrev``: any other use, per-example Jacobians by `jax.jacrev` (exact for every JAX
+  operation, but d extra backward passes of the model per example: the slow path);
+* ``unused``: the embedding does not depend on it (no cost, zero gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import numpy as np
+
+from logit_dp._src import checks
+from logit_dp._src import layerwise
+from logit_dp._src import two_tower
+
+#: A parameter leaf of at least this many floats on the jacrev route warns once.
+SLOW_LEAF_WARN_SIZE = 4096
+
+_warned: set = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRoute:
+  """One parameter leaf: its key path, size, route and estimated multiply-adds per pair."""
+  path: str
+  size: int
+  route: str  # "ghost", "flattened", "elementwise", "jacrev", "unused" or "not float"
+  detail: str  # e.g. "dense, T=16, P=65, C=64"
+  pair_cost: float  # multiply-adds per pair of the norms' cross terms (the layer's, for a layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+  """The routes of every parameter leaf (`describe_plan`); ``str(report)`` is a table."""
+  leaves: tuple[LeafRoute, ...]
+  embedding_dim: int
+
+  @property
+  def slow(self) -> tuple[LeafRoute, ...]:
+    """The leaves on the jacrev route."""
+    return tuple(leaf for leaf in self.leaves if leaf.route == "jacrev")
+
+  def __str__(self) -> str:
+    width = max([len(leaf.path) for leaf in self.leaves] + [9])
+    lines = [f"{'parameter':<{width}}  {'size':>9}  {'route':<11}  {'per pair':>10}  detail"]
+    for leaf in self.leaves:
+      cost = f"{leaf.pair_cost:10.3g}" if leaf.pair_cost else f"{'':>10}"
+      lines.append(
+          f"{leaf.path:<{width}}  {leaf.size:>9,}  {leaf.route:<11}  {cost}  {leaf.detail}")
+    total = sum(leaf.pair_cost for leaf in self.leaves)
+    lines.append(f"estimated multiply-adds per pair (d = {self.embedding_dim}): {total:.3g}; "
+                 f"on the slow jacrev route: {len(self.slow)} leaf(s), "
+                 f"{sum(leaf.size for leaf in self.slow):,} floats")
+    return "\n".join(lines)
+
+
+def _routes(plan: layerwise.Plan, leaves, d: int) -> dict[int, tuple[str, str, float]]:
+  routes = {}
+  for layer, ghost in zip(plan.layers, plan.ghost):
+    detail = (f"{layer.kind}, T={layer.positions}, P={layer.fan_in}, C={layer.features}"
+              + ("" if len(layer.leaves) == 1 else ", with its bias"))
+    cost = layer.pair_cost(d, ghost)
+    for k, i in enumerate(layer.leaves):
+      routes[i] = ("ghost" if ghost else "flattened", detail if k == 0 else "bias of the layer",
+                   cost if k == 0 else 0.0)
+  kinds = {}
+  for site in plan.sites:
+    kinds.setdefault(site.leaf, set()).add(site.kind)
+  for i in plan.generic:
+    size = int(np.size(leaves[i]))
+    if i in kinds:
+      routes[i] = ("elementwise", " and ".join(sorted(kinds[i])), float(d * d * size))
+    else:
+      routes[i] = ("jacrev", "per-example jax.jacrev: d backward passes per example",
+                   float(d * d * size))
+  return routes
+
+
+def _merge(first, second):
+  """The route of a leaf in two towers' plans: the slower one (jacrev > flattened > ...)."""
+  order = ["unused", "elementwise", "ghost", "flattened", "jacrev"]
+  if first is None:
+    return second
+  if second is None:
+    return first
+  return max(first, second, key=lambda r: order.index(r[0]))
+
+
+def report(plans: tuple[layerwise.Plan, ...], params, d: int,
+           shared: frozenset | None = None) -> PlanReport:
+  """The `PlanReport` of the plans of one model: one tower's plan, or both towers' with the
+  leaves they share (only those have cross-pair terms; the others cost per-example Grams)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  leaves = [leaf for _, leaf in flat]
+  routes: dict = {}
+  for plan in plans:
+    for i, route in _routes(plan, leaves, d).items():
+      routes[i] = _merge(routes.get(i), route)
+  if shared is not None:
+    for i, (route, detail, _) in list(routes.items()):
+      if i not in shared:
+        routes[i] = (route, detail + "; one tower's only: no cross-pair term", 0.0)
+  rows = []
+  for i, (path, leaf) in enumerate(flat):
+    size = int(np.size(leaf))
+    if not layerwise.is_float(leaf):
+      rows.append(LeafRoute(jax.tree_util.keystr(path), size, "not float", "not differentiated",
+                            0.0))
+      continue
+    route, detail, cost = routes.get(i, ("unused", "the embedding does not depend on it", 0.0))
+    rows.append(LeafRoute(jax.tree_util.keystr(path), size, route, detail, cost))
+  return PlanReport(tuple(rows), d)
+
+
+def warn_slow_leaves(plan_report: PlanReport) -> None:
+  """Warns once per parameter path and size when a leaf of ≥ `SLOW_LEAF_WARN_SIZE` floats
+  takes the jacrev route."""
+  for leaf in plan_report.slow:
+    key = (leaf.path, leaf.size)
+    if leaf.size < SLOW_LEAF_WARN_SIZE or key in _warned:
+      continue
+    _warned.add(key)
+    warnings.warn(
+        f"logit_dp: parameter {leaf.path} ({leaf.size:,} floats) takes the slow path: its "
+        "per-example Jacobians come from jax.jacrev (d backward passes per example), because "
+        "it is used by an operation the engine does not factor. The norms stay exact. "
+        "logit_dp.clip_methods.describe_plan(embed_fn, params, x) lists every parameter's "
+        "route.", stacklevel=2)
+
+
+def describe_plan(embed_fn, params, x, *, x_prime=None, positive_embed_fn=None) -> PlanReport:
+  """How every parameter leaf's per-pair gradient norms are computed, and their estimated cost.
+
+  Traces ``embed_fn(params, x)`` (and ``positive_embed_fn(params, x_prime)`` for two towers;
+  x_prime defaults to x) without computing anything, and returns a `PlanReport`: per leaf
+  its key path, size, route ("ghost", "flattened", "elementwise", "jacrev", "unused") and
+  the estimated multiply-adds per pair of its norms' cross terms; ``print(report)`` shows a
+  table. "jacrev" is the slow path. A few example rows of x suffice.
+
+  The routes are those of "ghost", "triangle" and "projected" (and of DP-GCL's group
+  norms); "materialize" uses none of them (every pair gradient by its own backward pass).
+  """
+  x_prime = x if x_prime is None else x_prime
+  x, x_prime, _ = checks.check_pairs(x, x_prime)
+  d = int(jax.eval_shape(embed_fn, params, x).shape[-1])
+  if positive_embed_fn is None or positive_embed_fn is embed_fn:
+    plans = (layerwise.make_plan(embed_fn, params, x, d),)
+  else:
+    towers = two_tower.tower_plans(embed_fn, positive_embed_fn, params, x, x_prime, d)
+    return report((towers.anchor, towers.positive), params, d, frozenset(towers.shared))
+  return report(plans, params, d)
