@@ -54,6 +54,7 @@ from logit_dp._src import losses as losses_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import numerics
 from logit_dp._src import pair_batch
+from logit_dp._src import plan_report
 from logit_dp._src import precision
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
@@ -319,6 +320,9 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       examples = [(fn, plans.anchor, [x] + views, [cot_u] + cot_w),
                   (positive_fn, plans.positive, [x_prime], [cot_v])]
       columns = list(group_norms.flat_columns_map(plans, params))
+    # A one-time warning for a large leaf on the jax.jacrev route (`describe_plan`).
+    plan_report.warn_slow_leaves(
+        plan_report.report(tuple(plan for _, plan, _, _ in examples), params, 1))
     parts = []
     for (part_fn, plan, xs, cot), part_columns in zip(examples, columns):
       factors = group_norms.weighted_factors(part_fn, params, plan, pair_batch.join_views(xs),
