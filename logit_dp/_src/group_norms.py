@@ -211,19 +211,20 @@ def _group_sq_norm_fn(parts, dtype):
 
 
 def group_sq_norms(parts, group_ids, num_groups: int, n_local: int, first_group: Any = 0,
-                   dtype=jnp.float32) -> jax.Array:
+                   dtype=jnp.float32, total_groups: int | None = None) -> jax.Array:
   """(G_share,) ‖∇L_g‖² of the groups first_group .. first_group + num_groups − 1.
 
   group_ids: (n,) the group of every record of the (gathered) batch, ≥ first_group +
   num_groups or < first_group for records that are not in these groups (invalid ones);
-  n_local: the records per device (the factors' layout, `Part`).
+  n_local: the records per device (the factors' layout, `Part`); total_groups: G, of which
+  these are a share (the slots' `capacity` is that of a group among G; default num_groups).
   """
   n = group_ids.shape[0]
   local = group_ids - first_group
   member = (local >= 0) & (local < num_groups)
   local = jnp.where(member, local, num_groups)
   counts = jax.ops.segment_sum(member.astype(jnp.int32), local, num_segments=num_groups + 1)
-  slots = capacity(n, num_groups)
+  slots = capacity(n, num_groups if total_groups is None else total_groups)
   order = jnp.argsort(local, stable=True)
   sorted_group = local[order]
   starts = jnp.cumsum(counts) - counts

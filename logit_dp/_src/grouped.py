@@ -336,7 +336,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     gathered = [part._replace(factors=c.gather(part.factors)) for part in parts]
     dtype = parts[0].factors.gram.dtype
     sq = group_norms.group_sq_norms(gathered, groups, share, n, first_group=c.index() * share,
-                                    dtype=dtype)
+                                    dtype=dtype, total_groups=num_groups)
     sq = c.gather(sq)[:num_groups]
     # Float allowance (docs/METHOD.md, "DP-GCL"): S_g = Σ_{e∈g} ‖J_eᵀc_e‖ bounds the terms
     # whose rounding the norm and ḡ carry; the allowances scale to the computation's dtype.
