@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from test_grouped import _float_towers
 from test_grouped import _group_gradients
@@ -273,3 +274,11 @@ def test_dropout_on_eight_devices_gives_the_single_device_gradient():
   got_loss, got = sharded(params, x, texts, record_ids=ids, group_key=KEY, key=key)
   assert rel_err(got, want) < 1e-5
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+
+
+def test_the_low_level_train_step_refuses_dp_gcl():
+  fn, _, _, _ = make_model("mlp", 4)
+  with pytest.raises(ValueError, match="make_private"):
+    distributed.make_private_train_step(fn, logit_dp.losses.contrastive(), 1.0,
+                                        distributed.data_mesh(2), optax.sgd(0.1), method="dp_gcl",
+                                        num_groups=2)

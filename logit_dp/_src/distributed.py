@@ -543,6 +543,10 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
   k = _axis_size(mesh, axis_name)
   grad_fn = make_sharded_grad_fn(embed_fn, loss, clip_norm, mesh, method, naive=naive,
                                  axis_name=axis_name, **kwargs)
+  if grad_fn.mechanism is mechanisms.Mechanism.DP_GCL:
+    raise ValueError("make_private_train_step takes no record ids: train DP-GCL on a mesh with "
+                     "make_private(..., method='dp_gcl', mesh=mesh), whose step groups each "
+                     "batch's records, or call make_sharded_grad_fn(..., method='dp_gcl').")
   stochastic = grad_fn.stochastic
 
   def body(params, opt_state, x, x_prime, mask, *key):
