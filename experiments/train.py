@@ -399,8 +399,6 @@ def make_private_training(config, method: str, apply_fn, num_records: int, noise
     dp_gcl_extra_views(config)
     kwargs["group_size"] = float(config.dp_gcl.group_size)
   mesh = make_mesh(config)
-  if mesh is not None and method == "dp_gcl":
-    raise ValueError("dp_gcl runs on one device: set config.num_devices=1.")
   private = logit_dp.make_private(
       apply_fn, make_loss(config), clip_norm(config,
                                              method), target_epsilon=float(config.target_epsilon),

@@ -18,7 +18,8 @@ from helpers import flat
 from helpers import rel_err
 from helpers import tree_norm
 from logit_dp import audit
-from logit_dp._src import grouped
+from logit_dp._src import grouped  # noqa: F401
+from logit_dp._src import numerics
 
 TOL = 1e-4  # float32 slack on a ratio that must be ≤ 1
 KEY = jax.random.PRNGKey(3)
@@ -27,7 +28,8 @@ KEY = jax.random.PRNGKey(3)
 @pytest.fixture
 def no_norm_allowance(monkeypatch):
   """Clip by the computed group norm itself, to compare with the exact mechanism."""
-  monkeypatch.setattr(grouped, "_NORM_FLOAT_ALLOWANCE", 0.0)
+  monkeypatch.setattr(numerics, "GRAM_FLOAT_ERROR", 0.0)
+  monkeypatch.setattr(numerics, "VECTOR_FLOAT_ERROR", 0.0)
 
 
 def linear(params, x):

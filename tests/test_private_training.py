@@ -896,7 +896,7 @@ def test_dp_gcl_two_towers_train_end_to_end():
     (dict(method="dp_gcl", group_size="8"), "group_size"),
     (dict(method="dp_gcl", num_groups=3), "group_size"),
     (dict(method="ghost", group_size=4), "dp_gcl"),
-    (dict(method="dp_gcl", group_size=4, axis_name="batch"), "one device"),
+    (dict(method="dp_gcl", group_size=4, axis_name="batch"), "mesh="),
 ])
 def test_dp_gcl_bad_arguments_raise_value_error(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -955,23 +955,28 @@ def _steps(pt, params, data, num_steps, **step_kwargs):
   return params, opt_state, outputs
 
 
-@pytest.mark.parametrize("method", ["ghost", "naive"])
+@pytest.mark.parametrize("method", ["ghost", "naive", "dp_gcl"])
 def test_make_private_on_a_mesh_trains_as_on_one_device(method, caplog):
   """make_private(mesh=): the step pads the batch to the devices and computes the global ḡ;
   the same σ, C, ledger and, step after step, the same parameters as one device; its update
-  compiles once (the first step's params are placed on the mesh as the step returns them)."""
+  compiles once (the first step's params are placed on the mesh as the step returns them).
+  DP-GCL groups the global batch's records, with one extra view per record from augment."""
   embed_fn, params = _embed()
   x, xp = _data()
   kwargs = dict(steps=3, noise_key=jax.random.key(2), sampler_seed=5, method=method,
                 max_batch_size=50)  # 50 rows: 2 of mesh padding on 4 devices
+  step_kwargs = {}
+  if method == "dp_gcl":
+    kwargs["group_size"] = 4
+    step_kwargs["augment"] = lambda a, b, t: (a, b, (0.5 * (a + b))[:, None])
   one = _setup(**kwargs)
   mesh = logit_dp.distributed.data_mesh(4)
   sharded = _setup(mesh=mesh, **kwargs)
   assert sharded.grad_fn.mesh is mesh
   assert (sharded.noise_multiplier, sharded.sensitivity) == (one.noise_multiplier, one.sensitivity)
-  want, _, _ = _steps(one, params, (x, xp), 3)
+  want, _, _ = _steps(one, params, (x, xp), 3, **step_kwargs)
   with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-    got, _, _ = _steps(sharded, params, (np.asarray(x), np.asarray(xp)), 3)
+    got, _, _ = _steps(sharded, params, (np.asarray(x), np.asarray(xp)), 3, **step_kwargs)
   compiles = [r for r in caplog.records if "Compiling jit(update)" in r.getMessage()]
   assert len(compiles) == 1, [r.getMessage()[:200] for r in compiles]
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got,
@@ -980,14 +985,12 @@ def test_make_private_on_a_mesh_trains_as_on_one_device(method, caplog):
   assert sharded.ledger.epsilon() == one.ledger.epsilon()
 
 
-def test_make_private_refuses_a_bad_mesh_and_dp_gcl_on_a_mesh():
+def test_make_private_refuses_a_bad_mesh():
   with pytest.raises(TypeError, match="jax.sharding.Mesh"):
     _setup(mesh="data")
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
   with pytest.raises(ValueError, match="not 'data'"):
     _setup(mesh=mesh)
-  with pytest.raises(ValueError, match="one device"):
-    _setup(method="dp_gcl", group_size=4, mesh=logit_dp.distributed.data_mesh(2))
 
 
 @pytest.mark.extended

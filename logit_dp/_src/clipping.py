@@ -331,7 +331,7 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
 def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                  method: str | methods.ClipMethod = "ghost", **kwargs) -> grad_fn_lib.ClippedGradFn:
   """`clipped_grad` with a clip method, `naive_clipped_grad` for method="naive" or
-  `grouped_clipped_grad` for method="dp_gcl" (num_groups= in kwargs; one device).
+  `grouped_clipped_grad` for method="dp_gcl" (num_groups= in kwargs).
 
   method: a clip method (object or registered name) or "naive"
   (`mechanisms.check_private_method`); kwargs: the chosen builder's keywords.
@@ -340,9 +340,6 @@ def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   if mechanism is mechanisms.Mechanism.NAIVE_DP:
     return naive_clipped_grad(embed_fn, loss, clip_norm, **kwargs)
   if mechanism is mechanisms.Mechanism.DP_GCL:
-    if kwargs.pop("axis_name", None) is not None:
-      raise ValueError("method='dp_gcl' runs on one device: its groups' gradients are not "
-                       "sharded (use a Logit-DP clip method or 'naive' on a mesh).")
     if "num_groups" not in kwargs:
       raise ValueError("method='dp_gcl' needs num_groups= (G ≥ 1).")
     return grouped.grouped_clipped_grad(embed_fn, loss, clip_norm, kwargs.pop("num_groups"),

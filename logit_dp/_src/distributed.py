@@ -25,7 +25,7 @@ This module adds the plumbing around that core:
 * `broadcast_seed`: a secret seed drawn once (process 0) and shared by every
   process, for the noise key and the sampler.
 * `make_sharded_grad_fn`: the jitted shard_map of `clipped_grad` /
-  `naive_clipped_grad`, returning the global (ℒ, ḡ), replicated.
+  `naive_clipped_grad` / `grouped_clipped_grad`, returning the global (ℒ, ḡ), replicated.
 * `make_private_optimizer` / `make_private_train_step`: ḡ → `logit_dp.transform`
   (noise) → optax, the low-level step (`make_private(mesh=...)` sets up the sampler and
   the ledger around the same update).
@@ -373,7 +373,7 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
                          method: str | methods.ClipMethod = "ghost", *, naive: bool = False,
                          axis_name: str = DATA_AXIS, **kwargs) -> ShardedGradFn:
-  """Data-parallel `clipped_grad` (or `naive_clipped_grad`) over `mesh`.
+  """Data-parallel `clipped_grad` (or `naive_clipped_grad`, `grouped_clipped_grad`) over `mesh`.
 
   Returns grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ): x, x_prime, mask
   hold the GLOBAL batch (any sharding; it is placed P(axis_name), so its size
@@ -390,7 +390,10 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
     embed_fn, loss, clip_norm: as in `logit_dp.clipped_grad`.
     mesh: a mesh with axis `axis_name` (e.g. `data_mesh()`).
     method: as in `make_private`: a clip method of `clipped_grad` (Logit-DP; an object or a
-      registered name) or "naive" (`naive_clipped_grad`, Naive-DP).
+      registered name), "naive" (`naive_clipped_grad`, Naive-DP) or "dp_gcl"
+      (`grouped_clipped_grad`, DP-GCL, with num_groups= in kwargs: grad_fn then also takes
+      record_ids=, group_key= and extra_views= of the global batch, split along the axis with
+      it; the groups and ḡ are those of one device).
     naive: True is the same as method="naive".
     axis_name: the mesh axis the batch is split along.
     **kwargs: microbatch_size, pair_block_size, memory_budget, cosine_eps (per device),
@@ -403,6 +406,8 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
   shard_fn = _grad_fn(embed_fn, loss, clip_norm, method, naive, axis_name, kwargs)
   stochastic = shard_fn.stochastic
   batch_spec = P(axis_name)
+  if shard_fn.mechanism is mechanisms.Mechanism.DP_GCL:
+    return _sharded_grouped_grad_fn(shard_fn, embed_fn, loss, mesh, axis_name, kwargs)
   # The model's key of a stochastic embed_fn, replicated.
   in_specs = (P(), batch_spec, batch_spec, batch_spec) + ((P(),) if stochastic else ())
   shard_mapped = _shard_map(shard_fn.core, mesh, in_specs, (P(), P(), P()))
@@ -424,6 +429,50 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
                        clip_norm=shard_fn.clip_norm, loss=loss, clip_method=shard_fn.clip_method,
                        description=shard_fn.description, shard_mapped=shard_mapped, mesh=mesh,
                        stats_core=jax.jit(stats_mapped), stochastic=stochastic)
+
+
+def _sharded_grouped_grad_fn(shard_fn, embed_fn, loss, mesh: Mesh, axis_name: str,
+                             kwargs) -> ShardedGradFn:
+  """`make_sharded_grad_fn` of DP-GCL (`grouped_clipped_grad` with axis_name): grad_fn(params, x,
+  x_prime, mask=None, *, record_ids, group_key, extra_views=None[, key]) on the GLOBAL batch.
+
+  The records are grouped on the whole batch (`assign_groups` of the global record ids), and
+  the group ids and extra views are split along the axis with the records.
+  """
+  k = _axis_size(mesh, axis_name)
+  stochastic = shard_fn.stochastic
+  batch_spec = P(axis_name)
+  # (params, x, x_prime, mask, group ids, extra views[, key]).
+  in_specs = (P(), batch_spec, batch_spec, batch_spec, batch_spec, batch_spec) + (
+      (P(),) if stochastic else ())
+  shard_mapped = _shard_map(shard_fn.core, mesh, in_specs, (P(), P(), P()))
+  stats_mapped = _shard_map(shard_fn.stats_core, mesh, in_specs, (P(), P(), P()))
+  data, replicated = NamedSharding(mesh, batch_spec), NamedSharding(mesh, P())
+  check_global = _checked_global_inputs(k, getattr(loss, "min_batch_size", 1), data, replicated)
+
+  def check_inputs(params, x, x_prime, mask=None, *, record_ids=None, group_key=None,
+                   extra_views=None, key=None):
+    # The single-device checks on the global batch (record ids, extra views, the groups),
+    # then the placement of the sharded functions.
+    params, x, x_prime, mask, groups, views, *key_arg = shard_fn.check_inputs(
+        params, x, x_prime, mask, record_ids=record_ids, group_key=group_key,
+        extra_views=extra_views, key=key)
+    params, x, x_prime, mask, *key_arg = check_global(params, x=x, x_prime=x_prime, mask=mask,
+                                                      key=tuple(key_arg))
+    if not rows_lib.is_traced((groups, views)):
+      groups, views = jax.device_put((groups, views), data)
+    return (params, x, x_prime, mask, groups, views, *key_arg)
+
+  def check_model(params, x, x_prime, mask, groups, views, key=None):
+    del mask, groups, views
+    checks.check_towers(embed_fn, kwargs.get("positive_embed_fn"), params, x, x_prime, key)
+
+  return ShardedGradFn(core=jax.jit(shard_mapped), check_inputs=check_inputs,
+                       check_model=check_model, mechanism=shard_fn.mechanism,
+                       clip_norm=shard_fn.clip_norm, loss=loss, num_groups=shard_fn.num_groups,
+                       description=shard_fn.description, unit=shard_fn.unit,
+                       shard_mapped=shard_mapped, mesh=mesh, stats_core=jax.jit(stats_mapped),
+                       stochastic=stochastic)
 
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
@@ -493,6 +542,10 @@ def make_private_train_step(embed_fn, loss, clip_norm: float, mesh: Mesh,
   k = _axis_size(mesh, axis_name)
   grad_fn = make_sharded_grad_fn(embed_fn, loss, clip_norm, mesh, method, naive=naive,
                                  axis_name=axis_name, **kwargs)
+  if grad_fn.mechanism is mechanisms.Mechanism.DP_GCL:
+    raise ValueError("make_private_train_step takes no record ids: train DP-GCL on a mesh with "
+                     "make_private(..., method='dp_gcl', mesh=mesh), whose step groups each "
+                     "batch's records, or call make_sharded_grad_fn(..., method='dp_gcl').")
   stochastic = grad_fn.stochastic
 
   def body(params, opt_state, x, x_prime, mask, *key):

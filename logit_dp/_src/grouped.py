@@ -46,22 +46,23 @@ import numpy as np
 from logit_dp._src import checks
 from logit_dp._src import chunking
 from logit_dp._src import clip_stats
+from logit_dp._src import collective as collective_lib
 from logit_dp._src import grad_fn as grad_fn_lib
+from logit_dp._src import group_norms
+from logit_dp._src import layerwise
 from logit_dp._src import losses as losses_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import numerics
+from logit_dp._src import pair_batch
+from logit_dp._src import plan_report
 from logit_dp._src import precision
 from logit_dp._src import rows as rows_lib
 from logit_dp._src import sensitivity as sensitivity_lib
 from logit_dp._src import stochastic as stochastic_lib
+from logit_dp._src import two_tower
 
 EmbedFn = Callable[[Any, jax.Array], jax.Array]
 _HIGHEST = jax.lax.Precision.HIGHEST
-# Relative float allowance on every group-gradient norm before clipping: the norm is a float
-# sum of squares of the very vector that is scaled, so its computed value is within a few
-# ulps·log(p) of the true one; clipping by (1 + 2⁻¹²)·norm keeps the released clipped group
-# gradient's true norm ≤ B (tests/test_grouped.py measures the float32 error against float64).
-_NORM_FLOAT_ALLOWANCE = 2.0 ** -12
 
 #: grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None) -> (ℒ, ḡ),
 #: as built by `grouped_clipped_grad`: a `ClippedGradFn` of `Mechanism.DP_GCL`. Its ``core(params,
@@ -152,22 +153,15 @@ def _zero_rows(ok, a):
   return jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a))
 
 
-def _scan_chunks(fn, init, xs, chunk: int | None):
-  """carry = fn(carry, rows) over the leading axis of xs (tuple) in chunks of `chunk` rows;
-  the last chunk is zero-padded (its padded rows must contribute nothing)."""
-  n = rows_lib.num_rows(xs[0])
-  if chunk is None or chunk >= n:
-    return fn(init, xs)
-  num_chunks = -(-n // chunk)
-  pad = num_chunks * chunk - n
+def _first(xs):
+  """The first example of an input, with its batch axis (an array or a pytree)."""
+  return jax.tree_util.tree_map(lambda a: a[:1], xs)
 
-  def split(a):
-    a = jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)]) if pad else a
-    return a.reshape((num_chunks, chunk) + a.shape[1:])
 
-  split_rows = tuple(jax.tree_util.tree_map(split, a) for a in xs)  # an input may be a pytree
-  carry, _ = jax.lax.scan(lambda c, rows: (fn(c, rows), None), init, split_rows)
-  return carry
+def _flat_size(plan, params) -> int:
+  """q: the flat columns (flattened layers and generic leaves) of a plan's factors."""
+  columns = two_tower.flat_columns(plan, jax.tree_util.tree_leaves(params))
+  return max([stop for _, stop in columns.values()], default=0)
 
 
 def _embed_rows(embed_fn, params, xs, eps, chunk):
@@ -183,8 +177,8 @@ def _embed_rows(embed_fn, params, xs, eps, chunk):
 def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: int, *,
                          microbatch_size: int | None = None,
                          cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-                         positive_embed_fn: EmbedFn | None = None,
-                         stochastic: bool = False) -> GroupedGradFn:
+                         positive_embed_fn: EmbedFn | None = None, stochastic: bool = False,
+                         axis_name: str | None = None) -> GroupedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
 
   grad_fn returns (ℒ, ḡ) with ℒ = Σ_g L_g and ḡ = Σ_g min(1, B/‖∇_w L_g‖)·∇_w L_g, a SUM
@@ -192,12 +186,31 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   for L_g). Its L2 sensitivity under adding or removing one record is
   `grouped_sensitivity(B)` = 2B, with one tower or two; noise it with `logit_dp.transform`.
 
-  Computation: one forward pass for the loss and its cotangents ∂ℒ/∂û_i, ∂ℒ/∂v̂_i, ∂ℒ/∂ŵ_im
-  (each embedding enters only its own group's loss, so these are the group losses'
-  cotangents); then per-record gradients ∇_w L restricted to record r,
-  p_r = J_rᵀ∂ℒ/∂û_r + J'_rᵀ∂ℒ/∂v̂_r + Σ_m J''_rmᵀ∂ℒ/∂ŵ_rm (one vjp per record, vmapped),
-  summed by group, ∇L_g = Σ_{r∈g} p_r, microbatch by microbatch into a (G, p) accumulator;
-  memory O(G·p + m·p) for microbatch m.
+  Computation (docs/METHOD.md, "DP-GCL"): one forward pass for the loss and the cotangents
+  c_e = ∂ℒ/∂ê_e of every example e (anchor û_r, positive v̂_r, extra view ŵ_rm; each embedding
+  enters only its own group's loss, so these are the group losses' cotangents). Then ONE
+  backward pass of the scalar Σ_e ⟨c_e, ê_e⟩ gives the per-example factors of J_eᵀc_e
+  (`group_norms.weighted_factors`: a ghost layer's input patches a_et and w_et = Σ_k c_ek δ_et^k,
+  other parameters' columns flat_e = J_eᵀc_e), and with ∇L_g = Σ_{e∈g} J_eᵀc_e
+
+      ‖∇L_g‖² = Σ_{ghost layers} Σ_{e,e'∈g} Σ_{t,s} ⟨a_et, a_e's⟩⟨w_et, w_e's⟩ + ‖Σ_{e∈g} flat_e‖²,
+
+  each ghost layer's term by the cheaper of the within-group Gram and the group's materialised
+  layer gradient (`group_norms.group_sq_norms`: groups gathered into slots, a few groups at a
+  time). Finally ḡ = Σ_e J_eᵀ(min(1, B/‖∇L_g(e)‖)·c_e), contracted from the same factors
+  (`layerwise.factors_transpose`). No (G, p) array is formed: memory is that of the factors
+  (O(n(2 + k)·Σ_layers T(P + C)) plus flat columns) and one step of the group loop. The norm
+  used for clipping is raised by float allowances scaled to the computation's dtype
+  (`numerics.gram_error`, `numerics.vector_error`) times S_g = Σ_{e∈g} ‖J_eᵀc_e‖, so the released
+  group gradients stay ≤ B in float32 (tested against float64 on near-identical records) and in
+  float64 ḡ is the per-group `jax.grad` truth to < 10⁻¹⁰ relative (tested).
+
+  Formal guarantees. ḡ is the clipped sum of the module docstring, whose 2B argument is
+  unchanged: each group's term is its own gradient scaled by min(1, B/N_g) with N_g ≥ ‖∇L_g‖
+  (the computed norm raised by the float allowances), so it has norm ≤ B, and it reads only the
+  group's own members. With axis_name the norms and ḡ are those of the global batch on every
+  device (the same mechanism for any device count); the noise is added once, afterwards, by
+  `logit_dp.transform` on the replicated ḡ.
 
   Args:
     embed_fn: embed_fn(params, x) -> (n, d), acting on examples independently.
@@ -206,7 +219,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     clip_norm: B > 0 (finite: this is a DP method).
     num_groups: G ≥ 1, the number of hash buckets; the expected group size is E[n]/G and
       group sizes are random (Binomial). G = 1 without extra views is Naive-DP.
-    microbatch_size: records per chunk of the per-record gradients and embeddings.
+    microbatch_size: examples per chunk of the embeddings and of the Jacobian factors.
     cosine_eps: ε of the cosine similarity n(u) = u/√(‖u‖² + ε²).
     positive_embed_fn: two towers (dual encoder), as in `logit_dp.clipped_grad`: x_prime is
       embedded by positive_embed_fn(params, x_prime) -> (n, d), x by embed_fn, params one
@@ -217,6 +230,11 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       grad_fn takes key=, as in `logit_dp.clipped_grad`: x_r, x'_r and extra view m of record
       r (row r of the batch) are embedded alone with fold_in(fold_in(key, v), r) for
       v = 0, 1 and 3 + m, in every pass.
+    axis_name: call inside `jax.shard_map` over this mesh axis with the batch (and the group
+      ids, extra views) split along it (`distributed.make_sharded_grad_fn(method="dp_gcl")`):
+      the loss spans the global batch (embeddings all-gathered), every device computes the
+      norms of its share of the groups from the gathered factors, and ḡ is the psum of each
+      device's contraction of its own examples, the single-device ḡ.
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and contribute exactly
   nothing. record_ids: (n,) integer ids of the records (unique among valid rows; the
@@ -240,6 +258,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   checks.check_positive_embed_fn(positive_embed_fn)
   stochastic = stochastic_lib.check_stochastic(stochastic)
   stochastic_lib.check_signature(embed_fn, stochastic)
+  group_norms.check_factor_fields()
   temperature = float(loss.temperature)
   two_towers = positive_embed_fn is not None and positive_embed_fn is not embed_fn
 
@@ -249,13 +268,17 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     if two_towers and extra_views is not None:
       raise ValueError("extra_views are augmented views embedded by the one tower; with two "
                        "towers (positive_embed_fn=) pass extra_views=None.")
-    n = rows_lib.num_rows(x)
-    k = 0 if extra_views is None else extra_views.shape[1]
-    views = extra_views if k else None
+    c = collective_lib.Collective(axis_name)
+    params = c.local_params(params)
+    n = rows_lib.num_rows(x)  # this device's records
+    # view after view, each like x
+    views = [] if extra_views is None else [extra_views[:, m] for m in range(extra_views.shape[1])]
+    k = len(views)
     inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
-    if views is not None:
-      inputs_ok = inputs_ok & _finite_rows(views)
-    x, x_prime, views = (rows_lib.where_rows(inputs_ok, a) for a in (x, x_prime, views))
+    for view in views:
+      inputs_ok = inputs_ok & rows_lib.finite_rows(view)
+    x, x_prime = rows_lib.where_rows(inputs_ok, x), rows_lib.where_rows(inputs_ok, x_prime)
+    views = [rows_lib.where_rows(inputs_ok, view) for view in views]
     fn = positive_fn = embed_fn
     if two_towers:
       positive_fn = cast(EmbedFn, positive_embed_fn)
@@ -264,74 +287,96 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       fn = stochastic_lib.PerExample(cast(stochastic_lib.StochasticEmbedFn, embed_fn), impl)
       positive_fn = fn if not two_towers else stochastic_lib.PerExample(
           cast(stochastic_lib.StochasticEmbedFn, positive_embed_fn), impl)
-      rows = jnp.arange(n)
+      rows = c.local_rows(n)  # the rows of the global batch: the keys of one device
       x = stochastic_lib.attach(x, key, stochastic_lib.VIEW_X, rows)
       x_prime = stochastic_lib.attach(x_prime, key, stochastic_lib.VIEW_X_PRIME, rows)
-      if views is not None:
-        view_keys = jax.vmap(lambda m: stochastic_lib.example_keys(key, 3 + m, rows),
-                             out_axes=1)(jnp.arange(k))  # (n, k, *key_shape)
-        views = stochastic_lib.Keyed(views, view_keys)
+      views = [stochastic_lib.attach(view, key, 3 + m, rows) for m, view in enumerate(views)]
     embed = lambda f, xs: _embed_rows(f, params, xs, cosine_eps, microbatch_size)
     u, v = embed(fn, x), embed(positive_fn, x_prime)
-    w = None
-    if views is not None:
-      flat_views = jax.tree_util.tree_map(lambda a: a.reshape((n * k,) + a.shape[2:]), views)
-      w = embed(fn, flat_views).reshape(n, k, -1)
-    ok = inputs_ok & _finite_rows(u, v, *(() if w is None else (w,)))
-    valid = mask & ok
-    num_nonfinite = jnp.sum(mask & ~ok)
+    w = [embed(fn, view) for view in views]
+    ok = inputs_ok & _finite_rows(u, v, *w)
+    valid_local = mask & ok
+    num_nonfinite = jnp.sum(c.gather(mask & ~ok))
     u, v = _zero_rows(ok, u), _zero_rows(ok, v)
-    w = None if w is None else _zero_rows(ok, w)
-    group_ids = jnp.where(valid, group_ids, 0).astype(jnp.int32)
+    w = [_zero_rows(ok, view) for view in w]
+    # The loss spans the global batch (gathered over the devices of a mesh).
+    valid = c.gather(valid_local)
+    groups = jnp.where(valid, c.gather(group_ids), num_groups).astype(jnp.int32)
+    w_all = jnp.stack(c.gather(w), axis=1) if k else None
 
     def total_loss(u, v, w):
-      return jnp.sum(grouped_contrastive_row_losses(u, v, w, valid, group_ids, temperature))
+      loss_groups = jnp.where(valid, groups, 0)
+      return jnp.sum(grouped_contrastive_row_losses(u, v, w, valid, loss_groups, temperature))
 
-    loss_value, cots = jax.value_and_grad(total_loss, argnums=(0, 1, 2) if k else (0, 1))(u, v, w)
-    cot_w = cots[2] if k else None
-    one = lambda a: a[None]
+    loss_value, cots = jax.value_and_grad(total_loss, argnums=(0, 1, 2) if k else
+                                          (0, 1))(c.gather(u), c.gather(v), w_all)
+    here = c.local_rows(n)
+    cot_u, cot_v = cots[0][here], cots[1][here]
+    cot_w = [cots[2][here, m] for m in range(k)]
 
-    def record_grad(xr, xpr, viewsr, cur, cvr, cwr):
-      if two_towers:  # each tower embeds its own view of the record
-        embeds = lambda p: (numerics.normalize(fn(p, jax.tree_util.tree_map(one, xr)), cosine_eps),
-                            numerics.normalize(positive_fn(p, jax.tree_util.tree_map(one, xpr)),
-                                               cosine_eps))
-        _, vjp = jax.vjp(embeds, params)
-        return vjp((cur[None], cvr[None]))[0]
-      parts = (xr, xpr) + (() if viewsr is None else (viewsr,))
-      examples = jax.tree_util.tree_map(
-          lambda *a: jnp.concatenate([a[0][None], a[1][None]] + list(a[2:])), *parts)
-      _, vjp = jax.vjp(lambda p: numerics.normalize(fn(p, examples), cosine_eps), params)
-      cotangents = [cur[None], cvr[None]] + ([] if cwr is None else [cwr])
-      return vjp(jnp.concatenate(cotangents))[0]
+    # The examples by embedding function: one part (all views of one tower stacked) or two.
+    if not two_towers and all(rows_lib.same_layout(x, a) for a in [x_prime] + views):
+      plan = layerwise.make_plan(fn, params, x, 1)
+      examples = [(fn, plan, [x, x_prime] + views, [cot_u, cot_v] + cot_w)]
+      columns = [np.arange(_flat_size(plan, params))]
+    else:
+      plans = two_tower.tower_plans(fn, positive_fn, params, x, x_prime, 1)
+      examples = [(fn, plans.anchor, [x] + views, [cot_u] + cot_w),
+                  (positive_fn, plans.positive, [x_prime], [cot_v])]
+      columns = list(group_norms.flat_columns_map(plans, params))
+    # A one-time warning for a large leaf on the jax.jacrev route (`describe_plan`).
+    plan_report.warn_slow_leaves(
+        plan_report.report(tuple(plan for _, plan, _, _ in examples), params, 1))
+    parts = []
+    for (part_fn, plan, xs, cot), part_columns in zip(examples, columns):
+      factors = group_norms.weighted_factors(part_fn, params, plan, pair_batch.join_views(xs),
+                                             jnp.concatenate(cot), cosine_eps, microbatch_size,
+                                             c.local_params)
+      parts.append(group_norms.Part(plan, factors, len(xs), part_columns))
 
-    def accumulate(acc, rows):
-      xr, xpr, viewsr, cur, cvr, cwr, keep, gid = rows
-      grads = jax.vmap(record_grad)(xr, xpr, viewsr, cur, cvr, cwr)
-      # Dropped and padded records add exactly 0 (a non-finite Jacobian times 0 is NaN).
-      grads = jax.tree_util.tree_map(lambda g: _zero_rows(keep, g), grads)
-      return jax.tree_util.tree_map(
-          lambda a, g: a + jax.ops.segment_sum(g, gid, num_segments=num_groups), acc, grads)
-
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros((num_groups,) + p.shape, p.dtype), params)
-    group_grads = _scan_chunks(accumulate, zeros,
-                               (x, x_prime, views, cots[0], cots[1], cot_w, valid, group_ids),
-                               microbatch_size)
-    leaves = jax.tree_util.tree_leaves(group_grads)
-    sq = sum(jnp.sum(g.reshape(num_groups, -1) ** 2, axis=1) for g in leaves)
-    norms = jnp.sqrt(sq) * (1.0 + _NORM_FLOAT_ALLOWANCE)
-    finite = jnp.isfinite(norms)
+    # ‖∇L_g‖² of every group: each device those of its share of the groups, from the factors
+    # of the global batch.
+    share = -(-num_groups // c.size())
+    gathered = [part._replace(factors=c.gather(part.factors)) for part in parts]
+    dtype = parts[0].factors.gram.dtype
+    sq = group_norms.group_sq_norms(gathered, groups, share, n, first_group=c.index() * share,
+                                    dtype=dtype, total_groups=num_groups)
+    sq = c.gather(sq)[:num_groups]
+    # Float allowance (docs/METHOD.md, "DP-GCL"): S_g = Σ_{e∈g} ‖J_eᵀc_e‖ bounds the terms
+    # whose rounding the norm and ḡ carry; the allowances scale to the computation's dtype.
+    local_groups = jnp.where(valid_local, group_ids, num_groups).astype(jnp.int32)
+    sizes = sum(
+        group_norms.group_sums(jnp.sqrt(jnp.maximum(part.factors.gram[:, 0, 0], 0.0)),
+                               group_norms.example_groups(local_groups, part.views), num_groups)
+        for part in parts)
+    sizes = c.psum(sizes)
+    norm_dtype = numerics.lowest_precision(
+        [u.dtype, dtype]
+        + [numerics.computation_dtype(f, params, _first(xs[0])) for f, _, xs, _ in examples])
+    norms = (jnp.sqrt(jnp.maximum(sq, 0.0) + numerics.gram_error(norm_dtype) * sizes ** 2)
+             + numerics.vector_error(norm_dtype) * sizes)
     factor = numerics.clip_factor(norms, bound)
-    grads = jax.tree_util.tree_map(
-        lambda g: jnp.tensordot(factor.astype(g.dtype), _zero_rows(finite, g), axes=1, precision=
-                                _HIGHEST), group_grads)
+
+    # ḡ = Σ_g factor_g ∇L_g = Σ_e J_eᵀ(factor_{g(e)} c_e): the weighted factors contracted.
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    weights, keeps = [], []
+    for part in parts:
+      example_group = group_norms.example_groups(local_groups, part.views)
+      weight = jnp.where(example_group < num_groups,
+                         factor[jnp.minimum(example_group, num_groups - 1)], 0.0)
+      weights.append(weight[:, None].astype(dtype))
+      keeps.append(weight != 0)
+    grads = c.psum(
+        jax.tree_util.tree_unflatten(treedef,
+                                     group_norms.transpose_parts(parts, weights, keeps, leaves)))
     all_dropped = (num_nonfinite > 0) & ~jnp.any(valid)
-    loss_value = jnp.where(all_dropped, jnp.nan, loss_value)
+    loss_value = c.replicated(jnp.where(all_dropped, jnp.nan, loss_value))
     if with_stats:  # the norms of the groups with a valid record
-      members = jax.ops.segment_sum(valid.astype(jnp.int32), group_ids, num_segments=num_groups)
-      return loss_value, grads, clip_stats.summarize(norms, members > 0, bound,
-                                                     jnp.sum(valid, dtype=jnp.int32), num_nonfinite)
-    return loss_value, grads, num_nonfinite
+      members = group_norms.group_sums(valid.astype(jnp.int32), groups, num_groups)
+      stats = clip_stats.summarize(norms, members > 0, bound, jnp.sum(valid, dtype=jnp.int32),
+                                   num_nonfinite)
+      return loss_value, grads, jax.tree_util.tree_map(c.replicated, stats)
+    return loss_value, grads, c.replicated(num_nonfinite)
 
   def core(params, x, x_prime, mask, group_ids, extra_views, key=None):
     return body(params, x, x_prime, mask, group_ids, extra_views, False, key)

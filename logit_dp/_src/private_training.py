@@ -501,10 +501,17 @@ class PrivateTraining(NamedTuple):
         raise TypeError(f"augment must return a tuple {returns}, got {type(views).__name__}"
                         f"{'' if not isinstance(views, tuple) else f' of {len(views)}'}.")
       x_new, x_prime_new = views[:2]
-      if rows_lib.num_rows(x) > num_rows:  # mesh padding, left as it is
+      extra_views = None if len(views) == 2 else views[2]
+      padding = rows_lib.num_rows(x) - num_rows
+      if padding > 0:  # mesh padding, left as it is (masked rows; their extra views are zeros)
         x_new = _joined(x_new, _rows(x, num_rows))
         x_prime_new = _joined(x_prime_new, _rows(x_prime, num_rows))
-      return x_new, x_prime_new, ({} if len(views) == 2 else {"extra_views": views[2]})
+        if extra_views is not None:
+          extra_views = jnp.asarray(extra_views)
+          extra_views = jnp.concatenate(
+              [extra_views,
+               jnp.zeros((padding,) + extra_views.shape[1:], extra_views.dtype)])
+      return x_new, x_prime_new, ({} if extra_views is None else {"extra_views": extra_views})
 
     def update(params, opt_state, x, x_prime, mask, step, record_ids, user_ids, keys, num_rows):
       model_key, group_key = keys
@@ -711,6 +718,8 @@ class PrivateTraining(NamedTuple):
             "ledger.record_steps(1) before the update on the low-level path.")
       if multiple > 1:
         x, x_prime, mask = distributed.pad_to_multiple(x, x_prime, mask, multiple)
+      if grouped and record_ids is not None:
+        record_ids = _padded_ids(record_ids, rows_lib.num_rows(x))  # the mesh's masked rows
       if mesh is not None:  # as the step returns them: one compilation for every step
         params, opt_state = _replicated((params, opt_state), mesh)
       params_out, state_out, loss_value, flags, stats = update(params, opt_state, x, x_prime, mask,
@@ -850,6 +859,14 @@ def _secret_seed() -> int:
   return distributed.broadcast_seed()
 
 
+def _padded_ids(record_ids, num_rows: int) -> Any:
+  """record_ids with zeros appended up to num_rows (the ids of masked padding rows)."""
+  ids = np.asarray(record_ids)
+  if ids.ndim != 1 or ids.shape[0] >= num_rows:
+    return record_ids  # as given (the grad_fn checks its shape)
+  return np.concatenate([ids, np.zeros((num_rows - ids.shape[0],), ids.dtype)])
+
+
 def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: float,
                  target_delta: float, num_records: int, expected_batch_size: float,
                  optimizer: optax.GradientTransformation, epochs: float | None = None,
@@ -911,8 +928,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     method: a clip method of `clipped_grad` (an object such as
       ``clip_methods.Projected(reference_inputs=public_x)``, or a registered name: "ghost",
       the default, "triangle", "materialize"), "naive" (Naive-DP) or "dp_gcl" (DP-GCL,
-      `grouped_clipped_grad`: needs group_size; one device, no extra views; train_step groups
-      the records by batch.indices).
+      `grouped_clipped_grad`: needs group_size; train_step groups the records by
+      batch.indices; one device or a mesh).
     mean: scale the noisy sum by 1 / expected_batch_size before the optimizer.
     microbatch_size: passed to `clipped_grad` / `naive_clipped_grad`.
     accountant: "pld" (default) or "rdp", used for σ and by the ledger.
@@ -939,7 +956,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     mesh: a `jax.sharding.Mesh` with a "data" axis (`distributed.data_mesh`) for
       data-parallel training (one or several processes): ``grad_fn`` is then
       `distributed.make_sharded_grad_fn`'s, the same ḡ and C as on one device, and the
-      train step places the batch on the mesh. Not with method="dp_gcl".
+      train step places the batch on the mesh (method="dp_gcl" included: the groups are
+      those of the global batch).
     **grad_kwargs: other `clipped_grad` arguments (cosine_eps;
       positive_embed_fn for a two-tower model, with the same C; stochastic=True for a
       model embed_fn(params, x, key) with dropout: the training key is then split into the
@@ -993,6 +1011,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                      f"jax.random.PRNGKey(seed)), or None to draw a secret one, got {noise_key!r}.")
 
   grouped = mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL
+  if "axis_name" in grad_kwargs:
+    raise ValueError("make_private trains data-parallel with mesh= (distributed.data_mesh()), "
+                     "not axis_name=: its step runs the shard_map itself.")
   if "num_groups" in grad_kwargs:
     raise ValueError("make_private takes group_size= (the expected group size), not num_groups.")
   if grouped:
@@ -1002,9 +1023,6 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   if mesh is None:
     grad_fn = clipping.private_grad(embed_fn, loss, b, method, microbatch_size=microbatch_size,
                                     **grad_kwargs)
-  elif grouped:
-    raise ValueError("method='dp_gcl' runs on one device: its groups' gradients are not sharded "
-                     "(pass no mesh, or use a Logit-DP clip method or 'naive' on a mesh).")
   else:
     grad_fn = distributed.make_sharded_grad_fn(embed_fn, loss, b, distributed.check_mesh(mesh),
                                                method=method, microbatch_size=microbatch_size,

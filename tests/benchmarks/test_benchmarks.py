@@ -350,3 +350,18 @@ def test_ghost_chunk_rows_times_each_cap_and_restores_the_library():
   assert set(result["variants"]) == {"non-private", "ghost", "ghost, 1 row"}
   assert all(v["ratio"] > 0 for v in result["variants"].values())
   assert result["shipped_rows"] == 8 and chunking.ghost_layer_chunk_rows is shipped
+
+
+@pytest.mark.slow  # the grouped_cost harness
+def test_grouped_cost_benchmark_reports_memory_and_step_ratios(tmp_path, capsys):
+  from benchmarks import grouped_cost  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "grouped_memory.json"
+  grouped_cost.main(["memory", "--tiny", "--out", str(out)])
+  memory = json.loads(out.read_text())
+  assert memory["accumulator_bytes"] == 4 * memory["num_groups"] * memory["parameters"]
+  assert memory["temp_bytes"] > 0
+  assert memory["temp_over_accumulator"] == memory["temp_bytes"] / memory["accumulator_bytes"]
+  capsys.readouterr()
+  grouped_cost.main(["time", "--tiny"])
+  timed = json.loads(capsys.readouterr().out)
+  assert timed["ratio"] == timed["dp_gcl_s"] / timed["nonprivate_s"] and timed["dp_gcl_s"] > 0
