@@ -26,6 +26,7 @@ interleaved, median of --repeats), and their compile times:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -82,11 +83,11 @@ class _NnxVit(nnx.Module):
   def __init__(self, s, rngs):
     p, w = s["patch_size"], s["width"]
     self.patches = nnx.Conv(3, w, (p, p), strides=(p, p), padding="VALID", rngs=rngs)
-    tokens = (s["image_side"] // p)**2 + 1
+    tokens = (s["image_side"] // p) ** 2 + 1
     self.cls = nnx.Param(jnp.zeros((1, 1, w)))
     self.positions = nnx.Param(0.02 * jax.random.normal(rngs.params(), (tokens, w)))
-    self.blocks = nnx.List([_NnxBlock(w, s["num_heads"], s["mlp_dim"], rngs)
-                            for _ in range(s["depth"])])
+    self.blocks = nnx.List(
+        [_NnxBlock(w, s["num_heads"], s["mlp_dim"], rngs) for _ in range(s["depth"])])
     self.norm = nnx.LayerNorm(w, rngs=rngs)
     self.head = nnx.Linear(w, s["embedding_dim"], rngs=rngs)
 
@@ -141,9 +142,7 @@ class _EqxText(eqx.Module):
     keys = jax.random.split(key, s["depth"] + 3)
     self.embed = eqx.nn.Embedding(s["vocab_size"], s["width"], key=keys[0])
     self.positions = 0.02 * jax.random.normal(keys[1], (s["length"], s["width"]))
-    self.blocks = [
-        _EqxBlock(s["width"], s["num_heads"], s["mlp_dim"], k) for k in keys[3:]
-    ]
+    self.blocks = [_EqxBlock(s["width"], s["num_heads"], s["mlp_dim"], k) for k in keys[3:]]
     self.norm = eqx.nn.LayerNorm(s["width"])
     self.head = eqx.nn.Linear(s["width"], s["embedding_dim"], key=keys[2])
 
@@ -167,7 +166,7 @@ class _EqxVit(eqx.Module):
     p, w = s["patch_size"], s["width"]
     self.patches = eqx.nn.Conv2d(3, w, p, stride=p, key=keys[0])
     self.cls = jnp.zeros((1, w))
-    self.positions = 0.02 * jax.random.normal(keys[1], ((s["image_side"] // p)**2 + 1, w))
+    self.positions = 0.02 * jax.random.normal(keys[1], ((s["image_side"] // p) ** 2 + 1, w))
     self.blocks = [_EqxBlock(w, s["num_heads"], s["mlp_dim"], k) for k in keys[3:]]
     self.norm = eqx.nn.LayerNorm(w)
     self.head = eqx.nn.Linear(w, s["embedding_dim"], key=keys[2])
@@ -193,22 +192,21 @@ def _plain_init(s, key, tokens_in: int, vocab: bool):
   normal = lambda shape, scale: scale * jax.random.normal(next(keys), shape)
   params = {
       "positions": normal((tokens_in, w), 0.02),
-      "norm": {"scale": jnp.ones((w,)), "bias": jnp.zeros((w,))},
-      "head": normal((w, s["embedding_dim"]), w**-0.5),
-      "blocks": []
+      "norm": {"scale": jnp.ones((w,)), "bias": jnp.zeros((w,))}, "head": normal(
+          (w, s["embedding_dim"]), w ** -0.5), "blocks": []
   }
   if vocab:
     params["embed"] = normal((s["vocab_size"], w), 1.0)
   else:
-    params["patches"] = normal((s["patch_size"]**2 * 3, w), (s["patch_size"]**2 * 3)**-0.5)
+    params["patches"] = normal((s["patch_size"] ** 2 * 3, w), (s["patch_size"] ** 2 * 3) ** -0.5)
     params["cls"] = jnp.zeros((w,))
   for _ in range(s["depth"]):
     params["blocks"].append({
-        "qkv": normal((3, w, h, w // h), w**-0.5),  # one einsum, a stacked projection
-        "out": normal((h, w // h, w), w**-0.5),  # contracts (heads, head_dim)
+        "qkv": normal((3, w, h, w // h), w ** -0.5),  # one einsum, a stacked projection
+        "out": normal((h, w // h, w), w ** -0.5),  # contracts (heads, head_dim)
         "norm": {"scale": jnp.ones((w,))},  # RMSNorm
-        "up": normal((w, f), w**-0.5),
-        "down": normal((f, w), f**-0.5)
+        "up": normal((w, f), w ** -0.5),
+        "down": normal((f, w), f ** -0.5)
     })
   return params
 
@@ -253,10 +251,10 @@ def _tower(framework: str, arch: str, s: dict, key) -> tuple[Callable, Any]:
   if framework == "linen":
     keys = ("vocab_size", "length") if arch == "text" else ("patch_size",)
     common = {k: s[k] for k in ("width", "depth", "num_heads", "mlp_dim", "embedding_dim")}
-    module = (models.TextTransformer if arch == "text" else models.ViT)(
-        **common, **{k: s[k] for k in keys})
-    example = (jnp.zeros((1, s["length"]), jnp.int32)
-               if arch == "text" else jnp.zeros((1, s["image_side"], s["image_side"], 3)))
+    module = (models.TextTransformer if arch == "text" else models.ViT)(**common,
+                                                                        **{k: s[k] for k in keys})
+    example = (jnp.zeros((1, s["length"]), jnp.int32) if arch == "text" else jnp.zeros(
+        (1, s["image_side"], s["image_side"], 3)))
     return module.apply, module.init(key, example)
   if framework == "nnx":
     rngs = nnx.Rngs(key)
@@ -264,7 +262,7 @@ def _tower(framework: str, arch: str, s: dict, key) -> tuple[Callable, Any]:
   if framework == "equinox":
     return _eqx(_EqxText(s, key) if arch == "text" else _EqxVit(s, key))
   if framework == "plain":
-    tokens = s["length"] if arch == "text" else (s["image_side"] // s["patch_size"])**2 + 1
+    tokens = s["length"] if arch == "text" else (s["image_side"] // s["patch_size"]) ** 2 + 1
     params = _plain_init(s, key, tokens, arch == "text")
     return (_plain_text if arch == "text" else _plain_vit(s["patch_size"])), params
   raise ValueError(f"unknown framework {framework!r}; one of {FRAMEWORKS}")
@@ -304,11 +302,16 @@ def build(framework: str, arch: str, n: int, seed: int = 0, **sizes):
 
 
 # The benchmark ------------------------------------------------------------------------------
+def _grouped_step(grad_fn, record_ids, group_key, params, x, x_prime):
+  return grad_fn.with_num_dropped(params, x, x_prime, record_ids=record_ids, group_key=group_key)
+
+
 def _grad_fns(embed_fn, positive_embed_fn, methods, n: int) -> dict:
   loss = logit_dp.losses.contrastive(temperature=0.1)
   fns = {}
   for method in methods:
     if method == "nonprivate":
+
       def total(p, x, xp):
         u = logit_dp.losses.normalize(embed_fn(p, x))
         v = logit_dp.losses.normalize((positive_embed_fn or embed_fn)(p, xp))
@@ -316,12 +319,9 @@ def _grad_fns(embed_fn, positive_embed_fn, methods, n: int) -> dict:
 
       fns[method] = jax.jit(jax.value_and_grad(total))
     elif method == "dp_gcl":
-      grad_fn = logit_dp.baselines.grouped_clipped_grad(
-          embed_fn, loss, 1.0, max(1, n // 8), positive_embed_fn=positive_embed_fn)
-      ids = jnp.arange(n)
-      group_key = jax.random.key(1)
-      fns[method] = lambda p, x, xp, g=grad_fn: g.with_num_dropped(
-          p, x, xp, record_ids=ids, group_key=group_key)
+      grad_fn = logit_dp.baselines.grouped_clipped_grad(embed_fn, loss, 1.0, max(1, n // 8),
+                                                        positive_embed_fn=positive_embed_fn)
+      fns[method] = functools.partial(_grouped_step, grad_fn, jnp.arange(n), jax.random.key(1))
     else:
       grad_fn = logit_dp.clipped_grad(embed_fn, loss, 1.0, method,
                                       positive_embed_fn=positive_embed_fn)
@@ -379,8 +379,10 @@ def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict
     cross = d * d * sum(int(np.size(leaves[i])) for i in towers.shared)
   nonprivate = 3 * n * macs
   ghost = n * (1 + d) * macs + n * gram + n * n * cross
-  return {"forward_macs": macs, "nonprivate_macs": nonprivate, "ghost_floor_macs": ghost,
-          "ghost_floor_ratio": ghost / nonprivate}
+  return {
+      "forward_macs": macs, "nonprivate_macs": nonprivate, "ghost_floor_macs": ghost,
+      "ghost_floor_ratio": ghost / nonprivate
+  }
 
 
 def measure(framework: str, arch: str, n: int, methods, repeats: int) -> dict:
@@ -400,12 +402,16 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int) -> dict:
   step = {name: float(np.median(t)) for name, t in times.items()}
   first_compile = {name: compile_s[name] - step[name] for name in fns}
   return {
-      "framework": framework, "arch": arch, "n": n, "step_s": step,
-      "compile_s": first_compile,
-      "ratio": {name: step[name] / step["nonprivate"] for name in fns},
-      "compile_ratio": {name: first_compile[name] / max(first_compile["nonprivate"], 1e-9)
-                        for name in fns},
-      "floor": floor_ratio(embed_fn, params, x, x_prime, positive, n),
+      "framework":
+          framework, "arch":
+              arch, "n":
+                  n, "step_s":
+                      step, "compile_s":
+                          first_compile,
+      "ratio": {name: step[name] / step["nonprivate"] for name in fns}, "compile_ratio": {
+          name: first_compile[name] / max(first_compile["nonprivate"], 1e-9) for name in fns
+      }, "floor":
+          floor_ratio(embed_fn, params, x, x_prime, positive, n),
       "routes": [(leaf.path, leaf.route) for leaf in logit_dp.clip_methods.describe_plan(
           embed_fn, params, x[:4], x_prime=x_prime[:4], positive_embed_fn=positive).leaves]
   }
@@ -426,14 +432,18 @@ def main():
       for framework in args.frameworks.split(","):
         row = measure(framework, arch, n, args.methods.split(","), args.repeats)
         rows.append(row)
-        print(f"{framework:8s} {arch:5s} n={n:4d} floor {row['floor']['ghost_floor_ratio']:.1f}x "
-              + "  ".join(
-            f"{name} {row['ratio'][name]:.1f}x (compile {row['compile_ratio'][name]:.1f}x)"
-            for name in row["ratio"]), flush=True)
+        print(
+            f"{framework:8s} {arch:5s} n={n:4d} floor {row['floor']['ghost_floor_ratio']:.1f}x "
+            + "  ".join(
+                f"{name} {row['ratio'][name]:.1f}x (compile {row['compile_ratio'][name]:.1f}x)"
+                for name in row["ratio"]), flush=True)
         if args.out:
           with open(args.out, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(),
-                       "jax": jax.__version__, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+                    "rows": rows
+                }, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,11 @@ from logit_dp._src.methods import Materialize
 from logit_dp._src.methods import Projected
 from logit_dp._src.methods import Triangle
 from logit_dp._src.methods import names
+from logit_dp._src.methods import register
+from logit_dp._src.methods import resolve
 from logit_dp._src.plan_report import LeafRoute
 from logit_dp._src.plan_report import PlanReport
 from logit_dp._src.plan_report import describe_plan
-from logit_dp._src.methods import register
-from logit_dp._src.methods import resolve
 from logit_dp._src.two_tower import shared_parameters
 
 __all__ = [

@@ -13,8 +13,8 @@ import pytest
 
 import logit_dp
 from benchmarks import transformers
-from helpers import float64_clipped_reference
 from helpers import flat
+from helpers import float64_clipped_reference
 from logit_dp._src import layerwise
 from logit_dp._src import linear_ops
 from logit_dp._src import plan_report
@@ -50,29 +50,32 @@ def _clip_by_and_reference(embed_fn, params, x, x_prime, positive):
     z = lambda p, i, j: jnp.dot(unit(embed_fn(p, x64[i:i + 1])[0]),
                                 unit(positive(p, x_prime[j:j + 1])[0]))
     grads = [[jax.grad(z)(p64, i, j) for j in range(N)] for i in range(N)]
-    truth = np.array([[np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree_util.tree_leaves(
-        grads[i][j]))) for j in range(N)] for i in range(N)])
+    truth = np.array([[
+        np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree_util.tree_leaves(grads[i][j])))
+        for j in range(N)
+    ] for i in range(N)])
     u = jnp.stack([unit(embed_fn(p64, x64[i:i + 1])[0]) for i in range(N)])
     v = jnp.stack([unit(positive(p64, x_prime[j:j + 1])[0]) for j in range(N)])
     tau = np.asarray(jax.grad(LOSS)(u @ v.T, jnp.ones((N,), bool)))
     clip_norm = float(np.median(truth))
     lam = tau * np.minimum(1.0, clip_norm / truth)
-    grad = jax.tree_util.tree_map(lambda *g: sum(l * np.asarray(a) for l, a in zip(lam.ravel(), g)),
+    grad = jax.tree_util.tree_map(lambda *g: sum(w * np.asarray(a) for w, a in zip(lam.ravel(), g)),
                                   *[grads[i][j] for i in range(N) for j in range(N)])
     return truth, clip_norm, grad
 
 
-@pytest.mark.parametrize("framework,arch",
-                         _cases({("linen", "text"), ("nnx", "vit")}))
+@pytest.mark.parametrize("framework,arch", _cases({("linen", "text"), ("nnx", "vit")}))
 def test_ghost_norms_and_gradient_are_float64_truth(framework, arch):
   embed_fn, params, x, x_prime, positive = _problem(framework, arch)
   truth, clip_norm, expected = _clip_by_and_reference(embed_fn, params, x, x_prime, positive)
-  ghost = np.asarray(logit_dp.clip_methods.pair_grad_norms(
-      embed_fn, params, x, x_prime, "ghost", float_allowance=False, positive_embed_fn=positive))
+  ghost = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
+                                            float_allowance=False, positive_embed_fn=positive))
   # float32 Gram forms lose ~1e-7·max² to cancellation (as in test_frameworks).
   np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
-  clipped = np.asarray(logit_dp.clip_methods.pair_grad_norms(
-      embed_fn, params, x, x_prime, "ghost", positive_embed_fn=positive))
+  clipped = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
+                                            positive_embed_fn=positive))
   assert np.all(clipped >= truth * (1 - 1e-6))  # with its allowance: an upper bound
   grad_fn = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm, "ghost", positive_embed_fn=positive)
   _, grad = grad_fn(params, x, x_prime)
@@ -108,8 +111,9 @@ def test_every_method_runs_on_the_linen_transformer_and_bounds_the_truth(method)
   embed_fn, params, x, x_prime, _ = _problem("linen", "text")
   truth, _, _ = _clip_by_and_reference(embed_fn, params, x, x_prime, None)
   if method == "projected":  # public reference token ids, drawn apart from the batch
-    method = logit_dp.clip_methods.Projected(reference_inputs=jax.random.randint(
-        jax.random.key(7), (4, TINY["length"]), 0, TINY["vocab_size"]))
+    method = logit_dp.clip_methods.Projected(
+        reference_inputs=jax.random.randint(jax.random.key(7), (
+            4, TINY["length"]), 0, TINY["vocab_size"]))
   norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, method))
   assert np.all(np.isfinite(norms)) and np.all(norms >= truth * (1 - 1e-6))
   _, grad = logit_dp.clipped_grad(embed_fn, LOSS, 1.0, method)(params, x, x_prime)
@@ -125,8 +129,9 @@ def test_materialize_uses_nothing_but_jax_differentiation(monkeypatch):
 
   monkeypatch.setattr(linear_ops, "scan", refuse)
   monkeypatch.setattr(layerwise, "make_plan", refuse)
-  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime,
-                                                           "materialize", float_allowance=False))
+  norms = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
+                                            float_allowance=False))
   np.testing.assert_allclose(norms, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
 
 
@@ -140,8 +145,9 @@ def test_an_operation_the_engine_cannot_read_takes_the_exact_slow_path(monkeypat
   monkeypatch.setattr(linear_ops, "_dense_op", unreadable)
   report = logit_dp.clip_methods.describe_plan(embed_fn, params, x)
   assert any("query" in leaf.path for leaf in report.slow)
-  norms = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
-                                                           float_allowance=False))
+  norms = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
+                                            float_allowance=False))
   np.testing.assert_allclose(norms, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
 
 
@@ -183,6 +189,7 @@ def test_dense_general_and_einsum_of_several_axes_are_exact():
       truth, _ = float64_clipped_reference(embed_fn, LOSS, p, x, x_prime, np.inf)
     report = logit_dp.clip_methods.describe_plan(embed_fn, p, x)
     assert report.slow == () and {leaf.route for leaf in report.leaves} <= {"ghost", "flattened"}
-    ghost = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, p, x, x_prime, "ghost",
-                                                             float_allowance=False))
+    ghost = np.asarray(
+        logit_dp.clip_methods.pair_grad_norms(embed_fn, p, x, x_prime, "ghost",
+                                              float_allowance=False))
     np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))

@@ -366,9 +366,8 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
     site_bad |= {s.leaf for s in sites}
   else:
     for site, site_plus in zip(sites, sites_plus):
-      if not (site.out_shape[0] == n and site_plus.out_shape[0] == n + 1
-              and site.out_shape[1:] == site_plus.out_shape[1:]
-              and np.array_equal(site.index, site_plus.index)):
+      if not (site.out_shape[0] == n and site_plus.out_shape[0] == n + 1 and site.out_shape[1:]
+              == site_plus.out_shape[1:] and np.array_equal(site.index, site_plus.index)):
         site_bad.add(site.leaf)  # the leading axis is not the example axis
   planned_sites = tuple(s for s in sites if s.leaf in generic and s.leaf not in site_bad)
   return Plan(layers, tuple(use_ghost(layer, d) for layer in layers), generic, planned_sites)
@@ -497,7 +496,8 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   args = leaves + jax.tree_util.tree_leaves(x)
 
   def embed(perturbations):
-    patches, acts = [], [None] * len(sites)
+    patches: list = []
+    acts: list[Any] = [None] * len(sites)
 
     def on_op(op, values, compute):
       if isinstance(op, linear_ops.ElementwiseSite):
@@ -547,8 +547,9 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
       def one_coordinate(k, held):
         def put(held_l, g, straight):
           if straight:
-            return jax.lax.dynamic_update_index_in_dim(held_l, g.reshape(held_l.shape[:1] + (
-                1,) * (held_l.ndim - 3) + (1, -1)), k, axis=held_l.ndim - 2)
+            return jax.lax.dynamic_update_index_in_dim(
+                held_l, g.reshape(held_l.shape[:1] + (1,) * (held_l.ndim - 3) + (1, -1)), k,
+                axis=held_l.ndim - 2)
           return jax.lax.dynamic_update_index_in_dim(held_l, g, k, axis=0)
 
         return [put(*args) for args in zip(held, backward(eye[k]), direct)]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -129,6 +129,7 @@ class ElementwiseSite:
 
   @property
   def leaves(self) -> tuple[int, ...]:
+    """(leaf,): the one leaf of the site."""
     return (self.leaf,)
 
 
@@ -249,8 +250,7 @@ def _dense_op(eqn, path, kernel_position, kernel) -> LinearOp | None:
   return LinearOp(path, "dense", leaf, axes, act_position, tuple(act_aval.shape), out_shape, fan_in,
                   features,
                   tuple(act_free) + act_contract, raw_to_canonical,
-                  precision=eqn.params.get("precision"),
-                  feature_shape=feature_shape)
+                  precision=eqn.params.get("precision"), feature_shape=feature_shape)
 
 
 def _embed_op(eqn, path, table) -> LinearOp | None:
@@ -269,15 +269,15 @@ def _embed_op(eqn, path, table) -> LinearOp | None:
   clamps = "CLIP" in mode or "PROMISE_IN_BOUNDS" in mode
   if (w_aval.ndim != 2 or ids_aval.ndim < 2 or not _float32(w_aval, out_aval)
       or not jnp.issubdtype(ids_aval.dtype, jnp.integer)
-      or tuple(getattr(dims, "operand_batching_dims", ())) != ()
-      or tuple(params["slice_sizes"]) != (1, w_aval.shape[1])):
+      or tuple(getattr(dims, "operand_batching_dims",
+                       ())) != () or tuple(params["slice_sizes"]) != (1, w_aval.shape[1])):
     return None
   rank = out_aval.ndim
   by_row = (ids_aval.shape[-1] == 1 and tuple(dims.start_index_map) == (0,)
             and tuple(dims.collapsed_slice_dims) == (0,) and tuple(dims.offset_dims) == (rank - 1,))
   by_slice = (clamps and ids_aval.shape[-1] == 2 and tuple(dims.start_index_map) == (0, 1)
-              and tuple(dims.collapsed_slice_dims) == () and tuple(dims.offset_dims)
-              == (rank - 2, rank - 1))
+              and tuple(dims.collapsed_slice_dims) == ()
+              and tuple(dims.offset_dims) == (rank - 2, rank - 1))
   if not (by_row or by_slice):
     return None
   leaf, index, leaf_shape = table
@@ -378,8 +378,9 @@ def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) ->
         m = op.act_shape[0]
         # The canonical feature c of every output element (bijectivity: sizes are checked).
         features = np.broadcast_to(np.arange(op.features, dtype=np.int32), (m,) + op.out_shape)
-        outputs[eqn.outvars[0]] = (op, np.transpose(op.expanded(features),
-                                                    np.argsort(op.raw_to_canonical)))
+        outputs[eqn.outvars[0]] = (op,
+                                   np.transpose(op.expanded(features),
+                                                np.argsort(op.raw_to_canonical)))
       continue
     if with_bias and len(derived) == 1 and name in ("add", "add_any") and _bias_add(
         eqn, derived[0], outputs):
@@ -449,7 +450,8 @@ def _elementwise_site(eqn, path, derived) -> ElementwiseSite | None:
       if per_example is None:
         return None
       if name == "mul":
-        return ElementwiseSite(path, "scale", leaf, out_shape, per_example, act_position=1 - position)
+        return ElementwiseSite(path, "scale", leaf, out_shape, per_example,
+                               act_position=1 - position)
       sign = -1.0 if name == "sub" and position == 1 else 1.0
       return ElementwiseSite(path, "shift", leaf, out_shape, per_example, sign=sign)
     if name == "concatenate":
@@ -491,10 +493,11 @@ def _bias_add(eqn, derived, outputs) -> bool:
   return True
 
 
-def evaluate(closed: jex.ClosedJaxpr, args, on_op: Callable[[LinearOp, list, Callable], Any],
-             ops: list[LinearOp]) -> list:
+def evaluate(closed: jex.ClosedJaxpr, args, on_op: Callable[[Any, list, Callable], Any],
+             ops: Sequence[LinearOp | ElementwiseSite]) -> list:
   """Evaluates the jaxpr on args (flat), returning its flat outputs; the equation of each op
-  in `ops` is replaced by on_op(op, its input values, a thunk computing the equation).
+  (a `LinearOp` or an `ElementwiseSite`) in `ops` is replaced by on_op(op, its input values, a
+  thunk computing the equation).
   Sub-jaxprs that contain one of them are inlined."""
   by_path = {op.path: op for op in ops}
   inline = {op.path[:k] for op in ops for k in range(1, len(op.path))}

@@ -73,8 +73,8 @@ class PlanReport:
 def _routes(plan: layerwise.Plan, leaves, d: int) -> dict[int, tuple[str, str, float]]:
   routes = {}
   for layer, ghost in zip(plan.layers, plan.ghost):
-    detail = (f"{layer.kind}, T={layer.positions}, P={layer.fan_in}, C={layer.features}"
-              + ("" if len(layer.leaves) == 1 else ", with its bias"))
+    detail = (f"{layer.kind}, T={layer.positions}, P={layer.fan_in}, C={layer.features}" +
+              ("" if len(layer.leaves) == 1 else ", with its bias"))
     cost = layer.pair_cost(d, ghost)
     for k, i in enumerate(layer.leaves):
       routes[i] = ("ghost" if ghost else "flattened", detail if k == 0 else "bias of the layer",
@@ -120,8 +120,8 @@ def report(plans: tuple[layerwise.Plan, ...], params, d: int,
   for i, (path, leaf) in enumerate(flat):
     size = int(np.size(leaf))
     if not layerwise.is_float(leaf):
-      rows.append(LeafRoute(jax.tree_util.keystr(path), size, "not float", "not differentiated",
-                            0.0))
+      rows.append(
+          LeafRoute(jax.tree_util.keystr(path), size, "not float", "not differentiated", 0.0))
       continue
     route, detail, cost = routes.get(i, ("unused", "the embedding does not depend on it", 0.0))
     rows.append(LeafRoute(jax.tree_util.keystr(path), size, route, detail, cost))
