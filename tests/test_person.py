@@ -183,22 +183,24 @@ def test_person_removal_gaps_are_the_brute_force_ones():
       np.testing.assert_allclose(got[u], np.linalg.norm(full - without), rtol=2e-4)
 
 
-@pytest.mark.parametrize("method,kwargs,kind,clip_norm", [
-    ("ghost", {}, "mlp", 1e-3),
-    ("naive", {}, "linear", 1.0),
-    ("dp_gcl", dict(num_groups=3, group_by="person"), "linear", 1e-3),
-    ("dp_gcl", dict(num_groups=3, group_by="person"), "mlp", 1.0),
+@pytest.mark.parametrize("method,kwargs,kind,clip_norm,effort", [
+    ("ghost", {}, "mlp", 1e-3, (2, 10)),
+    ("naive", {}, "linear", 1.0, (2, 10)),
+    ("dp_gcl", dict(num_groups=3, group_by="person"), "linear", 1e-3, (2, 10)),
+    # The MLP's worst DP-GCL batch needs a longer search (2 × 10 steps stop at a group of one
+    # person, gap B).
+    ("dp_gcl", dict(num_groups=3, group_by="person"), "mlp", 1.0, (4, 30)),
 ])
 def test_removing_a_whole_person_never_exceeds_the_per_person_sensitivity(
-    method, kwargs, kind, clip_norm):
+    method, kwargs, kind, clip_norm, effort):
   """The search (adversarial starts: a person's pairs near-identical, each other's hardest
   negatives; then Adam) removes every person in turn: the largest gap stays ≤ C_K(n) for
   Logit-DP and ≤ 2B for Naive-DP and DP-GCL grouped by person, and comes close to 2B."""
   fn, params = _model(kind)
   loss = logit_dp.losses.contrastive(0.5)
   result = audit.search_worst_person_removal(fn, params, loss, clip_norm, USERS, dim=3,
-                                             key=jax.random.key(0), num_restarts=2, num_steps=10,
-                                             method=method, **kwargs)
+                                             key=jax.random.key(0), num_restarts=effort[0],
+                                             num_steps=effort[1], method=method, **kwargs)
   assert result.max_pairs == 3
   assert result.ratio <= 1 + TOL and result.ratio_sup <= 1 + TOL
   if method != "ghost":
