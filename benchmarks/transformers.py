@@ -385,9 +385,9 @@ def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict
   }
 
 
-def measure(framework: str, arch: str, n: int, methods, repeats: int) -> dict:
+def measure(framework: str, arch: str, n: int, methods, repeats: int, **sizes) -> dict:
   """Compile and step seconds of each method, and their ratios to the non-private step."""
-  embed_fn, params, x, x_prime, positive = build(framework, arch, n)
+  embed_fn, params, x, x_prime, positive = build(framework, arch, n, **sizes)
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
   compile_s, times = {}, {name: [] for name in fns}
   for name, fn in fns.items():
@@ -417,6 +417,24 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int) -> dict:
   }
 
 
+def table(rows) -> str:
+  """The markdown table of a benchmark's rows (BENCHMARKS.md's): per model and n, each private
+  gradient's step and compile time as ratios to the non-private gradient's, and ghost's
+  arithmetic floor."""
+  methods = [m for m in rows[0]["ratio"] if m != "nonprivate"]
+  head = ("| framework | model | n | non-private step | "
+          + " | ".join(f"{m} step | {m} compile" for m in methods)
+          + " | ghost's arithmetic floor |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  for row in rows:
+    cells = [row["framework"], row["arch"], str(row["n"]), f"{row['step_s']['nonprivate']:.3g} s"]
+    for m in methods:
+      cells += [f"{row['ratio'][m]:.1f}×", f"{row['compile_ratio'][m]:.1f}×"]
+    cells.append(f"{row['floor']['ghost_floor_ratio']:.1f}×")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--archs", default="text,vit,clip")
@@ -425,7 +443,13 @@ def main():
   parser.add_argument("--methods", default="ghost,dp_gcl")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--table", default=None,
+                      help="print the markdown table of this JSON output and exit")
   args = parser.parse_args()
+  if args.table:
+    with open(args.table) as f:
+      print(table(json.load(f)["rows"]))
+    return
   rows = []
   for n in [int(v) for v in args.sizes.split(",")]:
     for arch in args.archs.split(","):

@@ -183,14 +183,16 @@ def test_person_removal_gaps_are_the_brute_force_ones():
       np.testing.assert_allclose(got[u], np.linalg.norm(full - without), rtol=2e-4)
 
 
-@pytest.mark.parametrize("method,kwargs,kind,clip_norm,effort", [
-    ("ghost", {}, "mlp", 1e-3, (2, 10)),
-    ("naive", {}, "linear", 1.0, (2, 10)),
-    ("dp_gcl", dict(num_groups=3, group_by="person"), "linear", 1e-3, (2, 10)),
-    # The MLP's worst DP-GCL batch needs a longer search (2 × 10 steps stop at a group of one
-    # person, gap B).
-    ("dp_gcl", dict(num_groups=3, group_by="person"), "mlp", 1.0, (4, 30)),
-])
+@pytest.mark.parametrize(
+    "method,kwargs,kind,clip_norm,effort",
+    [
+        ("ghost", {}, "mlp", 1e-3, (2, 10)),
+        ("naive", {}, "linear", 1.0, (2, 10)),
+        ("dp_gcl", dict(num_groups=3, group_by="person"), "linear", 1e-3, (2, 10)),
+        # The MLP's worst DP-GCL batch needs a longer search (2 × 10 steps stop at a group of one
+        # person, gap B).
+        ("dp_gcl", dict(num_groups=3, group_by="person"), "mlp", 1.0, (4, 30)),
+    ])
 def test_removing_a_whole_person_never_exceeds_the_per_person_sensitivity(
     method, kwargs, kind, clip_norm, effort):
   """The search (adversarial starts: a person's pairs near-identical, each other's hardest

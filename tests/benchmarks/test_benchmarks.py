@@ -365,3 +365,17 @@ def test_grouped_cost_benchmark_reports_memory_and_step_ratios(tmp_path, capsys)
   grouped_cost.main(["time", "--tiny"])
   timed = json.loads(capsys.readouterr().out)
   assert timed["ratio"] == timed["dp_gcl_s"] / timed["nonprivate_s"] and timed["dp_gcl_s"] > 0
+
+
+@pytest.mark.slow  # the transformers harness: three compilations per model
+def test_transformers_benchmark_measures_every_method_and_renders_its_table(tmp_path):
+  from benchmarks import transformers  # pylint: disable=g-import-not-at-top
+  tiny = dict(width=8, depth=1, num_heads=2, mlp_dim=16, length=4, vocab_size=20, image_side=8,
+              patch_size=4, embedding_dim=4)
+  row = transformers.measure("linen", "clip", 8, ("ghost", "dp_gcl"), 1, **tiny)
+  assert set(row["ratio"]) == {"nonprivate", "ghost", "dp_gcl"}
+  assert row["ratio"]["ghost"] == row["step_s"]["ghost"] / row["step_s"]["nonprivate"]
+  assert row["floor"]["ghost_floor_ratio"] > 1
+  assert all(route != "jacrev" for _, route in row["routes"])
+  table = transformers.table([row]).splitlines()
+  assert len(table) == 3 and table[2].startswith("| linen | clip | 8 |")
