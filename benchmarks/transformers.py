@@ -16,8 +16,8 @@ framework's own layers:
 The default sizes are the benchmark's: width 64, 4 heads, MLP 256, 2 pre-LN blocks; text:
 length 16, vocabulary 1,000, mean pooling; ViT: 32×32 images, 4×4 patches, a class token;
 32-dimensional embeddings. The benchmark times, in one process, the non-private
-``value_and_grad`` of the contrastive loss and each private gradient (after compilation,
-interleaved, median of --repeats), and their compile times:
+``value_and_grad`` of the contrastive loss and each private gradient (after compilation, each
+method's --repeats in one block, median), and their compile times:
 
   python -m benchmarks.transformers --archs text,vit,clip --sizes 128,512 \
       --out docs/benchmarks/transformers_cpu.json
@@ -385,8 +385,14 @@ def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict
   }
 
 
-def measure(framework: str, arch: str, n: int, methods, repeats: int, **sizes) -> dict:
-  """Compile and step seconds of each method, and their ratios to the non-private step."""
+def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: bool = True,
+            **sizes) -> dict:
+  """Compile and step seconds of each method, and their ratios to the non-private step.
+
+  blocked: each method's repeats run one after another (on the CPU a non-private step right
+  after a private one runs slower, its memory evicted: round-robin inflates the non-private
+  time); False: round-robin over the methods.
+  """
   embed_fn, params, x, x_prime, positive = build(framework, arch, n, **sizes)
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
   compile_s, times = {}, {name: [] for name in fns}
@@ -394,27 +400,28 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, **sizes) -
     start = time.perf_counter()
     jax.block_until_ready(fn(params, x, x_prime))
     compile_s[name] = time.perf_counter() - start  # the first call: trace, compile and run
-  for _ in range(repeats):  # interleaved: a slow spell of the machine hits every method
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn(params, x, x_prime))
-      times[name].append(time.perf_counter() - start)
+  order = ([name for name in fns for _ in range(repeats)] if blocked else
+           [name for _ in range(repeats) for name in fns])
+  for name in order:
+    if blocked and not times[name]:
+      jax.block_until_ready(fns[name](params, x, x_prime))  # warm after the other methods
+    start = time.perf_counter()
+    jax.block_until_ready(fns[name](params, x, x_prime))
+    times[name].append(time.perf_counter() - start)
   step = {name: float(np.median(t)) for name, t in times.items()}
   first_compile = {name: compile_s[name] - step[name] for name in fns}
-  return {
-      "framework":
-          framework, "arch":
-              arch, "n":
-                  n, "step_s":
-                      step, "compile_s":
-                          first_compile,
-      "ratio": {name: step[name] / step["nonprivate"] for name in fns}, "compile_ratio": {
-          name: first_compile[name] / max(first_compile["nonprivate"], 1e-9) for name in fns
-      }, "floor":
-          floor_ratio(embed_fn, params, x, x_prime, positive, n),
-      "routes": [(leaf.path, leaf.route) for leaf in logit_dp.clip_methods.describe_plan(
-          embed_fn, params, x[:4], x_prime=x_prime[:4], positive_embed_fn=positive).leaves]
+  result = dict(framework=framework, arch=arch, n=n, order="blocked" if blocked else "interleaved",
+                step_s=step, compile_s=first_compile)
+  result["ratio"] = {name: step[name] / step["nonprivate"] for name in fns}
+  result["compile_ratio"] = {
+      name: first_compile[name] / max(first_compile["nonprivate"], 1e-9) for name in fns
   }
+  result["floor"] = floor_ratio(embed_fn, params, x, x_prime, positive, n)
+  report = logit_dp.clip_methods.describe_plan(embed_fn, params, x[:4], x_prime=x_prime[:4],
+                                               positive_embed_fn=positive)
+  result["routes"] = [(leaf.path, leaf.route) for leaf in report.leaves]
+  return result
+
 
 
 def table(rows) -> str:
@@ -442,6 +449,8 @@ def main():
   parser.add_argument("--sizes", default="128,512")
   parser.add_argument("--methods", default="ghost,dp_gcl")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--interleaved", action="store_true",
+                      help="time the methods round-robin instead of one block each")
   parser.add_argument("--out", default=None)
   parser.add_argument("--table", default=None,
                       help="print the markdown table of this JSON output and exit")
@@ -454,7 +463,8 @@ def main():
   for n in [int(v) for v in args.sizes.split(",")]:
     for arch in args.archs.split(","):
       for framework in args.frameworks.split(","):
-        row = measure(framework, arch, n, args.methods.split(","), args.repeats)
+        row = measure(framework, arch, n, args.methods.split(","), args.repeats,
+                      blocked=not args.interleaved)
         rows.append(row)
         print(
             f"{framework:8s} {arch:5s} n={n:4d} floor {row['floor']['ghost_floor_ratio']:.1f}x "
