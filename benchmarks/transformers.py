@@ -400,8 +400,8 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
     start = time.perf_counter()
     jax.block_until_ready(fn(params, x, x_prime))
     compile_s[name] = time.perf_counter() - start  # the first call: trace, compile and run
-  order = ([name for name in fns for _ in range(repeats)] if blocked else
-           [name for _ in range(repeats) for name in fns])
+  order = ([name for name in fns for _ in range(repeats)]
+           if blocked else [name for _ in range(repeats) for name in fns])
   for name in order:
     if blocked and not times[name]:
       jax.block_until_ready(fns[name](params, x, x_prime))  # warm after the other methods
@@ -421,7 +421,6 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
                                                positive_embed_fn=positive)
   result["routes"] = [(leaf.path, leaf.route) for leaf in report.leaves]
   return result
-
 
 
 def table(rows) -> str:
