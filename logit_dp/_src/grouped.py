@@ -407,34 +407,31 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       stats_core=jax.jit(numerics.full_float32(stats_core)), stochastic=stochastic)
 
 
-def _check_record_ids(record_ids, mask, n: int) -> jax.Array:
-  if record_ids is None:
-    raise ValueError("record_ids is required: groups are a hash of the record id (a group by "
-                     "position in the batch is not private, see docs/METHOD.md).")
-  ids = jnp.asarray(record_ids)
+def _check_ids(name: str, ids, mask, n: int, unique: bool, what: str) -> jax.Array:
+  """ids as a (n,) integer array, ≥ 0 on the valid rows (and unique there if `unique`)."""
+  ids = jnp.asarray(ids)
   if ids.shape != (n,) or not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ValueError(f"record_ids must be an integer array of shape ({n},), got shape "
+    raise ValueError(f"{name} must be an integer array of shape ({n},){what}, got shape "
                      f"{ids.shape}, dtype {ids.dtype}.")
   if not rows_lib.is_traced((ids, mask)):
     valid_ids = np.asarray(ids)[np.asarray(mask)]
     if valid_ids.size and valid_ids.min() < 0:
-      raise ValueError("record_ids must be ≥ 0.")
-    if len(np.unique(valid_ids)) != valid_ids.size:
-      raise ValueError("record_ids of the valid rows must be unique: a record is sampled at most "
+      raise ValueError(f"{name} must be ≥ 0.")
+    if unique and len(np.unique(valid_ids)) != valid_ids.size:
+      raise ValueError(f"{name} of the valid rows must be unique: a record is sampled at most "
                        "once per batch.")
   return ids
 
 
+def _check_record_ids(record_ids, mask, n: int) -> jax.Array:
+  if record_ids is None:
+    raise ValueError("record_ids is required: groups are a hash of the record id (a group by "
+                     "position in the batch is not private, see docs/METHOD.md).")
+  return _check_ids("record_ids", record_ids, mask, n, unique=True, what="")
+
+
 def _check_user_ids(user_ids, mask, n: int) -> jax.Array:
-  ids = jnp.asarray(user_ids)
-  if ids.shape != (n,) or not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ValueError(f"user_ids must be an integer array of shape ({n},), the person of every "
-                     f"row, got shape {ids.shape}, dtype {ids.dtype}.")
-  if not rows_lib.is_traced((ids, mask)):
-    valid_ids = np.asarray(ids)[np.asarray(mask)]
-    if valid_ids.size and valid_ids.min() < 0:
-      raise ValueError("user_ids must be ≥ 0.")
-  return ids
+  return _check_ids("user_ids", user_ids, mask, n, unique=False, what=", the person of every row")
 
 
 def _check_extra_views(extra_views, x) -> jax.Array:
