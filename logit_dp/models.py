@@ -169,17 +169,22 @@ class TransformerBlock(nn.Module):
     return x + nn.Dense(x.shape[-1])(nn.gelu(h))
 
 
-class TextTransformer(nn.Module):
-  """Token ids (n, length) -> (n, embedding_dim): token embedding plus learned positions,
-  ``depth`` pre-LN blocks, a final LayerNorm, mean pooling over tokens and a projection."""
+class _TransformerEncoder(nn.Module):
+  """The sizes both encoders share: ``depth`` pre-LN blocks of ``width`` features."""
 
-  vocab_size: int = 1000
-  length: int = 16
   width: int = 64
   depth: int = 2
   num_heads: int = 4
   mlp_dim: int = 256
   embedding_dim: int = 32
+
+
+class TextTransformer(_TransformerEncoder):
+  """Token ids (n, length) -> (n, embedding_dim): token embedding plus learned positions,
+  ``depth`` pre-LN blocks, a final LayerNorm, mean pooling over tokens and a projection."""
+
+  vocab_size: int = 1000
+  length: int = 16
 
   @nn.compact
   def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
@@ -192,17 +197,12 @@ class TextTransformer(nn.Module):
     return nn.Dense(self.embedding_dim)(x)
 
 
-class ViT(nn.Module):
+class ViT(_TransformerEncoder):
   """Images (n, H, W, C) -> (n, embedding_dim): ``patch_size`` patches embedded by a strided
   convolution, a class token and learned positions, ``depth`` pre-LN blocks, a final
   LayerNorm of the class token and a projection."""
 
   patch_size: int = 4
-  width: int = 64
-  depth: int = 2
-  num_heads: int = 4
-  mlp_dim: int = 256
-  embedding_dim: int = 32
 
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:

@@ -30,6 +30,11 @@ def _problem(framework, arch):
   return transformers.build(framework, arch, N, **TINY)
 
 
+def _assert_float64_truth(norms, truth):
+  """float32 Gram forms lose ~1e-7·max² to cancellation (as in test_frameworks)."""
+  np.testing.assert_allclose(norms, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
+
+
 def _cases(default):
   return [(f, a) if (f, a) in default else pytest.param(f, a, marks=pytest.mark.extended)
           for a in transformers.ARCHS for f in transformers.FRAMEWORKS]
@@ -71,8 +76,7 @@ def test_ghost_norms_and_gradient_are_float64_truth(framework, arch):
   ghost = np.asarray(
       logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
                                             float_allowance=False, positive_embed_fn=positive))
-  # float32 Gram forms lose ~1e-7·max² to cancellation (as in test_frameworks).
-  np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
+  _assert_float64_truth(ghost, truth)
   clipped = np.asarray(
       logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
                                             positive_embed_fn=positive))
@@ -132,7 +136,7 @@ def test_materialize_uses_nothing_but_jax_differentiation(monkeypatch):
   norms = np.asarray(
       logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "materialize",
                                             float_allowance=False))
-  np.testing.assert_allclose(norms, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
+  _assert_float64_truth(norms, truth)
 
 
 def test_an_operation_the_engine_cannot_read_takes_the_exact_slow_path(monkeypatch):
@@ -148,7 +152,7 @@ def test_an_operation_the_engine_cannot_read_takes_the_exact_slow_path(monkeypat
   norms = np.asarray(
       logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
                                             float_allowance=False))
-  np.testing.assert_allclose(norms, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
+  _assert_float64_truth(norms, truth)
 
 
 def test_a_large_parameter_on_the_slow_path_warns_once(monkeypatch):
@@ -192,4 +196,4 @@ def test_dense_general_and_einsum_of_several_axes_are_exact():
     ghost = np.asarray(
         logit_dp.clip_methods.pair_grad_norms(embed_fn, p, x, x_prime, "ghost",
                                               float_allowance=False))
-    np.testing.assert_allclose(ghost, truth, rtol=1e-4, atol=1e-5 * float(np.max(truth)))
+    _assert_float64_truth(ghost, truth)
