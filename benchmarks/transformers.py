@@ -255,7 +255,7 @@ def _tower(framework: str, arch: str, s: dict, key) -> tuple[Callable, Any]:
                                                                         **{k: s[k] for k in keys})
     example = (jnp.zeros((1, s["length"]), jnp.int32) if arch == "text" else jnp.zeros(
         (1, s["image_side"], s["image_side"], 3)))
-    return module.apply, module.init(key, example)
+    return module.apply, jax.jit(module.init)(key, example)  # one compilation, not one per op
   if framework == "nnx":
     rngs = nnx.Rngs(key)
     return _nnx(_NnxText(s, rngs) if arch == "text" else _NnxVit(s, rngs))

@@ -202,6 +202,7 @@ def test_each_norm_depends_on_its_own_pair_only(duplicates_truth, duplicates_nor
   np.testing.assert_allclose(part, full[np.ix_(keep, keep)], rtol=1e-4)
 
 
+@pytest.mark.extended
 def test_the_gradient_through_recomputed_norms_is_finite(duplicates_truth):
   """Reverse mode through clipped_grad with flagged pairs (the audits' gradient ascent): the
   recomputed norms enter as constants."""

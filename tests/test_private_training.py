@@ -955,7 +955,8 @@ def _steps(pt, params, data, num_steps, **step_kwargs):
   return params, opt_state, outputs
 
 
-@pytest.mark.parametrize("method", ["ghost", "naive", "dp_gcl"])
+@pytest.mark.parametrize(
+    "method", ["ghost", pytest.param("naive", marks=pytest.mark.extended), "dp_gcl"])
 def test_make_private_on_a_mesh_trains_as_on_one_device(method, caplog):
   """make_private(mesh=): the step pads the batch to the devices and computes the global ḡ;
   the same σ, C, ledger and, step after step, the same parameters as one device; its update
