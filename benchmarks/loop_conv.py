@@ -1,4 +1,4 @@
-r"""Convolution gradients inside a microbatch loop: JAX's rule vs layerwise.channels_last_conv.
+r"""Convolution gradients inside a microbatch loop: JAX's rule vs layers.conv.channels_last_conv.
 
     python -m benchmarks.loop_conv --out results/loop_conv.json
 
@@ -10,7 +10,7 @@ NHWC, split into `--chunks` microbatches) for
 
   jax / unrolled         jax.vjp of lax.conv_general_dilated, microbatches in a Python loop
   jax / lax.map          the same inside lax.map (what microbatching compiles to)
-  channels_last / ...    layerwise.channels_last_conv (explicitly transposed operands), both ways
+  channels_last / ...    layers.conv.channels_last_conv (explicitly transposed operands), both ways
 
 and checks that both give the same gradients. Median of --repeats runs after a warm-up.
 """
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import step_benchmark as sb
-from logit_dp._src import layerwise
+from logit_dp._src import layers
 
 
 def measure(shape, features: int, stride: int, chunks: int, repeats: int) -> dict:
@@ -40,7 +40,7 @@ def measure(shape, features: int, stride: int, chunks: int, repeats: int) -> dic
           lambda x, w: jax.lax.conv_general_dilated(x, w, (stride, stride), "SAME",
                                                     dimension_numbers=("NHWC", "HWIO", "NHWC")),
       "channels_last":
-          lambda x, w: layerwise.channels_last_conv(x, w, config, None),
+          lambda x, w: layers.conv.channels_last_conv(x, w, config, None),
   }
   out_shape = jax.eval_shape(convs["jax"], x, kernel).shape
   g = jax.random.normal(kg, out_shape)

@@ -8,11 +8,18 @@ new method subclasses `ClipMethod` and is added by `register`. `pair_grad_norms`
 norms a method clips by, `ClipStats` what clipping did on a batch (``grad_fn.with_stats``), and
 `shared_parameters` which parameters two towers share, and `describe_plan` how the norms of
 every parameter are computed (and which take the slow path).
+
+The layers the exact methods factor are kinds of their own: a new one subclasses `LayerKind`
+(it recognises a primitive's equation as a `LinearOp` y = A·K and gives its patches A) and is
+added by `register_layer_kind`; its pair norms and clipped gradient then follow.
 """
 
 from logit_dp._src.clip_stats import QUANTILE_LEVELS
 from logit_dp._src.clip_stats import ClipStats
 from logit_dp._src.clipping import pair_grad_norms
+from logit_dp._src.layers import LayerKind
+from logit_dp._src.layers import register as register_layer_kind
+from logit_dp._src.linear_ops import LinearOp
 from logit_dp._src.methods import DEFAULT_PROJECTION_RANK
 from logit_dp._src.methods import METHODS
 from logit_dp._src.methods import ClipMethod
@@ -33,7 +40,9 @@ __all__ = [
     "ClipStats",
     "DEFAULT_PROJECTION_RANK",
     "Ghost",
+    "LayerKind",
     "LeafRoute",
+    "LinearOp",
     "METHODS",
     "Materialize",
     "PlanReport",
@@ -44,6 +53,7 @@ __all__ = [
     "names",
     "pair_grad_norms",
     "register",
+    "register_layer_kind",
     "resolve",
     "shared_parameters",
 ]

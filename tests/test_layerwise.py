@@ -16,6 +16,7 @@ import logit_dp
 from helpers import flat
 from helpers import make_batch
 from logit_dp._src import layerwise
+from logit_dp._src.layers import conv as conv_layers
 from logit_dp.models import EmbeddingNet
 
 CONV_CONFIGS = {
@@ -39,9 +40,9 @@ def test_conv_patches_times_kernel_is_the_convolution(name):
   conv = nn.Conv(5, **CONV_CONFIGS[name])
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 6, 4))
   params = conv.init(jax.random.PRNGKey(1), x)["params"]
-  config = layerwise._conv_config(conv, x)  # pylint: disable=protected-access
+  config = conv_layers.flax_conv_config(conv, x)
   assert config is not None
-  patches = layerwise.conv_patches(x, *config)
+  patches = conv_layers.conv_patches(x, *config)
   kernel = params["kernel"]
   y = conv.apply({"params": {"kernel": kernel, "bias": jnp.zeros(5)}}
                  if conv.use_bias else {"params": {"kernel": kernel}}, x)
@@ -54,7 +55,7 @@ def test_conv_patches_other_ranks(rank):
   conv = nn.Conv(3, (2,) * rank, strides=2, padding="SAME")
   x = jax.random.normal(jax.random.PRNGKey(0), (2,) + (5,) * rank + (2,))
   params = conv.init(jax.random.PRNGKey(1), x)["params"]
-  patches = layerwise.conv_patches(x, *layerwise._conv_config(conv, x))  # pylint: disable=protected-access
+  patches = conv_layers.conv_patches(x, *conv_layers.flax_conv_config(conv, x))
   y = conv.apply({"params": {"kernel": params["kernel"], "bias": jnp.zeros(3)}}, x)
   np.testing.assert_allclose(patches @ params["kernel"].reshape(-1, 3), y.reshape(2, -1, 3),
                              rtol=1e-5, atol=1e-5)
@@ -81,7 +82,7 @@ def test_channels_last_conv_has_the_values_and_gradients_of_jax(name):
     conv, shape = nn.Conv(5, **CONV_VJP_CASES[name]), (3, 9, 8, 4)
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
   x = jax.random.normal(k1, shape)
-  config = layerwise._conv_config(conv, x)  # pylint: disable=protected-access
+  config = conv_layers.flax_conv_config(conv, x)
   kernel = jax.random.normal(k2, tuple(config[0]) + (shape[-1], conv.features))
 
   def flax_conv(x, kernel):
@@ -90,7 +91,8 @@ def test_channels_last_conv_has_the_values_and_gradients_of_jax(name):
     return conv.apply({"params": params}, x)
 
   y, reference_vjp = jax.vjp(flax_conv, x, kernel)
-  y_got, got_vjp = jax.vjp(lambda x, k: layerwise.channels_last_conv(x, k, config, None), x, kernel)
+  y_got, got_vjp = jax.vjp(lambda x, k: conv_layers.channels_last_conv(x, k, config, None), x,
+                           kernel)
   np.testing.assert_allclose(y_got, y, rtol=1e-5, atol=1e-5)  # float32 sums, other order
   cotangent = jax.random.normal(k3, y.shape)
   for got, want in zip(got_vjp(cotangent), reference_vjp(cotangent)):

@@ -8,7 +8,7 @@ dilated convolution with the flipped kernel; with respect to the kernel: a convo
 input by the output cotangent, with batch groups for grouped convolutions) are rewritten.
 
 A convolution of x (N, C, *S) by w (O, C/G, *K) with G feature groups gathers the patches
-of the padded (and input-dilated) x (`layerwise.conv_patches`) and contracts them with w over
+of the padded (and input-dilated) x (`layers.conv.conv_patches`) and contracts them with w over
 the channels and the kernel offsets k:
 
     y[n, o, s] = Σ_k Σ_c x_pad[n, g(o)·C/G + c, s·stride + k·rhs_dilation] · w[o, c, k].
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from logit_dp._src import layerwise
 from logit_dp._src import linear_ops
+from logit_dp._src.layers import conv
 
 
 def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, out_shape, *, window_strides, padding,
@@ -41,8 +41,8 @@ def convolution_as_dot(lhs: jax.Array, rhs: jax.Array, out_shape, *, window_stri
   x = jnp.transpose(lhs, (lhs_spec[0],) + tuple(lhs_spec[2:]) + (lhs_spec[1],))  # (N, *S, C)
   w = jnp.transpose(rhs, tuple(rhs_spec[2:]) + (rhs_spec[1], rhs_spec[0]))  # (*K, I, O)
   kernel, (i, o) = w.shape[:-2], w.shape[-2:]
-  patches = layerwise.conv_patches(x, kernel, window_strides, padding, lhs_dilation,
-                                   rhs_dilation)  # (N, positions, taps·C), offset-major
+  patches = conv.conv_patches(x, kernel, window_strides, padding, lhs_dilation,
+                              rhs_dilation)  # (N, positions, taps·C), offset-major
   n, positions, c = x.shape[0], patches.shape[1], x.shape[-1]
   taps = int(np.prod(kernel))
   patches = patches.reshape(n, positions, taps, c)

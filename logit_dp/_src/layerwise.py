@@ -37,9 +37,9 @@ where that is not cheaper are flattened into ordinary per-example Jacobians ("fl
 The same factors give ḡ = Σ_e J_eᵀc_e without a backward pass (`factors_transpose`).
 
 Soundness. `make_plan` traces ``embed_fn`` at two batch sizes. A leaf is factored only if
-every use of it in the jaxpr is one recognised operation (a `dot_general` or
-`conv_general_dilated` of float32 operands, reached through pure reindexings of the leaf)
-or that operation's bias add, that operation's input has the example axis as its leading
+every use of it in the jaxpr is one recognised operation (of a registered layer kind,
+`layers`: float32 operands, reached through pure reindexings of the leaf) or that
+operation's bias add, that operation's input has the example axis as its leading
 axis at both batch sizes, and the leaf belongs to no other operation. Every other leaf the
 embedding depends on (a conservative data-flow walk of the jaxpr) gets ordinary per-example
 Jacobians ("generic").
@@ -48,15 +48,14 @@ Jacobians ("generic").
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen import linear as flax_linear
 
+from logit_dp._src import layers
 from logit_dp._src import linear_ops
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -125,147 +124,9 @@ def is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def _conv_config(module, x):
-  """(kernel_size, strides, padding, lhs_dil, rhs_dil) if this nn.Conv call is reproduced exactly.
-
-  None otherwise.
-  """
-  kernel_size = ((module.kernel_size,)
-                 if isinstance(module.kernel_size, int) else tuple(module.kernel_size))
-  if (len(kernel_size) > 3 or x.ndim != len(kernel_size) + 2 or module.feature_group_count != 1
-      or module.mask is not None or getattr(module, "conv_general_dilated", None) is not None
-      or getattr(module, "conv_general_dilated_cls", None) is not None):
-    return None
-
-  def broadcast(v):
-    v = 1 if v is None else v
-    return (v,) * len(kernel_size) if isinstance(v, int) else tuple(v)
-
-  padding = flax_linear.canonicalize_padding(module.padding, len(kernel_size))
-  if isinstance(padding, str) and padding not in ("SAME", "VALID"):
-    return None  # CIRCULAR / REFLECT / CAUSAL pad the input themselves
-  return (kernel_size, broadcast(module.strides), padding, broadcast(module.input_dilation),
-          broadcast(module.kernel_dilation))
-
-
-def _dilated(sizes, dilation):
-  return [0 if s == 0 else 1 + d * (s - 1) for s, d in zip(sizes, dilation)]
-
-
-def _explicit_padding(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation):
-  if not isinstance(padding, str):
-    return tuple(tuple(p) for p in padding)
-  return tuple(
-      jax.lax.padtype_to_pads(_dilated(x.shape[1:-1], lhs_dilation),
-                              _dilated(kernel_size, rhs_dilation), strides, padding))
-
-
-def _conv(x, kernel, strides, padding, lhs_dilation, rhs_dilation, precision):
-  """Channels-last convolution (N, *spatial, C) * (*window, I, O), explicit padding."""
-  return jax.lax.conv_general_dilated(
-      x,
-      kernel,
-      strides,
-      padding,
-      lhs_dilation=lhs_dilation,
-      rhs_dilation=rhs_dilation,
-      dimension_numbers=flax_linear._conv_dimension_numbers(x.shape),  # pylint: disable=protected-access
-      precision=precision)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def channels_last_conv(x, kernel, config, precision) -> jax.Array:
-  """nn.Conv's convolution for a `_conv_config` config, with a backward pass made of
-  channels-last convolutions only.
-
-  Same values and gradients as jax.lax.conv_general_dilated. JAX differentiates a convolution
-  into convolutions with transposed dimension labels, which XLA:CPU runs 4-50x slower inside a
-  loop body (lax.map / scan, as in microbatching) than outside one
-  (https://github.com/jax-ml/jax/issues/12868); here the operands are transposed explicitly
-  instead, so every convolution has the labels of the forward one.
-  """
-  _, strides, _, lhs_dil, rhs_dil = config
-  return _conv(x, kernel, strides, _explicit_padding(x, *config), lhs_dil, rhs_dil, precision)
-
-
-def _channels_last_conv_fwd(x, kernel, config, precision):
-  return channels_last_conv(x, kernel, config, precision), (x, kernel)
-
-
-def _channels_last_conv_bwd(config, precision, residuals, g):
-  """x̄ = g ⋆ flip(W)ᵀ (strides ↔ input dilation); W̄ = x ⋆ g over the batch (as in JAX)."""
-  x, kernel = residuals
-  kernel_size, strides, _, lhs_dil, rhs_dil = config
-  padding = _explicit_padding(x, *config)
-  in_sizes, out_sizes = x.shape[1:-1], g.shape[1:-1]
-  in_d = _dilated(in_sizes, lhs_dil)
-  window_d = _dilated(kernel_size, rhs_dil)
-  out_d = _dilated(out_sizes, strides)
-  lhs_before = [w - lo - 1 for w, (lo, _) in zip(window_d, padding)]
-  lhs_padding = [(b, i + w - 1 - o - b) for b, i, w, o in zip(lhs_before, in_d, window_d, out_d)]
-  spatial = tuple(range(len(kernel_size)))
-  flipped = jnp.swapaxes(jnp.flip(kernel, spatial), -1, -2)  # (*window, O, I)
-  x_bar = _conv(g, flipped, lhs_dil, lhs_padding, strides, rhs_dil, precision)
-  rhs_padding = [
-      (lo, o - i + w - lo - 1) for (lo, _), i, w, o in zip(padding, in_d, window_d, out_d)
-  ]
-  # Batch as the contracted feature axis: x as (C_in, *spatial, N), g as (*out, N, C_out).
-  kernel_bar = _conv(jnp.swapaxes(x, 0, -1), jnp.moveaxis(g, 0, -2), rhs_dil, rhs_padding, lhs_dil,
-                     strides, precision)  # (C_in, *window, C_out)
-  return x_bar, jnp.moveaxis(kernel_bar, 0, -2).astype(kernel.dtype)
-
-
-channels_last_conv.defvjp(_channels_last_conv_fwd, _channels_last_conv_bwd)
-
-
-def conv_patches(x, kernel_size, strides, padding, lhs_dilation, rhs_dilation) -> jax.Array:
-  """Input patches of a channels-last convolution: (N, T, K·C_in), kernel-offset major.
-
-  Row t, column (o, c) is the input value that kernel offset o, input channel c multiply
-  at output position t (zero where padded), so y_t = patches_t · kernel.reshape(K·C_in, C_out)
-  for a kernel of shape (*kernel_size, C_in, C_out), exactly as lax.conv_general_dilated.
-  One gather from the padded input (one kernel, not one slice per kernel offset).
-  """
-  spatial = x.shape[1:-1]
-  dilated_in = [(s - 1) * d + 1 for s, d in zip(spatial, lhs_dilation)]
-  dilated_k = [(k - 1) * d + 1 for k, d in zip(kernel_size, rhs_dilation)]
-  if isinstance(padding, str):
-    padding = jax.lax.padtype_to_pads(dilated_in, dilated_k, strides, padding)
-  config = [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation)
-                         ] + [(0, 0, 0)]
-  padded = jax.lax.pad(x, jnp.zeros((), x.dtype), config)
-  out = [(p - k) // s + 1 for p, k, s in zip(padded.shape[1:-1], dilated_k, strides)]
-  rank = len(kernel_size)
-  # Index of padded position along spatial axis i for output position o_i and kernel offset
-  # k_i, shaped to broadcast to (*out, *kernel_size).
-  index = []
-  for i, (m, k, s, d) in enumerate(zip(out, kernel_size, strides, rhs_dilation)):
-    shape = [1] * (2 * rank)
-    shape[i], shape[rank + i] = m, k
-    index.append((np.arange(m)[:, None] * s + np.arange(k)[None, :] * d).reshape(shape))
-  where = (slice(None),) + tuple(index) + (slice(None),)
-  patches = padded.at[where].get(mode="promise_in_bounds")  # (N, *out, *kernel_size, C_in)
-  return patches.reshape(x.shape[0], int(np.prod(out)), -1)
-
-
 def _op_patches(op: linear_ops.LinearOp, act) -> jax.Array:
   """(m, T, P) inputs of a recognised operation's canonical form (no bias column)."""
-  if op.kind == "dense":
-    rows = jnp.transpose(act, op.act_to_rows)
-    return rows.reshape(rows.shape[0], op.positions, op.fan_in)
-  if op.kind == "embed":  # index vectors (m, *positions, 1 or 2) -> one-hot rows of the table
-    ids = act[..., 0].reshape(act.shape[0], op.positions)
-    if op.embed_clamps:
-      ids = jnp.clip(ids, 0, op.fan_in - 1)
-    return jax.nn.one_hot(ids, op.fan_in, dtype=jnp.float32)
-  return conv_patches(jnp.transpose(act, op.conv_input_axes), *op.conv_config)
-
-
-def _op_channels_last_conv(op: linear_ops.LinearOp, act, kernel) -> jax.Array:
-  """A recognised convolution by `channels_last_conv`, in its equation's output layout."""
-  y = channels_last_conv(jnp.transpose(act, op.conv_input_axes),
-                         jnp.transpose(kernel, op.conv_kernel_axes), op.conv_config, op.precision)
-  return op.to_raw(y)
+  return layers.get(op.kind).patches(op, act)
 
 
 def with_recognised_layers(embed_fn) -> Callable[[Any, jax.Array], jax.Array]:
@@ -283,8 +144,9 @@ def with_recognised_layers(embed_fn) -> Callable[[Any, jax.Array], jax.Array]:
     convs = [op for op in found.ops if op.kind == "conv"]
     if not convs:
       return embed_fn(params, x)
+    conv = layers.get("conv")
     out = linear_ops.evaluate(closed, leaves + jax.tree_util.tree_leaves(x),
-                              lambda op, values, _: _op_channels_last_conv(op, *values), convs)
+                              lambda op, values, compute: conv.forward(op, values, compute), convs)
     return jax.tree_util.tree_unflatten(out_tree, out)
 
   return embed
@@ -481,13 +343,28 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   selected = [op for op in found.ops if op.kernel_leaf in factored]
   elementwise = plan.elementwise
   sites = [site for site in found.sites if site.leaf in elementwise]
-  if ([(op.kind, op.kernel_leaf, op.out_shape, op.act_shape[0]) for op in selected] != [
-      (layer.kind, layer.leaves[0], layer.out_shape, m) for layer in plan.layers
-  ] or [(site.path, site.leaf, site.out_shape[1:], site.out_shape[0]) for site in sites] != [
-      (site.path, site.leaf, site.out_shape[1:], m) for site in plan.sites
-  ]):  # never silently mis-factor (a missing ξ means δ = 0)
-    raise RuntimeError("logit_dp: embed_fn's layer calls differ from its plan; "
-                       "embed_fn must trace the same way on every call.")
+  found_calls = [(op.kind, op.kernel_leaf, op.out_shape, op.act_shape[0]) for op in selected]
+  planned_calls = [(layer.kind, layer.leaves[0], layer.out_shape, m) for layer in plan.layers]
+  found_sites = [(site.path, site.leaf, site.out_shape[1:], site.out_shape[0]) for site in sites]
+  planned_sites = [(site.path, site.leaf, site.out_shape[1:], m) for site in plan.sites]
+  found, planned = found_calls + found_sites, planned_calls + planned_sites
+  if found != planned:  # never silently mis-factor (a missing ξ means δ = 0): name the layer
+    names = [
+        jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+
+    def described(entries, k):
+      if k >= len(entries):
+        return "nothing"
+      kind = entries[k][0] if isinstance(entries[k][0], str) else "elementwise use"
+      return f"the {kind} of params{names[entries[k][1]]} with output {entries[k][2]}"
+
+    k = next((i for i, (f, p) in enumerate(zip(found, planned)) if f != p),
+             min(len(found), len(planned)))
+    raise RuntimeError(f"logit_dp: embed_fn's layer calls differ from its plan: call {k} was "
+                       f"planned as {described(planned, k)} and traced as "
+                       f"{described(found, k)}. embed_fn must trace the same way on every call "
+                       "(no Python state that changes its layers between calls).")
   position = {op.path: index for index, op in enumerate(selected)}
   site_position = {site.path: index for index, site in enumerate(sites)}
   num_layers = len(plan.layers)
@@ -505,7 +382,7 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
         if op.kind == "scale":
           acts[k] = jax.lax.stop_gradient(jnp.asarray(values[op.act_position], jnp.float32))
         return compute() + perturbations[num_layers + k]
-      y = _op_channels_last_conv(op, *values) if op.kind == "conv" else compute()
+      y = layers.get(op.kind).forward(op, values, compute)
       index = position.get(op.path)
       if index is None:
         return y

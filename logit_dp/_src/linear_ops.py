@@ -2,14 +2,16 @@
 perturbs their outputs.
 
 An embedding function Φ(w, x) is traced to a jaxpr (`trace`), and `scan` finds in it the
-operations that are linear in one parameter leaf W and apply the same map to every example:
+operations that are linear in one parameter leaf W and apply the same map to every example,
+y[e, t, c] = Σ_p A[e, t, p] K[p, c], as the registered layer kinds (`layers`) recognise them:
 
-* ``dot_general(A, W')`` (either operand order, no batch dimensions), A's leading axis the
-  example axis and not contracted:  y[e, t, c] = Σ_p A[e, t, p] K[p, c];
-* ``conv_general_dilated(A, W')`` with ``feature_group_count = batch_group_count = 1``: the
-  same with t the output positions and A[e, t] the input patch of position t;
+* ``dot_general(A, W')`` with no batch dimensions ("dense"), ``conv_general_dilated(A, W')``
+  with one feature group ("conv"), a ``gather`` of whole rows of W' ("embed"), and any kind
+  registered since;
 * optionally a bias add ``y' + B'`` with y' a reindexing of such an op's output (nothing else
   reads it) and B' a reindexing of a leaf b with B'[e, t, c] = b[c];
+* elementwise sites (`ElementwiseSite`): W' multiplied with, added to or placed beside the
+  examples' activations, the same for every example;
 
 where W' (and B') is W (b) through reshape, transpose, broadcast_in_dim, squeeze,
 expand_dims, copy and float32 → float32 conversions, possibly across the boundaries of
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
+
+from logit_dp._src.layers import base as layer_kinds
 
 # Sub-jaxpr parameter of the call-like primitives whose bodies are scanned and inlined.
 SUBJAXPR_PARAM = {
@@ -59,10 +62,10 @@ class LinearOp:
 
   Canonical form: y[e, t, c] = Σ_p A[e, t, p] K[p, c], K = the kernel leaf with its axes
   permuted by `kernel_axes` and reshaped to (fan_in, features); for a convolution A[e, t]
-  is the input patch of output position t (`layerwise.conv_patches`).
+  is the input patch of output position t (`layers.conv.conv_patches`).
   """
   path: tuple[int, ...]  # equation indices, outermost first
-  kind: str  # "dense", "conv" or "embed" (a row lookup: one-hot patches)
+  kind: str  # the name of its registered `layers.LayerKind`: "dense", "conv", "embed", ...
   kernel_leaf: int
   kernel_axes: tuple[int, ...] | None  # None: the leaf is K in row-major order
   act_position: int  # operand index of A in the equation
@@ -199,125 +202,6 @@ def _reindexed(eqn, index: np.ndarray) -> np.ndarray | None:
   return None
 
 
-def _kernel_axes(matrix_index: np.ndarray, leaf_shape) -> tuple[tuple[int, ...] | None, bool]:
-  """(axes, found): the leaf axis permutation whose row-major order is matrix_index."""
-  size = int(np.prod(leaf_shape, dtype=np.int64))
-  if matrix_index.size != size:
-    return None, False
-  flat = matrix_index.reshape(-1)
-  iota = np.arange(size).reshape(leaf_shape)
-  if np.array_equal(flat, iota.reshape(-1)):
-    return None, True
-  for axes in itertools.permutations(range(len(leaf_shape))):
-    if np.array_equal(flat, np.transpose(iota, axes).reshape(-1)):
-      return tuple(axes), True
-  return None, False
-
-
-def _float32(*avals) -> bool:
-  return all(getattr(a, "dtype", None) == jnp.float32 for a in avals)
-
-
-def _dense_op(eqn, path, kernel_position, kernel) -> LinearOp | None:
-  (contract_lhs, contract_rhs), (batch_lhs, batch_rhs) = eqn.params["dimension_numbers"]
-  if batch_lhs or batch_rhs:
-    return None
-  if eqn.params.get("preferred_element_type") not in (None, jnp.float32):
-    return None
-  act_position = 1 - kernel_position
-  act_aval, w_aval = eqn.invars[act_position].aval, eqn.invars[kernel_position].aval
-  if not _float32(act_aval, w_aval, eqn.outvars[0].aval) or act_aval.ndim < 2:
-    return None
-  act_contract = tuple(contract_lhs if act_position == 0 else contract_rhs)
-  w_contract = tuple(contract_rhs if act_position == 0 else contract_lhs)
-  if 0 in act_contract:
-    return None
-  act_free = [a for a in range(act_aval.ndim) if a not in act_contract]
-  w_free = [a for a in range(w_aval.ndim) if a not in w_contract]
-  fan_in = int(np.prod([act_aval.shape[a] for a in act_contract], dtype=np.int64))
-  features = int(np.prod([w_aval.shape[a] for a in w_free], dtype=np.int64))
-  leaf, index, leaf_shape = kernel
-  axes, ok = _kernel_axes(
-      np.transpose(index, w_contract + tuple(w_free)).reshape(fan_in, features), leaf_shape)
-  if not ok:
-    return None
-  n_act, n_w = len(act_free), len(w_free)
-  raw_to_canonical = (tuple(range(n_act
-                                  + n_w)) if act_position == 0 else tuple(range(n_w, n_w + n_act))
-                      + tuple(range(n_w)))
-  out_shape = tuple(act_aval.shape[a] for a in act_free[1:]) + (features,)
-  feature_shape = tuple(int(w_aval.shape[a]) for a in w_free)
-  return LinearOp(path, "dense", leaf, axes, act_position, tuple(act_aval.shape), out_shape, fan_in,
-                  features,
-                  tuple(act_free) + act_contract, raw_to_canonical,
-                  precision=eqn.params.get("precision"), feature_shape=feature_shape)
-
-
-def _embed_op(eqn, path, table) -> LinearOp | None:
-  """An embedding lookup y[e, t, c] = W[i_et, c] (``jnp.take(W, ids, axis=0)``, ``nn.Embed``,
-  and Equinox's vmapped ``W[i]``): the dense form with one-hot patches, A[e, t] = onehot(i_et)
-  of the table's V rows.
-
-  The gather reads whole rows: slice sizes (1, C), the row index first in each index vector;
-  a second index (the column start, as vmap writes a row read) is ignored only where the mode
-  clamps it, so that it is 0 whatever its value (CLIP, PROMISE_IN_BOUNDS); a clamped row index
-  is clamped the same way in the patches.
-  """
-  dims, params = eqn.params["dimension_numbers"], eqn.params
-  w_aval, ids_aval, out_aval = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
-  mode = str(params.get("mode"))
-  clamps = "CLIP" in mode or "PROMISE_IN_BOUNDS" in mode
-  if (w_aval.ndim != 2 or ids_aval.ndim < 2 or not _float32(w_aval, out_aval)
-      or not jnp.issubdtype(ids_aval.dtype, jnp.integer)
-      or tuple(getattr(dims, "operand_batching_dims",
-                       ())) != () or tuple(params["slice_sizes"]) != (1, w_aval.shape[1])):
-    return None
-  rank = out_aval.ndim
-  by_row = (ids_aval.shape[-1] == 1 and tuple(dims.start_index_map) == (0,)
-            and tuple(dims.collapsed_slice_dims) == (0,) and tuple(dims.offset_dims) == (rank - 1,))
-  by_slice = (clamps and ids_aval.shape[-1] == 2 and tuple(dims.start_index_map) == (0, 1)
-              and tuple(dims.collapsed_slice_dims) == ()
-              and tuple(dims.offset_dims) == (rank - 2, rank - 1))
-  if not (by_row or by_slice):
-    return None
-  leaf, index, leaf_shape = table
-  axes, ok = _kernel_axes(index, leaf_shape)
-  if not ok:
-    return None
-  vocab, features = (int(a) for a in w_aval.shape)
-  out_shape = tuple(int(a) for a in out_aval.shape[1:-1]) + (features,)
-  return LinearOp(path, "embed", leaf, axes, 1, tuple(ids_aval.shape), out_shape, vocab, features,
-                  (), tuple(range(rank)), embed_clamps=clamps)
-
-
-def _conv_op(eqn, path, kernel) -> LinearOp | None:
-  params = eqn.params
-  if (params["feature_group_count"] != 1 or params["batch_group_count"] != 1
-      or params.get("preferred_element_type") not in (None, jnp.float32)):
-    return None
-  act_aval, w_aval, out_aval = (eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval)
-  if not _float32(act_aval, w_aval, out_aval):
-    return None
-  lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
-  if lhs_spec[0] != 0:
-    return None
-  input_axes = (lhs_spec[0],) + tuple(lhs_spec[2:]) + (lhs_spec[1],)
-  kernel_axes = tuple(rhs_spec[2:]) + (rhs_spec[1], rhs_spec[0])
-  raw_to_canonical = (out_spec[0],) + tuple(out_spec[2:]) + (out_spec[1],)
-  window = tuple(int(w_aval.shape[a]) for a in rhs_spec[2:])
-  features = int(w_aval.shape[rhs_spec[0]])
-  fan_in = int(np.prod(window, dtype=np.int64)) * int(w_aval.shape[rhs_spec[1]])
-  leaf, index, leaf_shape = kernel
-  axes, ok = _kernel_axes(np.transpose(index, kernel_axes).reshape(fan_in, features), leaf_shape)
-  if not ok:
-    return None
-  config = (window, tuple(params["window_strides"]), tuple(tuple(p) for p in params["padding"]),
-            tuple(params["lhs_dilation"]), tuple(params["rhs_dilation"]))
-  out_shape = tuple(int(out_aval.shape[a]) for a in raw_to_canonical[1:])
-  return LinearOp(path, "conv", leaf, axes, 0, tuple(act_aval.shape), out_shape, fan_in, features,
-                  (), raw_to_canonical, input_axes, kernel_axes, config, params.get("precision"))
-
-
 def scan(closed: jex.ClosedJaxpr, num_leaves: int, leaf_shapes, with_bias: bool = True) -> Scan:
   """The recognised operations of a traced embedding (`trace`) and the leaves used otherwise.
 
@@ -396,24 +280,25 @@ def _scan_jaxpr(jaxpr, env: dict, path: tuple, result: Scan, with_bias: bool) ->
 
 
 def _recognised_op(eqn, path, derived) -> LinearOp | None:
-  """The `LinearOp` of a dot_general or convolution with one derived operand, or None.
+  """The `LinearOp` of an equation with one derived operand by the first registered layer
+  kind (`layers`) of its primitive that recognises it, or None.
 
-  An equation of a form the recognisers do not expect (one this version of JAX writes
-  differently, say) is not recognised rather than raising: its leaves then take the generic
-  per-example Jacobians, which are exact for any JAX operation.
+  An equation of a form the kinds do not expect (one this version of JAX writes differently,
+  say) is not recognised rather than raising: its leaves then take the generic per-example
+  Jacobians, which are exact for any JAX operation.
   """
   if len(derived) != 1:
     return None
-  name = eqn.primitive.name
-  try:
-    if name == "dot_general":
-      return _dense_op(eqn, path, derived[0][0], derived[0][1])
-    if name == "conv_general_dilated" and derived[0][0] == 1:
-      return _conv_op(eqn, path, derived[0][1])
-    if name == "gather" and derived[0][0] == 0:
-      return _embed_op(eqn, path, derived[0][1])
-  except (ValueError, TypeError, KeyError, IndexError):
-    return None
+  kernel_position, kernel = derived[0]
+  for kind in layer_kinds.for_primitive(eqn.primitive.name):
+    if kernel_position not in kind.kernel_operands:
+      continue
+    try:
+      op = kind.recognise(eqn, path, kernel_position, kernel)
+    except (ValueError, TypeError, KeyError, IndexError):
+      op = None
+    if op is not None:
+      return op
   return None
 
 
@@ -437,7 +322,8 @@ def _elementwise_site(eqn, path, derived) -> ElementwiseSite | None:
   if len(derived) != 1 or len(eqn.outvars) != 1:
     return None
   out_aval = eqn.outvars[0].aval
-  if not _float32(out_aval, *(v.aval for v in eqn.invars)) or out_aval.ndim < 2:
+  if not layer_kinds.LayerKind.all_float32(out_aval, *(v.aval
+                                                       for v in eqn.invars)) or out_aval.ndim < 2:
     return None
   out_shape = tuple(int(a) for a in out_aval.shape)
   position, (leaf, index, _) = derived[0]

@@ -51,7 +51,8 @@ class PairBatch:
     self.positive_embed_fn = positive_embed_fn if self.two_tower else embed_fn
     # The same function, with recognised convolutions differentiated into channels-last
     # convolutions: JAX's own rule runs 4-50x slower inside the loops of microbatching and of
-    # materialize on XLA:CPU (layerwise.channels_last_conv). Factors intercept embed_fn themselves.
+    # materialize on XLA:CPU (layers.conv.channels_last_conv). Factors intercept embed_fn
+    # themselves.
     recognised = layerwise.with_recognised_layers if layer_factors else lambda fn: fn
     self._embed_fn = recognised(embed_fn)
     self._positive_fn = recognised(self.positive_embed_fn) if self.two_tower else self._embed_fn
