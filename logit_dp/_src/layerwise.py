@@ -347,8 +347,8 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
   planned_calls = [(layer.kind, layer.leaves[0], layer.out_shape, m) for layer in plan.layers]
   found_sites = [(site.path, site.leaf, site.out_shape[1:], site.out_shape[0]) for site in sites]
   planned_sites = [(site.path, site.leaf, site.out_shape[1:], m) for site in plan.sites]
-  found, planned = found_calls + found_sites, planned_calls + planned_sites
-  if found != planned:  # never silently mis-factor (a missing ξ means δ = 0): name the layer
+  traced, planned = found_calls + found_sites, planned_calls + planned_sites
+  if traced != planned:  # never silently mis-factor (a missing ξ means δ = 0): name the layer
     names = [
         jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
     ]
@@ -359,11 +359,11 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
       kind = entries[k][0] if isinstance(entries[k][0], str) else "elementwise use"
       return f"the {kind} of params{names[entries[k][1]]} with output {entries[k][2]}"
 
-    k = next((i for i, (f, p) in enumerate(zip(found, planned)) if f != p),
-             min(len(found), len(planned)))
+    k = next((i for i, (f, p) in enumerate(zip(traced, planned)) if f != p),
+             min(len(traced), len(planned)))
     raise RuntimeError(f"logit_dp: embed_fn's layer calls differ from its plan: call {k} was "
                        f"planned as {described(planned, k)} and traced as "
-                       f"{described(found, k)}. embed_fn must trace the same way on every call "
+                       f"{described(traced, k)}. embed_fn must trace the same way on every call "
                        "(no Python state that changes its layers between calls).")
   position = {op.path: index for index, op in enumerate(selected)}
   site_position = {site.path: index for index, site in enumerate(sites)}
