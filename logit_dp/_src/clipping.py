@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from logit_dp._src import checks
 from logit_dp._src import clip_stats
 from logit_dp._src import collective as collective_lib
+from logit_dp._src import finetune
 from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import grouped
 from logit_dp._src import mechanisms
@@ -88,7 +89,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                  method: str | methods.ClipMethod = "ghost", *, microbatch_size: int | None = None,
                  axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                  positive_embed_fn: checks.EmbedFn | None = None, stochastic: bool = False,
-                 float64_positive_pairs: bool = True,
+                 float64_positive_pairs: bool = True, trainable: Any = None,
                  **deprecated_options) -> grad_fn_lib.ClippedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
@@ -139,6 +140,11 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       its own computation dtype (e.g. flax's dtype=jnp.float32) keeps it, with the
       allowance of that dtype; stochastic models keep theirs (their random draws would
       differ), and the allowance e·(s_i + s'_i) can then be ~100× such a pair's norm.
+    trainable: fine-tuning (`logit_dp.finetune`): a pytree of bools with the structure of
+      params (or a prefix of it, as optax.multi_transform's labels) or a predicate
+      ``(path, leaf) -> bool``; the frozen leaves (False) are closed over, so the pair norms
+      and ḡ are those of the model of the trainable leaves alone, ḡ exactly zero at the frozen
+      ones. Same sensitivity. None: every leaf is trained.
     **deprecated_options: memory_budget, pair_block_size, reference_inputs and
       projection_rank, the options of a method name from before the methods held them:
       deprecated (a DeprecationWarning), set them in the method object instead.
@@ -180,6 +186,14 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   Returns:
     A `ClippedGradFn`: grad_fn(params, x, x_prime, mask=None[, key=]) -> (ℒ, ḡ).
   """
+  if trainable is not None:
+    return finetune.restrict(
+        lambda e, pe: clipped_grad(e, loss, clip_norm, method, microbatch_size=microbatch_size,
+                                   axis_name=axis_name, cosine_eps=cosine_eps,
+                                   positive_embed_fn=pe, stochastic=stochastic,
+                                   float64_positive_pairs=float64_positive_pairs,
+                                   **deprecated_options), embed_fn, positive_embed_fn,
+        stochastic, trainable)
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
@@ -329,13 +343,21 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
 
 
 def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
-                 method: str | methods.ClipMethod = "ghost", **kwargs) -> grad_fn_lib.ClippedGradFn:
+                 method: str | methods.ClipMethod = "ghost", *, trainable: Any = None,
+                 **kwargs) -> grad_fn_lib.ClippedGradFn:
   """`clipped_grad` with a clip method, `naive_clipped_grad` for method="naive" or
   `grouped_clipped_grad` for method="dp_gcl" (num_groups= in kwargs).
 
   method: a clip method (object or registered name) or "naive"
-  (`mechanisms.check_private_method`); kwargs: the chosen builder's keywords.
+  (`mechanisms.check_private_method`); trainable: fine-tuning, as in `clipped_grad` (every
+  mechanism: the frozen leaves are closed over); kwargs: the chosen builder's keywords.
   """
+  if trainable is not None:
+    def build(e, pe):
+      return private_grad(e, loss, clip_norm, method, **dict(kwargs, positive_embed_fn=pe))
+
+    return finetune.restrict(build, embed_fn, kwargs.get("positive_embed_fn"),
+                             bool(kwargs.get("stochastic", False)), trainable)
   mechanism = mechanisms.Mechanism.of_method(mechanisms.check_private_method(method))
   if mechanism is mechanisms.Mechanism.NAIVE_DP:
     return naive_clipped_grad(embed_fn, loss, clip_norm, **kwargs)
