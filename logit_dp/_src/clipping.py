@@ -242,7 +242,8 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
                     microbatch_size: int | None = None,
                     cosine_eps: float = numerics.DEFAULT_COSINE_EPS, float_allowance: bool = True,
                     positive_embed_fn: checks.EmbedFn | None = None, key: Any = None,
-                    float64_positive_pairs: bool = True, **deprecated_options) -> jax.Array:
+                    float64_positive_pairs: bool = True, trainable: Any = None,
+                    **deprecated_options) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 
@@ -261,11 +262,22 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
     key: the key of a stochastic embed_fn(params, x, key) (as
       ``clipped_grad(..., stochastic=True)`` with this key); None: embed_fn(params, x).
     float64_positive_pairs: form the positive pairs' norms in float64, as in `clipped_grad`.
+    trainable: fine-tuning, as in `clipped_grad`: the norms ‖∇_{w_T} Z_ij‖ of the model with
+      the frozen leaves closed over (the norms `clipped_grad(..., trainable=)` clips by).
     **deprecated_options: the deprecated method keywords of `clipped_grad`.
 
   Returns:
     The (n, n) norms, row i for x_i and column j for x'_j.
   """
+  if trainable is not None:
+    trainable_part, frozen = finetune.partition(params, trainable)
+    stochastic = key is not None
+    return pair_grad_norms(finetune.closed(embed_fn, frozen, stochastic), trainable_part, x,
+                           x_prime, method, microbatch_size=microbatch_size,
+                           cosine_eps=cosine_eps, float_allowance=float_allowance,
+                           positive_embed_fn=finetune.closed(positive_embed_fn, frozen,
+                                                             stochastic), key=key,
+                           float64_positive_pairs=float64_positive_pairs, **deprecated_options)
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
   checks.check_microbatch(microbatch_size)
@@ -305,16 +317,24 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
                        microbatch_size: int | None = None, axis_name: str | None = None,
                        cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                        positive_embed_fn: checks.EmbedFn | None = None,
-                       stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
+                       stochastic: bool = False,
+                       trainable: Any = None) -> grad_fn_lib.ClippedGradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
   Sensitivity 2B under add-or-remove-one (`logit_dp.baselines.naive_sensitivity`). Same
-  signature and mask/axis/two-tower/stochastic semantics as `clipped_grad`, and the same
+  signature and mask/axis/two-tower/stochastic/trainable semantics as `clipped_grad` (with
+  trainable=, ‖∇ℒ‖ is ‖∇_{w_T} ℒ‖, the frozen leaves closed over), and the same
   precision: embed_fn and the backward pass are traced at
   `jax.default_matmul_precision("highest")`, so that ‖∇ℒ‖ and the clipped gradient agree on
   every backend. ``grad_fn.with_stats`` returns the `ClipStats` of its one norm ‖∇ℒ‖
   (NON-PRIVATE).
   """
+  if trainable is not None:
+    return finetune.restrict(
+        lambda e, pe: naive_clipped_grad(e, loss, clip_norm, microbatch_size=microbatch_size,
+                                         axis_name=axis_name, cosine_eps=cosine_eps,
+                                         positive_embed_fn=pe, stochastic=stochastic), embed_fn,
+        positive_embed_fn, stochastic, trainable)
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)

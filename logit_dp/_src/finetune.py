@@ -38,8 +38,10 @@ import optax
 
 from logit_dp._src import precision
 
-__all__ = ["check_trainable", "combine", "masked_optimizer", "partition", "trainable_mask",
-           "restrict"]
+__all__ = [
+    "check_trainable", "closed", "combine", "keep_frozen", "masked_optimizer", "partition",
+    "restrict", "trainable_mask"
+]
 
 _STRUCTURE_HINT = ("trainable must be a pytree of bools with the structure of params, or a "
                    "prefix of it (as optax.multi_transform's labels), or a predicate "
@@ -155,8 +157,9 @@ def _zeros_like_grad(leaf) -> jax.Array:
   return jnp.zeros(jnp.shape(leaf), dtype)
 
 
-def _closed(fn, frozen, stochastic: bool):
-  """fn with the frozen leaves closed over: a function of the trainable part only."""
+def closed(fn, frozen, stochastic: bool = False):
+  """fn(params, x[, key]) with the frozen part (`partition`) closed over: a function
+  (trainable part, x[, key]) -> fn(combine(trainable part, frozen), x[, key]); None for None."""
   if fn is None:
     return None
   if stochastic:
@@ -187,8 +190,8 @@ def restrict(build: Callable[..., Any], embed_fn, positive_embed_fn, stochastic:
   def restricted(which: str):
     def core(params, *args):
       frozen_free, frozen = partition(params, trainable)
-      inner = build(_closed(embed_fn, frozen, stochastic),
-                    _closed(positive_embed_fn, frozen, stochastic))
+      inner = build(closed(embed_fn, frozen, stochastic),
+                    closed(positive_embed_fn, frozen, stochastic))
       loss_value, grads, extra = getattr(inner, which)(frozen_free, *args)
       zeros = jax.tree_util.tree_map(_zeros_like_grad, frozen)
       return loss_value, combine(grads, zeros), extra
