@@ -102,7 +102,11 @@ def _method(name, x):
   return logit_dp.clip_methods.Projected(reference_inputs=reference, rank=16)
 
 
-@pytest.mark.parametrize("method", ["ghost", "materialize", "projected", "triangle"])
+@pytest.mark.parametrize("method", [
+    "ghost", "projected",
+    pytest.param("materialize", marks=pytest.mark.extended),
+    pytest.param("triangle", marks=pytest.mark.extended)
+])
 def test_pair_norms_and_gradient_are_those_of_the_closed_over_model_in_float64(
     method, no_norm_allowance):
   with jax.enable_x64(True):
@@ -301,6 +305,7 @@ def test_noise_only_on_trainable_leaves_at_the_calibrated_std():
   assert noise_std_is_rejected([d["body"]["w"] for d in draws], std)
 
 
+@pytest.mark.extended
 def test_make_private_trains_what_the_closed_over_model_trains():
   """The trained head is the one the closed-over model trains with the same noise key and
   sampler seed (the noise is drawn for the head's leaves alone in both)."""
