@@ -481,9 +481,8 @@ def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
         logit_dp.losses.cosine_similarity(embed_images(p, x), embed_texts(p, texts)), mask)
     value, grads = jax.value_and_grad(objective)(params)
     if trainable is not None:
-      grads = jax.tree_util.tree_map(
-          lambda g, t: g if t else jnp.zeros_like(g), grads,
-          logit_dp.finetune.trainable_mask(trainable, grads))
+      grads = jax.tree_util.tree_map(lambda g, t: g if t else jnp.zeros_like(g), grads,
+                                     logit_dp.finetune.trainable_mask(trainable, grads))
     updates, opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     if trainable is not None:

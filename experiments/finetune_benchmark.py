@@ -196,10 +196,10 @@ def benchmark_table(records: list[dict]) -> str:
   ]
   for epsilon in epsilons:
     for method in mechanisms:
-      lines.append(f"| {LABELS[method]} | {epsilon:g} | " +
-                   " | ".join(_cell(runs.get((v, method, epsilon))) for v in variants) + " |")
-  lines.append("| Non-private | ∞ | " +
-               " | ".join(_cell(runs.get((v, "non_private", None))) for v in variants) + " |")
+      lines.append(f"| {LABELS[method]} | {epsilon:g} | "
+                   + " | ".join(_cell(runs.get((v, method, epsilon))) for v in variants) + " |")
+  lines.append("| Non-private | ∞ | "
+               + " | ".join(_cell(runs.get((v, "non_private", None))) for v in variants) + " |")
 
   # 1. The share of the gap to non-private training that pretraining closes.
   reference = runs.get(("all", "non_private", None))
@@ -218,8 +218,8 @@ def benchmark_table(records: list[dict]) -> str:
       gap = None if ref is None or scratch is None else ref - scratch
       for variant in ("all", "heads"):
         tuned = _mean(runs.get((variant, method, epsilon)))
-        cells.append("–" if gap is None or tuned is None or gap <= 0 else
-                     f"{(tuned - scratch) / gap:.2f}")
+        cells.append(
+            "–" if gap is None or tuned is None or gap <= 0 else f"{(tuned - scratch) / gap:.2f}")
       lines.append(f"| {LABELS[method]} | {epsilon:g} | "
                    f"{'–' if gap is None else f'{gap:+.3f}'} | " + " | ".join(cells) + " |")
 
@@ -231,8 +231,9 @@ def benchmark_table(records: list[dict]) -> str:
   ]
   for epsilon in epsilons:
     for method in mechanisms:
-      lines.append(f"| {LABELS[method]} | {epsilon:g} | "
-                   f"{_paired(runs.get(('heads', method, epsilon)), runs.get(('all', method, epsilon)))} |")
+      lines.append(
+          f"| {LABELS[method]} | {epsilon:g} | "
+          f"{_paired(runs.get(('heads', method, epsilon)), runs.get(('all', method, epsilon)))} |")
   lines.append(f"| Non-private | ∞ | "
                f"{_paired(runs.get(('heads', 'non_private', None)), reference)} |")
 
@@ -298,8 +299,8 @@ def main(argv):
   f = flags.FLAGS
   out = run_all(f.config, f.runs_dir, f.results_dir, f.data_dir, f.search_subset, quiet=False)
   print(out["table"])
-  print("benchmark complete" if out["complete"] else
-        "not finished: re-run the same command to continue")
+  print("benchmark complete"
+        if out["complete"] else "not finished: re-run the same command to continue")
 
 
 def _define_flags():
@@ -310,8 +311,9 @@ def _define_flags():
       "Benchmark configuration (pretrain, search_base, benchmark_base, variants, mechanisms, "
       "epsilons, seeds, grids).", lock_config=False)
   flags.DEFINE_string("data_dir", None, "Folder with cifar10.npz and cifar100.npz.")
-  flags.DEFINE_string("runs_dir", os.path.join("runs", FOLDER),
-                      "Workdirs, checkpoints and pretrained params (private: holds the noise keys).")
+  flags.DEFINE_string(
+      "runs_dir", os.path.join("runs", FOLDER),
+      "Workdirs, checkpoints and pretrained params (private: holds the noise keys).")
   flags.DEFINE_string("results_dir", os.path.join("docs", "results"),
                       f"Where {FOLDER}/ is published.")
   flags.DEFINE_integer(

@@ -15,7 +15,8 @@ loop calls:
 The submodules hold the rest: `losses` (the losses and their cosine similarity),
 `clip_methods` (how the pair norms are found, and your own methods), `baselines` (Naive-DP,
 DP-GCL), `finetune` (training some parameters, the others frozen), `accounting`, `sampling`,
-`ledger` (and checkpoints), `audit`, `distributed` and `models`. The maths is in docs/METHOD.md, the guarantees in docs/PRIVACY.md.
+`ledger` (and checkpoints), `audit`, `distributed` and `models`. The maths is in
+docs/METHOD.md, the guarantees in docs/PRIVACY.md.
 
 ``embed_fn(params, x) -> (n, d)`` is any pure JAX function of a params pytree and a batch
 (examples along axis 0) that embeds every example on its own: flax (``model.apply``), flax.nnx,

@@ -20,4 +20,6 @@ from logit_dp._src.finetune import masked_optimizer
 from logit_dp._src.finetune import partition
 from logit_dp._src.finetune import trainable_mask
 
-__all__ = ["check_trainable", "closed", "combine", "masked_optimizer", "partition", "trainable_mask"]
+__all__ = [
+    "check_trainable", "closed", "combine", "masked_optimizer", "partition", "trainable_mask"
+]

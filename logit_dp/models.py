@@ -161,8 +161,7 @@ class LoRADense(nn.Module):
     """(..., in) -> (..., features)."""
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
     bias = self.param("bias", nn.initializers.zeros, (self.features,))
-    a = self.param("lora_a", nn.initializers.normal(x.shape[-1] ** -0.5),
-                   (x.shape[-1], self.rank))
+    a = self.param("lora_a", nn.initializers.normal(x.shape[-1] ** -0.5), (x.shape[-1], self.rank))
     b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features))
     scale = (self.rank if self.alpha is None else self.alpha) / self.rank
     return x @ kernel + bias + scale * ((x @ a) @ b)

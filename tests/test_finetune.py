@@ -146,8 +146,8 @@ def test_pair_norms_and_gradient_are_those_of_the_closed_over_model_in_float64(
                                               float_allowance=False))
     assert not np.allclose(full, truth, rtol=1e-3)
     assert np.median(full) > 1.2 * np.median(truth)
-    _, full_grads = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm, _method(method, x))(
-        params, x, x_prime)
+    _, full_grads = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm, _method(method, x))(params, x,
+                                                                                         x_prime)
     assert rel_err(full_grads["head"], want) > 1e-3
 
 
@@ -163,8 +163,8 @@ def _group_reference(closed, head, x, x_prime, groups, clip_norm):
     grad = jax.grad(group_loss)(head, np.flatnonzero(groups == g))
     norm = float(np.linalg.norm(flat(grad)))
     norms.append(norm)
-    total = jax.tree_util.tree_map(lambda t, gr, f=min(1.0, clip_norm / norm): t + f * gr, total,
-                                   grad)
+    factor = min(1.0, clip_norm / norm)
+    total = jax.tree_util.tree_map(lambda t, gr, f=factor: t + f * gr, total, grad)
   return np.asarray(norms), total
 
 
@@ -199,8 +199,8 @@ def test_naive_and_dp_gcl_norms_and_gradients_are_those_of_the_closed_over_model
     grouped = logit_dp.baselines.grouped_clipped_grad(embed_fn, LOSS, clip_norm, num_groups,
                                                       trainable=TRAINABLE)
     _, grads, stats = grouped.with_stats(params, x, x_prime, record_ids=ids, group_key=key)
-    np.testing.assert_allclose(np.asarray(stats.quantiles)[[0, -1]],
-                               [norms.min(), norms.max()], rtol=1e-9)
+    np.testing.assert_allclose(
+        np.asarray(stats.quantiles)[[0, -1]], [norms.min(), norms.max()], rtol=1e-9)
     assert rel_err(grads["head"], want) < 1e-9
     assert not np.any(flat(grads["body"]))
     _, _, full_stats = logit_dp.baselines.grouped_clipped_grad(
@@ -371,9 +371,8 @@ def test_mesh_training_is_the_single_device_training():
   sharded, _ = _train(_private(trainable=TRAINABLE, mesh=mesh), params, data)
   _assert_bit_identical(sharded["body"], params["body"])
   np.testing.assert_allclose(flat(sharded["head"]), flat(single["head"]), rtol=1e-5, atol=1e-6)
-  grouped, _ = _train(
-      _private(trainable=_head_predicate, mesh=mesh, method="dp_gcl", group_size=4), params,
-      data)
+  grouped, _ = _train(_private(trainable=_head_predicate, mesh=mesh, method="dp_gcl", group_size=4),
+                      params, data)
   _assert_bit_identical(grouped["body"], params["body"])
 
 
@@ -418,8 +417,8 @@ def test_person_level_training_keeps_the_frozen_leaves(method):
   params, data = _frozen_params(), _records()
   user_ids = np.arange(N) // 2
   grouping = {"group_size": 2} if method == "dp_gcl" else {}
-  private = _private(method=method, trainable=TRAINABLE, user_ids=user_ids,
-                     max_pairs_per_user=2, expected_batch_size=8, **grouping)
+  private = _private(method=method, trainable=TRAINABLE, user_ids=user_ids, max_pairs_per_user=2,
+                     expected_batch_size=8, **grouping)
   plain = _private(method=method, user_ids=user_ids, max_pairs_per_user=2, expected_batch_size=8,
                    **grouping)
   assert private.sensitivity == plain.sensitivity
@@ -451,8 +450,8 @@ def test_two_towers_and_dropout_are_those_of_the_closed_over_model():
   _, grads = grad_fn(params, x, texts, key=key)
   body = params["body"]
   rest = {"head": params["head"], "text": params["text"]}
-  closed = logit_dp.clipped_grad(lambda p, xs, k: image_tower(dict(p, body=body), xs, k), LOSS,
-                                 0.5, positive_embed_fn=lambda p, t, k: text_tower(p, t, k),
+  closed = logit_dp.clipped_grad(lambda p, xs, k: image_tower(dict(p, body=body), xs, k), LOSS, 0.5,
+                                 positive_embed_fn=lambda p, t, k: text_tower(p, t, k),
                                  stochastic=True)
   _, want = closed(rest, x, texts, key=key)
   assert rel_err({"head": grads["head"], "text": grads["text"]}, want) < 1e-6
@@ -476,16 +475,15 @@ def test_lora_adapter_trains_through_trainable_and_its_base_stays():
   private = _private(adapted.apply, trainable=models.is_lora, steps=3)
   trained, _ = _train(private, params, (x_all, x_prime_all))
   base, _ = finetune.partition(params, lambda path, leaf: not models.is_lora(path, leaf))
-  trained_base, _ = finetune.partition(trained,
-                                       lambda path, leaf: not models.is_lora(path, leaf))
+  trained_base, _ = finetune.partition(trained, lambda path, leaf: not models.is_lora(path, leaf))
   _assert_bit_identical(trained_base, base)
   assert _max_change(trained["params"]["Dense_0"]["lora_b"],
                      params["params"]["Dense_0"]["lora_b"]) > 1e-3
 
   # Its pair norms are those of the adapter alone (materialize on the closed-over model).
   part, frozen = finetune.partition(trained, models.is_lora)
-  norms = logit_dp.clip_methods.pair_grad_norms(adapted.apply, trained, x_all[:8],
-                                                x_prime_all[:8], trainable=models.is_lora)
+  norms = logit_dp.clip_methods.pair_grad_norms(adapted.apply, trained, x_all[:8], x_prime_all[:8],
+                                                trainable=models.is_lora)
   want = logit_dp.clip_methods.pair_grad_norms(finetune.closed(adapted.apply, frozen), part,
                                                x_all[:8], x_prime_all[:8], "materialize")
   np.testing.assert_allclose(np.asarray(norms), np.asarray(want), rtol=1e-3)

@@ -12,7 +12,6 @@ parameter fine-tuned, the projection heads only. Mechanisms, ε, seeds and grids
 `clip_benchmark` (see `experiments.finetune_benchmark`).
 """
 
-import ml_collections
 from ml_collections import config_dict
 
 from experiments.configs import clip_benchmark

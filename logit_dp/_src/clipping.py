@@ -187,13 +187,14 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
     A `ClippedGradFn`: grad_fn(params, x, x_prime, mask=None[, key=]) -> (ℒ, ḡ).
   """
   if trainable is not None:
-    return finetune.restrict(
-        lambda e, pe: clipped_grad(e, loss, clip_norm, method, microbatch_size=microbatch_size,
-                                   axis_name=axis_name, cosine_eps=cosine_eps,
-                                   positive_embed_fn=pe, stochastic=stochastic,
-                                   float64_positive_pairs=float64_positive_pairs,
-                                   **deprecated_options), embed_fn, positive_embed_fn,
-        stochastic, trainable)
+
+    def build(e, pe):
+      return clipped_grad(e, loss, clip_norm, method, microbatch_size=microbatch_size,
+                          axis_name=axis_name, cosine_eps=cosine_eps, positive_embed_fn=pe,
+                          stochastic=stochastic, float64_positive_pairs=float64_positive_pairs,
+                          **deprecated_options)
+
+    return finetune.restrict(build, embed_fn, positive_embed_fn, stochastic, trainable)
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
@@ -272,9 +273,11 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
   if trainable is not None:
     trainable_part, frozen = finetune.partition(params, trainable)
     stochastic = key is not None
-    return pair_grad_norms(finetune.closed(embed_fn, frozen, stochastic), trainable_part, x,
-                           x_prime, method, microbatch_size=microbatch_size,
-                           cosine_eps=cosine_eps, float_allowance=float_allowance,
+    closed_embed = finetune.closed(embed_fn, frozen, stochastic)
+    assert closed_embed is not None  # embed_fn is not None
+    return pair_grad_norms(closed_embed, trainable_part, x, x_prime, method,
+                           microbatch_size=microbatch_size, cosine_eps=cosine_eps,
+                           float_allowance=float_allowance,
                            positive_embed_fn=finetune.closed(positive_embed_fn, frozen,
                                                              stochastic), key=key,
                            float64_positive_pairs=float64_positive_pairs, **deprecated_options)
@@ -316,8 +319,7 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine
 def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
                        microbatch_size: int | None = None, axis_name: str | None = None,
                        cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-                       positive_embed_fn: checks.EmbedFn | None = None,
-                       stochastic: bool = False,
+                       positive_embed_fn: checks.EmbedFn | None = None, stochastic: bool = False,
                        trainable: Any = None) -> grad_fn_lib.ClippedGradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
@@ -330,11 +332,13 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
   (NON-PRIVATE).
   """
   if trainable is not None:
-    return finetune.restrict(
-        lambda e, pe: naive_clipped_grad(e, loss, clip_norm, microbatch_size=microbatch_size,
-                                         axis_name=axis_name, cosine_eps=cosine_eps,
-                                         positive_embed_fn=pe, stochastic=stochastic), embed_fn,
-        positive_embed_fn, stochastic, trainable)
+
+    def build(e, pe):
+      return naive_clipped_grad(e, loss, clip_norm, microbatch_size=microbatch_size,
+                                axis_name=axis_name, cosine_eps=cosine_eps, positive_embed_fn=pe,
+                                stochastic=stochastic)
+
+    return finetune.restrict(build, embed_fn, positive_embed_fn, stochastic, trainable)
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)
@@ -373,6 +377,7 @@ def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   mechanism: the frozen leaves are closed over); kwargs: the chosen builder's keywords.
   """
   if trainable is not None:
+
     def build(e, pe):
       return private_grad(e, loss, clip_norm, method, **dict(kwargs, positive_embed_fn=pe))
 

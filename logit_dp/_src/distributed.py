@@ -479,8 +479,7 @@ def _sharded_grouped_grad_fn(shard_fn, embed_fn, loss, mesh: Mesh, axis_name: st
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
                            optimizer: optax.GradientTransformation, *,
-                           expected_batch_size: float | None = None,
-                           allow_zero_noise: bool = False,
+                           expected_batch_size: float | None = None, allow_zero_noise: bool = False,
                            trainable: Any = None) -> optax.GradientTransformation:
   """ḡ → N(0, (σC)²) noise (`logit_dp.transform`) → optional 1/E[n] scaling → optimizer.
 
@@ -494,8 +493,7 @@ def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
   trainable leaves only (``optax.masked``); a frozen leaf's update is its ḡ, exact zeros from a
   gradient built with the same ``trainable``, and it has no optimizer state.
   """
-  noise = noise_lib.transform(noise_multiplier, sensitivity, key,
-                              allow_zero_noise=allow_zero_noise)
+  noise = noise_lib.transform(noise_multiplier, sensitivity, key, allow_zero_noise=allow_zero_noise)
   if trainable is not None:
     noise = finetune.masked_optimizer(noise, trainable)
     optimizer = finetune.masked_optimizer(optimizer, trainable)

@@ -152,17 +152,17 @@ def combine(*parts) -> Any:
 
 def _zeros_like_grad(leaf) -> jax.Array:
   """Exact zeros in the dtype ḡ has at this leaf (float32 for a bfloat16 leaf)."""
-  dtype = precision.compute_dtype(jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else
-                                  leaf.dtype)
+  dtype = precision.compute_dtype(getattr(leaf, "dtype", None) or jnp.asarray(leaf).dtype)
   return jnp.zeros(jnp.shape(leaf), dtype)
 
 
-def closed(fn, frozen, stochastic: bool = False):
+def closed(fn, frozen, stochastic: bool = False) -> Callable | None:
   """fn(params, x[, key]) with the frozen part (`partition`) closed over: a function
   (trainable part, x[, key]) -> fn(combine(trainable part, frozen), x[, key]); None for None."""
   if fn is None:
     return None
   if stochastic:
+
     def closed_stochastic(trainable_part, x, key):
       return fn(combine(trainable_part, frozen), x, key)
 

@@ -254,12 +254,13 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   ‖∇_w L_g‖ of the groups with a valid record (NON-PRIVATE diagnostics).
   """
   if trainable is not None:
-    return finetune.restrict(
-        lambda e, pe: grouped_clipped_grad(e, loss, clip_norm, num_groups,
-                                           microbatch_size=microbatch_size, cosine_eps=cosine_eps,
-                                           positive_embed_fn=pe, stochastic=stochastic,
-                                           axis_name=axis_name), embed_fn, positive_embed_fn,
-        stochastic, trainable)
+
+    def build(e, pe):
+      return grouped_clipped_grad(e, loss, clip_norm, num_groups, microbatch_size=microbatch_size,
+                                  cosine_eps=cosine_eps, positive_embed_fn=pe,
+                                  stochastic=stochastic, axis_name=axis_name)
+
+    return finetune.restrict(build, embed_fn, positive_embed_fn, stochastic, trainable)
   if not isinstance(loss, losses_lib.Contrastive):
     raise ValueError(f"grouped_clipped_grad needs logit_dp.losses.contrastive(τ), got {loss!r}: "
                      "its group loss is InfoNCE over the group's members and extra views.")

@@ -73,8 +73,12 @@ def test_finetune_benchmark_table_answers_the_three_questions():
   from experiments import finetune_benchmark
 
   top1 = {
-      ("scratch", "dp_gcl"): 0.20, ("all", "dp_gcl"): 0.30, ("heads", "dp_gcl"): 0.35,
-      ("scratch", "logit_dp"): 0.10, ("all", "logit_dp"): 0.25, ("heads", "logit_dp"): 0.40,
+      ("scratch", "dp_gcl"): 0.20,
+      ("all", "dp_gcl"): 0.30,
+      ("heads", "dp_gcl"): 0.35,
+      ("scratch", "logit_dp"): 0.10,
+      ("all", "logit_dp"): 0.25,
+      ("heads", "logit_dp"): 0.40,
   }
   records = []
   for seed in (0, 1, 2):
