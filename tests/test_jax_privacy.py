@@ -156,7 +156,6 @@ def test_user_selection_strategy_drives_per_person_training_with_the_ledgers_eps
   assert private.ledger.epsilon() <= 2.0
 
 
-@pytest.mark.extended
 def test_fine_tuning_noises_only_the_trainable_leaves_through_a_masked_privatizer():
   """Fine-tuning on the jax_privacy path: ḡ of clipped_grad(..., trainable=) and jax_privacy's
   Gaussian privatizer restricted to the trainable leaves (`logit_dp.finetune.masked_optimizer`):
