@@ -10,7 +10,8 @@ own (e.g. jax_privacy's privatizers): `trainable_mask` resolves a ``trainable`` 
 `partition` and `combine` split and join the trainable and frozen parts, `closed` closes an
 embed_fn over the frozen part, `masked_optimizer`
 restricts an optax transformation to the trainable leaves. docs/guides/finetuning.md shows the
-recipe; docs/PRIVACY.md ("Fine-tuning") the condition on the frozen values.
+recipe; docs/PRIVACY.md ("Fine-tuning: frozen parameters") the condition on the frozen
+values.
 """
 
 from logit_dp._src.finetune import check_trainable

@@ -22,7 +22,8 @@ Formal guarantees. Frozen leaves are constants of the function whose gradient is
 the sensitivity of ḡ_T (and of the released updates of the trainable leaves) is that of the
 closed-over model: the one `logit_dp.sensitivity` gives, unchanged. The released output is w_T's
 updates; w_F is released as it was given. This is private provided w_F does not depend on the
-private data (pretrained on public data, or random): docs/PRIVACY.md, "Fine-tuning".
+private data (pretrained on public data, or random): docs/PRIVACY.md, "Fine-tuning: frozen
+parameters".
 """
 
 from __future__ import annotations

@@ -924,7 +924,8 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   optimizer noises and updates w_T only (``optax.masked``: a frozen leaf gets no noise, no
   update, no optimizer state, and the train step returns it bit for bit). C, σ and the ledger
   are unchanged: the theorem above holds for the released updates of w_T provided w_F does not
-  depend on the private data (e.g. pretrained on public data; docs/PRIVACY.md, "Fine-tuning").
+  depend on the private data (e.g. pretrained on public data; docs/PRIVACY.md, "Fine-tuning:
+  frozen parameters").
   The frozen leaves stay in params, so `save_checkpoint` saves them with the rest.
 
   Args:
