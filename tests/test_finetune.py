@@ -503,3 +503,27 @@ def test_frozen_convolutions_keep_ghost_norms_exact(make_embed):
   want = logit_dp.clip_methods.pair_grad_norms(finetune.closed(model.apply, frozen), part, x,
                                                x_prime, "materialize", float_allowance=False)
   np.testing.assert_allclose(np.asarray(norms), np.asarray(want), rtol=1e-3)
+
+
+@pytest.mark.extended
+def test_low_level_mesh_step_takes_the_masked_noise_and_keeps_the_frozen_leaves():
+  """distributed.make_private_train_step with trainable= and make_private_optimizer(trainable=):
+  the masked noise counts as the noise that comes first; an optimizer without it is refused."""
+  params = _frozen_params()
+  x, x_prime = make_pairs(n=8)
+  mesh = logit_dp.distributed.data_mesh(4)
+  optimizer = logit_dp.distributed.make_private_optimizer(0.5, 1.0, jax.random.key(0),
+                                                          optax.adam(0.05), trainable=TRAINABLE)
+  step = logit_dp.distributed.make_private_train_step(embed_fn, LOSS, 1.0, mesh, optimizer,
+                                                      trainable=TRAINABLE)
+  state = logit_dp.distributed.replicate(optimizer.init(params), mesh)
+  p = logit_dp.distributed.replicate(params, mesh)
+  for _ in range(2):
+    p, state, _ = step(p, state, x, x_prime)
+  _assert_bit_identical(p["body"], params["body"])
+  assert _max_change(p["head"], params["head"]) > 1e-3
+  unnoised = logit_dp.distributed.make_private_train_step(
+      embed_fn, LOSS, 1.0, mesh, finetune.masked_optimizer(optax.adam(0.05), TRAINABLE),
+      trainable=TRAINABLE)
+  with pytest.raises(ValueError, match="noise"):
+    unnoised(p, finetune.masked_optimizer(optax.adam(0.05), TRAINABLE).init(params), x, x_prime)
