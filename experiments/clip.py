@@ -25,6 +25,16 @@ people per batch, ε per person (the table says which unit). With ``config.peopl
 records (`capped_records`) at the per-pair target whose group privacy is the person-level
 (ε, δ) (`group_privacy_target`), its guarantee converted by group privacy.
 
+Fine-tuning (optional fields, read with their defaults when absent): ``config.init_from``, the
+folder of an orbax checkpoint of both towers' params (`save_params` of an earlier run, e.g.
+non-private pretraining on public data), initialises the towers; ``config.trainable`` "all"
+(default) trains every parameter, "heads" the projection heads only (the last dense layer of
+each tower, `is_head`), through ``make_private(trainable=)`` (the non-private reference masks its
+gradient the same way); ``config.vocabulary_from``, data-set names ("cifar100", or
+"cifar100:coarse" for another label set), adds their class names to the vocabulary, so that
+towers pretrained on one data set keep their token embeddings on another; ``config.save_params``
+saves every method's final params in ``workdir/params/<method>``.
+
 Methods (``config.methods``): the private mechanisms "logit_dp" (per-pair clipping,
 ``config.clip_method``), "dp_gcl" (hash groups of ``config.dp_gcl.group_size`` expected records,
 each group's gradient clipped) and "naive_dp" (the whole batch's gradient clipped), each set up
@@ -190,6 +200,56 @@ def load_images(config) -> dict[str, Any]:
   return ds
 
 
+def vocabulary_texts(config) -> list[str]:
+  """The class-name texts of ``config.vocabulary_from`` (entries "name" or "name:label", the
+  names shipped in label_names/): words the vocabulary holds beside the data's own."""
+  texts = []
+  for entry in config.get("vocabulary_from") or ():
+    name, _, label = str(entry).partition(":")
+    texts += class_texts(load_label_names(None, label or "fine", name), config.text_template)
+  return texts
+
+
+#: The towers' projection heads, the last dense layer of each: ``config.trainable = "heads"``.
+HEADS = (("image", "Dense_0"), ("text", "Dense_1"))
+
+
+def is_head(path, leaf) -> bool:
+  """The ``trainable=`` predicate of ``config.trainable = "heads"``: the leaves of `HEADS`."""
+  del leaf
+  return tuple(getattr(k, "key", None) for k in path[:2]) in HEADS
+
+
+def trainable_of(config):
+  """make_private's ``trainable=`` of ``config.trainable``: None ("all", the default) or
+  `is_head` ("heads")."""
+  mode = config.get("trainable") or "all"
+  if mode == "all":
+    return None
+  if mode == "heads":
+    return is_head
+  raise ValueError(f"config.trainable must be 'all' or 'heads', got {mode!r}.")
+
+
+def load_params(path: str, template):
+  """The towers' params saved by ``config.save_params`` in ``path`` (an orbax checkpoint),
+  restored onto the structure and dtypes of ``template``."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"config.init_from: {path} is not a saved params folder (a run with "
+                            "config.save_params = True writes workdir/params/<method>).")
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.restore(path, template)
+
+
+def save_params(path: str, params) -> None:
+  """Saves the towers' params in ``path`` (an orbax checkpoint; replaces an earlier one)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.abspath(path), params, force=True)
+
+
 def make_towers(config, vocab_size: int, image_shape, tokens_one):
   """(embed_fn, positive_embed_fn, params): image tower on x, text tower on x'."""
   image = models.EmbeddingNet(embedding_dim=config.model.embedding_dim,
@@ -301,13 +361,15 @@ def person_kwargs(config, num_records: int) -> dict:
 
 
 def make_private_method(config, method: str) -> dict:
-  """The `make_private` keywords of a private method: its method name and DP-GCL's group size."""
+  """The `make_private` keywords of a private method: its method name, DP-GCL's group size and
+  the ``trainable=`` of ``config.trainable``."""
+  fine_tuning = {} if trainable_of(config) is None else dict(trainable=trainable_of(config))
   if method == "logit_dp":
-    return dict(method=config.clip_method)
+    return dict(method=config.clip_method, **fine_tuning)
   if method == "dp_gcl":
-    return dict(method="dp_gcl", group_size=config.dp_gcl.group_size)
+    return dict(method="dp_gcl", group_size=config.dp_gcl.group_size, **fine_tuning)
   if method == "naive_dp":
-    return dict(method="naive")
+    return dict(method="naive", **fine_tuning)
   raise ValueError(f"{method!r} is not a private method: use one of {PRIVATE_METHODS}.")
 
 
@@ -353,7 +415,8 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
     clipped_at_start = float(private.grad_fn.with_stats(params, *test_pairs)[2].fraction_clipped)
   else:
     initial_norms = logit_dp.clip_methods.pair_grad_norms(embed_images, params, *test_pairs,
-                                                          positive_embed_fn=embed_texts)
+                                                          positive_embed_fn=embed_texts,
+                                                          trainable=trainable_of(config))
     clipped_at_start = float(np.mean(np.asarray(initial_norms) > config.clip_norm))
   opt_state = private.optimizer.init(params)
   every = int(config.get("checkpoint_every") or 0)
@@ -406,7 +469,10 @@ def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
   """Shuffled epochs, Adam on the plain gradient of the same contrastive loss."""
   embed_images, embed_texts, params = towers
   loss = logit_dp.losses.contrastive(config.temperature)
+  trainable = trainable_of(config)
   optimizer = optax.adam(config.learning_rates.non_private)
+  if trainable is not None:  # the frozen leaves: no gradient, no update, no state
+    optimizer = logit_dp.finetune.masked_optimizer(optimizer, trainable)
   opt_state = optimizer.init(params)
 
   @jax.jit
@@ -414,8 +480,16 @@ def train_non_private(config, ds, tokens, towers, log) -> dict[str, Any]:
     objective = lambda p: loss(
         logit_dp.losses.cosine_similarity(embed_images(p, x), embed_texts(p, texts)), mask)
     value, grads = jax.value_and_grad(objective)(params)
+    if trainable is not None:
+      grads = jax.tree_util.tree_map(lambda g, t: g if t else jnp.zeros_like(g), grads,
+                                     logit_dp.finetune.trainable_mask(trainable, grads))
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+    new_params = optax.apply_updates(params, updates)
+    if trainable is not None:
+      trained, _ = logit_dp.finetune.partition(new_params, trainable)
+      _, frozen = logit_dp.finetune.partition(params, trainable)
+      new_params = logit_dp.finetune.combine(trained, frozen)
+    return new_params, opt_state, value
 
   batcher = logit_dp.sampling.ShuffledBatcher(len(ds["y_train"]), config.batch_size,
                                               seed=config.seed)
@@ -489,10 +563,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, quiet: bool = False) ->
   workdirs.write_config(config, os.path.join(workdir, "config.json"))
   ds = load_images(config)
   texts = class_texts(ds["names"], config.text_template)
-  vocab = Vocabulary(texts)
+  vocab = Vocabulary(texts + vocabulary_texts(config))
   tokens = vocab.tokenize(texts)
   towers = make_towers(config, len(vocab), ds["x_train"].shape[1:],
                        jax.tree_util.tree_map(lambda a: a[:1], tokens))
+  if config.get("init_from"):  # fine-tuning: the towers start from saved (pretrained) params
+    towers = (*towers[:2], load_params(config.init_from, towers[2]))
   results: dict[str, Any] = dict(num_records=int(len(ds["y_train"])),
                                  num_test=int(len(ds["y_test"])), num_classes=len(texts),
                                  vocabulary_size=len(vocab), example_text=texts[0], methods={})
@@ -508,6 +584,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, quiet: bool = False) ->
     else:
       out = train_private(config, ds, tokens, towers, workdir, log, method)
     params = out.pop("params")
+    if config.get("save_params"):
+      save_params(os.path.join(workdir, "params", method), params)
     out.update(
         zero_shot(towers[0], towers[1], params, ds["x_test"], ds["y_test"], tokens,
                   config.eval_batch_size))

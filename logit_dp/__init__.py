@@ -14,8 +14,9 @@ loop calls:
 
 The submodules hold the rest: `losses` (the losses and their cosine similarity),
 `clip_methods` (how the pair norms are found, and your own methods), `baselines` (Naive-DP,
-DP-GCL), `accounting`, `sampling`, `ledger` (and checkpoints), `audit`, `distributed` and
-`models`. The maths is in docs/METHOD.md, the guarantees in docs/PRIVACY.md.
+DP-GCL), `finetune` (training some parameters, the others frozen), `accounting`, `sampling`,
+`ledger` (and checkpoints), `audit`, `distributed` and `models`. The maths is in
+docs/METHOD.md, the guarantees in docs/PRIVACY.md.
 
 ``embed_fn(params, x) -> (n, d)`` is any pure JAX function of a params pytree and a batch
 (examples along axis 0) that embeds every example on its own: flax (``model.apply``), flax.nnx,
@@ -30,6 +31,7 @@ from logit_dp import audit
 from logit_dp import baselines
 from logit_dp import clip_methods
 from logit_dp import distributed
+from logit_dp import finetune
 from logit_dp import ledger
 from logit_dp import losses
 from logit_dp import models
@@ -55,6 +57,7 @@ __all__ = [
     "baselines",
     "clip_methods",
     "distributed",
+    "finetune",
     "ledger",
     "losses",
     "models",

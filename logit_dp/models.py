@@ -9,6 +9,9 @@
   batch, which breaks per-example clipping, so it is never used.
 * :class:`FinetuneHead` -- the 64-32-``num_classes`` MLP trained on top of a
   frozen encoder for CIFAR-100 (20 coarse classes) fine-tuning.
+* :class:`LoRADense` -- a Dense layer with a low-rank adapter beside its kernel (LoRA), to
+  fine-tune the adapter alone with ``make_private(..., trainable=)``; ``MLPEmbedding(lora_rank=r)``
+  puts one in every layer.
 * :class:`TextTransformer` -- a pre-LayerNorm transformer text encoder (token and learned
   position embeddings, flax's ``MultiHeadDotProductAttention``, mean pooling).
 * :class:`ViT` -- a Vision Transformer (patch convolution, class token, learned positions).
@@ -28,8 +31,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 __all__ = [
-    "EmbeddingNet", "ResNet18", "ResNetBlock", "FinetuneHead", "MLPEmbedding", "TransformerBlock",
-    "TextTransformer", "ViT", "make_model"
+    "EmbeddingNet", "ResNet18", "ResNetBlock", "FinetuneHead", "LoRADense", "MLPEmbedding",
+    "TransformerBlock", "TextTransformer", "ViT", "is_lora", "make_model"
 ]
 
 kaiming_normal = nn.initializers.variance_scaling(2.0, "fan_in", "normal")
@@ -138,19 +141,62 @@ class FinetuneHead(nn.Module):
     return nn.Dense(self.num_classes, kernel_init=xavier_normal)(x)
 
 
+class LoRADense(nn.Module):
+  """y = x·W + b + (α/r)·(x·A)·B: a Dense layer and a rank-r adapter beside its kernel (LoRA).
+
+  Its params are those of ``nn.Dense`` (``kernel`` W, ``bias`` b: a pretrained Dense's values
+  load into them as they are) and the adapter's ``lora_a`` A (in, r), drawn N(0, 1/in), and
+  ``lora_b`` B (r, features), zeros: the adapted layer starts as the pretrained one. Fine-tune
+  the adapter alone with ``make_private(..., trainable=logit_dp.models.is_lora)``; its pair
+  norms are those of A and B (the adapter's two matrix products are layers of their own).
+  """
+
+  features: int
+  rank: int = 4
+  alpha: float | None = None  # None: α = r, a scale of 1
+  kernel_init: Callable[..., Any] = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    """(..., in) -> (..., features)."""
+    kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+    bias = self.param("bias", nn.initializers.zeros, (self.features,))
+    a = self.param("lora_a", nn.initializers.normal(x.shape[-1] ** -0.5), (x.shape[-1], self.rank))
+    b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features))
+    scale = (self.rank if self.alpha is None else self.alpha) / self.rank
+    return x @ kernel + bias + scale * ((x @ a) @ b)
+
+
+def is_lora(path, leaf) -> bool:
+  """The ``trainable=`` predicate of the LoRA adapters: True for the ``lora_a`` and ``lora_b``
+  leaves of `LoRADense` layers, False for every other leaf (the pretrained weights)."""
+  del leaf
+  return bool(path) and getattr(path[-1], "key", None) in ("lora_a", "lora_b")
+
+
 class MLPEmbedding(nn.Module):
-  """A tiny MLP embedding (flattens the image): for tests and the quickstart notebook."""
+  """A tiny MLP embedding (flattens the image): for tests and the quickstart notebook.
+
+  ``lora_rank`` r > 0 makes every layer a `LoRADense` of rank r, named as the plain model's
+  layers (``Dense_0``, ...), so a plain model's pretrained params load into it.
+  """
 
   embedding_dim: int = 8
   hidden: Sequence[int] = (32,)
+  lora_rank: int = 0
 
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
     """(n, ...) inputs, flattened per example -> (n, embedding_dim) embeddings."""
+    def dense(features, index, init):
+      if self.lora_rank:
+        return LoRADense(features, self.lora_rank, kernel_init=init, name=f"Dense_{index}")
+      return nn.Dense(features, kernel_init=init)
+
     x = jnp.asarray(x, jnp.float32).reshape(x.shape[0], -1)
-    for h in self.hidden:
-      x = nn.relu(nn.Dense(h, kernel_init=kaiming_normal)(x))
-    return nn.Dense(self.embedding_dim, kernel_init=xavier_normal)(x)
+    for i, h in enumerate(self.hidden):
+      x = nn.relu(dense(h, i, kaiming_normal)(x))
+    return dense(self.embedding_dim, len(self.hidden), xavier_normal)(x)
 
 
 class TransformerBlock(nn.Module):

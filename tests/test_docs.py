@@ -36,6 +36,7 @@ SLOW_PAGES = (
     "guides/bring_your_own_model.md",
     "guides/distributed.md",
     "guides/privacy_per_person.md",
+    "guides/finetuning.md",
 )
 # Pages that need jax_privacy (the `jax-privacy` extra); slow, run in CI with it installed.
 JAX_PRIVACY_PAGES = ("guides/jax_privacy.md",)

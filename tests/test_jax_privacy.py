@@ -154,3 +154,35 @@ def test_user_selection_strategy_drives_per_person_training_with_the_ledgers_eps
                                  delta=private.ledger.target_delta, batch_size=4))
   assert theirs == pytest.approx(private.ledger.epsilon(), rel=1e-9)
   assert private.ledger.epsilon() <= 2.0
+
+
+def test_fine_tuning_noises_only_the_trainable_leaves_through_a_masked_privatizer():
+  """Fine-tuning on the jax_privacy path: ḡ of clipped_grad(..., trainable=) and jax_privacy's
+  Gaussian privatizer restricted to the trainable leaves (`logit_dp.finetune.masked_optimizer`):
+  the frozen leaf gets exactly zero noise and never moves, the trained one gets noise of std
+  σ·C (χ² test), and C is the sensitivity without trainable=."""
+  from helpers import assert_noise_std  # pylint: disable=g-import-not-at-top
+  params, x, x_prime = _problem(n=16)
+  params["w2"] = jnp.ones((12, 256)) / 16  # 3,072 trained coordinates for the χ² test's power
+  trainable = {"w1": False, "w2": True}
+  grad_fn = logit_dp.clipped_grad(embed_fn, LOSS, 0.1, trainable=trainable)
+  assert grad_fn.sensitivity() == logit_dp.clipped_grad(embed_fn, LOSS, 0.1).sensitivity()
+  stddev = 0.7 * grad_fn.sensitivity(Relation.ADD_OR_REMOVE_ONE)
+  privatizer = logit_dp.finetune.masked_optimizer(
+      noise_addition.gaussian_privatizer(stddev=stddev, prng_key=0), trainable)
+  optimizer = logit_dp.finetune.masked_optimizer(optax.adam(1e-2), trainable)
+
+  @jax.jit
+  def train_step(params, noise_state, opt_state):
+    _, clipped_sum = grad_fn(params, x, x_prime)
+    noisy_sum, noise_state = privatizer.update(clipped_sum, noise_state, params)
+    updates, opt_state = optimizer.update(noisy_sum, opt_state, params)
+    return optax.apply_updates(params, updates), noise_state, opt_state, clipped_sum, noisy_sum
+
+  noise_state, opt_state, p, noise = privatizer.init(params), optimizer.init(params), params, []
+  for _ in range(2):
+    p, noise_state, opt_state, clipped_sum, noisy_sum = train_step(p, noise_state, opt_state)
+    assert not np.any(np.asarray(noisy_sum["w1"]))
+    noise.append(np.asarray(noisy_sum["w2"]) - np.asarray(clipped_sum["w2"]))
+  np.testing.assert_array_equal(p["w1"], params["w1"])
+  assert_noise_std(noise, stddev)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from logit_dp._src import checks
 from logit_dp._src import clip_stats
 from logit_dp._src import collective as collective_lib
+from logit_dp._src import finetune
 from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import grouped
 from logit_dp._src import mechanisms
@@ -88,7 +89,7 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
                  method: str | methods.ClipMethod = "ghost", *, microbatch_size: int | None = None,
                  axis_name: str | None = None, cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                  positive_embed_fn: checks.EmbedFn | None = None, stochastic: bool = False,
-                 float64_positive_pairs: bool = True,
+                 float64_positive_pairs: bool = True, trainable: Any = None,
                  **deprecated_options) -> grad_fn_lib.ClippedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None) -> (ℒ, ḡ) for Logit-DP.
 
@@ -139,6 +140,11 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       its own computation dtype (e.g. flax's dtype=jnp.float32) keeps it, with the
       allowance of that dtype; stochastic models keep theirs (their random draws would
       differ), and the allowance e·(s_i + s'_i) can then be ~100× such a pair's norm.
+    trainable: fine-tuning (`logit_dp.finetune`): a pytree of bools with the structure of
+      params (or a prefix of it, as optax.multi_transform's labels) or a predicate
+      ``(path, leaf) -> bool``; the frozen leaves (False) are closed over, so the pair norms
+      and ḡ are those of the model of the trainable leaves alone, ḡ exactly zero at the frozen
+      ones. Same sensitivity. None: every leaf is trained.
     **deprecated_options: memory_budget, pair_block_size, reference_inputs and
       projection_rank, the options of a method name from before the methods held them:
       deprecated (a DeprecationWarning), set them in the method object instead.
@@ -180,6 +186,15 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
   Returns:
     A `ClippedGradFn`: grad_fn(params, x, x_prime, mask=None[, key=]) -> (ℒ, ḡ).
   """
+  if trainable is not None:
+
+    def build(e, pe):
+      return clipped_grad(e, loss, clip_norm, method, microbatch_size=microbatch_size,
+                          axis_name=axis_name, cosine_eps=cosine_eps, positive_embed_fn=pe,
+                          stochastic=stochastic, float64_positive_pairs=float64_positive_pairs,
+                          **deprecated_options)
+
+    return finetune.restrict(build, embed_fn, positive_embed_fn, stochastic, trainable)
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
@@ -228,7 +243,8 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
                     microbatch_size: int | None = None,
                     cosine_eps: float = numerics.DEFAULT_COSINE_EPS, float_allowance: bool = True,
                     positive_embed_fn: checks.EmbedFn | None = None, key: Any = None,
-                    float64_positive_pairs: bool = True, **deprecated_options) -> jax.Array:
+                    float64_positive_pairs: bool = True, trainable: Any = None,
+                    **deprecated_options) -> jax.Array:
   """The (n, n) matrix of the norms `clipped_grad` clips by: ‖∇_w Z_ij‖ ("ghost",
   "materialize"; "triangle", "projected": upper bounds off the diagonal, exact on it).
 
@@ -247,11 +263,24 @@ def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,
     key: the key of a stochastic embed_fn(params, x, key) (as
       ``clipped_grad(..., stochastic=True)`` with this key); None: embed_fn(params, x).
     float64_positive_pairs: form the positive pairs' norms in float64, as in `clipped_grad`.
+    trainable: fine-tuning, as in `clipped_grad`: the norms ‖∇_{w_T} Z_ij‖ of the model with
+      the frozen leaves closed over (the norms `clipped_grad(..., trainable=)` clips by).
     **deprecated_options: the deprecated method keywords of `clipped_grad`.
 
   Returns:
     The (n, n) norms, row i for x_i and column j for x'_j.
   """
+  if trainable is not None:
+    trainable_part, frozen = finetune.partition(params, trainable)
+    stochastic = key is not None
+    closed_embed = finetune.closed(embed_fn, frozen, stochastic)
+    assert closed_embed is not None  # embed_fn is not None
+    return pair_grad_norms(closed_embed, trainable_part, x, x_prime, method,
+                           microbatch_size=microbatch_size, cosine_eps=cosine_eps,
+                           float_allowance=float_allowance,
+                           positive_embed_fn=finetune.closed(positive_embed_fn, frozen,
+                                                             stochastic), key=key,
+                           float64_positive_pairs=float64_positive_pairs, **deprecated_options)
   if not isinstance(method, methods.ClipMethod):
     methods.check_name(method)
   checks.check_microbatch(microbatch_size)
@@ -290,17 +319,26 @@ def _pair_grad_norms(embed_fn, params, x, x_prime, clip, microbatch_size, cosine
 def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
                        microbatch_size: int | None = None, axis_name: str | None = None,
                        cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
-                       positive_embed_fn: checks.EmbedFn | None = None,
-                       stochastic: bool = False) -> grad_fn_lib.ClippedGradFn:
+                       positive_embed_fn: checks.EmbedFn | None = None, stochastic: bool = False,
+                       trainable: Any = None) -> grad_fn_lib.ClippedGradFn:
   """Naive-DP: ḡ = ∇ℒ·min(1, B/‖∇ℒ‖), the whole-batch gradient clipped to B.
 
   Sensitivity 2B under add-or-remove-one (`logit_dp.baselines.naive_sensitivity`). Same
-  signature and mask/axis/two-tower/stochastic semantics as `clipped_grad`, and the same
+  signature and mask/axis/two-tower/stochastic/trainable semantics as `clipped_grad` (with
+  trainable=, ‖∇ℒ‖ is ‖∇_{w_T} ℒ‖, the frozen leaves closed over), and the same
   precision: embed_fn and the backward pass are traced at
   `jax.default_matmul_precision("highest")`, so that ‖∇ℒ‖ and the clipped gradient agree on
   every backend. ``grad_fn.with_stats`` returns the `ClipStats` of its one norm ‖∇ℒ‖
   (NON-PRIVATE).
   """
+  if trainable is not None:
+
+    def build(e, pe):
+      return naive_clipped_grad(e, loss, clip_norm, microbatch_size=microbatch_size,
+                                axis_name=axis_name, cosine_eps=cosine_eps, positive_embed_fn=pe,
+                                stochastic=stochastic)
+
+    return finetune.restrict(build, embed_fn, positive_embed_fn, stochastic, trainable)
   clip_norm = sensitivity_lib.check_clip_norm(clip_norm, allow_inf=True)
   checks.check_microbatch(microbatch_size)
   checks.check_positive_embed_fn(positive_embed_fn)
@@ -329,13 +367,22 @@ def naive_clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float, *,
 
 
 def private_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
-                 method: str | methods.ClipMethod = "ghost", **kwargs) -> grad_fn_lib.ClippedGradFn:
+                 method: str | methods.ClipMethod = "ghost", *, trainable: Any = None,
+                 **kwargs) -> grad_fn_lib.ClippedGradFn:
   """`clipped_grad` with a clip method, `naive_clipped_grad` for method="naive" or
   `grouped_clipped_grad` for method="dp_gcl" (num_groups= in kwargs).
 
   method: a clip method (object or registered name) or "naive"
-  (`mechanisms.check_private_method`); kwargs: the chosen builder's keywords.
+  (`mechanisms.check_private_method`); trainable: fine-tuning, as in `clipped_grad` (every
+  mechanism: the frozen leaves are closed over); kwargs: the chosen builder's keywords.
   """
+  if trainable is not None:
+
+    def build(e, pe):
+      return private_grad(e, loss, clip_norm, method, **dict(kwargs, positive_embed_fn=pe))
+
+    return finetune.restrict(build, embed_fn, kwargs.get("positive_embed_fn"),
+                             bool(kwargs.get("stochastic", False)), trainable)
   mechanism = mechanisms.Mechanism.of_method(mechanisms.check_private_method(method))
   if mechanism is mechanisms.Mechanism.NAIVE_DP:
     return naive_clipped_grad(embed_fn, loss, clip_norm, **kwargs)

@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from logit_dp._src import checks
 from logit_dp._src import clipping
+from logit_dp._src import finetune
 from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import mechanisms
 from logit_dp._src import methods
@@ -428,7 +429,8 @@ def make_sharded_grad_fn(embed_fn, loss, clip_norm: float, mesh: Mesh,
                        check_model=check_model, mechanism=shard_fn.mechanism,
                        clip_norm=shard_fn.clip_norm, loss=loss, clip_method=shard_fn.clip_method,
                        description=shard_fn.description, shard_mapped=shard_mapped, mesh=mesh,
-                       stats_core=jax.jit(stats_mapped), stochastic=stochastic)
+                       stats_core=jax.jit(stats_mapped), stochastic=stochastic,
+                       trainable=shard_fn.trainable)
 
 
 def _sharded_grouped_grad_fn(shard_fn, embed_fn, loss, mesh: Mesh, axis_name: str,
@@ -472,13 +474,13 @@ def _sharded_grouped_grad_fn(shard_fn, embed_fn, loss, mesh: Mesh, axis_name: st
                        clip_norm=shard_fn.clip_norm, loss=loss, num_groups=shard_fn.num_groups,
                        description=shard_fn.description, unit=shard_fn.unit,
                        shard_mapped=shard_mapped, mesh=mesh, stats_core=jax.jit(stats_mapped),
-                       stochastic=stochastic)
+                       stochastic=stochastic, trainable=shard_fn.trainable)
 
 
 def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
                            optimizer: optax.GradientTransformation, *,
-                           expected_batch_size: float | None = None,
-                           allow_zero_noise: bool = False) -> optax.GradientTransformation:
+                           expected_batch_size: float | None = None, allow_zero_noise: bool = False,
+                           trainable: Any = None) -> optax.GradientTransformation:
   """ḡ → N(0, (σC)²) noise (`logit_dp.transform`) → optional 1/E[n] scaling → optimizer.
 
   The noise comes first, on the summed ḡ; everything after it is
@@ -486,10 +488,16 @@ def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
   (`logit_dp.sensitivity(loss, B, batch_size)` with the global number of real
   pairs, or None under Poisson sampling), never a per-device quantity: the
   mechanism, hence the accounting, does not depend on the number of devices.
+
+  trainable (fine-tuning, `logit_dp.finetune`): the noise and the optimizer act on the
+  trainable leaves only (``optax.masked``); a frozen leaf's update is its ḡ, exact zeros from a
+  gradient built with the same ``trainable``, and it has no optimizer state.
   """
-  parts = [
-      noise_lib.transform(noise_multiplier, sensitivity, key, allow_zero_noise=allow_zero_noise)
-  ]
+  noise = noise_lib.transform(noise_multiplier, sensitivity, key, allow_zero_noise=allow_zero_noise)
+  if trainable is not None:
+    noise = finetune.masked_optimizer(noise, trainable)
+    optimizer = finetune.masked_optimizer(optimizer, trainable)
+  parts = [noise]
   if expected_batch_size is not None:
     parts.append(optax.scale(1.0 / float(expected_batch_size)))
   parts.append(optimizer)
@@ -498,9 +506,13 @@ def make_private_optimizer(noise_multiplier: float, sensitivity: float, key,
 
 def _first_state(state):
   """The state of the first transformation of an optax.chain (nested chains included)."""
-  while isinstance(state, (tuple, list)) and not hasattr(state, "_fields") and state:
-    state = state[0]
-  return state
+  while True:
+    if isinstance(state, optax.MaskedState):  # fine-tuning: the noise on the trainable leaves
+      state = state.inner_state
+    elif isinstance(state, (tuple, list)) and not hasattr(state, "_fields") and state:
+      state = state[0]
+    else:
+      return state
 
 
 def check_adds_noise(optimizer: optax.GradientTransformation, params) -> None:

@@ -80,6 +80,8 @@ class ClippedGradFn(CheckedCall):
     stochastic: embed_fn is embed_fn(params, x, key) and every call takes key= (a fresh key
       per step, independent of the noise key); the core then takes the key after the mask.
     stats_core: the same computation returning (ℒ, ḡ, `ClipStats`) (None: no statistics).
+    trainable: the ``trainable=`` it was built with (`logit_dp.finetune`): ḡ is that of the
+      model with the frozen leaves closed over, exact zeros at them; None: every leaf trained.
   """
   mechanism: mechanisms.Mechanism
   clip_norm: float
@@ -90,6 +92,7 @@ class ClippedGradFn(CheckedCall):
   unit: str = "pair(s)"
   stochastic: bool = False
   stats_core: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+  trainable: Any = dataclasses.field(default=None, repr=False)
 
   @property
   def method(self) -> str:

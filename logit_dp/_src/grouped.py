@@ -47,6 +47,7 @@ from logit_dp._src import checks
 from logit_dp._src import chunking
 from logit_dp._src import clip_stats
 from logit_dp._src import collective as collective_lib
+from logit_dp._src import finetune
 from logit_dp._src import grad_fn as grad_fn_lib
 from logit_dp._src import group_norms
 from logit_dp._src import layerwise
@@ -178,7 +179,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
                          microbatch_size: int | None = None,
                          cosine_eps: float = numerics.DEFAULT_COSINE_EPS,
                          positive_embed_fn: EmbedFn | None = None, stochastic: bool = False,
-                         axis_name: str | None = None) -> GroupedGradFn:
+                         axis_name: str | None = None, trainable: Any = None) -> GroupedGradFn:
   """Builds grad_fn(params, x, x_prime, mask=None, *, record_ids, group_key, extra_views=None).
 
   grad_fn returns (ℒ, ḡ) with ℒ = Σ_g L_g and ḡ = Σ_g min(1, B/‖∇_w L_g‖)·∇_w L_g, a SUM
@@ -235,6 +236,9 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       the loss spans the global batch (embeddings all-gathered), every device computes the
       norms of its share of the groups from the gathered factors, and ḡ is the psum of each
       device's contraction of its own examples, the single-device ḡ.
+    trainable: fine-tuning, as in `logit_dp.clipped_grad`: the group norms ‖∇_{w_T} L_g‖ and ḡ
+      are those of the model with the frozen leaves closed over, ḡ exactly zero at them; the
+      same 2B.
 
   grad_fn's mask is an optional (n,) boolean: False rows are padding and contribute exactly
   nothing. record_ids: (n,) integer ids of the records (unique among valid rows; the
@@ -249,6 +253,14 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   removing them). ``grad_fn.with_stats`` returns (ℒ, ḡ, `ClipStats`) over the norms
   ‖∇_w L_g‖ of the groups with a valid record (NON-PRIVATE diagnostics).
   """
+  if trainable is not None:
+
+    def build(e, pe):
+      return grouped_clipped_grad(e, loss, clip_norm, num_groups, microbatch_size=microbatch_size,
+                                  cosine_eps=cosine_eps, positive_embed_fn=pe,
+                                  stochastic=stochastic, axis_name=axis_name)
+
+    return finetune.restrict(build, embed_fn, positive_embed_fn, stochastic, trainable)
   if not isinstance(loss, losses_lib.Contrastive):
     raise ValueError(f"grouped_clipped_grad needs logit_dp.losses.contrastive(τ), got {loss!r}: "
                      "its group loss is InfoNCE over the group's members and extra views.")

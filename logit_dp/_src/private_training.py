@@ -38,6 +38,7 @@ import optax
 from logit_dp._src import accounting
 from logit_dp._src import clipping
 from logit_dp._src import distributed
+from logit_dp._src import finetune
 from logit_dp._src import grouped as grouped_lib
 from logit_dp._src import ledger as ledger_lib
 from logit_dp._src import mechanisms
@@ -278,6 +279,8 @@ class PrivateTraining(NamedTuple):
     max_pairs_per_user: K of privacy per person (`make_private(user_ids=, max_pairs_per_user=)`:
       the unit is a person, ``sensitivity`` the per-person C_K, ``sampler`` a
       `PersonPoissonSampler`, ``ledger.unit`` "person"); None: the unit is a pair.
+    trainable: fine-tuning (`make_private(trainable=)`): which leaves of params are trained
+      (`logit_dp.finetune`); None: every leaf.
 
   The training loop (every released step recorded before it happens; the step gathers
   the batch's records and masks its padding itself)::
@@ -302,6 +305,7 @@ class PrivateTraining(NamedTuple):
   model_key: Any = None
   group_key: Any = None
   max_pairs_per_user: int | None = None
+  trainable: Any = None
 
   def batches(self, steps: int | None = None) -> Iterator[PoissonBatch]:
     """Yields the Poisson batches of steps ledger.steps, …, T − 1, recording each first.
@@ -876,7 +880,7 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                  max_batch_size: int | None = None, overflow: str = "error",
                  group_size: float | None = None, noise_multiplier: float | None = None,
                  mesh: Any = None, user_ids: Any = None, max_pairs_per_user: int | None = None,
-                 **grad_kwargs) -> PrivateTraining:
+                 trainable: Any = None, **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
@@ -913,6 +917,16 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   person (every pair of a person in one group). The theorem above then holds with "one pair"
   read "one person" (docs/PRIVACY.md); the ledger says so (``ledger.unit`` = "person", in its
   printout and checkpoints). With user_ids=None the unit is a pair and nothing above changes.
+
+  Fine-tuning (``trainable=``). Only the trainable leaves w_T are trained; the frozen ones w_F
+  are closed over in embed_fn (`logit_dp.finetune`): every pair norm, group norm and ḡ is that
+  of the model of w_T alone (no cost is spent on w_F), ḡ is exactly zero at w_F, and the
+  optimizer noises and updates w_T only (``optax.masked``: a frozen leaf gets no noise, no
+  update, no optimizer state, and the train step returns it bit for bit). C, σ and the ledger
+  are unchanged: the theorem above holds for the released updates of w_T provided w_F does not
+  depend on the private data (e.g. pretrained on public data; docs/PRIVACY.md, "Fine-tuning:
+  frozen parameters").
+  The frozen leaves stay in params, so `save_checkpoint` saves them with the rest.
 
   Args:
     embed_fn: embed_fn(params, x) -> (n, d), acting on examples independently.
@@ -953,6 +967,12 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     user_ids: privacy per person: an (N,) integer array, the person of every record (None:
       privacy per pair). Needs max_pairs_per_user.
     max_pairs_per_user: K ≥ 1, the most pairs of one person in a batch (with user_ids only).
+    trainable: fine-tuning: a pytree of bools with the structure of params (or a prefix of it,
+      as optax.multi_transform's labels), True where a leaf is trained, or a predicate
+      ``trainable(path, leaf) -> bool`` on params' key paths (it is also called on trees
+      shaped like params: decide from the path and the shape). None (default): every leaf is
+      trained. ValueError on the first use when its structure does not match params or
+      nothing is trainable; TypeError when a leaf is not a bool.
     mesh: a `jax.sharding.Mesh` with a "data" axis (`distributed.data_mesh`) for
       data-parallel training (one or several processes): ``grad_fn`` is then
       `distributed.make_sharded_grad_fn`'s, the same ḡ and C as on one device, and the
@@ -1010,6 +1030,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     raise ValueError("noise_key must be a JAX PRNG key (jax.random.key(seed) or "
                      f"jax.random.PRNGKey(seed)), or None to draw a secret one, got {noise_key!r}.")
 
+  trainable = finetune.check_trainable(trainable)
+  if trainable is not None:
+    grad_kwargs["trainable"] = trainable
   grouped = mechanisms.Mechanism.of_method(method) is mechanisms.Mechanism.DP_GCL
   if "axis_name" in grad_kwargs:
     raise ValueError("make_private trains data-parallel with mesh= (distributed.data_mesh()), "
@@ -1056,8 +1079,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
   if grouped:  # the group assignment's key: independent of the data and of the noise
     key, group_key = jax.random.split(key)
   scale_by = float(expected_batch_size) if mean else None
-  tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by)
+  tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by,
+                                          trainable=trainable)
   return PrivateTraining(grad_fn=grad_fn, optimizer=tx, sampler=sampler, ledger=ledger,
                          noise_multiplier=sigma, sensitivity=c, clip_norm=b, sampling_rate=q,
                          steps=t, method=grad_fn.method, model_key=model_key, group_key=group_key,
-                         max_pairs_per_user=max_pairs_per_user)
+                         max_pairs_per_user=max_pairs_per_user, trainable=trainable)

@@ -11,6 +11,8 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
+from logit_dp._src import finetune
+
 
 def private_update(grad_fn, optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
                    x: Any, x_prime: Any, mask: Any, *, clip_stats: bool = False,
@@ -20,7 +22,8 @@ def private_update(grad_fn, optimizer: optax.GradientTransformation, params: Any
   (ℒ, ḡ) = grad_fn(params, x, x_prime, mask, **grad_kwargs) (``grad_fn.with_num_dropped``
   where it has it: valid rows with non-finite inputs or embeddings are masked out and
   counted); with clip_stats, ``grad_fn.with_stats`` and stats its NON-PRIVATE `ClipStats`
-  (None otherwise). The optimizer adds the noise first (`logit_dp.transform`).
+  (None otherwise). The optimizer adds the noise first (`logit_dp.transform`). A grad_fn built
+  with ``trainable=`` (fine-tuning) gets its frozen leaves back exactly as they were.
   """
   stats = None
   if clip_stats:
@@ -33,4 +36,6 @@ def private_update(grad_fn, optimizer: optax.GradientTransformation, params: Any
     loss_value, grads = grad_fn(params, x, x_prime, mask, **grad_kwargs)
     num_dropped = jnp.zeros((), jnp.int32)
   updates, opt_state = optimizer.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, loss_value, num_dropped, stats
+  new_params = finetune.keep_frozen(optax.apply_updates(params, updates), params,
+                                    getattr(grad_fn, "trainable", None))
+  return new_params, opt_state, loss_value, num_dropped, stats
