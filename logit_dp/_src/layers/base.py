@@ -38,7 +38,17 @@ DerivedLeaf = tuple[int, np.ndarray, tuple[int, ...]]
 
 
 class LayerKind(abc.ABC):
-  """One kind of parameter-linear layer (see the module docstring for the canonical form).
+  """One kind of parameter-linear layer: a JAX primitive whose output, for a parameter leaf W,
+  is per example e
+
+      y[e, t, c] = Σ_p A[e, t, p] K[p, c],
+
+  K (fan_in P × features C) the elements of W with its axes permuted and A[e, t] (the patch
+  of output position t) a function of example e's input alone. A subclass gives `recognise`
+  (the equation's `LinearOp`, or None) and `patches` (A); the engine derives the rest: the
+  cotangents δ from its backward passes, the per-example Jacobian Σ_t a_tᵀ δ_t, the pair
+  norms' Gram terms Σ_{t,s} ⟨a_t, a'_s⟩⟨δ_t, δ'_s⟩ and ḡ. Register an instance with
+  `register_layer_kind`.
 
   Class attributes:
     name: the kind's name (`LinearOp.kind`, the plan and `describe_plan`'s report).
