@@ -97,13 +97,13 @@ class LinearOp:
     return (self.kernel_leaf,) if self.bias_leaf is None else (self.kernel_leaf, self.bias_leaf)
 
   def expanded(self, canonical) -> np.ndarray | jax.Array:
-    """(m, *out_shape) in the canonical layout -> (m, *positions, *feature_shape)."""
+    """``(m, *out_shape)`` in the canonical layout -> ``(m, *positions, *feature_shape)``."""
     if self.feature_shape is None:
       return canonical
     return canonical.reshape(canonical.shape[:-1] + tuple(self.feature_shape))
 
   def to_raw(self, canonical) -> jax.Array:
-    """An array in the canonical output layout (m, *out_shape), in the equation's layout."""
+    """An array in the canonical output layout ``(m, *out_shape)``, in the equation's layout."""
     return jnp.transpose(self.expanded(canonical),
                          tuple(int(a) for a in np.argsort(self.raw_to_canonical)))
 
