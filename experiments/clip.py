@@ -312,8 +312,8 @@ def person_kwargs(config, num_records: int) -> dict:
   owners = simulate_owners(num_records, int(people.max_pairs), float(people.alpha),
                            int(people.seed))
   rate = _sampling_rate(people)
-  expected = (float(people.expected_people_per_batch) if rate is None else rate *
-              len(np.unique(owners)))
+  expected = (float(people.expected_people_per_batch) if rate is None else rate
+              * len(np.unique(owners)))
   return dict(user_ids=owners, max_pairs_per_user=int(people.max_pairs_per_user),
               expected_batch_size=expected)
 

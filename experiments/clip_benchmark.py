@@ -184,8 +184,9 @@ def train_and_publish(cfg, workdir: str, published: str, choice: dict,
     return
   if not clip.is_finished(workdir, cfg.methods):
     if not quiet:
-      print(f"[{command.split('.')[-1]}] {os.path.basename(published)}: training with "
-            f"{choice['overrides']}", flush=True)
+      print(
+          f"[{command.split('.')[-1]}] {os.path.basename(published)}: training with "
+          f"{choice['overrides']}", flush=True)
     with workdirs.timed_attempt(workdir, command) as attempt:
       attempt["returncode"] = 1
       train_fn(cfg, workdir, quiet=quiet)

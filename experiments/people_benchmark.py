@@ -103,14 +103,16 @@ def search_stages(config, arm: str, base) -> list[dict]:
   key = f"learning_rates.{mechanism}"
   rate = float(base.learning_rates[mechanism])
   stages = [
-      dict(name="max pairs per person", candidates=[
-          dict(name=f"K{int(k)}", overrides={"people.max_pairs_per_user": int(k)})
-          for k in config.k_grid
-      ]),
-      dict(name="learning rate", candidates=[
-          dict(name=f"lr{float(f'{rate * m:.3g}'):g}", overrides={key: float(f"{rate * m:.3g}")})
-          for m in config.learning_rate_grid
-      ]),
+      dict(
+          name="max pairs per person", candidates=[
+              dict(name=f"K{int(k)}", overrides={"people.max_pairs_per_user": int(k)})
+              for k in config.k_grid
+          ]),
+      dict(
+          name="learning rate", candidates=[
+              dict(name=f"lr{float(f'{rate * m:.3g}'):g}",
+                   overrides={key: float(f"{rate * m:.3g}")}) for m in config.learning_rate_grid
+          ]),
   ]
   return [s for s in stages if s["candidates"]]
 
@@ -145,9 +147,8 @@ def benchmark_config(config, arm: str, epsilon: float, seed: int, chosen: dict, 
   return cfg
 
 
-def run_arm(config, arm: str, epsilon: float, runs_dir: str, results_dir: str,
-            data_dir: str | None, subset: int | None, train_fn: Callable | None = None,
-            quiet: bool = True) -> dict:
+def run_arm(config, arm: str, epsilon: float, runs_dir: str, results_dir: str, data_dir: str | None,
+            subset: int | None, train_fn: Callable | None = None, quiet: bool = True) -> dict:
   """One arm at ε: its search, then its runs once the search has chosen; dict(chosen, waiting)."""
   name = search_name(arm, epsilon)
   summary = tune.run_search(search_config(config, arm, epsilon, results_dir, data_dir, subset),
@@ -203,11 +204,12 @@ def run_all(config, runs_dir: str, results_dir: str, data_dir: str | None = None
 # -- The table. ----------------------------------------------------------------------------
 
 
-def load_records(config, results_dir: str) -> list[dict]:
-  """The finished runs of the benchmark (``arm`` set) and, as references, the per-pair
-  benchmark's DP-GCL and non-private runs (``arm`` "per_pair_dp_gcl", "non_private")."""
+def load_records(config, results_dir: str, folder: str = RUNS_FOLDER) -> list[dict]:
+  """The finished runs of the benchmark in ``results_dir/folder`` (``arm`` set) and, as
+  references, the per-pair benchmark's DP-GCL and non-private runs (``arm`` "per_pair_dp_gcl",
+  "non_private")."""
   records = []
-  for r in clip_benchmark.load_results(os.path.join(results_dir, RUNS_FOLDER)):
+  for r in clip_benchmark.load_results(os.path.join(results_dir, folder)):
     arm = r["name"].rsplit("_eps", 1)[0]
     if arm in ARMS:
       records.append(dict(r, arm=arm))
@@ -235,8 +237,8 @@ def _mean_std(values) -> tuple[float, float]:
 def verdict(by_key: dict, epsilon: float) -> str:
   """The arm of best mean top-1 at ε, with every arm's mean ± std (only arms with results)."""
   means = {
-      arm: _mean_std([r["zero_shot_top1"] for r in by_key[(arm, epsilon)].values()])
-      for arm in ARMS if (arm, epsilon) in by_key
+      arm: _mean_std([r["zero_shot_top1"] for r in by_key[(arm, epsilon)].values()]) for arm in ARMS
+      if (arm, epsilon) in by_key
   }
   if not means:
     return f"* ε = {epsilon:g} per person: no finished run yet."
@@ -321,6 +323,14 @@ def write_table(config, results_dir: str) -> str:
   workdirs.write_json(os.path.join(folder, "benchmark.json"),
                       [r for r in records if r["arm"] in ARMS])
   return table
+
+
+def table_of(results_dir: str, folder: str = RUNS_FOLDER) -> str:
+  """The table of the runs in ``results_dir/folder``, with the default config's ε and per-pair
+  references (the ``people_benchmark:<folder>`` block of the results pages)."""
+  from experiments.configs import people_benchmark as default  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  return benchmark_table(load_records(config, results_dir, folder), config.epsilons)
 
 
 def main(argv):

@@ -28,6 +28,8 @@ experiments/embedding_geometry.py),
 ``zero_shot:<group>`` (the two-tower runs of experiments/clip.py),
 ``clip_benchmark:<folder in results_dir>`` (the private two-tower benchmark of
 experiments/clip_benchmark.py: every mechanism tuned on public data, Δ against DP-GCL),
+``people_benchmark:<folder in results_dir>`` (privacy per person, experiments/people_benchmark.py:
+group privacy against native person-level DP-GCL and Logit-DP, its default config),
 ``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
@@ -1086,6 +1088,9 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     from experiments import clip_benchmark  # pylint: disable=g-import-not-at-top
     return clip_benchmark.benchmark_table(
         clip_benchmark.load_results(os.path.join(results_dir, arg)))
+  if kind == "people_benchmark":
+    from experiments import people_benchmark  # pylint: disable=g-import-not-at-top
+    return people_benchmark.table_of(results_dir, arg)
   if kind == "bound":
     a, b = arg.split(":")
     if a not in groups or b not in groups:
