@@ -234,20 +234,43 @@ def _mean_std(values) -> tuple[float, float]:
   return render_results.mean_std(values)
 
 
+def _delta(runs: dict, other: dict, metric: str) -> str:
+  """runs − other paired by seed: "+0.019 ± 0.017, p 0.25" (p of the paired t-test)."""
+  common = sorted(set(runs) & set(other))
+  if not common:
+    return "–"
+  d = render_results.paired_difference([runs[s][metric] for s in common],
+                                       [other[s][metric] for s in common])
+  text = f"{d['mean']:+.3f}"
+  if d["std"] == d["std"]:
+    text += f" ± {d['std']:.3f}"
+  if d["p"] == d["p"]:
+    text += f", p {d['p']:.2g}"
+  return text
+
+
 def verdict(by_key: dict, epsilon: float) -> str:
-  """The arm of best mean top-1 at ε, with every arm's mean ± std (only arms with results)."""
-  means = {
-      arm: _mean_std([r["zero_shot_top1"] for r in by_key[(arm, epsilon)].values()]) for arm in ARMS
-      if (arm, epsilon) in by_key
-  }
-  if not means:
+  """The arm of best mean top-1 at ε, its mean ± std, and its paired Δ top-1 / top-5 against
+  every other arm (only arms with results)."""
+  present = [arm for arm in ARMS if (arm, epsilon) in by_key]
+  if not present:
     return f"* ε = {epsilon:g} per person: no finished run yet."
-  best = max(means, key=lambda a: means[a][0])
-  others = "; ".join(
-      f"{LABELS[a]} {render_results.fmt_ms(*means[a])}" for a in ARMS if a in means and a != best)
-  missing = [LABELS[a] for a in ARMS if a not in means]
+  top1 = {
+      arm: _mean_std([r["zero_shot_top1"] for r in by_key[(arm, epsilon)].values()])
+      for arm in present
+  }
+  best = max(present, key=lambda a: top1[a][0])
+  runs = by_key[(best, epsilon)]
   text = (f"* ε = {epsilon:g} per person: **{LABELS[best]}**, zero-shot top-1 "
-          f"{render_results.fmt_ms(*means[best])}" + (f" (against {others})" if others else ""))
+          f"{render_results.fmt_ms(*top1[best])} (n = {len(runs)})")
+  against = [
+      f"against {LABELS[a]} Δ top-1 {_delta(runs, by_key[(a, epsilon)], 'zero_shot_top1')}, "
+      f"Δ top-5 {_delta(runs, by_key[(a, epsilon)], 'zero_shot_top5')}" for a in present
+      if a != best
+  ]
+  if against:
+    text += "; " + "; ".join(against)
+  missing = [LABELS[a] for a in ARMS if a not in present]
   if missing:
     text += f"; not run yet: {', '.join(missing)}"
   return text + "."
@@ -264,7 +287,10 @@ def benchmark_table(records: list[dict], epsilons) -> str:
   for r in records:
     epsilon = None if r["arm"] == "non_private" else r["epsilon"]
     by_key.setdefault((r["arm"], epsilon), {})[r["seed"]] = r["result"]
-  lines = ["Verdict (best mean zero-shot top-1 on CIFAR-10 at each person-level ε):", ""]
+  lines = [
+      "Verdict: the arm of best mean zero-shot top-1 on CIFAR-10 at each person-level ε, and "
+      "its Δ against the others paired by seed (mean ± std, paired t-test p):", ""
+  ]
   lines += [verdict(by_key, float(e)) for e in epsilons]
   lines += [
       "", f"Zero-shot accuracy on the CIFAR-10 test images (chance {1 / k:.3g} top-1, "
