@@ -277,9 +277,10 @@ def verdict(by_key: dict, epsilon: float) -> str:
 
 
 def benchmark_table(records: list[dict], epsilons) -> str:
-  """The verdict at each ε, then per arm and ε: the chosen K and settings, σ, per-pair ε (group
-  privacy), steps, zero-shot top-1 / top-5 (mean ± std over seeds) and Δ against (b), paired
-  by seed; the per-pair references below each ε."""
+  """The verdict at each ε, then per arm and ε: the chosen K and settings, per-pair ε (group
+  privacy), σ, the sensitivity C (per person; per pair in group privacy), steps, zero-shot
+  top-1 / top-5 (mean ± std over seeds) and Δ against (b), paired by seed; the per-pair
+  references below each ε."""
   if not any(r["arm"] in ARMS for r in records):
     return "(no finished run of the privacy-per-person benchmark yet)"
   (k,) = {r["num_classes"] for r in records}
@@ -296,10 +297,10 @@ def benchmark_table(records: list[dict], epsilons) -> str:
       "", f"Zero-shot accuracy on the CIFAR-10 test images (chance {1 / k:.3g} top-1, "
       f"{min(5, k) / k:.3g} top-5), mean ± std over seeds (n); Δ = arm − (b) at the same ε, "
       "paired by seed, mean ± std of the per-seed differences. ε is per person (δ = 1e-5) but "
-      "in the reference rows (ε per pair, no person-level guarantee).", "",
-      "| arm | ε | K | settings (chosen on CIFAR-100) | per-pair ε | σ | steps | n | "
+      "in the reference rows (ε per pair, no person-level guarantee); the noise std is σ·C.", "",
+      "| arm | ε | K | settings (chosen on CIFAR-100) | per-pair ε | σ | C | steps | n | "
       "zero-shot top-1 | zero-shot top-5 | Δ top-1 vs (b) | Δ top-5 vs (b) |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   ]
   for epsilon in (float(e) for e in epsilons):
     reference = by_key.get((REFERENCE, epsilon), {})
@@ -333,8 +334,10 @@ def benchmark_table(records: list[dict], epsilons) -> str:
       per_pair = (f"{max(runs[s]['epsilon_per_pair'] for s in seeds):.3g}"
                   if "epsilon_per_pair" in first else "–")
       sigma = f"{first['noise_multiplier']:.3g}" if "noise_multiplier" in first else "–"
+      sensitivity = f"{first['sensitivity']:.3g}" if "sensitivity" in first else "–"
       lines.append(f"| {label} | {eps} | {k_cell} | {_settings(first, arm)} | {per_pair} | "
-                   f"{sigma} | {first['steps']} | {len(seeds)} | " + " | ".join(cells) + " |")
+                   f"{sigma} | {sensitivity} | {first['steps']} | {len(seeds)} | "
+                   + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 

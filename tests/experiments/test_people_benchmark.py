@@ -94,7 +94,7 @@ def _scripted_trainer(calls, fail_at=None):
     r = dict(steps=4, learning_rate=lr, temperature=cfg.temperature, clip_norm=cfg.clip_norm,
              zero_shot_top1=top1, zero_shot_top5=top1 + 0.3, epsilon=cfg.target_epsilon * 0.99,
              delta=1e-5, noise_multiplier=1.0, sampling_rate=0.25, max_pairs_per_user=k,
-             unit="person")
+             unit="person", sensitivity=k * 0.5 if method == "logit_dp" else 0.2)
     if cfg.people.mode == "group_privacy":
       r.update(unit="person (group privacy)", epsilon_per_pair=cfg.target_epsilon / k)
     results = dict(num_records=64, num_test=50, num_classes=10, methods={method: r})
@@ -172,6 +172,7 @@ def test_people_benchmark_chooses_k_on_public_data_resumes_and_tabulates(tmp_pat
   row = next(
       line for line in table.splitlines() if line.startswith("| (c) Logit-DP per person | 7.92"))
   assert "| 2 |" in row and "-0.010 ± 0.000 (3)" in row  # K = 2 on the grid, at its peak
+  assert "| 1 | 1 | 4 | 3 |" in row  # σ, C = K·0.5, steps, seeds
   row = next(line for line in table.splitlines() if line.startswith("| (a) per-pair DP-GCL"))
   assert "| 0.99 | 1 |" in row and "| 1 |" in row  # K = 1, per-pair ε = ε/K
   assert "reference: DP-GCL per pair (per-pair benchmark) | 7.98 per pair" in table
