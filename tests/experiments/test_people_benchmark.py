@@ -206,3 +206,20 @@ def test_people_benchmark_refuses_bad_configs():
   config.k_grid = (0, 2)
   with pytest.raises(ValueError, match="k_grid"):
     people_benchmark.check_config(config)
+
+
+def test_people_sampling_rate_sets_q_over_the_people_and_is_checked():
+  """people.sampling_rate = q: q·M expected people natively (M the simulated owners); a rate
+  outside (0, 1] is refused, naming the setting."""
+  from experiments.configs import clip_people_tiny
+
+  config = clip_people_tiny.get_config()
+  config.people.sampling_rate = 0.25
+  owners = clip.simulate_owners(200, 4, 1.5, 0)
+  kwargs = clip.person_kwargs(config, 200)
+  np.testing.assert_array_equal(kwargs["user_ids"], owners)
+  assert kwargs["expected_batch_size"] == pytest.approx(0.25 * len(np.unique(owners)))
+  for bad in (0.0, 1.5, -0.1):
+    config.people.sampling_rate = bad
+    with pytest.raises(ValueError, match="people.sampling_rate"):
+      clip.person_kwargs(config, 200)
