@@ -8,6 +8,7 @@ Entry points (absl + ml_collections, the flax examples convention)::
     python experiments/finetune.py --config=experiments/configs/cifar100_finetune.py \
         --config.pretrain_workdir=runs/cifar10_embnet --config.data.npz_dir=/path/to/npz
     python -m experiments.clip_benchmark --data_dir=/path/to/npz   # private two towers, tuned
+    python -m experiments.people_benchmark --data_dir=/path/to/npz # the same, privacy per person
 
 Without ``--config.data.npz_dir``, CIFAR-10/100 are downloaded from the official archives,
 verified and cached the first time (`experiments.cifar`).

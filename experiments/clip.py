@@ -23,7 +23,10 @@ owners (`simulate_owners`: a heavy-tailed number of pairs per person, 1 to
 people per batch, ε per person (the table says which unit). With ``config.people.mode =
 "group_privacy"`` the comparison's baseline runs instead: per-pair training on the K-capped
 records (`capped_records`) at the per-pair target whose group privacy is the person-level
-(ε, δ) (`group_privacy_target`), its guarantee converted by group privacy.
+(ε, δ) (`group_privacy_target`), its guarantee converted by group privacy. With
+``config.people.sampling_rate`` = q set, the batch is q over the run's unit instead, in both
+modes: q·(number of people) people natively, q·(number of K-capped records) pairs in the
+baseline (the same q and T in every mode and at every K).
 
 Fine-tuning (optional fields, read with their defaults when absent): ``config.init_from``, the
 folder of an orbax checkpoint of both towers' params (`save_params` of an earlier run, e.g.
@@ -347,17 +350,32 @@ def _people_mode(config) -> str | None:
   return mode
 
 
+def _sampling_rate(people) -> float | None:
+  """config.people.sampling_rate: None, or a rate in (0, 1]."""
+  rate = people.get("sampling_rate")
+  if rate is None:
+    return None
+  if not 0.0 < float(rate) <= 1.0:
+    raise ValueError(f"config.people.sampling_rate must be in (0, 1], got {rate!r}.")
+  return float(rate)
+
+
 def person_kwargs(config, num_records: int) -> dict:
   """make_private's keywords of privacy per person (config.people.max_pairs_per_user = K > 0,
-  mode "native"): simulated owners (`simulate_owners`), K and the expected people per batch; {}
-  per pair and in mode "group_privacy" (per-pair training on the K-capped records)."""
+  mode "native"): simulated owners (`simulate_owners`), K and the expected people per batch
+  (``people.expected_people_per_batch``, or q·M with q = ``people.sampling_rate`` when set, M
+  the number of people); {} per pair and in mode "group_privacy" (per-pair training on the
+  K-capped records)."""
   people = config.get("people")
   if _people_mode(config) != "native":
     return {}
   owners = simulate_owners(num_records, int(people.max_pairs), float(people.alpha),
                            int(people.seed))
+  rate = _sampling_rate(people)
+  expected = (float(people.expected_people_per_batch) if rate is None else rate
+              * len(np.unique(owners)))
   return dict(user_ids=owners, max_pairs_per_user=int(people.max_pairs_per_user),
-              expected_batch_size=float(people.expected_people_per_batch))
+              expected_batch_size=expected)
 
 
 def make_private_method(config, method: str) -> dict:
@@ -391,8 +409,11 @@ def train_private(config, ds, tokens, towers, workdir: str, log,
     ds = dict(ds, x_train=ds["x_train"][keep], y_train=ds["y_train"][keep])
     target = group_privacy_target(*target, k)
   num_records = len(ds["y_train"])
+  batch_size = config.batch_size
+  if mode == "group_privacy" and _sampling_rate(config.people) is not None:
+    batch_size = _sampling_rate(config.people) * num_records  # q over the K-capped records
   # Per person (config.people): simulated owners, K pairs each at most, E[people] per batch.
-  per_person = {"expected_batch_size": config.batch_size, **person_kwargs(config, num_records)}
+  per_person = {"expected_batch_size": batch_size, **person_kwargs(config, num_records)}
   private = logit_dp.make_private(embed_images, loss, config.clip_norm, target_epsilon=target[0],
                                   target_delta=target[1], num_records=num_records,
                                   epochs=config.num_epochs,

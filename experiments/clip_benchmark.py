@@ -154,8 +154,6 @@ def benchmark_config(config, method: str, epsilon: float | None, seed: int,
 def run_benchmark(config, chosen: dict, runs_dir: str, results_dir: str, data_dir: str | None,
                   train_fn: Callable | None = None, quiet: bool = True) -> list[str]:
   """Trains every run whose search has chosen (skipping finished ones); the runs not done."""
-  from experiments import clip  # pylint: disable=g-import-not-at-top
-  train_fn = train_fn or clip.train_and_evaluate
   waiting = []
   for method in config.mechanisms:
     for epsilon in _epsilons(config, method):
@@ -166,27 +164,41 @@ def run_benchmark(config, chosen: dict, runs_dir: str, results_dir: str, data_di
           waiting.append(name)
           continue
         cfg = benchmark_config(config, method, epsilon, seed, choice["overrides"], data_dir)
-        workdir = os.path.join(runs_dir, "benchmark", name)
-        published = os.path.join(results_dir, "clip_benchmark", name)
-        clip.check_resumable(cfg, workdir)
-        clip.check_resumable(cfg, published)
-        if clip.is_finished(published, cfg.methods):
-          continue
-        if not clip.is_finished(workdir, cfg.methods):
-          if not quiet:
-            print(f"[clip_benchmark] {name}: training with {choice['overrides']}", flush=True)
-          with workdirs.timed_attempt(workdir, "experiments.clip_benchmark") as attempt:
-            attempt["returncode"] = 1
-            train_fn(cfg, workdir, quiet=quiet)
-            attempt["returncode"] = 0
-        workdirs.publish(workdir, published)
-        with open(os.path.join(published, "choice.json"), "w") as f:
-          json.dump(dict(search=search_name(method, epsilon), **choice), f, indent=1)
+        train_and_publish(cfg, os.path.join(runs_dir, "benchmark", name),
+                          os.path.join(results_dir, "clip_benchmark", name),
+                          dict(search=search_name(method, epsilon), **choice), train_fn, quiet)
   return waiting
 
 
+def train_and_publish(cfg, workdir: str, published: str, choice: dict,
+                      train_fn: Callable | None = None, quiet: bool = True,
+                      command: str = "experiments.clip_benchmark") -> None:
+  """Trains the clip run ``cfg`` in ``workdir`` (resuming it; skipped when it or its published
+  copy has finished) and publishes its small files and ``choice`` (choice.json) to
+  ``published``."""
+  from experiments import clip  # pylint: disable=g-import-not-at-top
+  train_fn = train_fn or clip.train_and_evaluate
+  clip.check_resumable(cfg, workdir)
+  clip.check_resumable(cfg, published)
+  if clip.is_finished(published, cfg.methods):
+    return
+  if not clip.is_finished(workdir, cfg.methods):
+    if not quiet:
+      print(
+          f"[{command.split('.')[-1]}] {os.path.basename(published)}: training with "
+          f"{choice['overrides']}", flush=True)
+    with workdirs.timed_attempt(workdir, command) as attempt:
+      attempt["returncode"] = 1
+      train_fn(cfg, workdir, quiet=quiet)
+      attempt["returncode"] = 0
+  workdirs.publish(workdir, published)
+  with open(os.path.join(published, "choice.json"), "w") as f:
+    json.dump(choice, f, indent=1)
+
+
 def load_results(folder: str) -> list[dict]:
-  """Every finished benchmark run in ``folder``: dict(method, epsilon, seed, result, choice)."""
+  """Every finished benchmark run in ``folder``: dict(name (the run's folder), method, epsilon,
+  seed, result, choice, num_classes)."""
   records = []
   if not os.path.isdir(folder):
     return records
@@ -205,7 +217,7 @@ def load_results(folder: str) -> list[dict]:
     for method, r in results["methods"].items():
       private = method != "non_private"
       records.append(
-          dict(method=method, epsilon=float(cfg["target_epsilon"]) if private else None,
+          dict(name=name, method=method, epsilon=float(cfg["target_epsilon"]) if private else None,
                seed=int(cfg["seed"]), result=r, choice=choice.get("overrides", {}),
                num_classes=results["num_classes"]))
   return records
@@ -371,6 +383,12 @@ def check_config(config) -> None:
     raise ValueError(f"unknown mechanism(s) {unknown}: use {tuple(LABELS)}.")
   if REFERENCE not in config.mechanisms:
     raise ValueError(f"the table takes every Δ against {REFERENCE}: keep it in mechanisms.")
+  check_bases(config)
+
+
+def check_bases(config) -> None:
+  """ValueError unless ``config.search_base`` runs on public data and shares every training
+  setting of ``config.benchmark_base`` but the data."""
   if config.search_base.data.name in tune.PRIVATE_DATA:
     raise ValueError(f"the search runs on public data; search_base.data.name = "
                      f"{config.search_base.data.name!r} is the private data set.")

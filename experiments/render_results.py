@@ -30,6 +30,8 @@ experiments/embedding_geometry.py),
 experiments/clip_benchmark.py: every mechanism tuned on public data, Δ against DP-GCL),
 ``finetune_benchmark:<folder in results_dir>`` (private fine-tuning of pretrained towers, from
 experiments/finetune_benchmark.py: every variant and mechanism, and its three answers),
+``people_benchmark:<folder in results_dir>`` (privacy per person, experiments/people_benchmark.py:
+group privacy against native person-level DP-GCL and Logit-DP, its default config),
 ``search:<folder in results_dir>`` (the
 public-data search of experiments/tune.py, from its search.json) and
 ``curve:<prefix>[:<E>=<group>…]`` (3-NN accuracy and linear probe vs ε of the groups
@@ -1092,6 +1094,9 @@ def render_block(name: str, runs, groups, paper, results_dir: str = "") -> str:
     from experiments import finetune_benchmark  # pylint: disable=g-import-not-at-top
     return finetune_benchmark.benchmark_table(
         finetune_benchmark.load_results(os.path.join(results_dir, arg)))
+  if kind == "people_benchmark":
+    from experiments import people_benchmark  # pylint: disable=g-import-not-at-top
+    return people_benchmark.table_of(results_dir, arg)
   if kind == "bound":
     a, b = arg.split(":")
     if a not in groups or b not in groups:

@@ -10,9 +10,11 @@ method runs natively per person, `make_private(user_ids=, max_pairs_per_user=K)`
 Poisson-sampled, each brings at most K of their pairs, ε is per person (DP-GCL grouped by
 person, Logit-DP, Naive-DP). ``--config.people.mode=group_privacy`` runs the baseline instead:
 per-pair training on the K-capped records at the per-pair target (ε/K, δ/(K·e^{(K−1)ε/K})),
-whose group privacy is the person-level (ε, δ). K and the learning rates here are NOT chosen on
-public data, and no result of this config is published: the comparison of the three at
-person-level ε = 1 and 8 over 3 seeds is not measured.
+whose group privacy is the person-level (ε, δ). K = 2, 250 people per batch and the learning
+rates here are a starting point, NOT chosen on public data. The comparison of the three at
+person-level ε = 1 and 8 over 3 seeds, with K and the learning rate chosen on public data and q =
+0.02 of each arm's unit (``people.sampling_rate``), is `experiments.people_benchmark`
+(experiments/configs/people_benchmark.py; docs/RESULTS.md, "Privacy per person").
 """
 
 import ml_collections
