@@ -113,17 +113,20 @@ def test_noise_multiplier_calibrates_each_budget_once_and_checks_every_answer(mo
   first = accounting.noise_multiplier(**base)
   assert accounting.noise_multiplier(**base) == first and len(calls) == 1
   others = [
-      dict(base, target_epsilon=3.0), dict(base, target_delta=1e-6), dict(base, sampling_rate=0.02),
-      dict(base, steps=400), dict(base, accountant="pld", steps=20),
+      dict(base, target_epsilon=3.0),
+      dict(base, target_delta=1e-6),
+      dict(base, sampling_rate=0.02),
+      dict(base, steps=400),
+      dict(base, accountant="pld", steps=20),
       dict(base, accountant="pld", steps=20, pld_discretization=2e-3)
   ]
   for i, kwargs in enumerate(others, start=2):
     sigma = accounting.noise_multiplier(**kwargs)
     assert len(calls) == i, kwargs
-    assert accounting.epsilon(sigma, kwargs["target_delta"], kwargs["sampling_rate"],
-                              kwargs["steps"], kwargs["accountant"],
-                              pld_discretization=kwargs.get("pld_discretization", 1e-3)) <= (
-                                  kwargs["target_epsilon"])
+    grid = kwargs.get("pld_discretization", accounting.DEFAULT_PLD_DISCRETIZATION)
+    eps = accounting.epsilon(sigma, kwargs["target_delta"], kwargs["sampling_rate"],
+                             kwargs["steps"], kwargs["accountant"], pld_discretization=grid)
+    assert eps <= kwargs["target_epsilon"]
   assert len({accounting.noise_multiplier(**kwargs) for kwargs in [base] + others}) == 7
   assert len(calls) == 7  # all cached
 

@@ -107,9 +107,9 @@ _SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize("k,loss_name,method", [
     pytest.param(
-        k, loss_name, method, marks=() if (k, loss_name, method) in _DEFAULT_GRID else
-        pytest.mark.extended if (k, loss_name, method) in _EXTENDED_GRID else _SLOW)
-    for k in DEVICE_COUNTS
+        k, loss_name, method, marks=() if
+        (k, loss_name, method) in _DEFAULT_GRID else pytest.mark.extended if
+        (k, loss_name, method) in _EXTENDED_GRID else _SLOW) for k in DEVICE_COUNTS
     for loss_name in sorted(LOSSES) for method in ("ghost", "triangle")
 ])
 def test_sharded_equals_single_device(k, loss_name, method):

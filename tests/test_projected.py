@@ -100,8 +100,8 @@ def test_the_test_dimensions_take_both_forms():
 # test_gram_form_float32_error_is_a_sixteenth_of_its_allowance and
 # test_removal_audit_at_a_tiny_clip_norm_respects_the_sensitivity[gram_form].
 @pytest.fixture(scope="module",
-                params=[pytest.param(GRAM_FORM_DIM, marks=pytest.mark.extended), VECTOR_FORM_DIM],
-                ids=["gram_form", "vector_form"])
+                params=[pytest.param(GRAM_FORM_DIM, marks=pytest.mark.extended),
+                        VECTOR_FORM_DIM], ids=["gram_form", "vector_form"])
 def conv_case(request):
   embed_fn, params, x, x_prime, reference = _conv_problem(dim=request.param)
   # Each normalised Jacobian has rank d − 1 (ûᵀJ = 0): 3 references × (d − 1) rows of rank, the

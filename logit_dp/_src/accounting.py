@@ -271,10 +271,11 @@ def _calibrate_cached(eps: float, delta: float, q: float, steps: int, accountant
                       rtol: float) -> float:
   """dp_accounting's calibration of σ in the bracket [lo, hi], to tol = rtol·lo: a pure function
   of its arguments (each is a key of the cache), computed once per process."""
+  def fresh_accountant():
+    return make_accountant(accountant, pld_discretization=pld_discretization, rdp_orders=rdp_orders)
+
   sigma = dp_accounting.calibrate_dp_mechanism(
-      lambda: make_accountant(accountant, pld_discretization=pld_discretization,
-                              rdp_orders=rdp_orders),
-      lambda s: make_event(s, q, steps), eps, delta,
+      fresh_accountant, lambda s: make_event(s, q, steps), eps, delta,
       bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=rtol * lo)
   return float(sigma)
 
