@@ -94,6 +94,43 @@ def test_noise_multiplier_monotone():
   assert sig(4.0, 500) < sig(4.0, 2000)  # more steps, more noise
 
 
+def test_noise_multiplier_calibrates_each_budget_once_and_checks_every_answer(monkeypatch):
+  """The calibration is cached per process: the same arguments give the same σ without a second
+  calibration; any other argument (ε, δ, q, T, accountant, PLD grid) is a calibration of its own,
+  and every returned σ meets its own target."""
+  from logit_dp._src import accounting as accounting_src
+  accounting_src._calibrate_cached.cache_clear()
+  calls = []
+  calibrate = dp_accounting.calibrate_dp_mechanism
+
+  def counting(*args, **kwargs):
+    calls.append(args[2:4])  # (ε, δ)
+    return calibrate(*args, **kwargs)
+
+  monkeypatch.setattr(dp_accounting, "calibrate_dp_mechanism", counting)
+  base = dict(target_epsilon=2.0, target_delta=1e-5, sampling_rate=0.01, steps=200,
+              accountant="rdp")
+  first = accounting.noise_multiplier(**base)
+  assert accounting.noise_multiplier(**base) == first and len(calls) == 1
+  others = [
+      dict(base, target_epsilon=3.0),
+      dict(base, target_delta=1e-6),
+      dict(base, sampling_rate=0.02),
+      dict(base, steps=400),
+      dict(base, accountant="pld", sampling_rate=1.0, steps=2),
+      dict(base, accountant="pld", sampling_rate=1.0, steps=2, pld_discretization=2e-3)
+  ]
+  for i, kwargs in enumerate(others, start=2):
+    sigma = accounting.noise_multiplier(**kwargs)
+    assert len(calls) == i, kwargs
+    grid = kwargs.get("pld_discretization", accounting.DEFAULT_PLD_DISCRETIZATION)
+    eps = accounting.epsilon(sigma, kwargs["target_delta"], kwargs["sampling_rate"],
+                             kwargs["steps"], kwargs["accountant"], pld_discretization=grid)
+    assert eps <= kwargs["target_epsilon"]
+  assert len({accounting.noise_multiplier(**kwargs) for kwargs in [base] + others}) == 7
+  assert len(calls) == 7  # all cached
+
+
 def test_max_steps_and_helpers():
   t_max = accounting.max_steps(1.0, 3.0, 1e-5, 0.01, "rdp")
   assert accounting.epsilon(1.0, 1e-5, 0.01, t_max, "rdp") <= 3.0

@@ -100,13 +100,16 @@ def _assert_matches(sharded, reference, tol=1e-5):
 # The default run keeps one device count per method, with the contrastive loss (spreadout is
 # compared with the single device in test_nonfinite_pairs_raise_eagerly_like_single_device);
 # the rest of the grid is slow.
-_DEFAULT_GRID = {(4, "contrastive", "ghost"), (2, "contrastive", "triangle")}
+_DEFAULT_GRID = {(4, "contrastive", "ghost")}
+_EXTENDED_GRID = {(2, "contrastive", "triangle")}
 _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("k,loss_name,method", [
-    pytest.param(k, loss_name, method, marks=() if
-                 (k, loss_name, method) in _DEFAULT_GRID else _SLOW) for k in DEVICE_COUNTS
+    pytest.param(
+        k, loss_name, method, marks=() if
+        (k, loss_name, method) in _DEFAULT_GRID else pytest.mark.extended if
+        (k, loss_name, method) in _EXTENDED_GRID else _SLOW) for k in DEVICE_COUNTS
     for loss_name in sorted(LOSSES) for method in ("ghost", "triangle")
 ])
 def test_sharded_equals_single_device(k, loss_name, method):

@@ -180,9 +180,10 @@ def test_one_group_without_extra_views_is_naive_dp(no_norm_allowance):
     np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-6)
 
 
-@pytest.mark.parametrize("scale,spread,log_clip",
-                         [(1.0, 0.3, -6.0), (100.0, 1e-3, 0.0),
-                          pytest.param(1e-3, 0.3, -2.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scale,spread,log_clip", [
+    pytest.param(1.0, 0.3, -6.0, marks=pytest.mark.extended), (100.0, 1e-3, 0.0),
+    pytest.param(1e-3, 0.3, -2.0, marks=pytest.mark.slow)
+])
 def test_released_group_gradients_never_exceed_b_in_float64(scale, spread, log_clip):
   """Stress inputs (tiny B, huge and tiny inputs, near-identical views); B swept across the
   group's own gradient norm, where the float32 norm decides whether to clip."""
@@ -505,8 +506,10 @@ def _row(tree, i):
   return jax.tree_util.tree_map(lambda a: a[i:i + 1], tree)
 
 
+# Shared towers in microbatches of 4 run by default in
+# test_stochastic_two_towers_match_the_brute_force_reference_in_float64.
 @pytest.mark.parametrize("kind,microbatch,clip_norm", [
-    ("shared", 4, 0.05),
+    pytest.param("shared", 4, 0.05, marks=pytest.mark.extended),
     ("disjoint", None, 0.05),
     pytest.param("shared", None, 1e3, marks=pytest.mark.slow),
 ])
@@ -572,7 +575,9 @@ def _float_towers(kind, n, seed):
   return f, f_prime, params, jax.random.normal(keys[3], (n, 3)), jax.random.normal(keys[4], (n, 4))
 
 
-@pytest.mark.parametrize("kind,num_groups,clip_norm", [("shared", 2, 1e-3), ("disjoint", 3, 0.3)])
+@pytest.mark.parametrize("kind,num_groups,clip_norm",
+                         [("shared", 2, 1e-3),
+                          pytest.param("disjoint", 3, 0.3, marks=pytest.mark.extended)])
 def test_two_tower_removal_audit_stays_within_2b(kind, num_groups, clip_norm):
   """Removing each record in turn moves ḡ by at most 2B, and by more than B (the bound is not
   B: a group's clipped gradient is replaced); a random search over batches stays within 2B."""

@@ -367,6 +367,7 @@ def test_the_first_training_in_a_process_runs_no_accountant_within_its_planned_s
   from logit_dp._src import accounting as accounting_src
   from logit_dp._src import ledger as ledger_src
   accounting_src._epsilon_cached.cache_clear()  # as in a fresh process: no ε computed yet
+  accounting_src._calibrate_cached.cache_clear()  # nor any σ calibrated
   monkeypatch.setattr(ledger_src, "_WITHIN_BUDGET", {})
   runs = []
   make_accountant = accounting_src.make_accountant

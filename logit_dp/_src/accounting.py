@@ -265,6 +265,21 @@ def delta(noise_multiplier: float, target_epsilon: float, sampling_rate: float, 
   return float(acc.get_delta(eps))
 
 
+@functools.lru_cache(maxsize=1024)
+def _calibrate_cached(eps: float, delta: float, q: float, steps: int, accountant: str,
+                      pld_discretization: float, rdp_orders: tuple | None, lo: float, hi: float,
+                      rtol: float) -> float:
+  """dp_accounting's calibration of σ in the bracket [lo, hi], to tol = rtol·lo: a pure function
+  of its arguments (each is a key of the cache), computed once per process."""
+  def fresh_accountant():
+    return make_accountant(accountant, pld_discretization=pld_discretization, rdp_orders=rdp_orders)
+
+  sigma = dp_accounting.calibrate_dp_mechanism(
+      fresh_accountant, lambda s: make_event(s, q, steps), eps, delta,
+      bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=rtol * lo)
+  return float(sigma)
+
+
 def noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: float, steps: int,
                      accountant: str = "pld", *, num_examples: int | None = None,
                      pld_discretization: float = DEFAULT_PLD_DISCRETIZATION,
@@ -279,6 +294,9 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: 
   returned σ with a fresh accountant and, should the check fail (it never
   should: the library already guarantees a non-positive gap), increases σ by
   factors of (1 + rtol) until ε(σ) ≤ target.
+
+  The calibration is cached per process (its arguments are the key), so calibrating the same
+  budget again is cheap; the returned σ is checked against `epsilon` on every call.
 
   Guarantee: the returned σ satisfies ``epsilon(σ, δ, q, T, accountant) ≤
   target_epsilon`` for the same accountant settings, and σ·(1 − rtol) no longer
@@ -341,11 +359,8 @@ def noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: 
     lo = max(lo / 2.0, lo_limit)
   # Now eps_of(lo) > eps ≥ eps_of(hi).
 
-  sigma = dp_accounting.calibrate_dp_mechanism(
-      lambda: make_accountant(accountant, pld_discretization=pld_discretization, rdp_orders=orders),
-      lambda s: make_event(s, q, t), eps, dlt,
-      bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), tol=rtol * lo)
-  sigma = float(sigma)
+  sigma = _calibrate_cached(eps, dlt, q, t, accountant, float(pld_discretization), orders,
+                            float(lo), float(hi), float(rtol))
   # Verify with the same (cached) computation users will call, nudge up if needed.
   while eps_of(sigma) > eps:
     sigma *= 1.0 + rtol

@@ -176,7 +176,7 @@ def test_curve_with_no_run_says_so_and_rejects_a_mislabelled_run(curve_runs, tmp
     render_results.parse_curve_spec("cifar10_embnet:cifar10_embnet_triangle")
 
 
-def test_curve_figure_and_its_link(curve_runs):
+def test_curve_band_and_no_figure_link_without_figures(curve_runs):
   root, runs = curve_runs
   paper = render_results.load_paper(os.path.join(REPO, "experiments", "paper_results.json"))
   data = render_results.curve_data(SPEC, render_results.groups_of(runs))
@@ -186,6 +186,11 @@ def test_curve_figure_and_its_link(curve_runs):
       runs, "cifar10_embnet_triangle", "non_private", "accuracy")[3:]
   assert band == want
   assert "![accuracy vs ε]" not in render_results.render(DOC, runs, paper, str(root))
+
+
+@pytest.mark.extended  # a subprocess of the renderer; plot_curve is checked by the test below
+def test_curve_figure_and_its_link(curve_runs):
+  root, _ = curve_runs
   args = [
       sys.executable, "-m", "experiments.render_results", "--figures", f"--results_dir={root}",
       f"--out={root / 'doc.md'}"
