@@ -402,44 +402,71 @@ def check_bases(config) -> None:
                      "would not mean the same on CIFAR-10.")
 
 
-def main(argv):
+def prepare_main(argv):
+  """A benchmark driver's absl entry: refuses extra arguments, logs warnings only; the flags."""
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   from absl import logging  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
+  return flags.FLAGS
+
+
+def run_from_flags(run_all_fn: Callable) -> None:
+  """Runs a driver's ``run_all`` with the flags of `define_flags` and prints its table, then
+  whether it is complete (re-running the same command continues where it stopped)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  if f.time_steps:
-    print(json.dumps(time_steps(f.config, f.data_dir, f.time_steps, quiet=False), indent=1))
-    return
-  out = run_all(f.config, f.runs_dir, f.results_dir, f.data_dir, f.search_subset, quiet=False)
+  out = run_all_fn(f.config, f.runs_dir, f.results_dir, f.data_dir, f.search_subset, quiet=False)
   print(out["table"])
   if out["complete"]:
     print("benchmark complete")
-  else:
+  elif isinstance(out.get("waiting"), list):
     print(f"not finished ({len(out['waiting'])} run(s) wait for their search): re-run the same "
           "command to continue")
+  else:
+    print("not finished: re-run the same command to continue")
+
+
+_SEARCH_SUBSET_HELP = ("Search on this many CIFAR-100 training images, the expected batch scaled "
+                       "by search_subset / 50,000 (the same q, T and σ as the full search).")
+
+
+def define_flags(config_name: str, config_help: str, runs_help: str, results_help: str,
+                 search_subset_help: str = _SEARCH_SUBSET_HELP) -> None:
+  """The flags every benchmark driver takes: --config (default experiments/configs/
+  <config_name>.py), --data_dir, --runs_dir (default runs/<config_name>), --results_dir
+  (default docs/results) and --search_subset."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config_flags.DEFINE_config_file(
+      "config", os.path.join(_REPO, "experiments", "configs", f"{config_name}.py"), config_help,
+      lock_config=False)
+  flags.DEFINE_string("data_dir", None, "Folder with cifar10.npz and cifar100.npz.")
+  flags.DEFINE_string("runs_dir", os.path.join("runs", config_name), runs_help)
+  flags.DEFINE_string("results_dir", os.path.join("docs", "results"), results_help)
+  flags.DEFINE_integer("search_subset", None, search_subset_help)
+
+
+def main(argv):
+  f = prepare_main(argv)
+  if f.time_steps:
+    print(json.dumps(time_steps(f.config, f.data_dir, f.time_steps, quiet=False), indent=1))
+    return
+  run_from_flags(run_all)
 
 
 def _define_flags():
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file(
-      "config", os.path.join(_REPO, "experiments", "configs", "clip_benchmark.py"),
-      "Benchmark configuration (search_base, benchmark_base, mechanisms, epsilons, seeds, grids).",
-      lock_config=False)
-  flags.DEFINE_string("data_dir", None, "Folder with cifar10.npz and cifar100.npz.")
-  flags.DEFINE_string("runs_dir", os.path.join("runs", "clip_benchmark"),
-                      "Workdirs and checkpoints of every run (private: holds the noise keys).")
-  flags.DEFINE_string("results_dir", os.path.join("docs", "results"),
-                      "Where clip_benchmark_search/ and clip_benchmark/ are published.")
+  define_flags(
+      "clip_benchmark",
+      "Benchmark configuration (search_base, benchmark_base, mechanisms, epsilons, seeds, "
+      "grids).", "Workdirs and checkpoints of every run (private: holds the noise keys).",
+      "Where clip_benchmark_search/ and clip_benchmark/ are published.")
   flags.DEFINE_integer(
       "time_steps", 0, "Instead of running: time the first and this many more steps of every "
       "mechanism at the benchmark's size (CIFAR-10, the base settings), side by side.")
-  flags.DEFINE_integer(
-      "search_subset", None, "Search on this many CIFAR-100 training images, the expected batch "
-      "scaled by search_subset / 50,000 (the same q, T and σ as the full search).")
 
 
 if __name__ == "__main__":

@@ -290,35 +290,18 @@ def check_config(config) -> None:
 
 
 def main(argv):
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)
-  f = flags.FLAGS
-  out = run_all(f.config, f.runs_dir, f.results_dir, f.data_dir, f.search_subset, quiet=False)
-  print(out["table"])
-  print("benchmark complete"
-        if out["complete"] else "not finished: re-run the same command to continue")
+  clip_benchmark.prepare_main(argv)
+  clip_benchmark.run_from_flags(run_all)
 
 
 def _define_flags():
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file(
-      "config", os.path.join(_REPO, "experiments", "configs", "finetune_benchmark.py"),
-      "Benchmark configuration (pretrain, search_base, benchmark_base, variants, mechanisms, "
-      "epsilons, seeds, grids).", lock_config=False)
-  flags.DEFINE_string("data_dir", None, "Folder with cifar10.npz and cifar100.npz.")
-  flags.DEFINE_string(
-      "runs_dir", os.path.join("runs", FOLDER),
-      "Workdirs, checkpoints and pretrained params (private: holds the noise keys).")
-  flags.DEFINE_string("results_dir", os.path.join("docs", "results"),
-                      f"Where {FOLDER}/ is published.")
-  flags.DEFINE_integer(
-      "search_subset", None, "Search on this many CIFAR-100 training images, the expected batch "
-      "scaled by search_subset / 50,000 (the same q, T and σ as the full search).")
+  clip_benchmark.define_flags(
+      FOLDER, "Benchmark configuration (pretrain, search_base, benchmark_base, variants, "
+      "mechanisms, epsilons, seeds, grids).",
+      "Workdirs, checkpoints and pretrained params (private: holds the noise keys).",
+      f"Where {FOLDER}/ is published.")
+  flags.adopt_module_key_flags(clip_benchmark)  # listed by --help as this module's
 
 
 if __name__ == "__main__":

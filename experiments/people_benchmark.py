@@ -363,39 +363,21 @@ def table_of(results_dir: str, folder: str = RUNS_FOLDER) -> str:
 
 
 def main(argv):
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)
-  f = flags.FLAGS
-  out = run_all(f.config, f.runs_dir, f.results_dir, f.data_dir, f.search_subset, quiet=False)
-  print(out["table"])
-  if out["complete"]:
-    print("benchmark complete")
-  else:
-    print(f"not finished ({len(out['waiting'])} run(s) wait for their search): re-run the same "
-          "command to continue")
+  clip_benchmark.prepare_main(argv)
+  clip_benchmark.run_from_flags(run_all)
 
 
 def _define_flags():
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file(
-      "config", os.path.join(_REPO, "experiments", "configs", "people_benchmark.py"),
+  clip_benchmark.define_flags(
+      "people_benchmark",
       "Benchmark configuration (search_base, benchmark_base, arms, epsilons, seeds, grids).",
-      lock_config=False)
-  flags.DEFINE_string("data_dir", None, "Folder with cifar10.npz and cifar100.npz.")
-  flags.DEFINE_string("runs_dir", os.path.join("runs", "people_benchmark"),
-                      "Workdirs and checkpoints of every run (private: holds the noise keys).")
-  flags.DEFINE_string(
-      "results_dir", os.path.join("docs", "results"),
+      "Workdirs and checkpoints of every run (private: holds the noise keys).",
       "Where people_benchmark_search/ and people_benchmark/ are published (and where the "
-      "per-pair benchmark's searches and runs are read).")
-  flags.DEFINE_integer(
-      "search_subset", None, "Search on this many CIFAR-100 training images (owners simulated "
-      "on them, the same q and T as on the full data).")
+      "per-pair benchmark's searches and runs are read).",
+      "Search on this many CIFAR-100 training images (owners simulated on them, the same q and T "
+      "as on the full data).")
+  flags.adopt_module_key_flags(clip_benchmark)  # listed by --help as this module's
 
 
 if __name__ == "__main__":
