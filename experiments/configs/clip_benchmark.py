@@ -15,12 +15,17 @@ import ml_collections
 from experiments.configs import clip_cifar10
 
 
-def search_base():
-  """clip_cifar10 with CIFAR-100 (coarse labels) as the data: public for CIFAR-10."""
-  config = clip_cifar10.get_config()
+def on_public_data(config):
+  """config with CIFAR-100's training images and 20 coarse labels as its data: public for
+  CIFAR-10 (50,000 records, as CIFAR-10's, so q, T and σ stay those of the run)."""
   config.data.name = "cifar100"
   config.data.label = "coarse"
   return config
+
+
+def search_base():
+  """clip_cifar10 on the public data (`on_public_data`)."""
+  return on_public_data(clip_cifar10.get_config())
 
 
 def get_config():

@@ -21,6 +21,7 @@ and the learning rate × ``learning_rate_grid`` on the public data (`experiments
 
 import ml_collections
 
+from experiments.configs import clip_benchmark
 from experiments.configs import clip_cifar10_people
 
 
@@ -31,11 +32,8 @@ def _people(config):
 
 
 def search_base():
-  """clip_cifar10_people with CIFAR-100 (coarse labels) as the data: public for CIFAR-10."""
-  config = _people(clip_cifar10_people.get_config())
-  config.data.name = "cifar100"
-  config.data.label = "coarse"
-  return config
+  """clip_cifar10_people on the public data (`clip_benchmark.on_public_data`)."""
+  return clip_benchmark.on_public_data(_people(clip_cifar10_people.get_config()))
 
 
 def get_config():
