@@ -287,3 +287,29 @@ def run_blocks(blocks, where: str):
     with contextlib.redirect_stdout(out):
       exec(compile(block, f"{where} python block {i}", "exec"), namespace)  # noqa: S102
     yield block, namespace, out.getvalue().splitlines()
+
+
+def scripted_trainer(calls: list, method_results, fail_at: int | None = None):
+  """A stand-in for experiments.clip.train_and_evaluate that trains nothing: it appends each
+  workdir to ``calls``, raises KeyboardInterrupt once at call number ``fail_at`` (an interrupted
+  run), and writes the workdir's config.json and a results.json whose one method's entry is
+  ``method_results(cfg, method)`` (the scripted outcome)."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from experiments import workdirs  # pylint: disable=g-import-not-at-top
+
+  def train_fn(cfg, workdir, quiet=True):
+    del quiet
+    calls.append(workdir)
+    if fail_at is not None and len(calls) == fail_at:
+      raise KeyboardInterrupt("interrupted")
+    os.makedirs(workdir, exist_ok=True)
+    workdirs.write_config(cfg, os.path.join(workdir, "config.json"))
+    (method,) = cfg.methods
+    results = dict(num_records=64, num_test=50, num_classes=10,
+                   methods={method: method_results(cfg, method)})
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(results, f)
+    return results
+
+  return train_fn

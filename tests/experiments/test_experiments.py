@@ -23,6 +23,7 @@ from experiments.configs import default as default_config
 from experiments.configs import tiny
 from experiments.configs import tiny_finetune
 from helpers import save_config_started_before
+from helpers import scripted_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -662,21 +663,11 @@ def test_compilation_cache_flag_sets_the_persistent_cache(tmp_path):
 
 
 def _scripted_clip_trainer(calls, fail_at=None):
-  """A stand-in for clip.train_and_evaluate: writes config.json and a results.json whose
-  zero-shot top-1 peaks at learning rate 3e-2 (private) / 1e-2 (non-private), with an offset
-  per mechanism and seed; raises once at call number ``fail_at`` (an interrupted run)."""
-  from experiments import workdirs
-
+  """`helpers.scripted_trainer` whose zero-shot top-1 peaks at learning rate 3e-2 (private) /
+  1e-2 (non-private), with an offset per mechanism and seed."""
   offsets = dict(logit_dp=0.02, dp_gcl=0.05, naive_dp=0.0, non_private=0.2)
 
-  def train_fn(cfg, workdir, quiet=True):
-    del quiet
-    calls.append(workdir)
-    if fail_at is not None and len(calls) == fail_at:
-      raise KeyboardInterrupt("interrupted")
-    os.makedirs(workdir, exist_ok=True)
-    workdirs.write_config(cfg, os.path.join(workdir, "config.json"))
-    (method,) = cfg.methods
+  def method_results(cfg, method):
     lr = cfg.learning_rates[method]
     best = 1e-2 if method == "non_private" else 3e-2
     top1 = 0.3 - 0.05 * abs(np.log10(lr / best)) + offsets[method] + 0.01 * cfg.seed
@@ -688,12 +679,9 @@ def _scripted_clip_trainer(calls, fail_at=None):
                clip_norm=cfg.clip_norm)
       if method == "dp_gcl":
         r.update(group_size=cfg.dp_gcl.group_size)
-    results = dict(num_records=64, num_test=50, num_classes=10, methods={method: r})
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(results, f)
-    return results
+    return r
 
-  return train_fn
+  return scripted_trainer(calls, method_results, fail_at)
 
 
 def test_clip_benchmark_searches_then_runs_resumably_and_tabulates(tmp_path):

@@ -14,6 +14,7 @@ from experiments import clip
 from experiments import people_benchmark
 from experiments.configs import people_benchmark as full
 from experiments.configs import people_benchmark_tiny
+from helpers import scripted_trainer
 
 
 def _no_machine_path(root: str, path: str) -> None:
@@ -74,18 +75,8 @@ OFFSET = dict(group_privacy=0.0, dp_gcl=0.05, logit_dp=0.02)
 
 
 def _scripted_trainer(calls, fail_at=None):
-  """A stand-in for clip.train_and_evaluate (config.json, results.json); raises once at call
-  number ``fail_at`` (an interrupted run)."""
-  from experiments import workdirs
-
-  def train_fn(cfg, workdir, quiet=True):
-    del quiet
-    calls.append(workdir)
-    if fail_at is not None and len(calls) == fail_at:
-      raise KeyboardInterrupt("interrupted")
-    os.makedirs(workdir, exist_ok=True)
-    workdirs.write_config(cfg, os.path.join(workdir, "config.json"))
-    (method,) = cfg.methods
+  """`helpers.scripted_trainer` with the outcome above."""
+  def method_results(cfg, method):
     arm = next(a for a, (m, mode) in people_benchmark.ARMS.items()
                if m == method and mode == cfg.people.mode)
     k, lr = cfg.people.max_pairs_per_user, cfg.learning_rates[method]
@@ -97,12 +88,9 @@ def _scripted_trainer(calls, fail_at=None):
              unit="person", sensitivity=k * 0.5 if method == "logit_dp" else 0.2)
     if cfg.people.mode == "group_privacy":
       r.update(unit="person (group privacy)", epsilon_per_pair=cfg.target_epsilon / k)
-    results = dict(num_records=64, num_test=50, num_classes=10, methods={method: r})
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(results, f)
-    return results
+    return r
 
-  return train_fn
+  return scripted_trainer(calls, method_results, fail_at)
 
 
 def _per_pair_files(results: str) -> None:
