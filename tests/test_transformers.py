@@ -9,6 +9,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import logit_dp
@@ -179,6 +180,54 @@ def test_a_large_parameter_on_the_slow_path_warns_once(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     logit_dp.clipped_grad(embed_fn, LOSS, 1.0)(params, x, x + 0.1)  # warned already
+
+
+def _private(embed_fn, example=None, **kwargs):
+  return logit_dp.make_private(embed_fn, LOSS, 1.0, target_epsilon=1.0, target_delta=1e-5,
+                               num_records=64, expected_batch_size=8, optimizer=optax.sgd(0.1),
+                               steps=2, example=example, **kwargs)
+
+
+def test_make_private_with_an_example_checks_the_model_when_the_training_is_built(monkeypatch):
+  """What the first step would find is raised (or warned) by make_private(example=...), and
+  nothing is checked again at the first step."""
+  monkeypatch.setattr(plan_report, "_warned", set())
+  table = jax.random.normal(jax.random.key(0), (64, 80))
+  params = {"w": table, "head": jnp.ones((80, 4))}
+  slow = lambda p, x: jnp.sin(x @ jnp.sin(p["w"])) @ p["head"]
+  x = np.asarray(jax.random.normal(jax.random.key(1), (N, 64)))
+  with pytest.warns(UserWarning, match=r"\['w'\] \(5,120 floats\) takes the slow path"):
+    training = _private(slow, (params, x))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step = training.make_train_step()
+    state = training.optimizer.init(params)
+    batch = next(iter(training.batches()))
+    step(params, state, batch, (np.tile(x, (16, 1)), np.tile(x, (16, 1)) + 0.1))
+
+  mixing = lambda p, x: slow(p, x) - slow(p, x).mean(0)  # batch statistics
+  with pytest.raises(ValueError, match="mixes the examples of a batch"):
+    _private(mixing, (params, x))
+  _private(mixing)  # without an example: found at the first step
+  with pytest.raises(ValueError, match=r"structure does not match params[\s\S]*nope"):
+    _private(slow, (params, x), trainable={"nope": True})
+  with pytest.raises(TypeError, match="example must be"):
+    _private(slow, params)
+
+
+@pytest.mark.parametrize("method,kwargs", [("dp_gcl", dict(group_size=2)), ("materialize", {}),
+                                           ("ghost", dict(positive_embed_fn="text"))])
+def test_make_private_checks_every_method_and_two_towers_from_an_example(method, kwargs):
+  if kwargs.get("positive_embed_fn"):
+    embed_fn, params, x, x_prime, positive = _problem("linen", "clip")
+    kwargs = dict(positive_embed_fn=positive)
+  else:
+    embed_fn, params, x, x_prime, _ = _problem("linen", "text")
+  training = _private(embed_fn, (params, x[:3], x_prime[:3]), method=method, **kwargs)
+  assert training.grad_fn._checked  # the first step does not check again
+  with pytest.raises(ValueError, match="mixes the examples of a batch"):
+    mixing = lambda p, x: embed_fn(p, x) - embed_fn(p, x).mean(0)
+    _private(mixing, (params, x[:3], x_prime[:3]), method=method, **kwargs)
 
 
 def test_dense_general_and_einsum_of_several_axes_are_exact():

@@ -52,6 +52,13 @@ class CheckedCall:
   def _checked_core(self, *args, **kwargs):
     return self.core(*self._checked_args(*args, **kwargs))
 
+  def check(self, *args, **kwargs) -> None:
+    """Everything the first call would check, now, without computing anything: the inputs,
+    the model (`check_model`) and the trace of the core (`jax.eval_shape`: the layer plan,
+    ``trainable=`` against params, the one-time warning for a large leaf on the slow path).
+    Takes the arguments of a call; a few rows suffice. Nothing is compiled."""
+    jax.eval_shape(self.core, *self._checked_args(*args, **kwargs))
+
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class ClippedGradFn(CheckedCall):

@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 from logit_dp._src import accounting
+from logit_dp._src import checks
 from logit_dp._src import clipping
 from logit_dp._src import distributed
 from logit_dp._src import finetune
@@ -849,6 +850,31 @@ def _check_count(name: str, value) -> int:
   return out
 
 
+def _check_example(grad_fn, example, model_key, group_key, multiple: int) -> None:
+  """`ClippedGradFn.check` on make_private's ``example=(params, x[, x_prime])``: the call a
+  first step makes, on the example's rows (padded with masked copies of its first row to a
+  multiple of the mesh's devices)."""
+  if not isinstance(example, (tuple, list)) or len(example) not in (2, 3):
+    raise TypeError("example must be (params, x) or (params, x, x_prime) with a few rows of "
+                    f"the data, got {type(example).__name__}.")
+  params, x = example[0], example[1]
+  x_prime = x if len(example) == 2 else example[2]
+  checks.as_inputs(x, "example's x", jnp)
+  checks.as_inputs(x_prime, "example's x_prime", jnp)
+  rows = rows_lib.num_rows(x)
+  padding = -rows % multiple
+  mask = np.concatenate([np.ones(rows, bool), np.zeros(padding, bool)])
+  if padding:
+    x, x_prime = (_joined(v, jax.tree_util.tree_map(
+        lambda a: jnp.repeat(a[:1], padding, axis=0), v)) for v in (x, x_prime))
+  extra = {}
+  if model_key is not None:
+    extra["key"] = model_key
+  if group_key is not None:
+    extra.update(record_ids=np.arange(rows + padding), group_key=group_key)
+  grad_fn.check(params, x, x_prime, mask, **extra)
+
+
 def _is_prng_key(key) -> bool:
   """Whether key is what `transform` takes: a typed JAX PRNG key, or raw uint32 key data."""
   try:
@@ -880,7 +906,7 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
                  max_batch_size: int | None = None, overflow: str = "error",
                  group_size: float | None = None, noise_multiplier: float | None = None,
                  mesh: Any = None, user_ids: Any = None, max_pairs_per_user: int | None = None,
-                 trainable: Any = None, **grad_kwargs) -> PrivateTraining:
+                 trainable: Any = None, example: Any = None, **grad_kwargs) -> PrivateTraining:
   """Sets up (ε, δ)-DP training in one call, as Opacus' `make_private_with_epsilon`.
 
   q = expected_batch_size / num_records; T = steps, or ⌈epochs / q⌉;
@@ -983,6 +1009,12 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
       model embed_fn(params, x, key) with dropout: the training key is then split into the
       noise key and ``model_key``, and each step's model randomness is
       fold_in(model_key, t), independent of the noise and never released; same C and σ).
+    example: (params, x) or (params, x, x_prime), the initial params and a few rows of the
+      data: the model is checked now, as the first step would check it, so that a model the
+      training cannot use fails here, not at its first step (`ClippedGradFn.check`: the
+      towers, ``trainable=`` against params, the layer plan, the one-time warning for a large
+      leaf on the slow path). It traces the gradient and computes nothing. None: checked on
+      the first step.
 
   Returns:
     A `PrivateTraining`.
@@ -1078,6 +1110,9 @@ def make_private(embed_fn: Callable, loss, clip_norm: float, *, target_epsilon: 
     key, model_key = jax.random.split(key)
   if grouped:  # the group assignment's key: independent of the data and of the noise
     key, group_key = jax.random.split(key)
+  if example is not None:
+    multiple = 1 if mesh is None else int(mesh.shape[distributed.DATA_AXIS])
+    _check_example(grad_fn, example, model_key, group_key, multiple)
   scale_by = float(expected_batch_size) if mean else None
   tx = distributed.make_private_optimizer(sigma, c, key, optimizer, expected_batch_size=scale_by,
                                           trainable=trainable)
