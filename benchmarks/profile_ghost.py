@@ -1,6 +1,10 @@
-r"""Where the time of a Logit-DP "ghost" step goes (embedding net, CPU or accelerator).
+r"""Where the time of a Logit-DP "ghost" step goes (one tower, CPU or accelerator).
 
     python -m benchmarks.profile_ghost --sizes 256,1000 --out results/profile_ghost.json
+    python -m benchmarks.profile_ghost --model text --sizes 128 --out results/profile_text.json
+
+--model: "embedding" (the paper's embedding net, default) or a transformer encoder of
+`benchmarks.transformers` ("text", "vit"; flax linen, its default sizes).
 
 Each piece is jitted on its own and timed (median of --repeats runs after a warm-up):
 
@@ -77,8 +81,22 @@ def pair_multiply_adds(plan, d: int) -> int:
   return per_pair
 
 
+MODELS = ("embedding", "text", "vit")
+
+
+def build_problem(model: str, n: int, image_size: int):
+  """(embed_fn, params, x, x_prime, number of parameters) of a one-tower model."""
+  if model == "embedding":
+    return sb.build_problem("embedding", n, image_size)
+  if model not in MODELS:
+    raise ValueError(f"unknown model {model!r}: one of {MODELS}")
+  from benchmarks import transformers  # pylint: disable=g-import-not-at-top
+  embed_fn, params, x, x_prime, _ = transformers.build("linen", model, n)
+  return embed_fn, params, x, x_prime, sum(a.size for a in jax.tree_util.tree_leaves(params))
+
+
 def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
-            temperature: float = 1.0) -> dict:
+            temperature: float = 1.0, model: str = "embedding") -> dict:
   from logit_dp._src import collective  # pylint: disable=g-import-not-at-top
   from logit_dp._src import layerwise as L  # pylint: disable=g-import-not-at-top
   from logit_dp._src import methods  # pylint: disable=g-import-not-at-top
@@ -87,10 +105,10 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
   from logit_dp._src import pair_terms  # pylint: disable=g-import-not-at-top
   from logit_dp._src.methods import ghost  # pylint: disable=g-import-not-at-top
 
-  embed_fn, params, x, xp, p = sb.build_problem("embedding", n, image_size)
+  embed_fn, params, x, xp, p = build_problem(model, n, image_size)
   loss = logit_dp.losses.contrastive(temperature=temperature)
   d = embed_fn(params, x[:1]).shape[-1]
-  out = {"n": n, "d": int(d), "p": p, "pieces": {}, "unavailable": {}}
+  out = {"model": model, "n": n, "d": int(d), "p": int(p), "pieces": {}, "unavailable": {}}
   rows = out["pieces"]
 
   def record(name, fn, *args):
@@ -201,7 +219,8 @@ def profile(n: int, repeats: int, image_size: int = 32, clip_norm: float = 1.0,
 
 
 def markdown(results: list[dict]) -> str:
-  layer_names = sorted({k for r in results for k in r["pieces"] if k.startswith("ghost layer")})
+  layer_names = sorted({k for r in results for k in r["pieces"] if k.startswith("ghost layer")},
+                       key=lambda k: int(k.split()[2]))
   names = (["forward", "factors", "flat cross"] + layer_names + [
       "positives from factors", "positives in float64", "pair norms", "backward ḡ", "noise + adam",
       "ghost grad", "non-private step", "GEMM floor", "backward passes", "pair terms at GEMM speed",
@@ -247,13 +266,17 @@ def main(argv=None):
                               description=__doc__.split("\n\n")[0])
   p.add_argument("--sizes", default="256,1000")
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--model", default="embedding", choices=MODELS)
   p.add_argument("--image-size", type=int, default=32)
   p.add_argument("--out", default=None, help="JSON output path")
   p.add_argument("--compile-cache", default="results/.jax_cache",
                  help="persistent XLA compilation cache ('' disables)")
   args = p.parse_args(argv)
   sb.enable_compile_cache(args.compile_cache)
-  results = [profile(int(n), args.repeats, args.image_size) for n in args.sizes.split(",")]
+  results = [
+      profile(int(n), args.repeats, args.image_size, model=args.model)
+      for n in args.sizes.split(",")
+  ]
   report = {
       "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
       "machine": sb.machine_info(), "code": sb.code_version(), "results": results
