@@ -361,6 +361,7 @@ def test_no_private_noise_without_clipping_or_noise():
   logit_dp.transform(0.0, 1.0, key, allow_zero_noise=True)  # explicit opt-in only
 
 
+@pytest.mark.extended
 def test_nonfinite_parameters_raise_eagerly_and_give_a_data_independent_result_under_jit():
   """Parameters are public (released iterates): a failure depending on them alone leaks nothing."""
   fn, params, x, x_prime = make("linear", 4, seed=7)

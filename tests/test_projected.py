@@ -229,6 +229,7 @@ def test_a_reference_spanning_every_jacobian_gives_the_exact_norms():
   assert np.median(triangle[off] / true[off]) > 1.3  # where triangle is loose
 
 
+@pytest.mark.extended
 def test_each_pair_norm_depends_on_its_own_pair_only():
   """Privacy: removing a pair record leaves every other pair's clip norm unchanged (the
   subspace comes from the public reference, never from the batch)."""

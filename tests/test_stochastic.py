@@ -156,6 +156,7 @@ def _brute_force_jit(embed_fn, positive_embed_fn, params, x, x_prime, key, clip_
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_plain_norms_of_every_method_are_float64_truth(no_float_allowance):
   embed_fn, params = _model("plain")
   x, x_prime = _data()

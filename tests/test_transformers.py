@@ -135,6 +135,7 @@ def test_every_method_runs_on_the_linen_transformer_and_bounds_the_truth(method)
   assert np.all(np.isfinite(flat(grad)))
 
 
+@pytest.mark.extended
 def test_materialize_uses_nothing_but_jax_differentiation(monkeypatch):
   embed_fn, params, x, x_prime, _ = _problem("linen", "text")
   truth = _float64_norms("linen", "text")
@@ -166,6 +167,7 @@ def test_an_operation_the_engine_cannot_read_takes_the_exact_slow_path(monkeypat
   _assert_float64_truth(norms, truth)
 
 
+@pytest.mark.extended
 def test_a_large_parameter_on_the_slow_path_warns_once(monkeypatch):
   monkeypatch.setattr(plan_report, "_warned", set())
   table = jax.random.normal(jax.random.key(0), (64, 80))  # 5,120 floats, used through sin
@@ -215,6 +217,7 @@ def test_make_private_with_an_example_checks_the_model_when_the_training_is_buil
     _private(slow, params)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("method,kwargs", [("dp_gcl", dict(group_size=2)), ("materialize", {}),
                                            ("ghost", dict(positive_embed_fn="text"))])
 def test_make_private_checks_every_method_and_two_towers_from_an_example(method, kwargs):
