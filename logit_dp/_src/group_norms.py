@@ -34,6 +34,7 @@ their shared leaves (`two_tower.shared_columns`), so their group vectors add up 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -89,25 +90,12 @@ def weighted_factors(embed_fn, params, plan: layerwise.Plan, xs, cotangents, eps
   cotangents: (m, d). The result's ghost_deltas are (m, T, 1, C) (w_et), flat (m, 1, q)
   (J_eᵀc_e over the flat columns), gram (m, 1, 1) (‖J_eᵀc_e‖²).
   """
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-
   def chunk_factors(x_chunk, c_chunk):
     def scalar(e):
       return jnp.sum(numerics.normalize(e, eps) * c_chunk, axis=-1, keepdims=True)
 
-    def generic_jacobian(indices):
-      def one(x_one, c_one):
-        def value(selected):
-          p = layerwise.replace_leaves(leaves, treedef, indices, selected)
-          e = embed_fn(p, jax.tree_util.tree_map(lambda a: a[None], x_one))[0]
-          return jnp.dot(numerics.normalize(e, eps), c_one, precision=_HIGHEST)
-
-        grads = jax.grad(value)([leaves[i] for i in indices])
-        return jnp.concatenate([g.reshape(-1) for g in grads])[None]
-
-      return jax.vmap(one)(x_chunk, c_chunk)
-
-    return layerwise.layer_factors(embed_fn, params, plan, x_chunk, scalar, generic_jacobian,
+    return layerwise.layer_factors(embed_fn, params, plan, x_chunk, scalar,
+                                   _generic_jacobian(embed_fn, params, x_chunk, c_chunk, eps),
                                    varying)
 
   n = rows_lib.num_rows(xs)
@@ -115,6 +103,36 @@ def weighted_factors(embed_fn, params, plan: layerwise.Plan, xs, cotangents, eps
     return chunk_factors(xs, cotangents)
   return chunking.unchunk_rows(
       chunking.map_chunks(chunk_factors, (xs, cotangents), microbatch_size), n)
+
+
+def weighted_forward(embed_fn, params, plan: layerwise.Plan, xs, eps: float,
+                     varying=lambda a: a) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+  """(u, finish): u = n(Φ(x_e)) (m, d) of every example of xs, and finish(c) -> the factors of
+  `weighted_factors`(..., c) from that same forward pass and one backward pass (the forward
+  pass is not run again; no microbatching)."""
+  u, finish = layerwise.cotangent_factors(embed_fn, params, plan, xs,
+                                          lambda e: numerics.normalize(e, eps), varying)
+  return u, lambda c: finish(c, _generic_jacobian(embed_fn, params, xs, c, eps))
+
+
+def _generic_jacobian(embed_fn, params, xs, cotangents, eps: float):
+  """generic_jacobian(leaf_indices) -> (m, 1, q): ∇ of ⟨c_e, n(Φ(x_e))⟩ with respect to those
+  leaves, example by example (jax.grad: the slow path of `layerwise.layer_factors`)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+
+  def generic_jacobian(indices):
+    def one(x_one, c_one):
+      def value(selected):
+        p = layerwise.replace_leaves(leaves, treedef, indices, selected)
+        e = embed_fn(p, jax.tree_util.tree_map(lambda a: a[None], x_one))[0]
+        return jnp.dot(numerics.normalize(e, eps), c_one, precision=_HIGHEST)
+
+      grads = jax.grad(value)([leaves[i] for i in indices])
+      return jnp.concatenate([g.reshape(-1) for g in grads])[None]
+
+    return jax.vmap(one)(xs, cotangents)
+
+  return generic_jacobian
 
 
 def capacity(num_records: int, num_groups: int) -> int:

@@ -190,7 +190,9 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
   Computation (docs/METHOD.md, "DP-GCL"): one forward pass for the loss and the cotangents
   c_e = ∂ℒ/∂ê_e of every example e (anchor û_r, positive v̂_r, extra view ŵ_rm; each embedding
   enters only its own group's loss, so these are the group losses' cotangents). Then ONE
-  backward pass of the scalar Σ_e ⟨c_e, ê_e⟩ gives the per-example factors of J_eᵀc_e
+  backward pass of the scalar Σ_e ⟨c_e, ê_e⟩ (through that forward pass's residuals; with
+  microbatching, a forward and a backward pass per microbatch) gives the per-example factors of
+  J_eᵀc_e
   (`group_norms.weighted_factors`: a ghost layer's input patches a_et and w_et = Σ_k c_ek δ_et^k,
   other parameters' columns flat_e = J_eᵀc_e), and with ∇L_g = Σ_{e∈g} J_eᵀc_e
 
@@ -303,9 +305,35 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       x = stochastic_lib.attach(x, key, stochastic_lib.VIEW_X, rows)
       x_prime = stochastic_lib.attach(x_prime, key, stochastic_lib.VIEW_X_PRIME, rows)
       views = [stochastic_lib.attach(view, key, 3 + m, rows) for m, view in enumerate(views)]
-    embed = lambda f, xs: _embed_rows(f, params, xs, cosine_eps, microbatch_size)
-    u, v = embed(fn, x), embed(positive_fn, x_prime)
-    w = [embed(fn, view) for view in views]
+    # The examples by embedding function: one part (all views of one tower stacked) or two.
+    if not two_towers and all(rows_lib.same_layout(x, a) for a in [x_prime] + views):
+      plan = layerwise.make_plan(fn, params, x, 1)
+      towers = [(fn, plan, [x, x_prime] + views)]
+      columns = [np.arange(_flat_size(plan, params))]
+    else:
+      plans = two_tower.tower_plans(fn, positive_fn, params, x, x_prime, 1)
+      towers = [(fn, plans.anchor, [x] + views), (positive_fn, plans.positive, [x_prime])]
+      columns = list(group_norms.flat_columns_map(plans, params))
+    # A one-time warning for a large leaf on the jax.jacrev route (`describe_plan`).
+    plan_report.warn_slow_leaves(plan_report.report(tuple(plan for _, plan, _ in towers), params,
+                                                    1))
+    if microbatch_size is None:  # the factors' forward pass gives the embeddings: one pass
+      staged = [
+          group_norms.weighted_forward(f, params, plan, pair_batch.join_views(xs), cosine_eps,
+                                       c.local_params) for f, plan, xs in towers
+      ]
+      embedded = [
+          list(pair_batch.split_views(u_part, len(xs)))
+          for (u_part, _), (_, _, xs) in zip(staged, towers)
+      ]
+      split = len(towers) == 2  # x' in a part of its own
+      u, w = embedded[0][0], embedded[0][1 if split else 2:]
+      v = embedded[1][0] if split else embedded[0][1]
+    else:
+      staged = None
+      embed = lambda f, xs: _embed_rows(f, params, xs, cosine_eps, microbatch_size)
+      u, v = embed(fn, x), embed(positive_fn, x_prime)
+      w = [embed(fn, view) for view in views]
     ok = inputs_ok & _finite_rows(u, v, *w)
     valid_local = mask & ok
     num_nonfinite = jnp.sum(c.gather(mask & ~ok))
@@ -326,24 +354,16 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     cot_u, cot_v = cots[0][here], cots[1][here]
     cot_w = [cots[2][here, m] for m in range(k)]
 
-    # The examples by embedding function: one part (all views of one tower stacked) or two.
-    if not two_towers and all(rows_lib.same_layout(x, a) for a in [x_prime] + views):
-      plan = layerwise.make_plan(fn, params, x, 1)
-      examples = [(fn, plan, [x, x_prime] + views, [cot_u, cot_v] + cot_w)]
-      columns = [np.arange(_flat_size(plan, params))]
-    else:
-      plans = two_tower.tower_plans(fn, positive_fn, params, x, x_prime, 1)
-      examples = [(fn, plans.anchor, [x] + views, [cot_u] + cot_w),
-                  (positive_fn, plans.positive, [x_prime], [cot_v])]
-      columns = list(group_norms.flat_columns_map(plans, params))
-    # A one-time warning for a large leaf on the jax.jacrev route (`describe_plan`).
-    plan_report.warn_slow_leaves(
-        plan_report.report(tuple(plan for _, plan, _, _ in examples), params, 1))
+    cotangents = [[cot_u] + cot_w, [cot_v]] if len(towers) == 2 else [[cot_u, cot_v] + cot_w]
+    examples = [tower + (cot,) for tower, cot in zip(towers, cotangents)]
     parts = []
-    for (part_fn, plan, xs, cot), part_columns in zip(examples, columns):
-      factors = group_norms.weighted_factors(part_fn, params, plan, pair_batch.join_views(xs),
-                                             jnp.concatenate(cot), cosine_eps, microbatch_size,
-                                             c.local_params)
+    for i, ((part_fn, plan, xs, cot), part_columns) in enumerate(zip(examples, columns)):
+      if staged is not None:
+        factors = staged[i][1](jnp.concatenate(cot))
+      else:
+        factors = group_norms.weighted_factors(part_fn, params, plan, pair_batch.join_views(xs),
+                                               jnp.concatenate(cot), cosine_eps, microbatch_size,
+                                               c.local_params)
       parts.append(group_norms.Part(plan, factors, len(xs), part_columns))
 
     # ‖∇L_g‖² of every group: each device those of its share of the groups, from the factors

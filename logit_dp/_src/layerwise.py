@@ -326,16 +326,15 @@ def _site_columns(plan: Plan, leaves, site_deltas, site_acts) -> jax.Array:
   return jnp.concatenate([columns[i] for i in plan.generic if i in columns], axis=-1)
 
 
-def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches: bool,
-            stacked: bool = True):
-  """(u, deltas, patches, site_flat) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d);
-  deltas[l] = ∂u_k/∂y_l for every coordinate k, (m, T, d, C) per planned layer call l (one
-  backward pass per k; not stacked: a list over k of the lists over l, each (m, *out_shape));
-  patches[l]: (m, T, P) inputs of layer l, with a ones column for a bias
-  ([] if not with_patches); site_flat: (m, d, q_e) per-example Jacobian columns of the
-  elementwise leaves (`Plan.sites`) from the same backward passes (None without sites)."""
+def _forward(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches: bool):
+  """(u, backward, patches) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d), its
+  forward pass run once with a perturbation ξ_l added to the output of every planned layer
+  call l; backward(c), c (m, d) a cotangent of u: [∂⟨c, u⟩/∂y_l per layer l, (m, *out_shape)]
+  followed, when the plan has elementwise sites, by their per-example columns (m, q_e);
+  patches[l]: (m, T, P) inputs of layer l, with a ones column for a bias ([] if not
+  with_patches). backward is None when the plan perturbs nothing."""
   if not plan.layers and not plan.sites:  # nothing to perturb: the model as it is
-    return normalize_fn(embed_fn(params, x)), [], [], None
+    return normalize_fn(embed_fn(params, x)), None, []
   leaves, treedef = jax.tree_util.tree_flatten(params)
   m = _num_rows(x)
   closed, out_tree, found = _found_ops(embed_fn, leaves, treedef, x, with_bias=False)
@@ -397,14 +396,32 @@ def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches
     return normalize_fn(jax.tree_util.tree_unflatten(out_tree, out)), (patches, acts)
 
   u, vjp_fn, (patches, acts) = jax.vjp(embed, xis, has_aux=True)
-  d = u.shape[-1]
-  eye = jnp.asarray(np.eye(d, dtype=u.dtype))  # a constant of the program: no kernel builds it
 
   def backward(c):
     grads = vjp_fn(jnp.zeros_like(u) + c)[0]
     if not sites:
       return grads
     return grads[:num_layers] + [_site_columns(plan, leaves, grads[num_layers:], acts)]
+
+  return u, backward, patches
+
+
+def _deltas(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patches: bool,
+            stacked: bool = True):
+  """(u, deltas, patches, site_flat) of a batch: u = normalize_fn(embed_fn(params, x)) (m, d);
+  deltas[l] = ∂u_k/∂y_l for every coordinate k, (m, T, d, C) per planned layer call l (one
+  backward pass per k; not stacked: a list over k of the lists over l, each (m, *out_shape));
+  patches[l]: (m, T, P) inputs of layer l, with a ones column for a bias
+  ([] if not with_patches); site_flat: (m, d, q_e) per-example Jacobian columns of the
+  elementwise leaves (`Plan.sites`) from the same backward passes (None without sites)."""
+  u, backward, patches = _forward(embed_fn, params, plan, x, normalize_fn, varying, with_patches)
+  if backward is None:
+    return u, [], [], None
+  leaves = jax.tree_util.tree_leaves(params)
+  m, d = _num_rows(x), u.shape[-1]
+  num_layers, sites = len(plan.layers), bool(plan.sites)
+  elementwise = plan.elementwise
+  eye = jnp.asarray(np.eye(d, dtype=u.dtype))  # a constant of the program: no kernel builds it
 
   # (d, m, *out_shape) of one layer's coordinates to the factors' (m, T, d, C).
   factor_layout = lambda delta, layer: jnp.moveaxis(
@@ -475,13 +492,47 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   varying(a) types a as per-device inside shard_map (so that derivatives w.r.t. the
   perturbations stay local instead of being summed over devices).
   """
-  m = _num_rows(x)
-  leaves = jax.tree_util.tree_leaves(params)
   u, deltas, patches, site_flat = _deltas(embed_fn, params, plan, x, normalize_fn, varying,
                                           with_patches=True)
-  d = u.shape[-1]
+  factors = _assembled(plan, params, _num_rows(x), u.shape[-1], u.dtype, deltas, patches,
+                       site_flat, generic_jacobian)
+  return (u, factors) if with_embeddings else factors
+
+
+def cotangent_factors(embed_fn, params, plan: Plan, x, normalize_fn,
+                      varying=lambda a: a) -> tuple[jax.Array, Callable[..., Factors]]:
+  """(u, finish): u = normalize_fn(embed_fn(params, x)) (m, d) from a forward pass that
+  `layer_factors` needs anyway, and finish(c, generic_jacobian) -> the `Factors` of the scalar
+  ⟨c_e, u_e⟩ of every example (d = 1; c (m, d), computed from u) from one backward pass,
+  without running the forward pass again. generic_jacobian(leaf_indices) -> (m, 1, q) as in
+  `layer_factors`."""
+  u, backward, patches = _forward(embed_fn, params, plan, x, normalize_fn, varying,
+                                  with_patches=True)
+  m = _num_rows(x)
+
+  def finish(c, generic_jacobian) -> Factors:
+    deltas, site_flat = [], None
+    if backward is not None:
+      grads = backward(c)
+      deltas = [
+          jnp.reshape(g, (m, layer.positions, 1, layer.features))
+          for g, layer in zip(grads, plan.layers)
+      ]
+      if plan.sites:
+        site_flat = grads[len(plan.layers)][:, None, :]
+    return _assembled(plan, params, m, 1, u.dtype, deltas, patches, site_flat, generic_jacobian)
+
+  return u, finish
+
+
+def _assembled(plan: Plan, params, m: int, d: int, dtype, deltas, patches, site_flat,
+               generic_jacobian) -> Factors:
+  """The `Factors` of the δs (m, T, d, C) and patches of every planned layer and the
+  elementwise columns (m, d, q_e): ghost layers kept as factors, the others flattened into
+  per-example Jacobian columns, and the per-example Grams."""
+  leaves = jax.tree_util.tree_leaves(params)
   flat, ghost_patches, ghost_deltas = [], [], []
-  gram = jnp.zeros((m, d, d), u.dtype)
+  gram = jnp.zeros((m, d, d), dtype)
   dense = []  # ghost layers of one position: their Grams in one contraction
   for layer, is_ghost, a, delta in zip(plan.layers, plan.ghost, patches, deltas):
     delta = cast(jax.Array, delta)  # (m, T, d, C)
@@ -501,12 +552,11 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
     gram = gram + dense_layers_gram(*zip(*dense))
   if plan.generic:
     flat.append(_generic_columns(plan, generic_jacobian, site_flat, leaves))
-  flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), u.dtype)
+  flat = jnp.concatenate(flat, axis=-1) if flat else jnp.zeros((m, d, 0), dtype)
   # Example by example: the batched (m, d, q)·(m, q, d) contraction runs 3-6x slower on CPU.
   if flat.shape[-1]:
     gram = gram + jax.lax.map(lambda f: jnp.matmul(f, f.T, precision=_HIGHEST), flat)
-  factors = Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
-  return (u, factors) if with_embeddings else factors
+  return Factors(flat, tuple(ghost_patches), tuple(ghost_deltas), gram)
 
 
 def _generic_columns(plan: Plan, generic_jacobian, site_flat, leaves) -> jax.Array:
