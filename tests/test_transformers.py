@@ -233,6 +233,38 @@ def test_make_private_checks_every_method_and_two_towers_from_an_example(method,
     _private(mixing, (params, x[:3], x_prime[:3]), method=method, **kwargs)
 
 
+@pytest.mark.parametrize("method", ["ghost", pytest.param("dp_gcl", marks=pytest.mark.extended)])
+def test_a_mesh_gives_the_single_device_gradient(method):
+  """Layer norms, positions and attention inside shard_map: the plan is matched by what each
+  layer is, not by its equation's index in the trace (shard_map adds equations before them)."""
+  embed_fn, params, x, x_prime, _ = transformers.build("linen", "text", 16, **TINY)
+  mesh = logit_dp.distributed.data_mesh()
+  extra, kwargs = {}, {}
+  if method == "dp_gcl":
+    kwargs = dict(num_groups=4)
+    extra = dict(record_ids=jnp.arange(16), group_key=jax.random.key(3))
+    single = logit_dp.baselines.grouped_clipped_grad(embed_fn, LOSS, 1.0, **kwargs)
+  else:
+    single = logit_dp.clipped_grad(embed_fn, LOSS, 1.0)
+  sharded = logit_dp.distributed.make_sharded_grad_fn(embed_fn, LOSS, 1.0, mesh, method=method,
+                                                      **kwargs)
+  loss_one, grad_one = single(params, x, x_prime, **extra)
+  loss_all, grad_all = sharded(params, x, x_prime, **extra)  # 2 rows on each of 8 devices
+  np.testing.assert_allclose(float(loss_all), float(loss_one), rtol=1e-5)
+  np.testing.assert_allclose(flat(grad_all), flat(grad_one), rtol=1e-4,
+                             atol=1e-5 * float(np.max(np.abs(flat(grad_one)))))
+
+
+def test_make_private_checks_an_example_on_a_mesh():
+  """The example's rows are padded (masked) to a multiple of the mesh's devices."""
+  embed_fn, params, x, x_prime, _ = _problem("linen", "text")
+  mesh = logit_dp.distributed.data_mesh()
+  training = _private(embed_fn, (params, x[:3], x_prime[:3]), mesh=mesh)
+  assert training.grad_fn._checked
+  with pytest.raises(ValueError, match="mixes the examples of a batch"):
+    _private(lambda p, x: embed_fn(p, x) - embed_fn(p, x).mean(0), (params, x[:3]), mesh=mesh)
+
+
 def test_dense_general_and_einsum_of_several_axes_are_exact():
   """The shapes of the original crash: DenseGeneral(features=(4, 16)) and a plain einsum."""
   import flax.linen as nn

@@ -344,8 +344,10 @@ def _forward(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patche
   sites = [site for site in found.sites if site.leaf in elementwise]
   found_calls = [(op.kind, op.kernel_leaf, op.out_shape, op.act_shape[0]) for op in selected]
   planned_calls = [(layer.kind, layer.leaves[0], layer.out_shape, m) for layer in plan.layers]
-  found_sites = [(site.path, site.leaf, site.out_shape[1:], site.out_shape[0]) for site in sites]
-  planned_sites = [(site.path, site.leaf, site.out_shape[1:], m) for site in plan.sites]
+  # Sites by what they are, not by their equations' indices: a trace inside shard_map has
+  # equations of its own (the params made per-device) before them.
+  found_sites = [(site.kind, site.leaf, site.out_shape[1:], site.out_shape[0]) for site in sites]
+  planned_sites = [(site.kind, site.leaf, site.out_shape[1:], m) for site in plan.sites]
   traced, planned = found_calls + found_sites, planned_calls + planned_sites
   if traced != planned:  # never silently mis-factor (a missing ξ means δ = 0): name the layer
     names = [
@@ -355,8 +357,7 @@ def _forward(embed_fn, params, plan: Plan, x, normalize_fn, varying, with_patche
     def described(entries, k):
       if k >= len(entries):
         return "nothing"
-      kind = entries[k][0] if isinstance(entries[k][0], str) else "elementwise use"
-      return f"the {kind} of params{names[entries[k][1]]} with output {entries[k][2]}"
+      return f"the {entries[k][0]} of params{names[entries[k][1]]} with output {entries[k][2]}"
 
     k = next((i for i, (f, p) in enumerate(zip(traced, planned)) if f != p),
              min(len(traced), len(planned)))
@@ -494,8 +495,8 @@ def layer_factors(embed_fn, params, plan: Plan, x, normalize_fn, generic_jacobia
   """
   u, deltas, patches, site_flat = _deltas(embed_fn, params, plan, x, normalize_fn, varying,
                                           with_patches=True)
-  factors = _assembled(plan, params, _num_rows(x), u.shape[-1], u.dtype, deltas, patches,
-                       site_flat, generic_jacobian)
+  factors = _assembled(plan, params, _num_rows(x), u.shape[-1], u.dtype, deltas, patches, site_flat,
+                       generic_jacobian)
   return (u, factors) if with_embeddings else factors
 
 

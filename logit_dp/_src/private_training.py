@@ -865,8 +865,8 @@ def _check_example(grad_fn, example, model_key, group_key, multiple: int) -> Non
   padding = -rows % multiple
   mask = np.concatenate([np.ones(rows, bool), np.zeros(padding, bool)])
   if padding:
-    x, x_prime = (_joined(v, jax.tree_util.tree_map(
-        lambda a: jnp.repeat(a[:1], padding, axis=0), v)) for v in (x, x_prime))
+    pad = lambda a: jnp.concatenate([a, jnp.repeat(a[:1], padding, axis=0)])
+    x, x_prime = jax.tree_util.tree_map(pad, x), jax.tree_util.tree_map(pad, x_prime)
   extra = {}
   if model_key is not None:
     extra["key"] = model_key
