@@ -116,6 +116,38 @@ def test_no_parameter_of_a_transformer_takes_the_jacrev_route(framework, arch):
   assert str(report).splitlines()[0].split()[:3] == ["parameter", "size", "route"]
 
 
+@pytest.mark.extended
+def test_linen_rms_norm_and_conv_take_the_fast_path_with_float64_truth():
+  """flax.linen's RMSNorm (a scale only) after a patch convolution and a DenseGeneral over two
+  axes: no leaf on the slow path, ghost's norms and ḡ are the float64 truth."""
+  import flax.linen as nn
+
+  class Encoder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Conv(8, (4, 4), strides=4)(x)  # (n, 2, 2, 8) patches
+      h = nn.RMSNorm()(h.reshape(h.shape[0], 4, 8))
+      h = nn.DenseGeneral(features=4, axis=(-2, -1))(jnp.tanh(h))
+      return h
+
+  model = Encoder()
+  x = jax.random.normal(jax.random.key(0), (N, 8, 8, 3))
+  x_prime = x + 0.1 * jax.random.normal(jax.random.key(1), x.shape)
+  params = model.init(jax.random.key(2), x[:1])
+  report = logit_dp.clip_methods.describe_plan(model.apply, params, x)
+  assert report.slow == ()
+  assert {leaf.path: leaf.route for leaf in report.leaves}[
+      "['params']['RMSNorm_0']['scale']"] == "elementwise"
+  truth, clip_norm, expected = _clip_by_and_reference(model.apply, params, x, x_prime, None)
+  ghost = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(model.apply, params, x, x_prime, "ghost",
+                                            float_allowance=False))
+  _assert_float64_truth(ghost, truth)
+  _, grad = logit_dp.clipped_grad(model.apply, LOSS, clip_norm)(params, x, x_prime)
+  np.testing.assert_allclose(flat(grad), flat(expected), rtol=0,
+                             atol=2e-4 * float(np.max(np.abs(flat(expected)))))
+
+
 @pytest.mark.parametrize("method", [
     pytest.param("ghost", marks=pytest.mark.extended),
     pytest.param("projected", marks=pytest.mark.extended),
