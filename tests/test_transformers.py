@@ -136,8 +136,8 @@ def test_linen_rms_norm_and_conv_take_the_fast_path_with_float64_truth():
   params = model.init(jax.random.key(2), x[:1])
   report = logit_dp.clip_methods.describe_plan(model.apply, params, x)
   assert report.slow == ()
-  assert {leaf.path: leaf.route for leaf in report.leaves}[
-      "['params']['RMSNorm_0']['scale']"] == "elementwise"
+  routes = {leaf.path: leaf.route for leaf in report.leaves}
+  assert routes["['params']['RMSNorm_0']['scale']"] == "elementwise"
   truth, clip_norm, expected = _clip_by_and_reference(model.apply, params, x, x_prime, None)
   ghost = np.asarray(
       logit_dp.clip_methods.pair_grad_norms(model.apply, params, x, x_prime, "ghost",
