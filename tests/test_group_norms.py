@@ -170,6 +170,29 @@ def test_a_group_larger_than_its_slots_takes_the_exact_path(monkeypatch):
   _check_against_float64_truth(fn, params, x, x_prime, _views(x, 1))
 
 
+@pytest.mark.parametrize("first,spill", [(1, 3), pytest.param(2, 1, marks=pytest.mark.extended)])
+def test_groups_above_the_first_pass_slots_are_taken_again_with_all_their_records(
+    monkeypatch, first, spill):
+  """Two passes over the groups: a first one with `first` slots each, then the groups with more
+  records again with all of them. (1, 3): every one of the 3 groups is taken again; (2, 1): more
+  such groups than the second pass takes, so the exact per-group path. The same ḡ."""
+  monkeypatch.setattr(group_norms, "two_pass_slots", lambda n, g, share, slots: (first, spill))
+  fn, params, x, x_prime = make_model("mlp", 11, seed=2)
+  _check_against_float64_truth(fn, params, x, x_prime, _views(x, 1))
+
+
+def test_two_passes_are_taken_where_they_are_cheaper():
+  slots = group_norms.capacity(1000, 125)
+  first, spill = group_norms.two_pass_slots(1000, 125, 125, slots)
+  assert (slots, first, spill) == (28, 13, 17)
+  from scipy import stats
+  assert stats.binom.sf(first, 1000, 1 / 125) <= 1 / 16 < stats.binom.sf(first - 1, 1000, 1 / 125)
+  over = stats.binom.sf(first, 1000, 1 / 125)
+  assert stats.binom.sf(spill, 125, over) <= group_norms.OVERFLOW_PROBABILITY
+  assert 125 * first ** 2 + spill * slots ** 2 < 125 * slots ** 2 / 2
+  assert group_norms.two_pass_slots(11, 3, 3, group_norms.capacity(11, 3)) == (11, 0)
+
+
 @pytest.mark.parametrize("s,t,p,c", [(3, 1, 5, 4), (2, 3, 40, 30), (4, 2, 3, 2)])
 def test_ghost_layer_group_norm_is_the_norm_of_the_summed_layer_gradient(s, t, p, c):
   """Both forms (within-group Gram, materialised layer gradient) against the float64 norm."""

@@ -135,20 +135,57 @@ def _generic_jacobian(embed_fn, params, xs, cotangents, eps: float):
   return generic_jacobian
 
 
+def _binomial_log_pmf(k: int, m: int, q: float) -> float:
+  """log P(Binomial(m, q) = k)."""
+  return (math.lgamma(m + 1) - math.lgamma(k + 1) - math.lgamma(m - k + 1) + k * math.log(q) +
+          (m - k) * math.log1p(-q))
+
+
 def capacity(num_records: int, num_groups: int) -> int:
   """S: the smallest s with G·P(Binomial(n, 1/G) > s) ≤ `OVERFLOW_PROBABILITY` (at most n)."""
   n, g = int(num_records), int(num_groups)
   if g <= 1:
     return max(n, 1)
   p = 1.0 / g
-  log_pmf = lambda s: (math.lgamma(n + 1) - math.lgamma(s + 1) - math.lgamma(n - s + 1) + s * math.
-                       log(p) + (n - s) * math.log1p(-p))
   tail = 1.0  # P(X > s - 1) = P(X ≥ s)
   for s in range(n + 1):
-    tail -= math.exp(log_pmf(s))  # now P(X > s)
+    tail -= math.exp(_binomial_log_pmf(s, n, p))  # now P(X > s)
     if g * tail <= OVERFLOW_PROBABILITY:
       return max(s, 1)
   return max(n, 1)
+
+
+def two_pass_slots(num_records: int, total_groups: int, num_groups: int,
+                   slots: int) -> tuple[int, int]:
+  """(S₁, K): the slots of a first pass over every group and the most groups a second pass
+  takes again with all `slots`, or (slots, 0) for one pass when two are not cheaper.
+
+  S₁ = the smallest s with P(Binomial(n, 1/G) > s) ≤ 1/16; K = the smallest k with
+  P(Binomial(num_groups, P(X > S₁)) > k) ≤ `OVERFLOW_PROBABILITY`. A batch with more than K
+  such groups (or a group above `slots`) takes the exact per-group path, so K only sets the
+  cost: the Grams cost num_groups·S₁² + K·S² against num_groups·S².
+  """
+  n, g = int(num_records), int(total_groups)
+  if g <= 1 or slots <= 2:
+    return slots, 0
+  p = 1.0 / g
+  tail, first = 1.0, slots
+  for s in range(slots):
+    tail -= math.exp(_binomial_log_pmf(s, n, p))  # P(X > s)
+    if tail <= 1 / 16:
+      first = max(s, 1)
+      break
+  if first >= slots or tail <= 0:
+    return slots, 0
+  spill_tail, spill = 1.0, num_groups
+  for k in range(num_groups + 1):
+    spill_tail -= math.exp(_binomial_log_pmf(k, num_groups, tail))
+    if spill_tail <= OVERFLOW_PROBABILITY:
+      spill = k
+      break
+  if num_groups * first ** 2 + spill * slots ** 2 >= num_groups * slots ** 2:
+    return slots, 0
+  return first, max(spill, 1)
 
 
 def flat_columns_map(plans: two_tower.TowerPlans, params) -> tuple[np.ndarray, np.ndarray]:
@@ -242,15 +279,19 @@ def group_sq_norms(parts, group_ids, num_groups: int, n_local: int, first_group:
   member = (local >= 0) & (local < num_groups)
   local = jnp.where(member, local, num_groups)
   counts = jax.ops.segment_sum(member.astype(jnp.int32), local, num_segments=num_groups + 1)
-  slots = capacity(n, num_groups if total_groups is None else total_groups)
+  total_groups = num_groups if total_groups is None else total_groups
+  slots = capacity(n, total_groups)
+  first_slots, spill = two_pass_slots(n, total_groups, num_groups, slots)
   order = jnp.argsort(local, stable=True)
   sorted_group = local[order]
   starts = jnp.cumsum(counts) - counts
   rank = jnp.arange(n) - starts[sorted_group]
-  fits = (sorted_group < num_groups) & (rank < slots)
-  where = jnp.where(fits, sorted_group * slots + rank, num_groups * slots)
-  table = jnp.full((num_groups * slots + 1,), n, jnp.int32).at[where].set(order.astype(jnp.int32))
-  table = table[:-1].reshape(num_groups, slots)
+
+  def table_of(slots):  # (num_groups, slots): the first `slots` records of every group
+    fits = (sorted_group < num_groups) & (rank < slots)
+    where = jnp.where(fits, sorted_group * slots + rank, num_groups * slots)
+    table = jnp.full((num_groups * slots + 1,), n, jnp.int32).at[where].set(order.astype(jnp.int32))
+    return table[:-1].reshape(num_groups, slots)
 
   def norms_of(table, slots):
     one_group = _group_sq_norm_fn(parts, dtype)
@@ -259,7 +300,17 @@ def group_sq_norms(parts, group_ids, num_groups: int, n_local: int, first_group:
     return jax.lax.map(one_group, indices, batch_size=batch)
 
   def main():
-    return norms_of(table, slots)
+    if not spill:
+      return norms_of(table_of(slots), slots)
+    # Every group with first_slots slots, then the (at most spill) groups with more records
+    # again with all of them: the within-group Grams cost G·S₁² + K·S², not G·S².
+    norms = norms_of(table_of(first_slots), first_slots)
+    (large,) = jnp.nonzero(counts[:num_groups] > first_slots, size=spill, fill_value=num_groups)
+    rank_in_group = jnp.arange(slots)
+    position = starts[large][:, None] + rank_in_group
+    member_slot = (large[:, None] < num_groups) & (rank_in_group < counts[large][:, None])
+    table = jnp.where(member_slot, order[jnp.minimum(position, n - 1)], n).astype(jnp.int32)
+    return norms.at[large].set(norms_of(table, slots), mode="drop")
 
   def overflow():  # every record of the batch as a slot, one group at a time
     def one(g):
@@ -269,9 +320,10 @@ def group_sq_norms(parts, group_ids, num_groups: int, n_local: int, first_group:
 
     return jax.lax.map(one, jnp.arange(num_groups))
 
-  if slots >= n:
+  too_many = jnp.sum(counts[:num_groups] > first_slots) > spill if spill else False
+  if slots >= n and not spill:
     return main()
-  return jax.lax.cond(jnp.any(counts[:num_groups] > slots), overflow, main)
+  return jax.lax.cond(jnp.any(counts[:num_groups] > slots) | too_many, overflow, main)
 
 
 def group_sums(values, group_ids, num_groups: int) -> jax.Array:
