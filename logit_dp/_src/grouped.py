@@ -317,6 +317,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     # A one-time warning for a large leaf on the jax.jacrev route (`describe_plan`).
     plan_report.warn_slow_leaves(plan_report.report(tuple(plan for _, plan, _ in towers), params,
                                                     1))
+    # finishers[i](cotangents of part i) -> the part's weighted factors.
     if microbatch_size is None:  # the factors' forward pass gives the embeddings: one pass
       staged = [
           group_norms.weighted_forward(f, params, plan, pair_batch.join_views(xs), cosine_eps,
@@ -329,11 +330,17 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       split = len(towers) == 2  # x' in a part of its own
       u, w = embedded[0][0], embedded[0][1 if split else 2:]
       v = embedded[1][0] if split else embedded[0][1]
-    else:
-      staged = None
+      finishers = [finish for _, finish in staged]
+    else:  # microbatch by microbatch: a forward pass for the embeddings, one with the factors
       embed = lambda f, xs: _embed_rows(f, params, xs, cosine_eps, microbatch_size)
       u, v = embed(fn, x), embed(positive_fn, x_prime)
       w = [embed(fn, view) for view in views]
+      finishers = [
+          functools.partial(group_norms.weighted_factors, f, params, plan,
+                            pair_batch.join_views(xs), eps=cosine_eps,
+                            microbatch_size=microbatch_size, varying=c.local_params)
+          for f, plan, xs in towers
+      ]
     ok = inputs_ok & _finite_rows(u, v, *w)
     valid_local = mask & ok
     num_nonfinite = jnp.sum(c.gather(mask & ~ok))
@@ -355,16 +362,10 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     cot_w = [cots[2][here, m] for m in range(k)]
 
     cotangents = [[cot_u] + cot_w, [cot_v]] if len(towers) == 2 else [[cot_u, cot_v] + cot_w]
-    examples = [tower + (cot,) for tower, cot in zip(towers, cotangents)]
-    parts = []
-    for i, ((part_fn, plan, xs, cot), part_columns) in enumerate(zip(examples, columns)):
-      if staged is not None:
-        factors = staged[i][1](jnp.concatenate(cot))
-      else:
-        factors = group_norms.weighted_factors(part_fn, params, plan, pair_batch.join_views(xs),
-                                               jnp.concatenate(cot), cosine_eps, microbatch_size,
-                                               c.local_params)
-      parts.append(group_norms.Part(plan, factors, len(xs), part_columns))
+    parts = [
+        group_norms.Part(plan, finish(jnp.concatenate(cot)), len(xs), part_columns)
+        for finish, (_, plan, xs), cot, part_columns in zip(finishers, towers, cotangents, columns)
+    ]
 
     # ‖∇L_g‖² of every group: each device those of its share of the groups, from the factors
     # of the global batch.
@@ -384,7 +385,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     sizes = c.psum(sizes)
     norm_dtype = numerics.lowest_precision(
         [u.dtype, dtype]
-        + [numerics.computation_dtype(f, params, _first(xs[0])) for f, _, xs, _ in examples])
+        + [numerics.computation_dtype(f, params, _first(xs[0])) for f, _, xs in towers])
     norms = (jnp.sqrt(jnp.maximum(sq, 0.0) + numerics.gram_error(norm_dtype) * sizes ** 2)
              + numerics.vector_error(norm_dtype) * sizes)
     factor = numerics.clip_factor(norms, bound)

@@ -36,7 +36,6 @@ import numpy as np
 import optax
 
 from logit_dp._src import accounting
-from logit_dp._src import checks
 from logit_dp._src import clipping
 from logit_dp._src import distributed
 from logit_dp._src import finetune
@@ -852,26 +851,19 @@ def _check_count(name: str, value) -> int:
 
 def _check_example(grad_fn, example, model_key, group_key, multiple: int) -> None:
   """`ClippedGradFn.check` on make_private's ``example=(params, x[, x_prime])``: the call a
-  first step makes, on the example's rows (padded with masked copies of its first row to a
-  multiple of the mesh's devices)."""
+  first step makes, on the example's rows (padded with masked rows to a multiple of the mesh's
+  devices, `distributed.pad_to_multiple`)."""
   if not isinstance(example, (tuple, list)) or len(example) not in (2, 3):
     raise TypeError("example must be (params, x) or (params, x, x_prime) with a few rows of "
                     f"the data, got {type(example).__name__}.")
   params, x = example[0], example[1]
   x_prime = x if len(example) == 2 else example[2]
-  checks.as_inputs(x, "example's x", jnp)
-  checks.as_inputs(x_prime, "example's x_prime", jnp)
-  rows = rows_lib.num_rows(x)
-  padding = -rows % multiple
-  mask = np.concatenate([np.ones(rows, bool), np.zeros(padding, bool)])
-  if padding:
-    pad = lambda a: jnp.concatenate([a, jnp.repeat(a[:1], padding, axis=0)])
-    x, x_prime = jax.tree_util.tree_map(pad, x), jax.tree_util.tree_map(pad, x_prime)
+  x, x_prime, mask = distributed.pad_to_multiple(x, x_prime, None, multiple)
   extra = {}
   if model_key is not None:
     extra["key"] = model_key
   if group_key is not None:
-    extra.update(record_ids=np.arange(rows + padding), group_key=group_key)
+    extra.update(record_ids=np.arange(rows_lib.num_rows(x)), group_key=group_key)
   grad_fn.check(params, x, x_prime, mask, **extra)
 
 
