@@ -423,20 +423,22 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
   return result
 
 
-def table(rows) -> str:
+def table(rows, methods=None) -> str:
   """The markdown table of a benchmark's rows (BENCHMARKS.md's): per model and n, each private
   gradient's step and compile time as ratios to the non-private gradient's, and ghost's
-  arithmetic floor."""
-  methods = [m for m in rows[0]["ratio"] if m != "nonprivate"]
+  arithmetic floor (methods: those to show, default all)."""
+  methods = [m for m in rows[0]["ratio"] if m != "nonprivate" and (not methods or m in methods)]
+  floor = "ghost" in methods
   head = ("| framework | model | n | non-private step | "
-          + " | ".join(f"{m} step | {m} compile" for m in methods)
-          + " | ghost's arithmetic floor |")
+          + " | ".join(f"{m} step | {m} compile" for m in methods) +
+          (" | ghost's arithmetic floor |" if floor else " |"))
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for row in rows:
     cells = [row["framework"], row["arch"], str(row["n"]), f"{row['step_s']['nonprivate']:.3g} s"]
     for m in methods:
       cells += [f"{row['ratio'][m]:.1f}×", f"{row['compile_ratio'][m]:.1f}×"]
-    cells.append(f"{row['floor']['ghost_floor_ratio']:.1f}×")
+    if floor:
+      cells.append(f"{row['floor']['ghost_floor_ratio']:.1f}×")
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -452,11 +454,11 @@ def main():
                       help="time the methods round-robin instead of one block each")
   parser.add_argument("--out", default=None)
   parser.add_argument("--table", default=None,
-                      help="print the markdown table of this JSON output and exit")
+                      help="print the markdown table of this JSON output (of --methods) and exit")
   args = parser.parse_args()
   if args.table:
     with open(args.table) as f:
-      print(table(json.load(f)["rows"]))
+      print(table(json.load(f)["rows"], args.methods.split(",")))
     return
   rows = []
   for n in [int(v) for v in args.sizes.split(",")]:

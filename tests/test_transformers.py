@@ -116,6 +116,37 @@ def test_no_parameter_of_a_transformer_takes_the_jacrev_route(framework, arch):
   assert str(report).splitlines()[0].split()[:3] == ["parameter", "size", "route"]
 
 
+def test_dp_gcl_keeps_a_layer_as_factors_where_they_are_no_larger_than_its_gradient():
+  """DP-GCL's group norms keep every token layer of the text encoder (and its embedding table)
+  as factors, T·(P + C) ≤ P·C floats per example, where the pair norms' rule at d = 1 flattens
+  them;
+  the paper's embedding net's first convolution (T = 256 positions of 28 inputs, 8 features)
+  is flattened. describe_plan(method="dp_gcl") reports DP-GCL's routes."""
+  embed_fn, params, x, _, _ = transformers.build("linen", "text", 4)
+  plan = layerwise.make_plan(embed_fn, params, x, 1, layerwise.factors_no_larger)
+  assert all(plan.ghost) and {layer.kind for layer in plan.layers} == {"dense", "embed"}
+  for layer in plan.layers:
+    assert (layer.positions * (layer.fan_in + layer.features)
+            <= layer.fan_in * layer.features)  # the rule, written out
+  report = logit_dp.clip_methods.describe_plan(embed_fn, params, x, method="dp_gcl")
+  assert {leaf.route for leaf in report.leaves} == {"ghost", "elementwise"}
+  assert report.embedding_dim == 32 and all(leaf.pair_cost == 0 for leaf in report.leaves)
+  assert "DP-GCL's group norms: no pair terms" in str(report)
+  # The pair norms' rule (a cost per pair) at d = 1 flattens the token layers: a P·C-float
+  # gradient per example.
+  assert not any(layerwise.make_plan(embed_fn, params, x, 1).ghost[:-1])
+
+  net = logit_dp.models.EmbeddingNet()
+  images = jnp.zeros((2, 32, 32, 3))
+  net_params = net.init(jax.random.key(0), images[:1])
+  net_plan = layerwise.make_plan(net.apply, net_params, images, 1, layerwise.factors_no_larger)
+  first = net_plan.layers[0]
+  assert (first.kind, first.positions, first.fan_in, first.features) == ("conv", 256, 28, 8)
+  assert not net_plan.ghost[0] and net_plan.ghost[-1]
+  with pytest.raises(ValueError, match="method must be"):
+    logit_dp.clip_methods.describe_plan(embed_fn, params, x, method="dp-gcl")
+
+
 @pytest.mark.extended
 def test_linen_rms_norm_and_conv_take_the_fast_path_with_float64_truth():
   """flax.linen's RMSNorm (a scale only) after a patch convolution and a DenseGeneral over two

@@ -188,8 +188,15 @@ def _found_ops(embed_fn, leaves, treedef, x, with_bias: bool):
   return closed, out_tree, found
 
 
-def make_plan(embed_fn, params, x, d: int) -> Plan:
-  """Finds the recognised layers of embed_fn and the leaves they fully own (see module doc)."""
+def make_plan(embed_fn, params, x, d: int,
+              keep_factors: Callable[[LayerCall, int], bool] | None = None) -> Plan:
+  """Finds the recognised layers of embed_fn and the leaves they fully own (see module doc).
+
+  keep_factors(layer, d): whether a layer stays as its factors ("ghost") or is flattened;
+  default `use_ghost` (the pair norms' cost per pair); DP-GCL's group norms use
+  `factors_no_larger`.
+  """
+  keep_factors = use_ghost if keep_factors is None else keep_factors
   leaves, treedef = jax.tree_util.tree_flatten(params)
   structs = [jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf)) for leaf in leaves]
   n = _num_rows(x)
@@ -232,7 +239,7 @@ def make_plan(embed_fn, params, x, d: int) -> Plan:
               == site_plus.out_shape[1:] and np.array_equal(site.index, site_plus.index)):
         site_bad.add(site.leaf)  # the leading axis is not the example axis
   planned_sites = tuple(s for s in sites if s.leaf in generic and s.leaf not in site_bad)
-  return Plan(layers, tuple(use_ghost(layer, d) for layer in layers), generic, planned_sites)
+  return Plan(layers, tuple(keep_factors(layer, d) for layer in layers), generic, planned_sites)
 
 
 def jacobian_plan(params) -> Plan:
@@ -245,6 +252,15 @@ def jacobian_plan(params) -> Plan:
 def use_ghost(layer: LayerCall, d: int) -> bool:
   """Cross terms from the layer's factors when that is cheaper per pair than flattening."""
   return layer.pair_cost(d, ghost=True) < layer.pair_cost(d, ghost=False)
+
+
+def factors_no_larger(layer: LayerCall, d: int) -> bool:
+  """DP-GCL's rule (`group_norms`): the layer stays as its factors when they hold no more
+  floats per example than its flattened Jacobian, T·(P + C·d) ≤ P·C·d. Its group norms then
+  cost about what the flattened columns' would (per group the cheaper of the within-group Gram
+  and the group's layer gradient) without holding a P·C·d vector per example."""
+  t, p, c = layer.positions, layer.fan_in, layer.features
+  return t * (p + c * d) <= p * c * d
 
 
 def _kernel_matrix(layer: LayerCall, kernel, lead: int = 0) -> jax.Array:

@@ -50,6 +50,7 @@ class PlanReport:
   """The routes of every parameter leaf (`describe_plan`); ``str(report)`` is a table."""
   leaves: tuple[LeafRoute, ...]
   embedding_dim: int
+  method: str = "ghost"  # whose routes: a pair clip method's, or "dp_gcl"'s group norms
 
   @property
   def slow(self) -> tuple[LeafRoute, ...]:
@@ -64,8 +65,9 @@ class PlanReport:
       lines.append(
           f"{leaf.path:<{width}}  {leaf.size:>9,}  {leaf.route:<11}  {cost}  {leaf.detail}")
     total = sum(leaf.pair_cost for leaf in self.leaves)
-    lines.append(f"estimated multiply-adds per pair (d = {self.embedding_dim}): {total:.3g}; "
-                 f"on the slow jacrev route: {len(self.slow)} leaf(s), "
+    cost = (f"estimated multiply-adds per pair (d = {self.embedding_dim}): {total:.3g}"
+            if self.method != "dp_gcl" else "DP-GCL's group norms: no pair terms")
+    lines.append(f"{cost}; on the slow jacrev route: {len(self.slow)} leaf(s), "
                  f"{sum(leaf.size for leaf in self.slow):,} floats")
     return "\n".join(lines)
 
@@ -144,7 +146,8 @@ def warn_slow_leaves(plan_report: PlanReport) -> None:
         "route.", stacklevel=2)
 
 
-def describe_plan(embed_fn, params, x, *, x_prime=None, positive_embed_fn=None) -> PlanReport:
+def describe_plan(embed_fn, params, x, *, x_prime=None, positive_embed_fn=None,
+                  method: str = "ghost") -> PlanReport:
   """How every parameter leaf's per-pair gradient norms are computed, and their estimated cost.
 
   Traces ``embed_fn(params, x)`` (and ``positive_embed_fn(params, x_prime)`` for two towers;
@@ -153,15 +156,30 @@ def describe_plan(embed_fn, params, x, *, x_prime=None, positive_embed_fn=None) 
   the estimated multiply-adds per pair of its norms' cross terms; ``print(report)`` shows a
   table. "jacrev" is the slow path. A few example rows of x suffice.
 
-  The routes are those of "ghost", "triangle" and "projected" (and of DP-GCL's group
-  norms); "materialize" uses none of them (every pair gradient by its own backward pass).
+  method: "ghost", "triangle" or "projected" (one plan: the routes of these clip methods;
+  "materialize" uses none of them, every pair gradient by its own backward pass), or
+  "dp_gcl": the routes of DP-GCL's group norms (`baselines.grouped_clipped_grad`), where a
+  layer stays as its factors ("ghost") when they hold no more floats per example than its
+  flattened gradient (`layerwise.factors_no_larger`); they have no pair terms, so the costs
+  are 0.
   """
+  if method not in ("ghost", "triangle", "projected", "dp_gcl"):
+    raise ValueError(f"describe_plan: method must be 'ghost', 'triangle', 'projected' or "
+                     f"'dp_gcl', got {method!r}.")
+  groups = method == "dp_gcl"
   x_prime = x if x_prime is None else x_prime
   x, x_prime, _ = checks.check_pairs(x, x_prime)
-  d = int(jax.eval_shape(embed_fn, params, x).shape[-1])
+  embedding_dim = int(jax.eval_shape(embed_fn, params, x).shape[-1])
+  d = 1 if groups else embedding_dim  # DP-GCL's factors: one backward pass of ⟨c_e, ê_e⟩
+  keep_factors = layerwise.factors_no_larger if groups else None
   if positive_embed_fn is None or positive_embed_fn is embed_fn:
-    plans = (layerwise.make_plan(embed_fn, params, x, d),)
+    plans = (layerwise.make_plan(embed_fn, params, x, d, keep_factors),)
+    shared = None
   else:
-    towers = two_tower.tower_plans(embed_fn, positive_embed_fn, params, x, x_prime, d)
-    return report((towers.anchor, towers.positive), params, d, frozenset(towers.shared))
-  return report(plans, params, d)
+    towers = two_tower.tower_plans(embed_fn, positive_embed_fn, params, x, x_prime, d, keep_factors)
+    plans, shared = (towers.anchor, towers.positive), frozenset(towers.shared)
+  result = report(plans, params, d, shared)
+  if groups:  # group norms: no pair term
+    leaves = tuple(dataclasses.replace(leaf, pair_cost=0.0) for leaf in result.leaves)
+    result = PlanReport(leaves, embedding_dim, method)
+  return result

@@ -46,10 +46,12 @@ def _flatten_layers_of(plan: layerwise.Plan, leaves: frozenset) -> layerwise.Pla
   return plan._replace(ghost=ghost)
 
 
-def tower_plans(embed_fn, positive_embed_fn, params, x, x_prime, d: int) -> TowerPlans:
-  """Plans of both towers; the layers owning shared leaves are flattened in both."""
-  anchor = layerwise.make_plan(embed_fn, params, x, d)
-  positive = layerwise.make_plan(positive_embed_fn, params, x_prime, d)
+def tower_plans(embed_fn, positive_embed_fn, params, x, x_prime, d: int,
+                keep_factors=None) -> TowerPlans:
+  """Plans of both towers (keep_factors: as in `layerwise.make_plan`); the layers owning shared
+  leaves are flattened in both."""
+  anchor = layerwise.make_plan(embed_fn, params, x, d, keep_factors)
+  positive = layerwise.make_plan(positive_embed_fn, params, x_prime, d, keep_factors)
   shared = dependencies(anchor) & dependencies(positive)
   return TowerPlans(_flatten_layers_of(anchor, shared), _flatten_layers_of(positive, shared),
                     tuple(sorted(shared)))
