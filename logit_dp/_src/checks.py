@@ -167,19 +167,18 @@ def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn", key=Non
   if key is not None:
     _check_stochastic_embed_fn(embed_fn, params, x, key, name)
     return
-  with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
-    rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
-    num = rows_lib.num_rows(rows)
-    batched = np.asarray(_first_call(embed_fn, params, rows, None, name), np.float64)
-    if batched.ndim != 2 or batched.shape[0] != num:
-      raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
-                       f"{batched.shape} for {num} examples.")
-    if num < 2:
-      return
-    # Each row as a batch of one, in one vmapped call (one evaluation instead of num).
-    alone = jax.vmap(
-        lambda row: embed_fn(params, jax.tree_util.tree_map(lambda a: a[None], row))[0])
-    single = np.asarray(alone(rows), np.float64)
+  rows = _probe_rows(x)
+  num = rows_lib.num_rows(rows)
+  batched = np.asarray(_first_call(embed_fn, params, rows, None, name)(params, rows), np.float64)
+  if batched.ndim != 2 or batched.shape[0] != num:
+    raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
+                     f"{batched.shape} for {num} examples.")
+  if num < 2:
+    return
+  # Each row as a batch of one, in one vmapped call (one evaluation instead of num).
+  alone = jax.vmap(lambda p, row: embed_fn(p, jax.tree_util.tree_map(lambda a: a[None], row))[0],
+                   in_axes=(None, 0))
+  single = np.asarray(_run_now(alone, params, rows), np.float64)
   if not np.all(np.isfinite(batched)) or not np.all(np.isfinite(single)):
     return  # non-finite embeddings are handled (dropped) by the gradient itself
   tol = 1e-3 * max(float(np.max(np.abs(batched))), 1e-6)
@@ -192,11 +191,31 @@ def check_embed_fn(embed_fn: EmbedFn, params, x, name: str = "embed_fn", key=Non
         "key: embed_fn(params, x, key), declared with stochastic=True.")
 
 
+def _probe_rows(x):
+  """The first PROBE_ROWS rows of x, concrete also inside a jit trace."""
+  with jax.ensure_compile_time_eval():
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
+
+
+def _compiled(fn, *args):
+  """fn compiled for args (concrete), to run now also inside a jit trace: once as a whole, not
+  one compilation per operation as eagerly. Not under `jax.ensure_compile_time_eval`, which
+  would evaluate the model's constant subexpressions eagerly while tracing it (flax checks
+  every parameter's shape by tracing its initializer)."""
+  return jax.jit(lambda *a: fn(*a)).lower(*args).compile()  # a new function: traced anew
+
+
+def _run_now(fn, *args):
+  """fn(*args) of concrete args, computed now (`_compiled`)."""
+  return _compiled(fn, *args)(*args)
+
+
 def _first_call(embed_fn, params, x, key, name: str):
-  """embed_fn(params, x[, key]); a TypeError that the other arity would not raise becomes
-  `stochastic.arity_error` (stochastic= does not match embed_fn's arguments)."""
+  """embed_fn compiled for (params, x[, key]) (`_compiled`); a TypeError that the other arity
+  would not raise becomes `stochastic.arity_error` (stochastic= does not match embed_fn's
+  arguments)."""
   try:
-    return embed_fn(params, x) if key is None else embed_fn(params, x, key)
+    return _compiled(embed_fn, params, x) if key is None else _compiled(embed_fn, params, x, key)
   except TypeError as error:
     if stochastic_lib.called_with_other_arity(embed_fn, params, x, key):
       raise stochastic_lib.arity_error(name, key is not None) from error
@@ -218,18 +237,21 @@ def _check_stochastic_embed_fn(embed_fn, params, x, key, name: str) -> None:
   the same in both calls, while a batch statistic changes when rows 1.. are replaced by copies
   of row 0.
   """
-  with jax.ensure_compile_time_eval():  # everything below runs now, also inside a jit trace
-    if rows_lib.is_traced(key):
+  if rows_lib.is_traced(key):
+    with jax.ensure_compile_time_eval():  # a concrete key now, also inside a jit trace
       key = _probe_key(key)
-    rows = jax.tree_util.tree_map(lambda a: jnp.asarray(a[:PROBE_ROWS]), x)
-    num = rows_lib.num_rows(rows)
-    batched = np.asarray(_first_call(embed_fn, params, rows, key, name), np.float64)
-    if batched.ndim != 2 or batched.shape[0] != num:
-      raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
-                       f"{batched.shape} for {num} examples.")
-    again = np.asarray(embed_fn(params, rows, key), np.float64)
+  rows = _probe_rows(x)
+  num = rows_lib.num_rows(rows)
+  compiled = _first_call(embed_fn, params, rows, key, name)
+  batched = np.asarray(compiled(params, rows, key), np.float64)
+  if batched.ndim != 2 or batched.shape[0] != num:
+    raise ValueError(f"{name} must return (n, d) embeddings, one row per example; got shape "
+                     f"{batched.shape} for {num} examples.")
+  # Traced again: randomness from Python state changes between traces.
+  again = np.asarray(_run_now(embed_fn, params, rows, key), np.float64)
+  with jax.ensure_compile_time_eval():
     copies = jax.tree_util.tree_map(lambda a: jnp.repeat(a[:1], num, axis=0), rows)
-    alone = np.asarray(embed_fn(params, copies, key), np.float64)
+  alone = np.asarray(compiled(params, copies, key), np.float64)
   if not all(np.all(np.isfinite(a)) for a in (batched, again, alone)):
     return  # non-finite embeddings are handled (dropped) by the gradient itself
   tol = 1e-3 * max(float(np.max(np.abs(batched))), 1e-6)
