@@ -118,16 +118,16 @@ def test_no_parameter_of_a_transformer_takes_the_jacrev_route(framework, arch):
 
 def test_dp_gcl_keeps_a_layer_as_factors_where_they_are_no_larger_than_its_gradient():
   """DP-GCL's group norms keep every token layer of the text encoder (and its embedding table)
-  as factors, T·(P + C) ≤ P·C floats per example, where the pair norms' rule at d = 1 flattens
-  them;
-  the paper's embedding net's first convolution (T = 256 positions of 28 inputs, 8 features)
-  is flattened. describe_plan(method="dp_gcl") reports DP-GCL's routes."""
+  as factors, T·(P + C) ≤ 4·P·C floats per example, where the pair norms' rule at d = 1
+  flattens them; so are the ViT's 65-token layers (factors 2.0× the gradient). The paper's
+  embedding net's first convolution (T = 256 positions of 28 inputs, 8 features: 41×) is
+  flattened. describe_plan(method="dp_gcl") reports DP-GCL's routes."""
   embed_fn, params, x, _, _ = transformers.build("linen", "text", 4)
   plan = layerwise.make_plan(embed_fn, params, x, 1, layerwise.factors_no_larger)
   assert all(plan.ghost) and {layer.kind for layer in plan.layers} == {"dense", "embed"}
   for layer in plan.layers:
     assert (layer.positions * (layer.fan_in + layer.features)
-            <= layer.fan_in * layer.features)  # the rule, written out
+            <= 4 * layer.fan_in * layer.features)  # the rule, written out
   report = logit_dp.clip_methods.describe_plan(embed_fn, params, x, method="dp_gcl")
   assert {leaf.route for leaf in report.leaves} == {"ghost", "elementwise"}
   assert report.embedding_dim == 32 and all(leaf.pair_cost == 0 for leaf in report.leaves)
@@ -135,6 +135,9 @@ def test_dp_gcl_keeps_a_layer_as_factors_where_they_are_no_larger_than_its_gradi
   # The pair norms' rule (a cost per pair) at d = 1 flattens the token layers: a P·C-float
   # gradient per example.
   assert not any(layerwise.make_plan(embed_fn, params, x, 1).ghost[:-1])
+
+  vit_fn, vit_params, images, _, _ = transformers.build("linen", "vit", 2)
+  assert all(layerwise.make_plan(vit_fn, vit_params, images, 1, layerwise.factors_no_larger).ghost)
 
   net = logit_dp.models.EmbeddingNet()
   images = jnp.zeros((2, 32, 32, 3))
