@@ -494,7 +494,8 @@ def reference_two_towers(embed_u, embed_v, params, valid, groups, temperature, c
         value += jax.nn.logsumexp(logits) - logits[a]
       return value
 
-    value, grad = jax.value_and_grad(group_loss)(params)
+    # Compiled as a whole (one compilation per group, not one per operation).
+    value, grad = jax.jit(jax.value_and_grad(group_loss))(params)
     norm = jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree_util.tree_leaves(grad)))
     factor = jnp.minimum(1.0, clip_norm / norm)
     total_loss += value
