@@ -13,6 +13,7 @@ from conftest import make_model
 from helpers import flat
 from helpers import rel_err
 from logit_dp import distributed
+from logit_dp._src import checks
 
 LOSS = logit_dp.losses.contrastive(temperature=1.0)
 KEY = jax.random.key(0)
@@ -93,6 +94,47 @@ def test_batch_norm_in_training_mode_is_refused():
     logit_dp.clipped_grad(full, LOSS, 1.0)(variables, x, x + 0.1)
   with pytest.raises(ValueError, match="batch_stats"):
     distributed.make_sharded_grad_fn(full, LOSS, 1.0, _mesh())(variables, x, x + 0.1)
+
+
+concrete_initializer_keys = []
+
+
+def _watched_init(key, shape, dtype=jnp.float32):
+  concrete_initializer_keys.append(not isinstance(key, jax.core.Tracer))
+  return nn.initializers.lecun_normal()(key, shape, dtype)
+
+
+class WatchedNet(nn.Module):
+  """A dense layer whose initializer records whether it ran on a concrete key."""
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, kernel_init=_watched_init)(jnp.tanh(nn.Dense(8)(x)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_model_check_compiles_the_model_whole_and_runs_no_initializer(jit):
+  """The check that examples are independent runs the model on a few rows now (also inside a
+  jit trace), compiled as a whole: flax's shape check of every parameter (a trace of its
+  initializer) stays abstract, where under `jax.ensure_compile_time_eval` it evaluated every
+  initializer with a concrete key, operation by operation."""
+  model = WatchedNet()
+  x = jax.random.normal(KEY, (6, 7))
+  params = model.init(KEY, x[:1])["params"]
+  concrete_initializer_keys.clear()
+  compiled = []
+  listener = lambda event, duration, **kwargs: compiled.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    check = lambda p, xs: checks.check_embed_fn(lambda q, e: model.apply({"params": q}, e), p, xs)
+    if jit:
+      jax.jit(lambda p, xs: (check(p, xs), jnp.sum(xs))[1])(params, x)
+    else:
+      check(params, x)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert concrete_initializer_keys and not any(concrete_initializer_keys)
+  # The batch and the vmapped rows: two programs (and the rows' slices), not one per operation.
+  assert compiled.count("/jax/core/compile/backend_compile_duration") <= 6
 
 
 @pytest.mark.slow  # a conv net; test_clipping jits clipped_grad of independent mlps by default
