@@ -41,6 +41,7 @@ from flax import nnx
 
 import logit_dp
 from logit_dp import models
+from logit_dp._src import layerwise
 
 FRAMEWORKS = ("linen", "nnx", "equinox", "plain")
 ARCHS = ("text", "vit", "clip")
@@ -452,6 +453,10 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--interleaved", action="store_true",
                       help="time the methods round-robin instead of one block each")
+  parser.add_argument(
+      "--group-factor-ratio", type=float, default=None,
+      help="DP-GCL keeps a layer as factors up to this many times the floats of "
+      "its flattened gradient (default: the library's)")
   parser.add_argument("--out", default=None)
   parser.add_argument("--table", default=None,
                       help="print the markdown table of this JSON output (of --methods) and exit")
@@ -460,6 +465,8 @@ def main():
     with open(args.table) as f:
       print(table(json.load(f)["rows"], args.methods.split(",")))
     return
+  if args.group_factor_ratio is not None:
+    layerwise._GROUP_FACTOR_RATIO = args.group_factor_ratio  # pylint: disable=protected-access
   rows = []
   for n in [int(v) for v in args.sizes.split(",")]:
     for arch in args.archs.split(","):
@@ -476,9 +483,13 @@ def main():
           with open(args.out, "w") as f:
             json.dump(
                 {
-                    "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+                    "machine": platform.processor() or platform.machine(),
+                    "jax": jax.__version__,
+                    "group_factor_ratio": layerwise._GROUP_FACTOR_RATIO,  # pylint: disable=protected-access
                     "rows": rows
-                }, f, indent=1)
+                },
+                f,
+                indent=1)
 
 
 if __name__ == "__main__":

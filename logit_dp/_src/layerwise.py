@@ -63,10 +63,10 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # (batched small contractions run well below matmul speed on CPU).
 _GHOST_OVERHEAD = 8
 # DP-GCL keeps a layer as its factors when they hold at most this many times the floats of its
-# flattened per-example Jacobian (`factors_no_larger`). A ViT's 65-token layers (2.0×) then
-# step in 2.06× the non-private gradient instead of 2.85× (n = 128; 2.32× against 2.56× at
-# n = 512, with 1.29× the XLA temporaries); the first convolution of the paper's embedding
-# net (41×) stays flattened: its per-group forms cost more than its per-example GEMMs.
+# flattened per-example Jacobian (`factors_no_larger`). A ViT's 65-token layers (2.0×) are
+# then factors, which makes its DP-GCL step faster (docs/BENCHMARKS.md); the first convolution
+# of the paper's embedding net (41×) stays flattened: its per-group forms cost more than its
+# per-example GEMMs.
 _GROUP_FACTOR_RATIO = 4
 # Embedding sizes up to this get one backward pass per coordinate (a loop), not a vmap,
 # for batches of at least _LOOPED_MIN_BATCH examples.
