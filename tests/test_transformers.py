@@ -116,14 +116,14 @@ def test_no_parameter_of_a_transformer_takes_the_jacrev_route(framework, arch):
   assert str(report).splitlines()[0].split()[:3] == ["parameter", "size", "route"]
 
 
-def test_dp_gcl_keeps_a_layer_as_factors_where_they_are_no_larger_than_its_gradient():
+def test_dp_gcl_keeps_a_layer_as_factors_up_to_four_times_its_gradient():
   """DP-GCL's group norms keep every token layer of the text encoder (and its embedding table)
   as factors, T·(P + C) ≤ 4·P·C floats per example, where the pair norms' rule at d = 1
   flattens them; so are the ViT's 65-token layers (factors 2.0× the gradient). The paper's
   embedding net's first convolution (T = 256 positions of 28 inputs, 8 features: 41×) is
   flattened. describe_plan(method="dp_gcl") reports DP-GCL's routes."""
   embed_fn, params, x, _, _ = transformers.build("linen", "text", 4)
-  plan = layerwise.make_plan(embed_fn, params, x, 1, layerwise.factors_no_larger)
+  plan = layerwise.make_plan(embed_fn, params, x, 1, layerwise.keeps_group_factors)
   assert all(plan.ghost) and {layer.kind for layer in plan.layers} == {"dense", "embed"}
   for layer in plan.layers:
     assert (layer.positions * (layer.fan_in + layer.features)
@@ -137,12 +137,13 @@ def test_dp_gcl_keeps_a_layer_as_factors_where_they_are_no_larger_than_its_gradi
   assert not any(layerwise.make_plan(embed_fn, params, x, 1).ghost[:-1])
 
   vit_fn, vit_params, images, _, _ = transformers.build("linen", "vit", 2)
-  assert all(layerwise.make_plan(vit_fn, vit_params, images, 1, layerwise.factors_no_larger).ghost)
+  assert all(
+      layerwise.make_plan(vit_fn, vit_params, images, 1, layerwise.keeps_group_factors).ghost)
 
   net = logit_dp.models.EmbeddingNet()
   images = jnp.zeros((2, 32, 32, 3))
   net_params = net.init(jax.random.key(0), images[:1])
-  net_plan = layerwise.make_plan(net.apply, net_params, images, 1, layerwise.factors_no_larger)
+  net_plan = layerwise.make_plan(net.apply, net_params, images, 1, layerwise.keeps_group_factors)
   first = net_plan.layers[0]
   assert (first.kind, first.positions, first.fan_in, first.features) == ("conv", 256, 28, 8)
   assert not net_plan.ghost[0] and net_plan.ghost[-1]

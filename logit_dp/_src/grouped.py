@@ -307,12 +307,12 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
       views = [stochastic_lib.attach(view, key, 3 + m, rows) for m, view in enumerate(views)]
     # The examples by embedding function: one part (all views of one tower stacked) or two.
     if not two_towers and all(rows_lib.same_layout(x, a) for a in [x_prime] + views):
-      plan = layerwise.make_plan(fn, params, x, 1, layerwise.factors_no_larger)
+      plan = layerwise.make_plan(fn, params, x, 1, layerwise.keeps_group_factors)
       towers = [(fn, plan, [x, x_prime] + views)]
       columns = [np.arange(_flat_size(plan, params))]
     else:
       plans = two_tower.tower_plans(fn, positive_fn, params, x, x_prime, 1,
-                                    layerwise.factors_no_larger)
+                                    layerwise.keeps_group_factors)
       towers = [(fn, plans.anchor, [x] + views), (positive_fn, plans.positive, [x_prime])]
       columns = list(group_norms.flat_columns_map(plans, params))
     # A one-time warning for a large leaf on the jax.jacrev route (`describe_plan`).

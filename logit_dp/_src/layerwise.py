@@ -63,7 +63,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # (batched small contractions run well below matmul speed on CPU).
 _GHOST_OVERHEAD = 8
 # DP-GCL keeps a layer as its factors when they hold at most this many times the floats of its
-# flattened per-example Jacobian (`factors_no_larger`). A ViT's 65-token layers (2.0×) are
+# flattened per-example Jacobian (`keeps_group_factors`). A ViT's 65-token layers (2.0×) are
 # then factors, which makes its DP-GCL step faster (docs/BENCHMARKS.md); the first convolution
 # of the paper's embedding net (41×) stays flattened: its per-group forms cost more than its
 # per-example GEMMs.
@@ -200,7 +200,7 @@ def make_plan(embed_fn, params, x, d: int,
 
   keep_factors(layer, d): whether a layer stays as its factors ("ghost") or is flattened;
   default `use_ghost` (the pair norms' cost per pair); DP-GCL's group norms use
-  `factors_no_larger`.
+  `keeps_group_factors`.
   """
   keep_factors = use_ghost if keep_factors is None else keep_factors
   leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -260,7 +260,7 @@ def use_ghost(layer: LayerCall, d: int) -> bool:
   return layer.pair_cost(d, ghost=True) < layer.pair_cost(d, ghost=False)
 
 
-def factors_no_larger(layer: LayerCall, d: int) -> bool:
+def keeps_group_factors(layer: LayerCall, d: int) -> bool:
   """DP-GCL's rule (`group_norms`): the layer stays as its factors when they hold at most
   `_GROUP_FACTOR_RATIO` times the floats per example of its flattened Jacobian,
   T·(P + C·d) ≤ k·P·C·d. Its group norms then take one GEMM or Gram per group instead of a

@@ -160,7 +160,7 @@ def describe_plan(embed_fn, params, x, *, x_prime=None, positive_embed_fn=None,
   "materialize" uses none of them, every pair gradient by its own backward pass), or
   "dp_gcl": the routes of DP-GCL's group norms (`baselines.grouped_clipped_grad`), where a
   layer stays as its factors ("ghost") when they hold no more floats per example than its
-  flattened gradient (`layerwise.factors_no_larger`); they have no pair terms, so the costs
+  flattened gradient (`layerwise.keeps_group_factors`); they have no pair terms, so the costs
   are 0.
   """
   if method not in ("ghost", "triangle", "projected", "dp_gcl"):
@@ -171,7 +171,7 @@ def describe_plan(embed_fn, params, x, *, x_prime=None, positive_embed_fn=None,
   x, x_prime, _ = checks.check_pairs(x, x_prime)
   embedding_dim = int(jax.eval_shape(embed_fn, params, x).shape[-1])
   d = 1 if groups else embedding_dim  # DP-GCL's factors: one backward pass of ⟨c_e, ê_e⟩
-  keep_factors = layerwise.factors_no_larger if groups else None
+  keep_factors = layerwise.keeps_group_factors if groups else None
   if positive_embed_fn is None or positive_embed_fn is embed_fn:
     plans = (layerwise.make_plan(embed_fn, params, x, d, keep_factors),)
     shared = None
