@@ -169,6 +169,36 @@ def test_infinite_clip_norm_is_jax_grad_with_mask_and_microbatches(kind, method)
   assert rel_err(grads, ref_grads) < 1e-5
 
 
+@pytest.mark.parametrize("method", ["ghost", "triangle"])
+def test_one_microbatch_contracts_the_factors_into_the_backward_passes_gradient(
+    method, monkeypatch):
+  """Disjoint towers in one microbatch take ḡ from the Jacobian factors their Grams came from
+  (no backward pass of either tower); in microbatches, from backward passes. Both are
+  jax.grad's gradient at B = ∞ and the same clipped ḡ at a finite B, a NaN in a masked row
+  selected out of the contraction."""
+  from logit_dp._src import pair_batch
+  f, g, params, x, tokens = _towers("disjoint")
+  mask = jnp.array([1, 1, 0, 1, 1, 1, 0, 1], bool)
+  x_bad = x.at[2].set(jnp.nan)
+  _, ref_grads = _reference(f, g, params, x, tokens, np.flatnonzero(np.asarray(mask)))
+  clip_norm = float(
+      jnp.median(logit_dp.clip_methods.pair_grad_norms(f, params, x, tokens, "materialize",
+                                                       positive_embed_fn=g)))
+
+  def grads(b, microbatch_size):
+    return logit_dp.clipped_grad(f, LOSS, b, method, microbatch_size=microbatch_size,
+                                 positive_embed_fn=g)(params, x_bad, tokens, mask)[1]
+
+  chunked = grads(clip_norm, 3)
+  with monkeypatch.context() as patch:
+    patch.setattr(pair_batch.PairBatch, "_backward_pass",
+                  lambda *args, **kwargs: pytest.fail("a backward pass in one microbatch"))
+    whole, unclipped = grads(clip_norm, None), grads(jnp.inf, None)
+  assert rel_err(unclipped, ref_grads) < 1e-5
+  assert rel_err(whole, chunked) < 1e-5
+  assert rel_err(whole, unclipped) > 1e-2  # clipping happened
+
+
 # By default the disjoint towers; the shared ones run by default in
 # test_tiny_clip_norm_on_aligned_towers_respects_the_sensitivity[aligned_shared-ghost].
 @pytest.mark.parametrize("kind, method", [

@@ -154,11 +154,6 @@ def _zero_rows(ok, a):
   return jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a))
 
 
-def _first(xs):
-  """The first example of an input, with its batch axis (an array or a pytree)."""
-  return jax.tree_util.tree_map(lambda a: a[:1], xs)
-
-
 def _flat_size(plan, params) -> int:
   """q: the flat columns (flattened layers and generic leaves) of a plan's factors."""
   columns = two_tower.flat_columns(plan, jax.tree_util.tree_leaves(params))
@@ -386,7 +381,7 @@ def grouped_clipped_grad(embed_fn: EmbedFn, loss, clip_norm: float, num_groups: 
     sizes = c.psum(sizes)
     norm_dtype = numerics.lowest_precision(
         [u.dtype, dtype]
-        + [numerics.computation_dtype(f, params, _first(xs[0])) for f, _, xs in towers])
+        + [numerics.computation_dtype(f, params, rows_lib.first_row(xs[0])) for f, _, xs in towers])
     norms = (jnp.sqrt(jnp.maximum(sq, 0.0) + numerics.gram_error(norm_dtype) * sizes ** 2)
              + numerics.vector_error(norm_dtype) * sizes)
     factor = numerics.clip_factor(norms, bound)

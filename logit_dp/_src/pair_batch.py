@@ -130,11 +130,14 @@ class PairBatch:
   @functools.cached_property
   def norm_dtype(self) -> np.dtype:
     """The dtype the float allowances are scaled to (`numerics.vector_error`): the lowest
-    precision among the embeddings and the values of a pair gradient's computation."""
-    first = jax.tree_util.tree_map(lambda a: a[0], self.positive_pairs)
+    precision among the embeddings and the values the forward passes of both views compute
+    (a backward pass computes in the dtypes of its forward pass), as DP-GCL's group norms."""
+    views = [(self.embed_fn, self.x)]
+    if not self.views_stack:
+      views.append((self.positive_embed_fn, self.x_prime))
     return numerics.lowest_precision(
-        [self.u_loc.dtype,
-         numerics.computation_dtype(self.pair_grad, self.params, first)])
+        [self.u_loc.dtype]
+        + [numerics.computation_dtype(fn, self.params, rows_lib.first_row(x)) for fn, x in views])
 
   @functools.cached_property
   def embedding_dim(self) -> int:

@@ -19,6 +19,11 @@ def take_row(x, i) -> Any:
   return jax.tree_util.tree_map(lambda a: a[i], x)
 
 
+def first_row(x) -> Any:
+  """The first example of an input with its batch axis (array or pytree)."""
+  return jax.tree_util.tree_map(lambda a: a[:1], x)
+
+
 def is_traced(tree) -> bool:
   """Whether any leaf of tree is a tracer (the call is inside jit, vmap, grad, ...)."""
   return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))

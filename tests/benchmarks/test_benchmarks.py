@@ -8,6 +8,7 @@ runs are slow-marked (`-m slow`); the default run keeps the pure helpers.
 import json
 import math
 
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import step_benchmark
@@ -379,3 +380,35 @@ def test_transformers_benchmark_measures_every_method_and_renders_its_table(tmp_
   assert all(route != "jacrev" for _, route in row["routes"])
   table = transformers.table([row]).splitlines()
   assert len(table) == 3 and table[2].startswith("| linen | clip | 8 |")
+
+
+def test_pipeline_path_walks_the_chains_depth_first_and_counts_each_return():
+  from benchmarks import pipeline_path
+  step, batch, plan, method = (("m.step", "step"), ("m.batch", "init"), ("m.layers", "plan"),
+                               ("m.method", "norms"))
+  chains = [(step, batch, plan), (step, batch, plan), (step, method, batch)]
+  # Depth first: step, batch, layers, back to batch, back to step, method, batch, back up.
+  assert pipeline_path.walk(pipeline_path.tree(chains)) == [
+      "m.step", "m.batch", "m.layers", "m.batch", "m.step", "m.method", "m.batch", "m.method",
+      "m.step"
+  ]
+  summary = pipeline_path.summary(chains)
+  assert (summary["stops"], summary["modules"], summary["returns"]) == (9, 4, 5)
+  assert summary["functions"] == 4 and summary["per_module"]["m.batch"] == 3
+
+
+def test_pipeline_path_records_the_package_functions_between_a_call_and_the_model():
+  import logit_dp
+  from benchmarks import pipeline_path
+
+  def model(params, x):
+    return params * x
+
+  chains = pipeline_path.model_chains(
+      lambda: logit_dp.clipped_grad(model, logit_dp.losses.contrastive(1.0), 1.0, "triangle"),
+      model.__code__)
+  assert chains == []  # building the gradient calls no model
+  chains = pipeline_path.model_chains(
+      lambda: logit_dp._src.rows.map_rows(lambda x: model(2.0, x), jnp.ones((2, 3)), None),
+      model.__code__)
+  assert chains and all(chain[-1][0] == "logit_dp._src.rows" for chain in chains)

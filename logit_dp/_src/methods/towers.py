@@ -36,7 +36,8 @@ def pair_norms(batch, cross_terms: Callable | None,
   (n_local, n) cross terms c) min(√(a + b + 2c + ε_G S_ij²), triangle bound), without (None,
   "triangle") the bound. Diagonal: ‖g_ii‖ from vectors (`pair_terms.diagonal_norms`).
   factors (of the local rows of both towers) are returned when the cross terms computed them
-  (shared leaves), for ḡ from the factors; None means ḡ by backward passes.
+  (shared leaves) or one microbatch holds the batch, for ḡ from the factors; None (microbatches,
+  their Grams formed one at a time) means ḡ by backward passes.
   batch: a `pair_batch.PairBatch` (which builds its plans with this module).
   """
   plans, c = batch.tower_plans, batch.c
@@ -44,13 +45,20 @@ def pair_norms(batch, cross_terms: Callable | None,
   eps_gram = allowance * numerics.gram_error(batch.norm_dtype)
   n_local = rows_lib.num_rows(batch.x)
   factors = None
-  if cross_terms is not None and plans.shared:
+  with_cross = cross_terms is not None and bool(plans.shared)
+  # One microbatch holds the batch: its factors are formed whole either way, and ḡ contracts
+  # them instead of compiling and running a backward pass of each tower.
+  whole = batch.microbatch_size is None or batch.microbatch_size >= n_local
+  if with_cross or whole:
     f_u = batch.factors(batch.x)
     f_v_local = batch.factors(batch.x_prime, positive=True)
     factors = (f_u, f_v_local)
     k_local, k_prime_local = f_u.gram, f_v_local.gram
-    cross = cross_terms(f_u.flat[..., cols_u], batch.u_loc, c.gather(f_v_local.flat[..., cols_v]),
-                        batch.v)
+    cross = None
+    if with_cross:
+      assert cross_terms is not None
+      cross = cross_terms(f_u.flat[..., cols_u], batch.u_loc, c.gather(f_v_local.flat[..., cols_v]),
+                          batch.v)
   else:
     # Grams microbatch by microbatch; no factors are kept.
     def chunk_terms(x_chunk, x_prime_chunk):
