@@ -170,10 +170,11 @@ def test_infinite_clip_norm_is_jax_grad_with_mask_and_microbatches(kind, method)
 
 
 @pytest.mark.parametrize("method", ["ghost", "triangle"])
-def test_one_microbatch_contracts_the_factors_into_the_backward_passes_gradient(
+def test_one_microbatch_embeds_with_the_factors_and_contracts_them_into_the_gradient(
     method, monkeypatch):
-  """Disjoint towers in one microbatch take ḡ from the Jacobian factors their Grams came from
-  (no backward pass of either tower); in microbatches, from backward passes. Both are
+  """Disjoint towers in one microbatch take their embeddings from the passes that form their
+  Jacobian factors and ḡ from those factors (no forward or backward pass of either tower of
+  its own); in microbatches, from forward and backward passes. Both are
   jax.grad's gradient at B = ∞ and the same clipped ḡ at a finite B, a NaN in a masked row
   selected out of the contraction."""
   from logit_dp._src import pair_batch
@@ -182,8 +183,9 @@ def test_one_microbatch_contracts_the_factors_into_the_backward_passes_gradient(
   x_bad = x.at[2].set(jnp.nan)
   _, ref_grads = _reference(f, g, params, x, tokens, np.flatnonzero(np.asarray(mask)))
   clip_norm = float(
-      jnp.median(logit_dp.clip_methods.pair_grad_norms(f, params, x, tokens, "materialize",
-                                                       positive_embed_fn=g)))
+      jnp.median(
+          logit_dp.clip_methods.pair_grad_norms(f, params, x, tokens, "materialize",
+                                                positive_embed_fn=g)))
 
   def grads(b, microbatch_size):
     return logit_dp.clipped_grad(f, LOSS, b, method, microbatch_size=microbatch_size,
@@ -191,8 +193,9 @@ def test_one_microbatch_contracts_the_factors_into_the_backward_passes_gradient(
 
   chunked = grads(clip_norm, 3)
   with monkeypatch.context() as patch:
-    patch.setattr(pair_batch.PairBatch, "_backward_pass",
-                  lambda *args, **kwargs: pytest.fail("a backward pass in one microbatch"))
+    for name in ("_embed", "_backward_pass"):
+      patch.setattr(pair_batch.PairBatch, name,
+                    lambda *args, name=name, **kwargs: pytest.fail(f"{name} in one microbatch"))
     whole, unclipped = grads(clip_norm, None), grads(jnp.inf, None)
   assert rel_err(unclipped, ref_grads) < 1e-5
   assert rel_err(whole, chunked) < 1e-5

@@ -38,17 +38,19 @@ class PairBatch:
                positive_embed_fn=None, float64_positive_pairs: bool = True,
                embeds_with_factors: Callable[[PairBatch], bool] | None = None,
                layer_factors: bool = True):
-    """embeds_with_factors(batch): whether the embeddings come from one pass that also computes
-    the Jacobian factors of both views (`joint_factors`, for the clip method that contracts
-    them; asked when one tower embeds views of one layout). Otherwise (and when None) the
-    embeddings come from a forward pass of their own and `joint_factors` is None.
+    """embeds_with_factors(batch): whether the embeddings come from the passes that also
+    compute the Jacobian factors of both views (`joint_factors`, for the clip method that
+    contracts them; asked when one tower embeds views of one layout, and for two towers that
+    embed into one dimension). Otherwise (and when None) the embeddings come from a forward
+    pass of their own and `joint_factors` is None.
     layer_factors: False: the model is used as it is, with no layer recognised
     (`layerwise.jacobian_plan`; the reference method's batch)."""
     self.embed_fn, self.params, self.eps = embed_fn, params, eps
     self.layer_factors = layer_factors
     self.float64_positive_pairs = float64_positive_pairs
     self.two_tower = positive_embed_fn is not None and positive_embed_fn is not embed_fn
-    self.positive_embed_fn = positive_embed_fn if self.two_tower else embed_fn
+    self.positive_embed_fn: Callable = (positive_embed_fn if self.two_tower
+                                        and positive_embed_fn is not None else embed_fn)
     # The same function, with recognised convolutions differentiated into channels-last
     # convolutions: JAX's own rule runs 4-50x slower inside the loops of microbatching and of
     # materialize on XLA:CPU (layers.conv.channels_last_conv). Factors intercept embed_fn
@@ -62,10 +64,17 @@ class PairBatch:
     # Zero non-finite inputs so that their NaNs cannot reach the backward pass.
     self.x, self.x_prime = rows_lib.where_rows(inputs_ok,
                                                x), rows_lib.where_rows(inputs_ok, x_prime)
-    self.joint_factors = None
+    # The factors of both views from the passes that gave the embeddings, or None: one tower,
+    # stacked along a leading axis of 2; two towers, (x's, x_prime's).
+    self.joint_factors: Any = None
     # One tower and both views of one layout: the views stack into one batch.
     self.views_stack = not self.two_tower and rows_lib.same_layout(self.x, self.x_prime)
-    if not self.views_stack:
+    if (self.two_tower and embeds_with_factors is not None and self._same_dimension()
+        and embeds_with_factors(self)):
+      u_loc, f_u = self.factors(self.x, with_embeddings=True)
+      v_loc, f_v = self.factors(self.x_prime, positive=True, with_embeddings=True)
+      self.joint_factors = (f_u, f_v)
+    elif not self.views_stack:
       u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
     elif embeds_with_factors is not None and embeds_with_factors(self):
       (u_loc, v_loc), self.joint_factors = self.stacked_factors(
@@ -82,6 +91,11 @@ class PairBatch:
     self.valid = collective.gather(mask & ok)
     self.num_nonfinite = jnp.sum(collective.gather(mask & ~ok))
     self.z = jnp.matmul(self.u, self.v.T, precision=numerics.HIGHEST)
+
+  def _same_dimension(self) -> bool:
+    """Whether both towers embed into one dimension (from their shapes; nothing computed)."""
+    positive = jax.eval_shape(self.positive_embed_fn, self.params, self.x_prime)
+    return positive.shape[-1] == self.embedding_dim
 
   def normalized_embedding(self, params, x_one, positive: bool = False) -> jax.Array:
     """n(Φ_w(x)) of one example x_one (no batch axis) at params, (d,)."""

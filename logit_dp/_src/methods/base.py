@@ -62,10 +62,10 @@ class ClipMethod(abc.ABC):
     """
 
   def embeds_with_factors(self, batch: pair_batch.PairBatch) -> bool:
-    """Whether `batch` (one tower, views of one layout; its embeddings not yet computed) should
-    take its embeddings from one pass that also computes both views' Jacobian factors, which
-    this method then contracts (`pair_batch.PairBatch.joint_factors`): no forward pass of
-    their own is compiled or run. False unless a method overrides it."""
+    """Whether `batch` (one tower with views of one layout, or two towers; its embeddings not
+    yet computed) should take its embeddings from the passes that also compute both views'
+    Jacobian factors, which this method then contracts (`pair_batch.PairBatch.joint_factors`):
+    no forward pass of their own is compiled or run. False unless a method overrides it."""
     del batch
     return False
 

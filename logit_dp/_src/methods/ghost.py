@@ -57,7 +57,10 @@ class Ghost(base.ClipMethod):
 
   def embeds_with_factors(self, batch) -> bool:
     """See `base.ClipMethod.embeds_with_factors`: with one block of pairs on one device,
-    `_one_block` contracts the factors of both views, computed in one pass."""
+    `_one_block` contracts the factors of both views, computed in one pass; two towers in one
+    microbatch (`towers.one_microbatch`)."""
+    if batch.two_tower:
+      return towers.one_microbatch(batch)
     return _block_sizes(batch, self.memory_budget)[2]
 
   def norms_and_clipped_grad(self, batch, tau_local, clip_norm) -> tuple[jax.Array, Any]:

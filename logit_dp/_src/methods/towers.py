@@ -26,6 +26,14 @@ from logit_dp._src import rows as rows_lib
 from logit_dp._src import two_tower
 
 
+def one_microbatch(batch) -> bool:
+  """Whether one microbatch holds the batch's local rows: their factors are formed whole
+  anyway, so they give the embeddings (`pair_batch.PairBatch.joint_factors`) and ḡ is
+  contracted from them instead of compiling and running a backward pass of each tower."""
+  m = batch.microbatch_size
+  return m is None or m >= rows_lib.num_rows(batch.x)
+
+
 def pair_norms(batch, cross_terms: Callable | None,
                allowance: float = 1.0) -> tuple[jax.Array, tuple[layerwise.Factors, ...] | None]:
   """(norms (n_local, n), factors or None) for clipping the pair gradients of two towers.
@@ -46,13 +54,11 @@ def pair_norms(batch, cross_terms: Callable | None,
   n_local = rows_lib.num_rows(batch.x)
   factors = None
   with_cross = cross_terms is not None and bool(plans.shared)
-  # One microbatch holds the batch: its factors are formed whole either way, and ḡ contracts
-  # them instead of compiling and running a backward pass of each tower.
-  whole = batch.microbatch_size is None or batch.microbatch_size >= n_local
-  if with_cross or whole:
-    f_u = batch.factors(batch.x)
-    f_v_local = batch.factors(batch.x_prime, positive=True)
-    factors = (f_u, f_v_local)
+  if with_cross or one_microbatch(batch):
+    factors = batch.joint_factors
+    if factors is None:
+      factors = (batch.factors(batch.x), batch.factors(batch.x_prime, positive=True))
+    f_u, f_v_local = factors
     k_local, k_prime_local = f_u.gram, f_v_local.gram
     cross = None
     if with_cross:

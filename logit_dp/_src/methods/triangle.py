@@ -29,5 +29,10 @@ class Triangle(base.ClipMethod):
       return towers.pair_norms(batch, None, allowance=allowance)
     return bounds.bound_norms(batch, allowance), None
 
+  def embeds_with_factors(self, batch) -> bool:
+    """See `base.ClipMethod.embeds_with_factors`: two towers in one microbatch
+    (`towers.one_microbatch`)."""
+    return batch.two_tower and towers.one_microbatch(batch)
+
 
 jax.tree_util.register_dataclass(Triangle, data_fields=[], meta_fields=[])
