@@ -169,37 +169,43 @@ def test_infinite_clip_norm_is_jax_grad_with_mask_and_microbatches(kind, method)
   assert rel_err(grads, ref_grads) < 1e-5
 
 
-@pytest.mark.parametrize("method", ["ghost", "triangle"])
+def _one_microbatch_grads(method, clip_norm, microbatch_size):
+  f, g, params, x, tokens = _towers("disjoint")
+  mask = jnp.array([1, 1, 0, 1, 1, 1, 0, 1], bool)
+  fn = logit_dp.clipped_grad(f, LOSS, clip_norm, method, microbatch_size=microbatch_size,
+                             positive_embed_fn=g)
+  return fn(params, x.at[2].set(jnp.nan), tokens, mask)[1]  # a NaN in a masked row
+
+
+@pytest.mark.parametrize("method", ["ghost", pytest.param("triangle", marks=pytest.mark.extended)])
 def test_one_microbatch_embeds_with_the_factors_and_contracts_them_into_the_gradient(
     method, monkeypatch):
   """Disjoint towers in one microbatch take their embeddings from the passes that form their
-  Jacobian factors and ḡ from those factors (no forward or backward pass of either tower of
-  its own); in microbatches, from forward and backward passes. Both are
-  jax.grad's gradient at B = ∞ and the same clipped ḡ at a finite B, a NaN in a masked row
-  selected out of the contraction."""
+  Jacobian factors and ḡ from those factors, with no forward or backward pass of either tower
+  of its own: at B = ∞ it is jax.grad's gradient, the NaN of a masked row selected out."""
   from logit_dp._src import pair_batch
   f, g, params, x, tokens = _towers("disjoint")
-  mask = jnp.array([1, 1, 0, 1, 1, 1, 0, 1], bool)
-  x_bad = x.at[2].set(jnp.nan)
-  _, ref_grads = _reference(f, g, params, x, tokens, np.flatnonzero(np.asarray(mask)))
+  keep = np.flatnonzero(np.array([1, 1, 0, 1, 1, 1, 0, 1], bool))
+  _, ref_grads = _reference(f, g, params, x, tokens, keep)
+  for name in ("_embed", "_backward_pass"):
+    monkeypatch.setattr(pair_batch.PairBatch, name,
+                        lambda *args, name=name, **kwargs: pytest.fail(f"{name} in one microbatch"))
+  assert rel_err(_one_microbatch_grads(method, jnp.inf, None), ref_grads) < 1e-5
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("method", ["ghost", "triangle"])
+def test_one_microbatch_and_microbatches_give_the_same_clipped_gradient(method):
+  """ḡ from the factors (one microbatch) and from backward passes (microbatches of 3) at a B
+  that clips about half of the pairs."""
+  f, g, params, x, tokens = _towers("disjoint")
   clip_norm = float(
       jnp.median(
           logit_dp.clip_methods.pair_grad_norms(f, params, x, tokens, "materialize",
                                                 positive_embed_fn=g)))
-
-  def grads(b, microbatch_size):
-    return logit_dp.clipped_grad(f, LOSS, b, method, microbatch_size=microbatch_size,
-                                 positive_embed_fn=g)(params, x_bad, tokens, mask)[1]
-
-  chunked = grads(clip_norm, 3)
-  with monkeypatch.context() as patch:
-    for name in ("_embed", "_backward_pass"):
-      patch.setattr(pair_batch.PairBatch, name,
-                    lambda *args, name=name, **kwargs: pytest.fail(f"{name} in one microbatch"))
-    whole, unclipped = grads(clip_norm, None), grads(jnp.inf, None)
-  assert rel_err(unclipped, ref_grads) < 1e-5
+  whole, chunked = (_one_microbatch_grads(method, clip_norm, m) for m in (None, 3))
   assert rel_err(whole, chunked) < 1e-5
-  assert rel_err(whole, unclipped) > 1e-2  # clipping happened
+  assert rel_err(whole, _one_microbatch_grads(method, jnp.inf, None)) > 1e-2  # clipping happened
 
 
 # By default the disjoint towers; the shared ones run by default in
