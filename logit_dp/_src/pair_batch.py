@@ -40,9 +40,9 @@ class PairBatch:
                layer_factors: bool = True):
     """embeds_with_factors(batch): whether the embeddings come from the passes that also
     compute the Jacobian factors of both views (`joint_factors`, for the clip method that
-    contracts them; asked when one tower embeds views of one layout, and for two towers that
-    embed into one dimension). Otherwise (and when None) the embeddings come from a forward
-    pass of their own and `joint_factors` is None.
+    contracts them; asked when one tower embeds views of one layout, and for two towers).
+    Otherwise (and when None) the embeddings come from a forward pass of their own and
+    `joint_factors` is None.
     layer_factors: False: the model is used as it is, with no layer recognised
     (`layerwise.jacobian_plan`; the reference method's batch)."""
     self.embed_fn, self.params, self.eps = embed_fn, params, eps
@@ -69,8 +69,9 @@ class PairBatch:
     self.joint_factors: Any = None
     # One tower and both views of one layout: the views stack into one batch.
     self.views_stack = not self.two_tower and rows_lib.same_layout(self.x, self.x_prime)
-    if (self.two_tower and embeds_with_factors is not None and self._same_dimension()
-        and embeds_with_factors(self)):
+    if not self.views_stack:  # two embedding functions or input layouts: checked before any pass
+      self._check_same_dimension()
+    if self.two_tower and embeds_with_factors is not None and embeds_with_factors(self):
       u_loc, f_u = self.factors(self.x, with_embeddings=True)
       v_loc, f_v = self.factors(self.x_prime, positive=True, with_embeddings=True)
       self.joint_factors = (f_u, f_v)
@@ -81,9 +82,6 @@ class PairBatch:
           (self.x, self.x_prime), self.microbatch_size, with_embeddings=True)
     else:  # both views as one batch: the forward pass is compiled once
       u_loc, v_loc = split_views(self._embed(join_views((self.x, self.x_prime))), 2)
-    if u_loc.shape[-1] != v_loc.shape[-1]:
-      raise ValueError(f"embed_fn and positive_embed_fn must embed into the same dimension: "
-                       f"embed_fn gives {u_loc.shape[-1]}, positive_embed_fn {v_loc.shape[-1]}.")
     ok = inputs_ok & rows_lib.finite_rows(u_loc) & rows_lib.finite_rows(v_loc)
     self.u_loc, self.v_loc = rows_lib.where_rows(ok, u_loc), rows_lib.where_rows(ok, v_loc)
     self.rows = collective.local_rows(n_local)
@@ -92,10 +90,13 @@ class PairBatch:
     self.num_nonfinite = jnp.sum(collective.gather(mask & ~ok))
     self.z = jnp.matmul(self.u, self.v.T, precision=numerics.HIGHEST)
 
-  def _same_dimension(self) -> bool:
-    """Whether both towers embed into one dimension (from their shapes; nothing computed)."""
-    positive = jax.eval_shape(self.positive_embed_fn, self.params, self.x_prime)
-    return positive.shape[-1] == self.embedding_dim
+  def _check_same_dimension(self) -> None:
+    """ValueError unless x and x_prime embed into one dimension (from their shapes; nothing
+    computed)."""
+    positive = jax.eval_shape(self.positive_embed_fn, self.params, self.x_prime).shape[-1]
+    if positive != self.embedding_dim:
+      raise ValueError(f"embed_fn and positive_embed_fn must embed into the same dimension: "
+                       f"embed_fn gives {self.embedding_dim}, positive_embed_fn {positive}.")
 
   def normalized_embedding(self, params, x_one, positive: bool = False) -> jax.Array:
     """n(Φ_w(x)) of one example x_one (no batch axis) at params, (d,)."""

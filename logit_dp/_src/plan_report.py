@@ -159,9 +159,9 @@ def describe_plan(embed_fn, params, x, *, x_prime=None, positive_embed_fn=None,
   method: "ghost", "triangle" or "projected" (one plan: the routes of these clip methods;
   "materialize" uses none of them, every pair gradient by its own backward pass), or
   "dp_gcl": the routes of DP-GCL's group norms (`baselines.grouped_clipped_grad`), where a
-  layer stays as its factors ("ghost") when they hold no more floats per example than its
-  flattened gradient (`layerwise.keeps_group_factors`); they have no pair terms, so the costs
-  are 0.
+  layer stays as its factors ("ghost") when they hold at most 4 times the floats per example
+  of its flattened gradient (`layerwise.keeps_group_factors`); they have no pair terms, so the
+  costs are 0.
   """
   if method not in ("ghost", "triangle", "projected", "dp_gcl"):
     raise ValueError(f"describe_plan: method must be 'ghost', 'triangle', 'projected' or "
