@@ -212,3 +212,43 @@ def test_the_gradient_through_recomputed_norms_is_finite(duplicates_truth):
   objective = lambda xp: sum(
       jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grad_fn(params, x, xp)[1]))
   assert np.all(np.isfinite(np.asarray(jax.grad(objective)(x_prime))))
+
+
+def test_a_forced_pair_takes_its_recomputed_value_and_a_flagged_one_the_smaller_bound():
+  """refine_flagged against its contract, computed by hand: a flagged pair keeps min(norm,
+  recomputed), a forced one its recomputed value (even above the norm it had: the positives
+  without an allowance are computed values, not bounds), a non-finite one stays dropped."""
+  norms = jnp.array([[1.0, 5.0, 2.0], [jnp.nan, 3.0, 4.0]])
+  lower = jnp.array([[1.0, 1.0, 2.0], [1.0, 3.0, 1.0]])  # flags (0, 1) and (1, 2) by ratio
+  forced = jnp.array([[True, False, False], [True, True, False]])
+  recomputed = jnp.array([9.0, 2.0, 7.0, 8.0, 0.5, 6.0])  # by flat pair index
+
+  def recompute(operands, index):
+    return operands[index]
+
+  got = np.asarray(
+      pair_terms.refine_flagged(norms, lower, recompute, recomputed, per_pass=2, forced=forced))
+  want = np.array([[9.0, 2.0, 2.0], [np.nan, 0.5, 4.0]])
+  np.testing.assert_array_equal(got, want)
+  # Without the forced pairs only the flagged ones are tightened.
+  got = np.asarray(pair_terms.refine_flagged(norms, lower, recompute, recomputed, per_pass=2))
+  np.testing.assert_array_equal(got, np.array([[1.0, 2.0, 2.0], [np.nan, 3.0, 4.0]]))
+
+
+def test_positive_pairs_without_the_allowance_are_their_vectors_not_their_gram_form(
+    duplicates_truth):
+  """pair_grad_norms(float_allowance=False) reports the positives formed as vectors, as its
+  docstring promises ("exact on it"): near-identical views cancel in the Gram form, which the
+  negative control (no refinement) shows losing them."""
+  (embed_fn, params, x, x_prime), truth = duplicates_truth
+  diagonal = np.eye(truth.shape[0], dtype=bool)
+  got = _norms(embed_fn, params, x, x_prime, float_allowance=False)
+  np.testing.assert_allclose(got[diagonal], truth[diagonal], rtol=1e-3)
+
+
+def test_positive_pairs_without_the_allowance_negative_control(duplicates_truth, monkeypatch):
+  (embed_fn, params, x, x_prime), truth = duplicates_truth
+  _unrefined(monkeypatch)
+  diagonal = np.eye(truth.shape[0], dtype=bool)
+  got = _norms(embed_fn, params, x, x_prime, float_allowance=False)
+  assert np.max(np.abs(got[diagonal] / truth[diagonal] - 1.0)) > 1e-2

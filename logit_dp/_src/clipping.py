@@ -136,7 +136,9 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
       cancel, are clipped by norms within 1e-6 of the truth. False forms them in float32
       first and those whose float32 allowance could put them above 1.10× their truth again
       in float64 (`pair_terms.diagonal_values`). "ghost" does the latter either way, its
-      float32 vectors contracted from its Jacobian factors. A model that fixes
+      float32 vectors contracted from its Jacobian factors; two towers ("ghost" and
+      "triangle") form them in float64 either way, in the loop that forms their flagged
+      pairs again. A model that fixes
       its own computation dtype (e.g. flax's dtype=jnp.float32) keeps it, with the
       allowance of that dtype; stochastic models keep theirs (their random draws would
       differ), and the allowance e·(s_i + s'_i) can then be ~100× such a pair's norm.

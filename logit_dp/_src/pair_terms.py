@@ -144,15 +144,17 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
   """norms, each an upper bound of its pair's true norm, with every flagged one tightened:
   those above ratio × lower (by default FLAG_RATIO × the lower end of the same computation's
   float error interval) or `forced` (a bool mask of norms's shape, or None), finite (a
-  non-finite norm drops its pair, and stays so) and above `above` (a clip norm B: a norm at
-  or below B gives its pair the clip factor 1 whatever its exact value, so it is final).
+  non-finite norm drops its pair, and stays so) and, where `above` > 0, above it (a clip norm
+  B: a norm at or below B gives its pair the clip factor 1 whatever its exact value, so it is
+  final; at 0 a computed norm of 0 is tightened too).
 
   recompute(operands, index) gives sound upper bounds of the pairs at the flat indices
   `index` (k,) of norms from `operands` (a pytree: everything it reads that is traced); it
   runs on the flagged pairs, `per_pass` at a time (default FLAGGED_PAIRS_PER_PASS, at most
   the number of pairs), in a loop that runs only while flagged pairs remain (nothing
   at all where none is flagged), and each flagged pair keeps the
-  smaller of its two bounds. Every pair's norm is a function of that pair alone (the
+  smaller of its two bounds, a forced one its recomputed value (which is what it is forced
+  for, whether or not norms holds bounds). Every pair's norm is a function of that pair alone (the
   sensitivity needs it: no capacity decides which pairs are tightened), and each unflagged
   norm lies within FLAG_RATIO × lower. The recomputed values are constants to
   differentiation (the operands enter the loop, whose length depends on the values, through
@@ -161,7 +163,8 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
   flagged = norms > ratio * lower
   if forced is not None:
     flagged = flagged | forced
-  flagged = flagged & jnp.isfinite(norms) & (norms > above)
+  flagged = flagged & jnp.isfinite(norms) & ((norms > above) | (above <= 0))
+  replaced = (jnp.zeros(norms.shape, bool) if forced is None else forced & flagged).reshape(-1)
   shape, size = norms.shape, norms.size
   k = min(per_pass or FLAGGED_PAIRS_PER_PASS, size)
   num_passes = -(-size // k)
@@ -181,13 +184,13 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
       values = jnp.where(real, recompute(constants, chunk), jnp.inf)
       return i + 1, tight.at[chunk].min(values)
 
-    start = (0, jax.lax.stop_gradient(flat))
+    start = (0, jnp.where(replaced, jnp.inf, jax.lax.stop_gradient(flat)))
     if num_passes == 1:
       _, tight = one_pass(start)
     else:
       _, tight = jax.lax.while_loop(lambda carry: carry[0] * k < count, one_pass, start)
-    # Each flagged norm becomes the smaller of its two bounds.
-    return jnp.where(flags & (tight < flat), tight, flat).reshape(shape)
+    # Each flagged norm becomes the smaller of its two bounds, a forced one its recomputed value.
+    return jnp.where(flags & (tight < flat) | replaced, tight, flat).reshape(shape)
 
   return jax.lax.cond(jnp.any(flagged), tighten, lambda norms: norms, norms)
 
@@ -219,11 +222,12 @@ def refine_gram_pairs(batch: pair_batch.PairBatch, norms, computed, f_rows, u_ro
   pairs whose Gram allowance bites stop at the vectors, a few multiply-adds per parameter.
 
   real (r, c), where given: the pairs of real examples (padding is never flagged); positives
-  (r, c): where the block holds the positive pairs (None: nowhere); above: as in
-  `refine_flagged` (0: every flagged pair is tightened; B: only those whose clip factor it
+  (r, c): where the block holds the positive pairs (None: nowhere), formed as vectors without
+  an allowance too (allowance 0: the computed values, the positives' in float64); above: as
+  in `refine_flagged` (0: every flagged pair is tightened; B: only those whose clip factor it
   can change).
   """
-  if not allowance:
+  if not allowance and positives is None:
     return norms
   c = norms.shape[1]
   if real is not None:
@@ -245,10 +249,13 @@ def refine_gram_pairs(batch: pair_batch.PairBatch, norms, computed, f_rows, u_ro
       values, error = vector_norms(batch, pairs, in_float64=batch.pairs_in_float64, params=params)
       return with_allowance(values, error, scale[sub], allowance)
 
+    # Without an allowance nothing is flagged by its size: the positives, which float32 loses
+    # to cancellation, are formed in float64 (the computed values are then the truth's).
     return refine_flagged(with_allowance(vectors, vector_error, scale,
                                          allowance), vectors - allowance * vector_error * scale,
                           exact, (params, x_rows, x_prime_columns, scale),
-                          min(FLAGGED_PAIRS_PER_PASS, index.size), above=above)
+                          min(FLAGGED_PAIRS_PER_PASS, index.size), above=above,
+                          forced=None if allowance else jnp.ones(index.shape, bool))
 
   return refine_flagged(
       norms, computed, recompute,
@@ -257,13 +264,15 @@ def refine_gram_pairs(batch: pair_batch.PairBatch, norms, computed, f_rows, u_ro
 
 
 def refine_pairs(batch: pair_batch.PairBatch, norms, lower, x_rows, x_prime_columns, s_rows,
-                 s_columns, allowance: float, real=None, ratio: float = FLAG_RATIO) -> jax.Array:
+                 s_columns, allowance: float, real=None, ratio: float = FLAG_RATIO,
+                 forced=None) -> jax.Array:
   """`refine_flagged` for a block of pairs, rows x_rows × columns x_prime_columns (r, c): the
   flagged pairs formed as vectors (`vector_norms`) in float64
   (a stochastic model's in its own dtype), with their vector allowance (s: ‖J‖_F of the rows
   and columns). real (r, c), where given: the pairs of real examples (padding is never
-  flagged); ratio: as in `refine_flagged`."""
-  if not allowance:
+  flagged); ratio, forced: as in `refine_flagged` (forced: e.g. the positive pairs, formed
+  as vectors whatever their value by the same compiled computation)."""
+  if not allowance and forced is None:
     return norms
   c = norms.shape[1]
   if real is not None:
@@ -277,7 +286,8 @@ def refine_pairs(batch: pair_batch.PairBatch, norms, lower, x_rows, x_prime_colu
     return with_allowance(exact, error, s_rows[i] + s_columns[j], allowance)
 
   return refine_flagged(norms, lower, recompute,
-                        (batch.params, x_rows, x_prime_columns, s_rows, s_columns), ratio=ratio)
+                        (batch.params, x_rows, x_prime_columns, s_rows, s_columns), ratio=ratio,
+                        forced=forced)
 
 
 def with_allowance(norms: jax.Array, error: float, scale: jax.Array, allowance: float) -> jax.Array:

@@ -7,8 +7,9 @@ With S the parameters both towers share (`two_tower.tower_plans`):
 * S ≠ ∅: "ghost" adds the cross-Gram over the columns of S only (its
   `ghost.flat_cross_terms`, passed in as cross_terms), "triangle" keeps its bound √a + √b.
 
-Diagonal pairs are formed as vectors, as with one tower (`pair_terms.diagonal_norms`),
-so no Gram form loses a small positive-pair norm to cancellation.
+Diagonal pairs are formed as vectors (in float64, as with one tower), so no Gram form loses a
+small positive-pair norm to rounding; they go through the same compiled loop as the pairs whose
+float allowance the flags (`pair_terms.refine_pairs` with the diagonal forced).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def pair_norms(batch, cross_terms: Callable | None,
   allowance, ε_G = allowance·`numerics.gram_error`, S_ij = ‖J_i‖_F + ‖J'_j‖_F); shared
   leaves: with cross_terms ("ghost": cross_terms(flat_rows, u_rows, flat_columns, v) -> the
   (n_local, n) cross terms c) min(√(a + b + 2c + ε_G S_ij²), triangle bound), without (None,
-  "triangle") the bound. Diagonal: ‖g_ii‖ from vectors (`pair_terms.diagonal_norms`).
+  "triangle") the bound. Diagonal, and the exact forms' pairs whose allowance raises them by
+  more than `pair_terms.GRAM_FLAG_RATIO`: the smaller of that and ‖g_ij‖ formed as a vector in
+  float64 with its vector allowance (`pair_terms.refine_pairs`).
   factors (of the local rows of both towers) are returned when the cross terms computed them
   (shared leaves) or one microbatch holds the batch, for ḡ from the factors; None (microbatches,
   their Grams formed one at a time) means ḡ by backward passes.
@@ -91,13 +94,11 @@ def pair_norms(batch, cross_terms: Callable | None,
     norms = jnp.minimum(jnp.sqrt(jnp.maximum(squared, 0.0) + eps_gram * scale_sq), bound)
   else:
     norms = bound
-  diagonal, diagonal_error = pair_terms.diagonal_norms(batch)
-  diagonal = pair_terms.diagonal_values(batch, diagonal, diagonal_error, s_local + s_prime_local,
-                                        allowance, batch.positive_pairs)
-  on_diagonal = (jnp.arange(n_local), batch.rows)
-  norms = norms.at[on_diagonal].set(diagonal)
-  if squared is not None:  # exact forms: the pairs their allowance flags formed again
-    computed = jnp.sqrt(jnp.maximum(squared, 0.0)).at[on_diagonal].set(diagonal)
-    norms = pair_terms.refine_pairs(batch, norms, computed, batch.x, c.gather(batch.x_prime),
-                                    s_local, s_all, allowance, ratio=pair_terms.GRAM_FLAG_RATIO)
+  # The exact forms' pairs their allowance flags, and the diagonal whatever its value, formed
+  # again as vectors by one compiled computation.
+  computed = norms if squared is None else jnp.sqrt(jnp.maximum(squared, 0.0))
+  diagonal = jnp.zeros(norms.shape, bool).at[jnp.arange(n_local), batch.rows].set(True)
+  norms = pair_terms.refine_pairs(batch, norms, computed, batch.x, c.gather(batch.x_prime), s_local,
+                                  s_all, allowance, ratio=pair_terms.GRAM_FLAG_RATIO,
+                                  forced=diagonal)
   return norms, factors
