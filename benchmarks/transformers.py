@@ -17,7 +17,10 @@ The default sizes are the benchmark's: width 64, 4 heads, MLP 256, 2 pre-LN bloc
 length 16, vocabulary 1,000, mean pooling; ViT: 32×32 images, 4×4 patches, a class token;
 32-dimensional embeddings. The benchmark times, in one process, the non-private
 ``value_and_grad`` of the contrastive loss and each private gradient (after compilation, each
-method's --repeats in one block, median), and their compile times:
+method's --repeats in one block, median), and their compile times, twice: the first call less
+one step (what a user waits for: tracing, checks and compiling, with a step's noise) and the
+seconds XLA's backend compile takes within that call (``jax.monitoring``'s
+``backend_compile_duration`` events):
 
   python -m benchmarks.transformers --archs text,vit,clip --sizes 128,512 \
       --out docs/benchmarks/transformers_cpu.json
@@ -386,6 +389,18 @@ def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict
   }
 
 
+_BACKEND_COMPILE = [0.0]  # seconds of XLA backend compiles since `measure` last reset it
+
+
+def _count_backend_compile(event: str, duration: float, **kwargs) -> None:
+  del kwargs
+  if event == "/jax/core/compile/backend_compile_duration":
+    _BACKEND_COMPILE[0] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
+
+
 def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: bool = True,
             **sizes) -> dict:
   """Compile and step seconds of each method, and their ratios to the non-private step.
@@ -396,11 +411,13 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
   """
   embed_fn, params, x, x_prime, positive = build(framework, arch, n, **sizes)
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
-  compile_s, times = {}, {name: [] for name in fns}
+  compile_s, xla_compile, times = {}, {}, {name: [] for name in fns}
   for name, fn in fns.items():
+    _BACKEND_COMPILE[0] = 0.0
     start = time.perf_counter()
     jax.block_until_ready(fn(params, x, x_prime))
     compile_s[name] = time.perf_counter() - start  # the first call: trace, compile and run
+    xla_compile[name] = _BACKEND_COMPILE[0]
   order = ([name for name in fns for _ in range(repeats)]
            if blocked else [name for _ in range(repeats) for name in fns])
   for name in order:
@@ -417,6 +434,10 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
   result["compile_ratio"] = {
       name: first_compile[name] / max(first_compile["nonprivate"], 1e-9) for name in fns
   }
+  result["xla_compile_s"] = xla_compile
+  result["xla_compile_ratio"] = {
+      name: xla_compile[name] / max(xla_compile["nonprivate"], 1e-9) for name in fns
+  }
   result["floor"] = floor_ratio(embed_fn, params, x, x_prime, positive, n)
   report = logit_dp.clip_methods.describe_plan(embed_fn, params, x[:4], x_prime=x_prime[:4],
                                                positive_embed_fn=positive)
@@ -426,18 +447,22 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
 
 def table(rows, methods=None) -> str:
   """The markdown table of a benchmark's rows (BENCHMARKS.md's): per model and n, each private
-  gradient's step and compile time as ratios to the non-private gradient's, and ghost's
-  arithmetic floor (methods: those to show, default all)."""
+  gradient's step and compile time (and, where measured, XLA's backend compile within its first
+  call) as ratios to the non-private gradient's, and ghost's arithmetic floor (methods: those
+  to show, default all)."""
   methods = [m for m in rows[0]["ratio"] if m != "nonprivate" and (not methods or m in methods)]
   floor = "ghost" in methods
-  head = ("| framework | model | n | non-private step | "
-          + " | ".join(f"{m} step | {m} compile" for m in methods) +
+  xla = all("xla_compile_ratio" in row for row in rows)
+  head = ("| framework | model | n | non-private step | " + " | ".join(
+      f"{m} step | {m} compile" + (f" | {m} XLA compile" if xla else "") for m in methods) +
           (" | ghost's arithmetic floor |" if floor else " |"))
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for row in rows:
     cells = [row["framework"], row["arch"], str(row["n"]), f"{row['step_s']['nonprivate']:.3g} s"]
     for m in methods:
       cells += [f"{row['ratio'][m]:.1f}×", f"{row['compile_ratio'][m]:.1f}×"]
+      if xla:
+        cells.append(f"{row['xla_compile_ratio'][m]:.1f}×")
     if floor:
       cells.append(f"{row['floor']['ghost_floor_ratio']:.1f}×")
     lines.append("| " + " | ".join(cells) + " |")
@@ -477,7 +502,8 @@ def main():
         print(
             f"{framework:8s} {arch:5s} n={n:4d} floor {row['floor']['ghost_floor_ratio']:.1f}x "
             + "  ".join(
-                f"{name} {row['ratio'][name]:.1f}x (compile {row['compile_ratio'][name]:.1f}x)"
+                f"{name} {row['ratio'][name]:.1f}x (compile {row['compile_ratio'][name]:.1f}x, "
+                f"XLA {row['xla_compile_ratio'][name]:.1f}x)"
                 for name in row["ratio"]), flush=True)
         if args.out:
           with open(args.out, "w") as f:

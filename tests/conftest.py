@@ -1,5 +1,6 @@
 """Shared fixtures: tiny embedding models. Eight simulated CPU devices for sharding tests."""
 
+import gc
 import importlib.util
 import os
 
@@ -100,3 +101,14 @@ def no_float_allowance(monkeypatch):
 @pytest.fixture(params=["mlp", "conv"])
 def model_kind(request):
   return request.param
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+  """Frees the run's compiled executables before an xdist worker reports that it has finished.
+  Its controller then gives the worker 5 s to exit before sending it SIGINT (execnet), and a
+  collection of a whole run's executables can take longer: the interrupt then lands in JAX's
+  garbage-collection callback and pytest prints it as a PytestUnraisableExceptionWarning."""
+  del session
+  jax.clear_caches()
+  gc.collect()

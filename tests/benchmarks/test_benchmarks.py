@@ -377,9 +377,17 @@ def test_transformers_benchmark_measures_every_method_and_renders_its_table(tmp_
   assert set(row["ratio"]) == {"nonprivate", "ghost", "dp_gcl"}
   assert row["ratio"]["ghost"] == row["step_s"]["ghost"] / row["step_s"]["nonprivate"]
   assert row["floor"]["ghost_floor_ratio"] > 1
+  assert row["xla_compile_ratio"]["ghost"] == (row["xla_compile_s"]["ghost"]
+                                               / row["xla_compile_s"]["nonprivate"])
+  # XLA's compile is part of the first call, and the private gradient's is the larger.
+  assert 0 < row["xla_compile_s"]["nonprivate"] < row["xla_compile_s"]["ghost"]
+  assert row["xla_compile_s"]["ghost"] < row["compile_s"]["ghost"] + row["step_s"]["ghost"]
   assert all(route != "jacrev" for _, route in row["routes"])
   table = transformers.table([row]).splitlines()
   assert len(table) == 3 and table[2].startswith("| linen | clip | 8 |")
+  assert "ghost XLA compile" in table[0] and table[2].count("|") == table[0].count("|")
+  older = {k: v for k, v in row.items() if not k.startswith("xla_")}  # a row without it
+  assert "XLA" not in transformers.table([older]).splitlines()[0]
 
 
 def test_pipeline_path_walks_the_chains_depth_first_and_counts_each_return():
