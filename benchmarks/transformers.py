@@ -503,8 +503,7 @@ def main():
             f"{framework:8s} {arch:5s} n={n:4d} floor {row['floor']['ghost_floor_ratio']:.1f}x "
             + "  ".join(
                 f"{name} {row['ratio'][name]:.1f}x (compile {row['compile_ratio'][name]:.1f}x, "
-                f"XLA {row['xla_compile_ratio'][name]:.1f}x)"
-                for name in row["ratio"]), flush=True)
+                f"XLA {row['xla_compile_ratio'][name]:.1f}x)" for name in row["ratio"]), flush=True)
         if args.out:
           with open(args.out, "w") as f:
             json.dump(
