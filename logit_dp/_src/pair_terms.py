@@ -152,9 +152,9 @@ def refine_flagged(norms: jax.Array, lower: jax.Array, recompute, operands,
   `index` (k,) of norms from `operands` (a pytree: everything it reads that is traced); it
   runs on the flagged pairs, `per_pass` at a time (default FLAGGED_PAIRS_PER_PASS, at most
   the number of pairs), in a loop that runs only while flagged pairs remain (nothing
-  at all where none is flagged), and each flagged pair keeps the
-  smaller of its two bounds, a forced one its recomputed value (which is what it is forced
-  for, whether or not norms holds bounds). Every pair's norm is a function of that pair alone (the
+  at all where none is flagged), and each flagged pair keeps the smaller of its two bounds,
+  each forced one its recomputed value (without a float allowance its norm is a computed value,
+  not a bound). Every pair's norm is a function of that pair alone (the
   sensitivity needs it: no capacity decides which pairs are tightened), and each unflagged
   norm lies within FLAG_RATIO × lower. The recomputed values are constants to
   differentiation (the operands enter the loop, whose length depends on the values, through

@@ -8,8 +8,8 @@ With S the parameters both towers share (`two_tower.tower_plans`):
   `ghost.flat_cross_terms`, passed in as cross_terms), "triangle" keeps its bound √a + √b.
 
 Diagonal pairs are formed as vectors (in float64, as with one tower), so no Gram form loses a
-small positive-pair norm to rounding; they go through the same compiled loop as the pairs whose
-float allowance the flags (`pair_terms.refine_pairs` with the diagonal forced).
+small positive-pair norm to rounding; they go through the same compiled loop as the pairs their
+float allowance flags (`pair_terms.refine_pairs` with the diagonal forced).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def pair_norms(batch, cross_terms: Callable | None,
   allowance, ε_G = allowance·`numerics.gram_error`, S_ij = ‖J_i‖_F + ‖J'_j‖_F); shared
   leaves: with cross_terms ("ghost": cross_terms(flat_rows, u_rows, flat_columns, v) -> the
   (n_local, n) cross terms c) min(√(a + b + 2c + ε_G S_ij²), triangle bound), without (None,
-  "triangle") the bound. Diagonal, and the exact forms' pairs whose allowance raises them by
-  more than `pair_terms.GRAM_FLAG_RATIO`: the smaller of that and ‖g_ij‖ formed as a vector in
-  float64 with its vector allowance (`pair_terms.refine_pairs`).
+  "triangle") the bound. Diagonal: ‖g_ii‖ formed as a vector in float64 with its vector
+  allowance; the exact forms' pairs whose allowance raises them by more than
+  `pair_terms.GRAM_FLAG_RATIO`: the smaller of that and their vector's (`pair_terms.refine_pairs`).
   factors (of the local rows of both towers) are returned when the cross terms computed them
   (shared leaves) or one microbatch holds the batch, for ḡ from the factors; None (microbatches,
   their Grams formed one at a time) means ḡ by backward passes.
