@@ -389,16 +389,27 @@ def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict
   }
 
 
-_BACKEND_COMPILE = [0.0]  # seconds of XLA backend compiles since `measure` last reset it
+def _first_calls(fns: dict, params, x, x_prime) -> tuple[dict, dict]:
+  """({name: seconds of fn's first call}, {name: seconds of XLA backend compile within it}),
+  the latter from `jax.monitoring`'s events, listened to for these calls only."""
+  compile_s, xla_compile, seconds = {}, {}, [0.0]
 
+  def listen(event: str, duration: float, **kwargs) -> None:
+    del kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      seconds[0] += duration
 
-def _count_backend_compile(event: str, duration: float, **kwargs) -> None:
-  del kwargs
-  if event == "/jax/core/compile/backend_compile_duration":
-    _BACKEND_COMPILE[0] += duration
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    for name, fn in fns.items():
+      seconds[0] = 0.0
+      start = time.perf_counter()
+      jax.block_until_ready(fn(params, x, x_prime))
+      compile_s[name] = time.perf_counter() - start  # trace, compile and run
+      xla_compile[name] = seconds[0]
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  return compile_s, xla_compile
 
 
 def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: bool = True,
@@ -411,13 +422,8 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
   """
   embed_fn, params, x, x_prime, positive = build(framework, arch, n, **sizes)
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
-  compile_s, xla_compile, times = {}, {}, {name: [] for name in fns}
-  for name, fn in fns.items():
-    _BACKEND_COMPILE[0] = 0.0
-    start = time.perf_counter()
-    jax.block_until_ready(fn(params, x, x_prime))
-    compile_s[name] = time.perf_counter() - start  # the first call: trace, compile and run
-    xla_compile[name] = _BACKEND_COMPILE[0]
+  compile_s, xla_compile = _first_calls(fns, params, x, x_prime)
+  times = {name: [] for name in fns}
   order = ([name for name in fns for _ in range(repeats)]
            if blocked else [name for _ in range(repeats) for name in fns])
   for name in order:
