@@ -229,15 +229,17 @@ def clipped_grad(embed_fn: checks.EmbedFn, loss, clip_norm: float,
 
 def _cores(body) -> tuple[Any, Any]:
   """(core, stats_core): body(params, x, x_prime, mask, with_stats, key) without and with the
-  statistics, each traced at full float32 precision (`numerics.full_float32`); key: the
+  statistics, each traced at full float32 precision (`numerics.full_float32_precision`); key: the
   model's key of a stochastic embed_fn (None: deterministic)."""
   def core(params, x, x_prime, mask, key=None):
-    return body(params, x, x_prime, mask, False, key)
+    with numerics.full_float32_precision():
+      return body(params, x, x_prime, mask, False, key)
 
   def stats_core(params, x, x_prime, mask, key=None):
-    return body(params, x, x_prime, mask, True, key)
+    with numerics.full_float32_precision():
+      return body(params, x, x_prime, mask, True, key)
 
-  return numerics.full_float32(core), numerics.full_float32(stats_core)
+  return core, stats_core
 
 
 def pair_grad_norms(embed_fn: checks.EmbedFn, params, x, x_prime,

@@ -22,6 +22,7 @@ whose allowance could put them above 1.10× their truth again in float64
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -125,7 +126,13 @@ def full_float32(fn) -> Callable:
   """
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with jax.default_matmul_precision("highest"):
+    with full_float32_precision():
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def full_float32_precision() -> contextlib.AbstractContextManager:
+  """The context of `full_float32`: every matmul and convolution traced within it is at full
+  float32 precision."""
+  return jax.default_matmul_precision("highest")

@@ -71,15 +71,23 @@ class PairBatch:
     self.views_stack = not self.two_tower and rows_lib.same_layout(self.x, self.x_prime)
     if not self.views_stack:  # two embedding functions or input layouts: checked before any pass
       self._check_same_dimension()
-    if self.two_tower and embeds_with_factors is not None and embeds_with_factors(self):
-      u_loc, f_u = self.factors(self.x, with_embeddings=True)
-      v_loc, f_v = self.factors(self.x_prime, positive=True, with_embeddings=True)
-      self.joint_factors = (f_u, f_v)
+    # 1. The plan: which parameters get per-layer factors, from the model traced at the batch's
+    # shapes (both towers' plans; the same plan twice with one tower).
+    self.tower_plans = self._make_plans()
+    self.plan: layerwise.Plan = self.tower_plans.anchor
+    # 2. The embeddings, from the passes that also give both views' factors when the clip method
+    # contracts them, else from a forward pass of their own.
+    if (self.two_tower or self.views_stack) and embeds_with_factors is not None and \
+        embeds_with_factors(self):
+      if self.two_tower:
+        u_loc, f_u = self.factors(self.x, with_embeddings=True)
+        v_loc, f_v = self.factors(self.x_prime, positive=True, with_embeddings=True)
+        self.joint_factors = (f_u, f_v)
+      else:
+        (u_loc, v_loc), self.joint_factors = self.stacked_factors(
+            (self.x, self.x_prime), self.microbatch_size, with_embeddings=True)
     elif not self.views_stack:
       u_loc, v_loc = self._embed(self.x), self._embed(self.x_prime, positive=True)
-    elif embeds_with_factors is not None and embeds_with_factors(self):
-      (u_loc, v_loc), self.joint_factors = self.stacked_factors(
-          (self.x, self.x_prime), self.microbatch_size, with_embeddings=True)
     else:  # both views as one batch: the forward pass is compiled once
       u_loc, v_loc = split_views(self._embed(join_views((self.x, self.x_prime))), 2)
     ok = inputs_ok & rows_lib.finite_rows(u_loc) & rows_lib.finite_rows(v_loc)
@@ -89,6 +97,14 @@ class PairBatch:
     self.valid = collective.gather(mask & ok)
     self.num_nonfinite = jnp.sum(collective.gather(mask & ~ok))
     self.z = jnp.matmul(self.u, self.v.T, precision=numerics.HIGHEST)
+    # 3. The dtype the float allowances are scaled to (`numerics.vector_error`): the lowest
+    # precision among the embeddings and the values the forward passes of both views compute
+    # (a backward pass computes in the dtypes of its forward pass), as DP-GCL's group norms.
+    views = [(self.embed_fn, self.x)
+            ] + ([] if self.views_stack else [(self.positive_embed_fn, self.x_prime)])
+    self.norm_dtype: np.dtype = numerics.lowest_precision(
+        [self.u_loc.dtype]
+        + [numerics.computation_dtype(fn, self.params, rows_lib.first_row(x)) for fn, x in views])
 
   def _check_same_dimension(self) -> None:
     """ValueError unless x and x_prime embed into one dimension (from their shapes; nothing
@@ -143,18 +159,6 @@ class PairBatch:
     return jax.grad(z)(params)
 
   @functools.cached_property
-  def norm_dtype(self) -> np.dtype:
-    """The dtype the float allowances are scaled to (`numerics.vector_error`): the lowest
-    precision among the embeddings and the values the forward passes of both views compute
-    (a backward pass computes in the dtypes of its forward pass), as DP-GCL's group norms."""
-    views = [(self.embed_fn, self.x)]
-    if not self.views_stack:
-      views.append((self.positive_embed_fn, self.x_prime))
-    return numerics.lowest_precision(
-        [self.u_loc.dtype]
-        + [numerics.computation_dtype(fn, self.params, rows_lib.first_row(x)) for fn, x in views])
-
-  @functools.cached_property
   def embedding_dim(self) -> int:
     """d, the dimension embed_fn embeds into (from its shapes; nothing is computed)."""
     return jax.eval_shape(self.embed_fn, self.params, self.x).shape[-1]
@@ -163,23 +167,16 @@ class PairBatch:
     return rows_lib.map_rows(lambda xe: self.normalized_embedding(self.params, xe, positive), xs,
                              self.microbatch_size)
 
-  @functools.cached_property
-  def plan(self) -> layerwise.Plan:
-    """Which parameters get per-layer factors and which generic per-example Jacobians."""
+  def _make_plans(self) -> two_tower.TowerPlans:
+    """The plans of both towers (`two_tower.tower_plans`; one tower: its plan twice), with the
+    one-time warning of `plan_report.warn_slow_leaves` for a large leaf on the slow path."""
     if not self.layer_factors:
-      return layerwise.jacobian_plan(self.params)
-    if self.two_tower:
-      return self.tower_plans.anchor
-    plan = layerwise.make_plan(self.embed_fn, self.params, self.x, self.embedding_dim)
-    plan_report.warn_slow_leaves(plan_report.report((plan,), self.params, self.embedding_dim))
-    return plan
-
-  @functools.cached_property
-  def tower_plans(self) -> two_tower.TowerPlans:
-    """The plans of both towers (the same plan twice with one tower)."""
-    if not self.two_tower or not self.layer_factors:
-      return two_tower.TowerPlans(self.plan, self.plan,
-                                  tuple(sorted(two_tower.dependencies(self.plan))))
+      plan = layerwise.jacobian_plan(self.params)
+      return two_tower.TowerPlans(plan, plan, tuple(sorted(two_tower.dependencies(plan))))
+    if not self.two_tower:
+      plan = layerwise.make_plan(self.embed_fn, self.params, self.x, self.embedding_dim)
+      plan_report.warn_slow_leaves(plan_report.report((plan,), self.params, self.embedding_dim))
+      return two_tower.TowerPlans(plan, plan, tuple(sorted(two_tower.dependencies(plan))))
     plans = two_tower.tower_plans(self.embed_fn, self.positive_embed_fn, self.params, self.x,
                                   self.x_prime, self.embedding_dim)
     plan_report.warn_slow_leaves(

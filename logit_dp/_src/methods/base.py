@@ -62,9 +62,10 @@ class ClipMethod(abc.ABC):
     """
 
   def embeds_with_factors(self, batch: pair_batch.PairBatch) -> bool:
-    """Whether `batch` (one tower with views of one layout, or two towers; its embeddings not
-    yet computed) should take its embeddings from the passes that also compute both views'
-    Jacobian factors, which this method then contracts (`pair_batch.PairBatch.joint_factors`):
+    """Whether `batch` (one tower with views of one layout, or two towers; its plans made,
+    its embeddings not yet computed) should take its embeddings from the passes that also
+    compute both views' Jacobian factors, which this method then contracts
+    (`pair_batch.PairBatch.joint_factors`):
     no forward pass of their own is compiled or run. False unless a method overrides it."""
     del batch
     return False
@@ -80,11 +81,17 @@ class ClipMethod(abc.ABC):
     ḡ = Σ_ij λ_ij g_ij with λ_ij = τ_ij·min(1, B/‖g_ij‖), summed over devices.
     tau_local: (n_local, n), τ_ij = ∂ℒ/∂Z_ij for this device's rows i and all columns j.
     """
-    norms, factors = self.pair_norms_with_factors(batch, 1.0)
-    lam_local = tau_local * numerics.clip_factor(norms, clip_norm)
-    return norms, batch.weighted_backward(lam_local, batch.c.gather(lam_local), factors)
+    return clipped_by(batch, *self.pair_norms_with_factors(batch, 1.0), tau_local, clip_norm)
 
   def clipped_grad(self, batch: pair_batch.PairBatch, tau_local: jax.Array,
                    clip_norm: float) -> Any:
     """ḡ of `norms_and_clipped_grad`."""
     return self.norms_and_clipped_grad(batch, tau_local, clip_norm)[1]
+
+
+def clipped_by(batch: pair_batch.PairBatch, norms: jax.Array, factors, tau_local: jax.Array,
+               clip_norm: float) -> tuple[jax.Array, Any]:
+  """(norms, ḡ = Σ_ij λ_ij g_ij) with λ_ij = τ_ij·min(1, B/‖g_ij‖) for the norms of
+  `pair_norms_with_factors` (and its factors, or None: backward passes), summed over devices."""
+  lam_local = tau_local * numerics.clip_factor(norms, clip_norm)
+  return norms, batch.weighted_backward(lam_local, batch.c.gather(lam_local), factors)

@@ -66,13 +66,14 @@ class Ghost(base.ClipMethod):
   def norms_and_clipped_grad(self, batch, tau_local, clip_norm) -> tuple[jax.Array, Any]:
     """See `base.ClipMethod.norms_and_clipped_grad`."""
     if batch.two_tower:
-      return super().norms_and_clipped_grad(batch, tau_local, clip_norm)
+      return base.clipped_by(batch, *towers.pair_norms(batch, flat_cross_terms), tau_local,
+                             clip_norm)
     return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget)
 
   def clipped_grad(self, batch, tau_local, clip_norm) -> Any:
     """See `base.ClipMethod.clipped_grad`; the norms at or below B are left as they are."""
     if batch.two_tower:
-      return super().clipped_grad(batch, tau_local, clip_norm)
+      return self.norms_and_clipped_grad(batch, tau_local, clip_norm)[1]
     return ghost_blocks(batch, tau_local, clip_norm, 1.0, self.memory_budget, above=clip_norm)[1]
 
 
