@@ -17,7 +17,8 @@ The default sizes are the benchmark's: width 64, 4 heads, MLP 256, 2 pre-LN bloc
 length 16, vocabulary 1,000, mean pooling; ViT: 32×32 images, 4×4 patches, a class token;
 32-dimensional embeddings. The benchmark times, in one process, the non-private
 ``value_and_grad`` of the contrastive loss and each private gradient (after compilation, each
-method's --repeats in one block, median), and their compile times, twice: the first call less
+method's steps in one block, at least --repeats and --min-seconds of them, median), and their
+compile times, twice: the first call less
 one step (what a user waits for: tracing, checks and compiling, with a step's noise) and the
 seconds XLA's backend compile takes within that call (``jax.monitoring``'s
 ``backend_compile_duration`` events):
@@ -412,30 +413,47 @@ def _first_calls(fns: dict, params, x, x_prime) -> tuple[dict, dict]:
   return compile_s, xla_compile
 
 
-def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: bool = True,
-            **sizes) -> dict:
-  """Compile and step seconds of each method, and their ratios to the non-private step.
+def _timed(fn, args, repeats: int, min_seconds: float) -> list[float]:
+  """Seconds of consecutive calls of fn(*args), after one untimed call: at least `repeats` of
+  them and, up to 100·repeats, until they add up to min_seconds (a step of 0.05 s timed 3 times
+  is mostly noise)."""
+  jax.block_until_ready(fn(*args))  # warm after the other methods
+  times: list[float] = []
+  while len(times) < repeats or (sum(times) < min_seconds and len(times) < 100 * repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return times
 
-  blocked: each method's repeats run one after another (on the CPU a non-private step right
-  after a private one runs slower, its memory evicted: round-robin inflates the non-private
-  time); False: round-robin over the methods.
+
+def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: bool = True,
+            min_seconds: float = 2.0, **sizes) -> dict:
+  """Compile and step seconds of each method (the median of its timed steps), and their ratios
+  to the non-private step.
+
+  blocked: each method's steps run one after another, at least `repeats` and at least
+  min_seconds of them (`_timed`; on the CPU a non-private step right after a private one runs
+  slower, its memory evicted: round-robin inflates the non-private time); False: `repeats`
+  rounds of one step of each method in turn.
   """
   embed_fn, params, x, x_prime, positive = build(framework, arch, n, **sizes)
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
   compile_s, xla_compile = _first_calls(fns, params, x, x_prime)
-  times = {name: [] for name in fns}
-  order = ([name for name in fns for _ in range(repeats)]
-           if blocked else [name for _ in range(repeats) for name in fns])
-  for name in order:
-    if blocked and not times[name]:
-      jax.block_until_ready(fns[name](params, x, x_prime))  # warm after the other methods
-    start = time.perf_counter()
-    jax.block_until_ready(fns[name](params, x, x_prime))
-    times[name].append(time.perf_counter() - start)
+  if blocked:
+    times = {name: _timed(fn, (params, x, x_prime), repeats, min_seconds)
+             for name, fn in fns.items()}
+  else:
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+      for name, fn in fns.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn(params, x, x_prime))
+        times[name].append(time.perf_counter() - start)
   step = {name: float(np.median(t)) for name, t in times.items()}
   first_compile = {name: compile_s[name] - step[name] for name in fns}
   result = dict(framework=framework, arch=arch, n=n, order="blocked" if blocked else "interleaved",
-                step_s=step, compile_s=first_compile)
+                step_s=step, steps_timed={name: len(t) for name, t in times.items()},
+                compile_s=first_compile)
   result["ratio"] = {name: step[name] / step["nonprivate"] for name in fns}
   result["compile_ratio"] = {
       name: first_compile[name] / max(first_compile["nonprivate"], 1e-9) for name in fns
@@ -482,6 +500,8 @@ def main():
   parser.add_argument("--sizes", default="128,512")
   parser.add_argument("--methods", default="ghost,dp_gcl")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--min-seconds", type=float, default=2.0,
+                      help="time each method's steps until they add up to this (blocked order)")
   parser.add_argument("--interleaved", action="store_true",
                       help="time the methods round-robin instead of one block each")
   parser.add_argument(
@@ -503,7 +523,7 @@ def main():
     for arch in args.archs.split(","):
       for framework in args.frameworks.split(","):
         row = measure(framework, arch, n, args.methods.split(","), args.repeats,
-                      blocked=not args.interleaved)
+                      blocked=not args.interleaved, min_seconds=args.min_seconds)
         rows.append(row)
         print(
             f"{framework:8s} {arch:5s} n={n:4d} floor {row['floor']['ghost_floor_ratio']:.1f}x "

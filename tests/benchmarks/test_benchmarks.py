@@ -368,13 +368,30 @@ def test_grouped_cost_benchmark_reports_memory_and_step_ratios(tmp_path, capsys)
   assert timed["ratio"] == timed["dp_gcl_s"] / timed["nonprivate_s"] and timed["dp_gcl_s"] > 0
 
 
+def test_transformers_benchmark_times_a_step_until_its_repeats_add_up_to_min_seconds():
+  import time  # pylint: disable=g-import-not-at-top
+  from benchmarks import transformers  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def step():
+    calls.append(None)
+    time.sleep(0.002)
+    return jnp.zeros(())
+
+  assert len(transformers._timed(step, (), 3, 0.0)) == 3 and len(calls) == 4  # one untimed
+  times = transformers._timed(step, (), 2, 0.03)
+  assert sum(times) >= 0.03 and 2 <= len(times) <= 200
+  assert len(transformers._timed(step, (), 1, 60.0)) == 100  # at most 100·repeats
+
+
 @pytest.mark.slow  # the transformers harness: three compilations per model
 def test_transformers_benchmark_measures_every_method_and_renders_its_table(tmp_path):
   from benchmarks import transformers  # pylint: disable=g-import-not-at-top
   tiny = dict(width=8, depth=1, num_heads=2, mlp_dim=16, length=4, vocab_size=20, image_side=8,
               patch_size=4, embedding_dim=4)
-  row = transformers.measure("linen", "clip", 8, ("ghost", "dp_gcl"), 1, **tiny)
+  row = transformers.measure("linen", "clip", 8, ("ghost", "dp_gcl"), 1, min_seconds=0.0, **tiny)
   assert set(row["ratio"]) == {"nonprivate", "ghost", "dp_gcl"}
+  assert row["steps_timed"] == {"nonprivate": 1, "ghost": 1, "dp_gcl": 1}
   assert row["ratio"]["ghost"] == row["step_s"]["ghost"] / row["step_s"]["nonprivate"]
   assert row["floor"]["ghost_floor_ratio"] > 1
   assert row["xla_compile_ratio"]["ghost"] == (row["xla_compile_s"]["ghost"]
