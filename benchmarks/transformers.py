@@ -440,8 +440,9 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
   compile_s, xla_compile = _first_calls(fns, params, x, x_prime)
   if blocked:
-    times = {name: _timed(fn, (params, x, x_prime), repeats, min_seconds)
-             for name, fn in fns.items()}
+    times = {
+        name: _timed(fn, (params, x, x_prime), repeats, min_seconds) for name, fn in fns.items()
+    }
   else:
     times = {name: [] for name in fns}
     for _ in range(repeats):

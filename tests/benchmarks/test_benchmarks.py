@@ -370,6 +370,7 @@ def test_grouped_cost_benchmark_reports_memory_and_step_ratios(tmp_path, capsys)
 
 def test_transformers_benchmark_times_a_step_until_its_repeats_add_up_to_min_seconds():
   import time  # pylint: disable=g-import-not-at-top
+
   from benchmarks import transformers  # pylint: disable=g-import-not-at-top
   calls = []
 
