@@ -12,7 +12,7 @@ Each piece is jitted on its own and timed (median of --repeats runs after a warm
   factors        per-example Jacobian factors of both views: patches + one
                  backward pass per embedding coordinate, per-example weight
                  gradients of the flattened layers, per-example Grams    (_Batch.factors)
-  flat cross     the n²·d²·q cross-Gram of the flattened layers           (layerwise.flat_cross)
+  flat cross     the cross terms of the flattened layers, 2n²·d·q         (layerwise.flat_cross)
   ghost layer L  the cross terms of ghost layer L          (layerwise.ghost_layer_cross)
   positives from factors
                  the n positive pairs' norms as vectors from the factors, what the step
@@ -38,7 +38,7 @@ implementation of the same contractions pays:
                          gradients, Grams or layout changes)
   pair terms at GEMM speed
                          the pair terms' multiply-adds (`pair_multiply_adds`: n² times
-                         d²·q for the flattened layers, T²P + 2TCd + T²C + d per ghost
+                         2d·q for the flattened layers, T²P + 2TCd + T²C + d per ghost
                          layer) at the GEMM floor's multiply-adds per second
 
 The pieces use the library's internal modules (logit_dp/_src: pair_batch, chunking, the
@@ -61,19 +61,22 @@ import optax
 
 import logit_dp
 from benchmarks import step_benchmark as sb
+from logit_dp._src import layerwise
 
 
 def pair_multiply_adds(plan, d: int) -> int:
   """Multiply-adds of the exact cross terms per pair (i, j), as clipping contracts them.
 
-  Flattened layers: the d×d cross-Gram over their P·C parameters and its contraction with
-  û_i, then v̂_j (d²·Σ P·C + d² + d); ghost layer: Π (T²P), β and ρ (T·C·d each), γ (T²C) and the
-  contraction with v̂_j (d) (layerwise.flat_cross / ghost_layer_cross).
+  Flattened layers: the pair's vector J'_jᵀû_i over their q = Σ P·C parameters, its
+  contraction with J_i, then with v̂_j (2d·q + d), or at small d the d×d cross-Gram and its
+  contraction with û_i, then v̂_j (d²·q + d² + d); ghost layer: Π (T²P), β and ρ (T·C·d each),
+  γ (T²C) and the contraction with v̂_j (d) (layerwise.flat_cross / ghost_layer_cross).
   """
   per_pair = 0
   flat = [layer for layer, ghost in zip(plan.layers, plan.ghost) if not ghost]
   if flat:
-    per_pair += d * d * sum(layer.fan_in * layer.features for layer in flat) + d * d + d
+    q = sum(layer.fan_in * layer.features for layer in flat)
+    per_pair += d * d * q + d * d + d if layerwise.flat_cross_by_gram(d) else 2 * d * q + d
   for layer, ghost in zip(plan.layers, plan.ghost):
     if ghost:
       t, p, c = layer.positions, layer.fan_in, layer.features

@@ -344,15 +344,18 @@ def _forward_macs(fn, params, x) -> float:
 
 def _gram_and_cross_macs(plan, leaves, d: int) -> tuple[float, float]:
   """Lower bounds of the (per-example Gram, per-pair cross term) multiply-adds of a plan's
-  layers, each the cheaper of its two forms, without the runtime weight of
+  layers, each the cheaper of its forms, without the runtime weights of
   `layerwise.LayerCall.pair_cost`: from factors T²P + T²Cd + Td²C (Gram) and T²P + 2TCd + T²C
-  (cross); flattened T·P·C·d to form and d²PC (Gram and cross); flat columns d²q each."""
+  (cross); flattened T·P·C·d to form and d²PC (Gram), min(d², 2d)·PC (cross: the cross-Gram
+  or the pairs' vectors, `layerwise.flat_cross`); flat columns d²q (Gram) and min(d², 2d)·q
+  (cross) each."""
   flat = sum(int(np.size(leaves[i])) for i in plan.generic)
-  gram, cross = float(d * d * flat), float(d * d * flat)
+  per_column = min(d * d, 2 * d)
+  gram, cross = float(d * d * flat), float(per_column * flat)
   for layer in plan.layers:
     t, p, c = layer.positions, layer.fan_in, layer.features
     gram += min(t * t * p + t * t * c * d + t * d * d * c, t * p * c * d + d * d * p * c)
-    cross += min(t * t * p + 2 * t * c * d + t * t * c, d * d * p * c)
+    cross += min(t * t * p + 2 * t * c * d + t * t * c, per_column * p * c)
   return gram, cross
 
 
@@ -381,7 +384,7 @@ def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict
     g_u, _ = _gram_and_cross_macs(towers.anchor, leaves, d)
     g_v, _ = _gram_and_cross_macs(towers.positive, leaves, d)
     gram = g_u + g_v
-    cross = d * d * sum(int(np.size(leaves[i])) for i in towers.shared)
+    cross = min(d * d, 2 * d) * sum(int(np.size(leaves[i])) for i in towers.shared)
   nonprivate = 3 * n * macs
   ghost = n * (1 + d) * macs + n * gram + n * n * cross
   return {
@@ -431,19 +434,23 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
   """Compile and step seconds of each method (the median of its timed steps), and their ratios
   to the non-private step.
 
-  blocked: each method's steps run one after another, at least `repeats` and at least
-  min_seconds of them (`_timed`; on the CPU a non-private step right after a private one runs
-  slower, its memory evicted: round-robin inflates the non-private time); False: `repeats`
-  rounds of one step of each method in turn.
+  blocked: each method is first called (compiled) and then timed, at least `repeats` and at
+  least min_seconds of its steps one after another (`_timed`), before the next method is
+  first called: the non-private gradient first, in a process that has run nothing larger (on
+  the CPU a non-private step after a private gradient's first call or step can run 2-4×
+  slower, its memory evicted); False: all first calls, then `repeats` rounds of one step of
+  each method in turn.
   """
   embed_fn, params, x, x_prime, positive = build(framework, arch, n, **sizes)
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
-  compile_s, xla_compile = _first_calls(fns, params, x, x_prime)
-  if blocked:
-    times = {
-        name: _timed(fn, (params, x, x_prime), repeats, min_seconds) for name, fn in fns.items()
-    }
+  if blocked:  # each method compiled and timed before the next one is first called
+    compile_s, xla_compile, times = {}, {}, {}
+    for name, fn in fns.items():
+      first = _first_calls({name: fn}, params, x, x_prime)
+      compile_s[name], xla_compile[name] = first[0][name], first[1][name]
+      times[name] = _timed(fn, (params, x, x_prime), repeats, min_seconds)
   else:
+    compile_s, xla_compile = _first_calls(fns, params, x, x_prime)
     times = {name: [] for name in fns}
     for _ in range(repeats):
       for name, fn in fns.items():

@@ -475,3 +475,29 @@ def test_nonfinite_factors_with_zero_cotangent_contribute_exactly_zero(mode, mon
   }
   assert np.all(np.isfinite(flat(grads["ghost"])))
   np.testing.assert_allclose(flat(grads["ghost"]), flat(grads["materialize"]), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", [2, 8, 9, 16])
+@pytest.mark.parametrize("block_floats", [1, 5 * 7 * 3, 1 << 20])
+def test_flat_cross_is_the_pairs_vectors_inner_product_in_every_form(d, block_floats):
+  """v̂_jᵀ J_i J'_jᵀ û_i against ⟨J_iᵀv̂_j, J'_jᵀû_i⟩ formed pair by pair in float64: the
+  cross-Gram at small d, the pairs' vectors in parameter blocks above it (blocks of one
+  parameter, of 3 with 29 = 9·3 + 2 padded, and one block)."""
+  rows, n, q = 5, 7, 29
+  keys = jax.random.split(jax.random.key(d), 4)
+  flat_rows, flat_all = (jax.random.normal(k, (m, d, q)) for k, m in zip(keys[:2], (rows, n)))
+  u_rows, v_all = jax.random.normal(keys[2], (rows, d)), jax.random.normal(keys[3], (n, d))
+  got = layerwise.flat_cross(flat_rows, u_rows, flat_all, v_all, block_floats)
+  f_r, f_a, u, v = (np.asarray(a, np.float64) for a in (flat_rows, flat_all, u_rows, v_all))
+  want = np.array([[(v[j] @ f_r[i]) @ (u[i] @ f_a[j]) for j in range(n)] for i in range(rows)])
+  assert layerwise.flat_cross_by_gram(d) == (d <= 8)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_flat_pair_cost_takes_the_cheaper_of_the_cross_gram_and_the_pairs_vectors():
+  """d² per parameter up to d = 8 (at GEMM speed), 4·2d above (the vectors' multiply-adds at a
+  quarter of it): a dense layer of P·C parameters is weighed the same."""
+  assert layerwise.flat_pair_cost(10, 4) == 16 * 10 and layerwise.flat_pair_cost(10, 8) == 640
+  assert layerwise.flat_pair_cost(10, 32) == 8 * 32 * 10
+  dense = layerwise.LayerCall("dense", (0,), (3,), 1, 6, 3)
+  assert dense.pair_cost(32, ghost=False) == layerwise.flat_pair_cost(18, 32)

@@ -1,6 +1,6 @@
 """How much of a pair computation is held at once: row chunks, blocks of pairs, memory budgets.
 
-The pair terms of "ghost" (cross-Grams over flattened parameters, per-layer pair terms of
+The pair terms of "ghost" (cross terms over flattened parameters, per-layer pair terms of
 ghost layers: `methods.ghost`) and of "projected" are formed for chunks of rows against all
 columns, each chunk holding about a fixed number of floats (`row_chunks`); on an accelerator
 the chunks are `ACCELERATOR_CHUNK_SCALE` times larger and not capped in rows
@@ -20,8 +20,14 @@ import numpy as np
 from logit_dp._src import layerwise
 from logit_dp._src import rows as rows_lib
 
-# Floats held by one chunk of the ghost cross-Gram (rows × n × d²).
+# Floats held by one chunk of a cross-Gram over flattened parameters (rows × n × d²; the
+# projected bound's, and ghost's at small d).
 CROSS_GRAM_CHUNK_FLOATS = 1 << 23
+# Floats of the pairs' vectors J'_jᵀû_i one block of the ghost flat cross terms holds
+# (rows × n × parameters of the block; `layerwise.flat_cross`), and the fewest parameters a
+# block spans (its contraction with J_i runs at matmul speed from about this width).
+FLAT_CROSS_CHUNK_FLOATS = 1 << 24
+FLAT_CROSS_MIN_BLOCK = 256
 # Floats held by one chunk of a ghost layer's pair terms (rows × n × (T² + 2TC + d)).
 GHOST_LAYER_CHUNK_FLOATS = 1 << 24
 # On the CPU a ghost layer's chunk holds at most GHOST_LAYER_CHUNK_ROWS rows and at most

@@ -32,8 +32,9 @@ factorisation the cross term of two pair gradients of a layer is
     ⟨J_iᵀv̂_j, J'_jᵀû_i⟩ = Σ_{t,s} ⟨a_it, a'_js⟩ ⟨α_ij,t, β_ij,s⟩,
     α_ij,t = Σ_k v̂_jk δ_it^k,   β_ij,s = Σ_l û_il δ'_js^l,
 
-which costs T²(P + C) + 2TCd per pair instead of d²·P·C ("ghost" layers); layers
-where that is not cheaper are flattened into ordinary per-example Jacobians ("flat").
+which costs T²(P + C) + 2TCd per pair instead of the 2d·P·C of the pair's vectors over the
+flattened layer ("ghost" layers; `LayerCall.pair_cost` weighs both forms); layers where that
+is not cheaper are flattened into ordinary per-example Jacobians ("flat").
 The same factors give ḡ = Σ_e J_eᵀc_e without a backward pass (`factors_transpose`).
 
 Soundness. `make_plan` traces ``embed_fn`` at two batch sizes. A leaf is factored only if
@@ -62,6 +63,11 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # A pair cost unit of a ghost layer's α/β/⟨α,β⟩ work is ~this many GEMM multiply-adds
 # (batched small contractions run well below matmul speed on CPU).
 _GHOST_OVERHEAD = 8
+# A multiply-add of the pairs' vectors over flattened parameters (`flat_cross`) costs ~this many
+# of one large GEMM: their n²·q floats pass through memory (CPU: 13-22 against 70 GMAC/s). So
+# the vectors (2d multiply-adds per parameter and pair) beat the cross-Gram (d², at GEMM speed)
+# above d = 2·_FLAT_VECTOR_SLOWDOWN.
+_FLAT_VECTOR_SLOWDOWN = 4
 # DP-GCL keeps a layer as its factors when they hold at most this many times the floats of its
 # flattened per-example Jacobian (`keeps_group_factors`). A ViT's 65-token layers (2.0×) are
 # then factors, which makes its DP-GCL step faster (docs/BENCHMARKS.md); the first convolution
@@ -87,11 +93,24 @@ class LayerCall(NamedTuple):
   kernel_axes: tuple[int, ...] | None = None
 
   def pair_cost(self, d: int, ghost: bool) -> float:
-    """Cost model per pair: T²P + k·(2TCd + T²C) (k = _GHOST_OVERHEAD) if ghost, else d²PC."""
+    """Cost model per pair: T²P + k·(2TCd + T²C) (k = _GHOST_OVERHEAD) if ghost, else
+    `flat_pair_cost` of its P·C parameters."""
     if ghost:
       t, c = self.positions, self.features
       return t * t * self.fan_in + _GHOST_OVERHEAD * (2 * t * c * d + t * t * c)
-    return d * d * self.fan_in * self.features
+    return flat_pair_cost(self.fan_in * self.features, d)
+
+
+def flat_cross_by_gram(d: int) -> bool:
+  """Whether `flat_cross` forms the cross-Gram (d² multiply-adds per parameter and pair, at
+  GEMM speed) rather than the pairs' vectors (2d, `_FLAT_VECTOR_SLOWDOWN` times slower each)."""
+  return d <= 2 * _FLAT_VECTOR_SLOWDOWN
+
+
+def flat_pair_cost(size: int, d: int) -> float:
+  """The cost model per pair of `size` flattened parameters, in GEMM multiply-adds: the cheaper
+  of d²·size (cross-Gram) and k·2d·size (the pairs' vectors, k = _FLAT_VECTOR_SLOWDOWN)."""
+  return float(min(d * d, _FLAT_VECTOR_SLOWDOWN * 2 * d) * size)
 
 
 class Plan(NamedTuple):
@@ -690,16 +709,36 @@ def factors_times(plan: Plan, factors: Factors, tangent_leaves) -> jax.Array:
   return out
 
 
-def flat_cross(flat_rows, u_rows, flat_all, v_all) -> jax.Array:
+def flat_cross(flat_rows, u_rows, flat_all, v_all, block_floats: int) -> jax.Array:
   """v̂_jᵀ J_i J'_jᵀ û_i over the flattened parameters, rows i × all columns j: (I, n).
 
-  One (I·d × q)·(q × n·d) matmul per chunk of rows: n²d²q multiply-adds in all.
+  Small d (`flat_cross_by_gram`): one (I·d × q)·(q × n·d) cross-Gram, I·n·d²·q multiply-adds.
+  Otherwise = Σ_q (J_iᵀv̂_j)_q (J'_jᵀû_i)_q, formed one block of the q parameters at a time:
+  the block of every pair's J'_jᵀû_i (I·n·d multiply-adds per parameter), contracted with
+  J_i's block and summed over the blocks ((I, n, d)), then with v̂_j: 2·I·n·d·q multiply-adds
+  in all. A block holds about block_floats floats of the pairs' vectors (I·n per parameter).
   """
   rows, d, q = flat_rows.shape
   n = flat_all.shape[0]
-  gram = jnp.matmul(flat_rows.reshape(rows * d, q),
-                    flat_all.reshape(n * d, q).T, precision=_HIGHEST).reshape(rows, d, n, d)
-  return jnp.einsum("jk,ikjl,il->ij", v_all, gram, u_rows, precision=_HIGHEST)
+  if flat_cross_by_gram(d):
+    gram = jnp.matmul(flat_rows.reshape(rows * d, q),
+                      flat_all.reshape(n * d, q).T, precision=_HIGHEST).reshape(rows, d, n, d)
+    return jnp.einsum("jk,ikjl,il->ij", v_all, gram, u_rows, precision=_HIGHEST)
+  num_blocks = -(-q // max(1, min(q, block_floats // max(rows * n, 1))))
+  block = -(-q // num_blocks)
+  if num_blocks * block != q:  # zero columns add exactly 0
+    pad = ((0, 0), (0, 0), (0, num_blocks * block - q))
+    flat_rows, flat_all = jnp.pad(flat_rows, pad), jnp.pad(flat_all, pad)
+
+  def add_block(k, w):
+    a, b = (
+        jax.lax.dynamic_slice_in_dim(f, k * block, block, axis=2) for f in (flat_rows, flat_all))
+    positive = jnp.einsum("id,jdq->ijq", u_rows, b, precision=_HIGHEST)  # J'_jᵀû_i
+    return w + jnp.einsum("ijq,iaq->ija", positive, a, precision=_HIGHEST)
+
+  w = jnp.zeros((rows, n, d), jnp.result_type(flat_rows, u_rows))
+  w = add_block(0, w) if num_blocks == 1 else jax.lax.fori_loop(0, num_blocks, add_block, w)
+  return jnp.einsum("ija,ja->ij", w, v_all, precision=_HIGHEST)
 
 
 def ghost_layer_cross(a_rows, delta_rows, u_rows, a_all, delta_all, v_all) -> jax.Array:

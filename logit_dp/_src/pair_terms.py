@@ -5,7 +5,7 @@ With J_i = ∂û_i/∂w and J'_j = ∂v̂_j/∂w (d×p per-example Jacobians) an
     ‖g_ij‖² = a + b + 2c,  a = v̂_jᵀK_i v̂_j,  b = û_iᵀK'_j û_i,  c = v̂_jᵀ (J_i J'_jᵀ) û_i,
 
 K_i = J_i J_iᵀ. The per-example Jacobians come as per-layer factors (`layerwise.Factors`);
-the cross term c, which only "ghost" forms, is a cross-Gram over the flattened parameters plus
+the cross term c, which only "ghost" forms, is a sum over the flattened parameters plus
 per-layer pair terms of ghost layers (`methods.ghost.ghost_terms`). The triangle
 bound √a + √b ≥ ‖g_ij‖ needs only the Grams K_i. Diagonal pairs (x_i, x'_i) are formed as
 vectors in float64 and normed directly (`diagonal_norms`).

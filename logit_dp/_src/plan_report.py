@@ -8,10 +8,10 @@ Every float parameter leaf the embedding depends on takes one of these routes
   lookup) whose pair terms are contracted from its factors (inputs a_t and output
   cotangents δ_t over T positions): T²P + k(2TCd + T²C) multiply-adds per pair;
 * ``flattened``: a recognised layer whose per-example Jacobian is formed from the same factors
-  (Σ_t a_t ⊗ δ_t) and enters the flat cross-Gram: d²·P·C per pair;
+  (Σ_t a_t ⊗ δ_t) and enters the flat cross terms: 2d·P·C per pair (`layerwise.flat_cross`);
 * ``elementwise``: a scale or shift of the activations (LayerNorm/RMSNorm scale and bias,
   learned positions, a class token), its per-example Jacobian a segment sum of δ at its use
-  (no extra backward pass); d²·size per pair in the flat cross-Gram;
+  (no extra backward pass); 2d·size per pair in the flat cross terms;
 * ``jacrev``: any other use, per-example Jacobians by `jax.jacrev` (exact for every JAX
   operation, but d extra backward passes of the model per example: the slow path);
 * ``unused``: the embedding does not depend on it (no cost, zero gradient).
@@ -37,12 +37,14 @@ _warned: set = set()
 
 @dataclasses.dataclass(frozen=True)
 class LeafRoute:
-  """One parameter leaf: its key path, size, route and estimated multiply-adds per pair."""
+  """One parameter leaf: its key path, size, route and estimated cost per pair."""
   path: str
   size: int
   route: str  # "ghost", "flattened", "elementwise", "jacrev", "unused" or "not float"
   detail: str  # e.g. "dense, T=16, P=65, C=64"
-  pair_cost: float  # multiply-adds per pair of the norms' cross terms (the layer's, for a layer)
+  # The cost model per pair of the norms' cross terms, in matmul multiply-adds (the layer's, for a
+  # layer: `layerwise.LayerCall.pair_cost`, which weighs the slower forms' multiply-adds).
+  pair_cost: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,7 @@ class PlanReport:
       lines.append(
           f"{leaf.path:<{width}}  {leaf.size:>9,}  {leaf.route:<11}  {cost}  {leaf.detail}")
     total = sum(leaf.pair_cost for leaf in self.leaves)
-    cost = (f"estimated multiply-adds per pair (d = {self.embedding_dim}): {total:.3g}"
+    cost = (f"estimated cost per pair (d = {self.embedding_dim}, matmul multiply-adds): {total:.3g}"
             if self.method != "dp_gcl" else "DP-GCL's group norms: no pair terms")
     lines.append(f"{cost}; on the slow jacrev route: {len(self.slow)} leaf(s), "
                  f"{sum(leaf.size for leaf in self.slow):,} floats")
@@ -87,10 +89,10 @@ def _routes(plan: layerwise.Plan, leaves, d: int) -> dict[int, tuple[str, str, f
   for i in plan.generic:
     size = int(np.size(leaves[i]))
     if i in kinds:
-      routes[i] = ("elementwise", " and ".join(sorted(kinds[i])), float(d * d * size))
+      routes[i] = ("elementwise", " and ".join(sorted(kinds[i])), layerwise.flat_pair_cost(size, d))
     else:
       routes[i] = ("jacrev", "per-example jax.jacrev: d backward passes per example",
-                   float(d * d * size))
+                   layerwise.flat_pair_cost(size, d))
   return routes
 
 

@@ -1,10 +1,11 @@
 """"ghost": exact pair norms from per-example Jacobian factors, in blocks of pairs.
 
-‖g_ij‖² = a + b + 2c (`pair_terms`), never n²·p floats: the cross term c is an (nd)×(nd)
-cross-Gram over the flattened parameters plus per-layer pair terms of ghost layers
-(`ghost_terms`), in row chunks (`chunking.row_chunks`). The rows' and columns' factors are
-held r and c examples at a time within a memory budget (`chunking.ghost_block_sizes`); under a
-shard_map axis the column blocks pass around the ring of devices. Two towers:
+‖g_ij‖² = a + b + 2c (`pair_terms`), never n²·p floats: the cross term c is ⟨J_iᵀv̂_j, J'_jᵀû_i⟩
+over the flattened parameters, formed a block of them at a time (`layerwise.flat_cross`), plus
+per-layer pair terms of ghost layers (`ghost_terms`), in row chunks (`chunking.row_chunks`).
+The rows' and columns' factors are held r and c examples at a time within a memory budget
+(`chunking.ghost_block_sizes`); under a shard_map axis the column blocks pass around the ring
+of devices. Two towers:
 `towers.pair_norms` (exact at triangle's cost for towers that share no parameter).
 """
 
@@ -262,15 +263,20 @@ def ghost_terms(f_u: layerwise.Factors, u_rows, f_v: layerwise.Factors,
 
 
 def flat_cross_spec(flat_rows, u_rows, flat_columns, v) -> tuple:
-  """The `row_chunks` arguments of `flat_cross_terms`."""
+  """The `row_chunks` arguments of `flat_cross_terms`: rows of n·d² floats for the cross-Gram
+  (`layerwise.flat_cross_by_gram`), else of n·(d + `chunking.FLAT_CROSS_MIN_BLOCK`), so that a
+  chunk's parameter blocks are at least that wide."""
   n, d, _ = flat_columns.shape
-  return (lambda f, u: layerwise.flat_cross(f, u, flat_columns, v), (flat_rows, u_rows), n * d * d,
-          chunking.CROSS_GRAM_CHUNK_FLOATS, None)
+  budget, _ = chunking.backend_chunk_limits(chunking.FLAT_CROSS_CHUNK_FLOATS, None)
+  fn = lambda f, u: layerwise.flat_cross(f, u, flat_columns, v, budget)
+  if layerwise.flat_cross_by_gram(d):
+    return fn, (flat_rows, u_rows), n * d * d, chunking.CROSS_GRAM_CHUNK_FLOATS, None
+  return (fn, (flat_rows, u_rows), n *
+          (d + chunking.FLAT_CROSS_MIN_BLOCK), chunking.FLAT_CROSS_CHUNK_FLOATS, None)
 
 
 def flat_cross_terms(flat_rows, u_rows, flat_columns, v) -> jax.Array:
-  """`layerwise.flat_cross` for all local rows, in row chunks of about
-  `chunking.CROSS_GRAM_CHUNK_FLOATS` floats."""
+  """`layerwise.flat_cross` for all local rows, in row chunks (`flat_cross_spec`)."""
   return chunking.row_chunks(*flat_cross_spec(flat_rows, u_rows, flat_columns, v))
 
 

@@ -4,7 +4,7 @@ With S the parameters both towers share (`two_tower.tower_plans`):
 
 * S = ∅ (disjoint towers): ‖g_ij‖² = a + b exactly, from the per-example Grams alone,
   i.e. at the cost of "triangle"; "ghost" and "triangle" both use it.
-* S ≠ ∅: "ghost" adds the cross-Gram over the columns of S only (its
+* S ≠ ∅: "ghost" adds the cross terms over the columns of S only (its
   `ghost.flat_cross_terms`, passed in as cross_terms), "triangle" keeps its bound √a + √b.
 
 Diagonal pairs are formed as vectors (in float64, as with one tower), so no Gram form loses a
