@@ -416,6 +416,23 @@ def _first_calls(fns: dict, params, x, x_prime) -> tuple[dict, dict]:
   return compile_s, xla_compile
 
 
+def cpu_steal() -> tuple[int, int] | None:
+  """(steal, total) jiffies of all CPUs so far (Linux's /proc/stat), or None elsewhere: the time
+  a virtual machine's hypervisor gave to others, which slows every timing taken meanwhile."""
+  try:
+    with open("/proc/stat") as f:
+      fields = [int(v) for v in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return None
+  return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def _steal_fraction(start, end) -> float | None:
+  if start is None or end is None or end[1] <= start[1]:
+    return None
+  return (end[0] - start[0]) / (end[1] - start[1])
+
+
 def _timed(fn, args, repeats: int, min_seconds: float) -> list[float]:
   """Seconds of consecutive calls of fn(*args), after one untimed call: at least `repeats` of
   them and, up to 100·repeats, until they add up to min_seconds (a step of 0.05 s timed 3 times
@@ -432,7 +449,8 @@ def _timed(fn, args, repeats: int, min_seconds: float) -> list[float]:
 def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: bool = True,
             min_seconds: float = 2.0, **sizes) -> dict:
   """Compile and step seconds of each method (the median of its timed steps), and their ratios
-  to the non-private step.
+  to the non-private step; `cpu_steal`: the fraction of CPU time the hypervisor took meanwhile
+  (`cpu_steal`; None off Linux).
 
   blocked: each method is first called (compiled) and then timed, at least `repeats` and at
   least min_seconds of its steps one after another (`_timed`), before the next method is
@@ -443,6 +461,7 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
   """
   embed_fn, params, x, x_prime, positive = build(framework, arch, n, **sizes)
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
+  steal_start = cpu_steal()
   if blocked:  # each method compiled and timed before the next one is first called
     compile_s, xla_compile, times = {}, {}, {}
     for name, fn in fns.items():
@@ -457,11 +476,12 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
         start = time.perf_counter()
         jax.block_until_ready(fn(params, x, x_prime))
         times[name].append(time.perf_counter() - start)
+  steal = _steal_fraction(steal_start, cpu_steal())
   step = {name: float(np.median(t)) for name, t in times.items()}
   first_compile = {name: compile_s[name] - step[name] for name in fns}
   result = dict(framework=framework, arch=arch, n=n, order="blocked" if blocked else "interleaved",
                 step_s=step, steps_timed={name: len(t) for name, t in times.items()},
-                compile_s=first_compile)
+                cpu_steal=steal, compile_s=first_compile)
   result["ratio"] = {name: step[name] / step["nonprivate"] for name in fns}
   result["compile_ratio"] = {
       name: first_compile[name] / max(first_compile["nonprivate"], 1e-9) for name in fns
@@ -480,14 +500,17 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
 def table(rows, methods=None) -> str:
   """The markdown table of a benchmark's rows (BENCHMARKS.md's): per model and n, each private
   gradient's step and compile time (and, where measured, XLA's backend compile within its first
-  call) as ratios to the non-private gradient's, and ghost's arithmetic floor (methods: those
-  to show, default all)."""
+  call) as ratios to the non-private gradient's, ghost's arithmetic floor, and where recorded
+  the CPU time the hypervisor took during the row's timings (methods: those to show, default
+  all)."""
   methods = [m for m in rows[0]["ratio"] if m != "nonprivate" and (not methods or m in methods)]
   floor = "ghost" in methods
   xla = all("xla_compile_ratio" in row for row in rows)
+  steal = all(row.get("cpu_steal") is not None for row in rows)
   head = ("| framework | model | n | non-private step | " + " | ".join(
       f"{m} step | {m} compile" + (f" | {m} XLA compile" if xla else "") for m in methods) +
-          (" | ghost's arithmetic floor |" if floor else " |"))
+          (" | ghost's arithmetic floor" if floor else "") +
+          (" | CPU steal" if steal else "") + " |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for row in rows:
     cells = [row["framework"], row["arch"], str(row["n"]), f"{row['step_s']['nonprivate']:.3g} s"]
@@ -497,6 +520,8 @@ def table(rows, methods=None) -> str:
         cells.append(f"{row['xla_compile_ratio'][m]:.1f}×")
     if floor:
       cells.append(f"{row['floor']['ghost_floor_ratio']:.1f}×")
+    if steal:
+      cells.append(f"{100 * row['cpu_steal']:.0f}%")
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -535,6 +560,7 @@ def main():
         rows.append(row)
         print(
             f"{framework:8s} {arch:5s} n={n:4d} floor {row['floor']['ghost_floor_ratio']:.1f}x "
+            f"steal {row['cpu_steal'] if row['cpu_steal'] is None else round(row['cpu_steal'], 2)} "
             + "  ".join(
                 f"{name} {row['ratio'][name]:.1f}x (compile {row['compile_ratio'][name]:.1f}x, "
                 f"XLA {row['xla_compile_ratio'][name]:.1f}x)" for name in row["ratio"]), flush=True)

@@ -22,6 +22,7 @@ from helpers import float32_jacobian_norms
 from helpers import make_batch
 from helpers import method_kwargs
 from logit_dp import audit
+from logit_dp._src import layerwise
 from logit_dp._src import numerics
 from logit_dp._src import pair_terms
 from logit_dp._src.methods import ghost
@@ -271,3 +272,32 @@ def test_float64_arrays_are_computed_in_the_dtype_of_the_x64_scope():
   """The same, then outside jax.enable_x64(False): float64 params and inputs give the float64
   truth and its clipped sum."""
   _run_with_x64_enabled("enabled")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cross_terms_from_the_pairs_vectors_stay_within_the_gram_allowance(family):
+  """At d = 16 ghost's flattened layer (the first convolution) takes its cross terms from the
+  pairs' vectors (`layerwise.flat_cross`), not the cross-Gram: a + b + 2c in float32 is within
+  a fifth of the Gram allowance 16u·S_ij² of the float64 truth on every stress input, and the
+  clip norms are never below it."""
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(1), 3)
+  model = SmallConv(dim=16)
+  x = jax.random.uniform(k1, (N, 8, 8, 3))
+  noise = jax.random.normal(k2, x.shape)
+  x_prime = {
+      "near_identical": x + 1e-2 * noise,
+      "near_identical_off_diagonal": jnp.roll(x, 1, axis=0) + 1e-2 * noise,
+      "unrelated": jax.random.uniform(k2, x.shape)
+  }[family]
+  params = model.init(k3, x[:1])
+  truth = _float64_truth(model.apply, params, x, x_prime)
+  batch, (f_u, f_v) = _batch_and_factors(model.apply, params, x, x_prime)
+  assert not layerwise.flat_cross_by_gram(16) and not all(batch.plan.ghost)
+  assert f_u.flat.shape[-1] > 0
+  a, b, c = (np.asarray(t, np.float64) for t in ghost.ghost_terms(f_u, batch.u_loc, f_v, batch.v))
+  s_u, s_v = float32_jacobian_norms(model.apply, params, x, x_prime)
+  scale_sq = (s_u[:, None] + s_v[None, :]) ** 2
+  error = np.abs(a + b + 2 * c - truth ** 2) / (numerics.FLOAT32_UNIT_ROUNDOFF * scale_sq)
+  assert np.max(error) <= 16 / 5, np.max(error)
+  got = np.asarray(logit_dp.clip_methods.pair_grad_norms(model.apply, params, x, x_prime, "ghost"))
+  assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)

@@ -406,6 +406,17 @@ def test_transformers_benchmark_measures_every_method_and_renders_its_table(tmp_
   assert "ghost XLA compile" in table[0] and table[2].count("|") == table[0].count("|")
   older = {k: v for k, v in row.items() if not k.startswith("xla_")}  # a row without it
   assert "XLA" not in transformers.table([older]).splitlines()[0]
+  assert ("CPU steal" in table[0]) == (row["cpu_steal"] is not None)
+
+
+def test_cpu_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings():
+  from benchmarks import transformers  # pylint: disable=g-import-not-at-top
+  assert transformers._steal_fraction((0, 100), (10, 200)) == 0.1
+  assert transformers._steal_fraction(None, (10, 200)) is None
+  assert transformers._steal_fraction((10, 200), (10, 200)) is None  # no time between them
+  reading = transformers.cpu_steal()
+  if reading is not None:  # Linux
+    assert 0 <= reading[0] <= reading[1]
 
 
 def test_pipeline_path_walks_the_chains_depth_first_and_counts_each_return():
