@@ -32,9 +32,9 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_TESTS)
 
 
-def _problem(family: str, seed: int = 0):
+def _problem(family: str, seed: int = 0, dim: int = 5):
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-  model = SmallConv()
+  model = SmallConv(dim=dim)
   x = jax.random.uniform(k1, (N, 8, 8, 3))
   noise = jax.random.normal(k2, x.shape)
   x_prime = {
@@ -280,24 +280,15 @@ def test_cross_terms_from_the_pairs_vectors_stay_within_the_gram_allowance(famil
   pairs' vectors (`layerwise.flat_cross`), not the cross-Gram: a + b + 2c in float32 is within
   a fifth of the Gram allowance 16u·S_ij² of the float64 truth on every stress input, and the
   clip norms are never below it."""
-  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(1), 3)
-  model = SmallConv(dim=16)
-  x = jax.random.uniform(k1, (N, 8, 8, 3))
-  noise = jax.random.normal(k2, x.shape)
-  x_prime = {
-      "near_identical": x + 1e-2 * noise,
-      "near_identical_off_diagonal": jnp.roll(x, 1, axis=0) + 1e-2 * noise,
-      "unrelated": jax.random.uniform(k2, x.shape)
-  }[family]
-  params = model.init(k3, x[:1])
-  truth = _float64_truth(model.apply, params, x, x_prime)
-  batch, (f_u, f_v) = _batch_and_factors(model.apply, params, x, x_prime)
+  embed_fn, params, x, x_prime = _problem(family, seed=1, dim=16)
+  truth = _float64_truth(embed_fn, params, x, x_prime)
+  batch, (f_u, f_v) = _batch_and_factors(embed_fn, params, x, x_prime)
   assert not layerwise.flat_cross_by_gram(16) and not all(batch.plan.ghost)
   assert f_u.flat.shape[-1] > 0
   a, b, c = (np.asarray(t, np.float64) for t in ghost.ghost_terms(f_u, batch.u_loc, f_v, batch.v))
-  s_u, s_v = float32_jacobian_norms(model.apply, params, x, x_prime)
+  s_u, s_v = float32_jacobian_norms(embed_fn, params, x, x_prime)
   scale_sq = (s_u[:, None] + s_v[None, :]) ** 2
   error = np.abs(a + b + 2 * c - truth ** 2) / (numerics.FLOAT32_UNIT_ROUNDOFF * scale_sq)
   assert np.max(error) <= 16 / 5, np.max(error)
-  got = np.asarray(logit_dp.clip_methods.pair_grad_norms(model.apply, params, x, x_prime, "ghost"))
+  got = np.asarray(logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost"))
   assert np.all(got >= truth * (1 - 2.0 ** -23)), np.min(got / truth)

@@ -449,3 +449,12 @@ def test_pipeline_path_records_the_package_functions_between_a_call_and_the_mode
       lambda: logit_dp._src.rows.map_rows(lambda x: model(2.0, x), jnp.ones((2, 3)), None),
       model.__code__)
   assert chains and all(chain[-1][0] == "logit_dp._src.rows" for chain in chains)
+
+
+def test_flat_cross_benchmark_times_both_forms_of_the_same_cross_terms(capsys):
+  from benchmarks import flat_cross  # pylint: disable=g-import-not-at-top
+  flat_cross.main(["--n", "6", "--d", "12", "--q", "40", "--repeats", "1"])
+  result = json.loads(capsys.readouterr().out)
+  assert set(result["seconds"]) == {"vectors", "cross-Gram"}
+  assert result["ratio"] == result["seconds"]["cross-Gram"] / result["seconds"]["vectors"]
+  assert result["max_relative_difference"] < 1e-5
