@@ -6,8 +6,9 @@ Jacobians J_i, J'_j of shape (d, q) and unit vectors û_i, v̂_j), times in one 
   vectors      `layerwise.flat_cross` as "ghost" calls it (`methods.ghost.flat_cross_terms`:
                row chunks, a block of parameters at a time): ⟨J_iᵀv̂_j, J'_jᵀû_i⟩,
                2n²·d·q multiply-adds
-  cross-Gram   one (n·d × q)·(q × n·d) matmul per chunk of rows and its contraction with û_i
-               and v̂_j: n²·d²·q multiply-adds at matmul speed
+  cross-Gram   `layerwise.flat_cross_gram` (what "ghost" forms at d ≤ 8): one (n·d × q)·(q × n·d)
+               matmul per chunk of rows and its contraction with û_i and v̂_j: n²·d²·q
+               multiply-adds at matmul speed
 
 (median of --repeats after a first call) and their largest difference relative to the largest
 term. The ViT of `benchmarks.transformers` flattens about 75,000-107,000 parameters:
@@ -27,23 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from logit_dp._src import chunking
+from logit_dp._src import layerwise
 from logit_dp._src.methods import ghost
-
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def cross_gram(flat_rows, u_rows, flat_all, v_all) -> jax.Array:
-  """v̂_jᵀ J_i J'_jᵀ û_i from the (nd)×(nd) cross-Gram, in row chunks of about
-  `chunking.CROSS_GRAM_CHUNK_FLOATS` floats."""
-  n, d, q = flat_all.shape
-
-  def rows(f, u):
-    gram = jnp.matmul(f.reshape(-1, q),
-                      flat_all.reshape(n * d, q).T,
-                      precision=_HIGHEST).reshape(f.shape[0], d, n, d)
-    return jnp.einsum("jk,ikjl,il->ij", v_all, gram, u, precision=_HIGHEST)
-
-  return chunking.row_chunks(rows, (flat_rows, u_rows), n * d * d, chunking.CROSS_GRAM_CHUNK_FLOATS)
+  """`layerwise.flat_cross_gram` in row chunks of about `chunking.CROSS_GRAM_CHUNK_FLOATS`
+  floats, as "ghost" forms it at small d."""
+  n, d, _ = flat_all.shape
+  return chunking.row_chunks(lambda f, u: layerwise.flat_cross_gram(f, u, flat_all, v_all),
+                             (flat_rows, u_rows), n * d * d, chunking.CROSS_GRAM_CHUNK_FLOATS)
 
 
 def measure(n: int, d: int, q: int, repeats: int) -> dict:

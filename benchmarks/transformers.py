@@ -393,10 +393,10 @@ def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict
   }
 
 
-def _first_calls(fns: dict, params, x, x_prime) -> tuple[dict, dict]:
-  """({name: seconds of fn's first call}, {name: seconds of XLA backend compile within it}),
-  the latter from `jax.monitoring`'s events, listened to for these calls only."""
-  compile_s, xla_compile, seconds = {}, {}, [0.0]
+def _first_call(fn, params, x, x_prime) -> tuple[float, float]:
+  """(seconds of fn's first call: trace, compile and run, seconds of XLA backend compile within
+  it), the latter from `jax.monitoring`'s events, listened to for this call only."""
+  seconds = [0.0]
 
   def listen(event: str, duration: float, **kwargs) -> None:
     del kwargs
@@ -405,15 +405,11 @@ def _first_calls(fns: dict, params, x, x_prime) -> tuple[dict, dict]:
 
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:
-    for name, fn in fns.items():
-      seconds[0] = 0.0
-      start = time.perf_counter()
-      jax.block_until_ready(fn(params, x, x_prime))
-      compile_s[name] = time.perf_counter() - start  # trace, compile and run
-      xla_compile[name] = seconds[0]
+    start = time.perf_counter()
+    jax.block_until_ready(fn(params, x, x_prime))
+    return time.perf_counter() - start, seconds[0]
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
-  return compile_s, xla_compile
 
 
 def cpu_steal() -> tuple[int, int] | None:
@@ -462,14 +458,12 @@ def measure(framework: str, arch: str, n: int, methods, repeats: int, blocked: b
   embed_fn, params, x, x_prime, positive = build(framework, arch, n, **sizes)
   fns = _grad_fns(embed_fn, positive, ("nonprivate",) + tuple(methods), n)
   steal_start = cpu_steal()
-  if blocked:  # each method compiled and timed before the next one is first called
-    compile_s, xla_compile, times = {}, {}, {}
-    for name, fn in fns.items():
-      first = _first_calls({name: fn}, params, x, x_prime)
-      compile_s[name], xla_compile[name] = first[0][name], first[1][name]
+  compile_s, xla_compile, times = {}, {}, {}
+  for name, fn in fns.items():  # blocked: each one compiled and timed before the next
+    compile_s[name], xla_compile[name] = _first_call(fn, params, x, x_prime)
+    if blocked:
       times[name] = _timed(fn, (params, x, x_prime), repeats, min_seconds)
-  else:
-    compile_s, xla_compile = _first_calls(fns, params, x, x_prime)
+  if not blocked:
     times = {name: [] for name in fns}
     for _ in range(repeats):
       for name, fn in fns.items():

@@ -712,8 +712,8 @@ def factors_times(plan: Plan, factors: Factors, tangent_leaves) -> jax.Array:
 def flat_cross(flat_rows, u_rows, flat_all, v_all, block_floats: int) -> jax.Array:
   """v̂_jᵀ J_i J'_jᵀ û_i over the flattened parameters, rows i × all columns j: (I, n).
 
-  Small d (`flat_cross_by_gram`): one (I·d × q)·(q × n·d) cross-Gram, I·n·d²·q multiply-adds.
-  Otherwise = Σ_q (J_iᵀv̂_j)_q (J'_jᵀû_i)_q, formed one block of the q parameters at a time:
+  Small d (`flat_cross_by_gram`): `flat_cross_gram`. Otherwise = Σ_q (J_iᵀv̂_j)_q (J'_jᵀû_i)_q,
+  formed one block of the q parameters at a time:
   the block of every pair's J'_jᵀû_i (I·n·d multiply-adds per parameter), contracted with
   J_i's block and summed over the blocks ((I, n, d)), then with v̂_j: 2·I·n·d·q multiply-adds
   in all. A block holds about block_floats floats of the pairs' vectors (I·n per parameter).
@@ -721,9 +721,7 @@ def flat_cross(flat_rows, u_rows, flat_all, v_all, block_floats: int) -> jax.Arr
   rows, d, q = flat_rows.shape
   n = flat_all.shape[0]
   if flat_cross_by_gram(d):
-    gram = jnp.matmul(flat_rows.reshape(rows * d, q),
-                      flat_all.reshape(n * d, q).T, precision=_HIGHEST).reshape(rows, d, n, d)
-    return jnp.einsum("jk,ikjl,il->ij", v_all, gram, u_rows, precision=_HIGHEST)
+    return flat_cross_gram(flat_rows, u_rows, flat_all, v_all)
   num_blocks = -(-q // max(1, min(q, block_floats // max(rows * n, 1))))
   block = -(-q // num_blocks)
   if num_blocks * block != q:  # zero columns add exactly 0
@@ -739,6 +737,15 @@ def flat_cross(flat_rows, u_rows, flat_all, v_all, block_floats: int) -> jax.Arr
   w = jnp.zeros((rows, n, d), jnp.result_type(flat_rows, u_rows))
   w = add_block(0, w) if num_blocks == 1 else jax.lax.fori_loop(0, num_blocks, add_block, w)
   return jnp.einsum("ija,ja->ij", w, v_all, precision=_HIGHEST)
+
+
+def flat_cross_gram(flat_rows, u_rows, flat_all, v_all) -> jax.Array:
+  """`flat_cross` from one (I·d × q)·(q × n·d) cross-Gram: I·n·d²·q multiply-adds."""
+  rows, d, q = flat_rows.shape
+  n = flat_all.shape[0]
+  gram = jnp.matmul(flat_rows.reshape(rows * d, q),
+                    flat_all.reshape(n * d, q).T, precision=_HIGHEST).reshape(rows, d, n, d)
+  return jnp.einsum("jk,ikjl,il->ij", v_all, gram, u_rows, precision=_HIGHEST)
 
 
 def ghost_layer_cross(a_rows, delta_rows, u_rows, a_all, delta_all, v_all) -> jax.Array:

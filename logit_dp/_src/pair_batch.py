@@ -74,7 +74,6 @@ class PairBatch:
     # 1. The plan: which parameters get per-layer factors, from the model traced at the batch's
     # shapes (both towers' plans; the same plan twice with one tower).
     self.tower_plans = self._make_plans()
-    self.plan: layerwise.Plan = self.tower_plans.anchor
     # 2. The embeddings, from the passes that also give both views' factors when the clip method
     # contracts them, else from a forward pass of their own.
     if (self.two_tower or self.views_stack) and embeds_with_factors is not None and \
@@ -170,19 +169,24 @@ class PairBatch:
   def _make_plans(self) -> two_tower.TowerPlans:
     """The plans of both towers (`two_tower.tower_plans`; one tower: its plan twice), with the
     one-time warning of `plan_report.warn_slow_leaves` for a large leaf on the slow path."""
-    if not self.layer_factors:
-      plan = layerwise.jacobian_plan(self.params)
-      return two_tower.TowerPlans(plan, plan, tuple(sorted(two_tower.dependencies(plan))))
-    if not self.two_tower:
+    if self.two_tower and self.layer_factors:
+      plans = two_tower.tower_plans(self.embed_fn, self.positive_embed_fn, self.params, self.x,
+                                    self.x_prime, self.embedding_dim)
+      plan_report.warn_slow_leaves(
+          plan_report.report((plans.anchor, plans.positive), self.params, self.embedding_dim,
+                             frozenset(plans.shared)))
+      return plans
+    if self.layer_factors:
       plan = layerwise.make_plan(self.embed_fn, self.params, self.x, self.embedding_dim)
       plan_report.warn_slow_leaves(plan_report.report((plan,), self.params, self.embedding_dim))
-      return two_tower.TowerPlans(plan, plan, tuple(sorted(two_tower.dependencies(plan))))
-    plans = two_tower.tower_plans(self.embed_fn, self.positive_embed_fn, self.params, self.x,
-                                  self.x_prime, self.embedding_dim)
-    plan_report.warn_slow_leaves(
-        plan_report.report((plans.anchor, plans.positive), self.params, self.embedding_dim,
-                           frozenset(plans.shared)))
-    return plans
+    else:
+      plan = layerwise.jacobian_plan(self.params)
+    return two_tower.TowerPlans(plan, plan, tuple(sorted(two_tower.dependencies(plan))))
+
+  @property
+  def plan(self) -> layerwise.Plan:
+    """The plan of embed_fn's tower (`tower_plans.anchor`)."""
+    return self.tower_plans.anchor
 
   def _plan_of(self, positive: bool) -> layerwise.Plan:
     return self.tower_plans.positive if positive and self.two_tower else self.plan
