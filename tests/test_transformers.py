@@ -100,6 +100,31 @@ def test_ghost_norms_and_gradient_are_float64_truth(framework, arch):
                              atol=2e-4 * float(np.max(np.abs(flat(expected)))))
 
 
+def test_a_disjoint_towers_layers_keep_their_factors_where_their_gram_is_cheaper_so():
+  """No cross term involves a CLIP tower's own layers: each stays as its factors when its
+  per-example Gram costs less from them, even where a shared layer's pair cost would flatten it
+  (the ViT's), and ghost's norms and ḡ are the float64 truth."""
+  from logit_dp._src import two_tower  # pylint: disable=g-import-not-at-top
+  embed_fn, params, x, x_prime, positive = _problem("linen", "clip")
+  d = int(embed_fn(params, x).shape[-1])
+  plans = two_tower.tower_plans(embed_fn, positive, params, x, x_prime, d)
+  assert not plans.shared
+  for plan in (plans.anchor, plans.positive):
+    assert plan.ghost == tuple(layerwise.use_ghost_alone(layer, d) for layer in plan.layers)
+  assert any(g and not layerwise.use_ghost(layer, d) and layer.positions > 1
+             for plan in (plans.anchor, plans.positive)
+             for layer, g in zip(plan.layers, plan.ghost))
+  truth, clip_norm, expected = _clip_by_and_reference(embed_fn, params, x, x_prime, positive)
+  ghost = np.asarray(
+      logit_dp.clip_methods.pair_grad_norms(embed_fn, params, x, x_prime, "ghost",
+                                            float_allowance=False, positive_embed_fn=positive))
+  _assert_float64_truth(ghost, truth)
+  _, grad = logit_dp.clipped_grad(embed_fn, LOSS, clip_norm, "ghost",
+                                  positive_embed_fn=positive)(params, x, x_prime)
+  np.testing.assert_allclose(flat(grad), flat(expected), rtol=0,
+                             atol=2e-4 * float(np.max(np.abs(flat(expected)))))
+
+
 @pytest.mark.parametrize("framework,arch", _cases({("linen", "text")}))
 def test_no_parameter_of_a_transformer_takes_the_jacrev_route(framework, arch):
   embed_fn, params, x, x_prime, positive = _problem(framework, arch)

@@ -68,6 +68,10 @@ _GHOST_OVERHEAD = 8
 # the vectors (2d multiply-adds per parameter and pair) beat the cross-Gram (d², at GEMM speed)
 # above d = 2·_FLAT_VECTOR_SLOWDOWN.
 _FLAT_VECTOR_SLOWDOWN = 4
+# Flattening a layer (`_assembled`) writes its m·P·d·C per-example Jacobian and moves it into the
+# flat columns' order: ~this many times the time of the T·P·C·d multiply-adds that form it (CPU:
+# a ViT's 65-token layers).
+_FLATTEN_COST = 2
 # DP-GCL keeps a layer as its factors when they hold at most this many times the floats of its
 # flattened per-example Jacobian (`keeps_group_factors`). A ViT's 65-token layers (2.0×) are
 # then factors, which makes its DP-GCL step faster (docs/BENCHMARKS.md); the first convolution
@@ -99,6 +103,15 @@ class LayerCall(NamedTuple):
       t, c = self.positions, self.features
       return t * t * self.fan_in + _GHOST_OVERHEAD * (2 * t * c * d + t * t * c)
     return flat_pair_cost(self.fan_in * self.features, d)
+
+  def gram_cost(self, d: int, ghost: bool) -> float:
+    """Cost model per example of its Gram J_e J_eᵀ: T²P + T²Cd + TCd² from its factors
+    (`ghost_layer_gram`), else k·TPCd + d²PC (k = _FLATTEN_COST: the flattened per-example
+    Jacobian formed, then its Gram)."""
+    t, p, c = self.positions, self.fan_in, self.features
+    if ghost:
+      return float(t * t * p + t * t * c * d + t * c * d * d)
+    return float(_FLATTEN_COST * t * p * c * d + d * d * p * c)
 
 
 def flat_cross_by_gram(d: int) -> bool:
@@ -277,6 +290,12 @@ def jacobian_plan(params) -> Plan:
 def use_ghost(layer: LayerCall, d: int) -> bool:
   """Cross terms from the layer's factors when that is cheaper per pair than flattening."""
   return layer.pair_cost(d, ghost=True) < layer.pair_cost(d, ghost=False)
+
+
+def use_ghost_alone(layer: LayerCall, d: int) -> bool:
+  """For a layer no cross-pair term involves (a parameter of one tower only): its factors when
+  its per-example Gram costs no more from them than flattened."""
+  return layer.gram_cost(d, ghost=True) <= layer.gram_cost(d, ghost=False)
 
 
 def keeps_group_factors(layer: LayerCall, d: int) -> bool:

@@ -11,7 +11,9 @@ outside S has a zero column in J_i or in J'_j. Which leaves each tower depends o
 from the plans (`layerwise.make_plan`: a conservative data-flow walk over the traced
 jaxpr, so a leaf is left out only if the output provably does not depend on it). Every
 layer owning a leaf of S is flattened in both plans (`tower_plans`), so the columns of S sit
-in both towers' flat Jacobians, leaf by leaf in the same order (`shared_columns`). One tower
+in both towers' flat Jacobians, leaf by leaf in the same order (`shared_columns`); a layer of
+one tower only enters no cross term, so it keeps its factors where its per-example Gram is
+cheaper from them (`layerwise.use_ghost_alone`). One tower
 is the case S = every leaf, anchor plan = positive plan. The pair norms of two towers are
 `methods.towers.pair_norms`.
 """
@@ -39,22 +41,25 @@ def dependencies(plan: layerwise.Plan) -> frozenset:
   return plan.factored_leaves | frozenset(plan.generic)
 
 
-def _flatten_layers_of(plan: layerwise.Plan, leaves: frozenset) -> layerwise.Plan:
-  """plan with every layer that owns one of `leaves` flattened (not a ghost layer)."""
-  ghost = tuple(is_ghost and not frozenset(layer.leaves) & leaves
+def _tower_plan(plan: layerwise.Plan, shared: frozenset, d: int, keep_factors) -> layerwise.Plan:
+  """plan with every layer that owns one of the `shared` leaves flattened (its cross terms are
+  over flat columns); keep_factors None: every other layer by `layerwise.use_ghost_alone` (no
+  cross term involves it, only its Gram), else as planned."""
+  ghost = tuple(not frozenset(layer.leaves) & shared and (
+      layerwise.use_ghost_alone(layer, d) if keep_factors is None else is_ghost)
                 for layer, is_ghost in zip(plan.layers, plan.ghost))
   return plan._replace(ghost=ghost)
 
 
 def tower_plans(embed_fn, positive_embed_fn, params, x, x_prime, d: int,
                 keep_factors=None) -> TowerPlans:
-  """Plans of both towers (keep_factors: as in `layerwise.make_plan`); the layers owning shared
-  leaves are flattened in both."""
+  """Plans of both towers (keep_factors: as in `layerwise.make_plan`, None: see `_tower_plan`);
+  the layers owning shared leaves are flattened in both."""
   anchor = layerwise.make_plan(embed_fn, params, x, d, keep_factors)
   positive = layerwise.make_plan(positive_embed_fn, params, x_prime, d, keep_factors)
   shared = dependencies(anchor) & dependencies(positive)
-  return TowerPlans(_flatten_layers_of(anchor, shared), _flatten_layers_of(positive, shared),
-                    tuple(sorted(shared)))
+  return TowerPlans(_tower_plan(anchor, shared, d, keep_factors),
+                    _tower_plan(positive, shared, d, keep_factors), tuple(sorted(shared)))
 
 
 def flat_columns(plan: layerwise.Plan, leaves) -> dict[int, tuple[int, int]]:
