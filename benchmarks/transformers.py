@@ -342,6 +342,12 @@ def _forward_macs(fn, params, x) -> float:
   return float(analysis["flops"]) / 2
 
 
+def _flat_cross_macs(d: int) -> int:
+  """Multiply-adds per flattened parameter and pair of the cheaper cross term form: the
+  cross-Gram's d² or the pairs' vectors' 2d (`layerwise.flat_cross`)."""
+  return min(d * d, 2 * d)
+
+
 def _gram_and_cross_macs(plan, leaves, d: int) -> tuple[float, float]:
   """Lower bounds of the (per-example Gram, per-pair cross term) multiply-adds of a plan's
   layers, each the cheaper of its forms, without the runtime weights of
@@ -350,7 +356,7 @@ def _gram_and_cross_macs(plan, leaves, d: int) -> tuple[float, float]:
   or the pairs' vectors, `layerwise.flat_cross`); flat columns d²q (Gram) and min(d², 2d)·q
   (cross) each."""
   flat = sum(int(np.size(leaves[i])) for i in plan.generic)
-  per_column = min(d * d, 2 * d)
+  per_column = _flat_cross_macs(d)
   gram, cross = float(d * d * flat), float(per_column * flat)
   for layer in plan.layers:
     t, p, c = layer.positions, layer.fan_in, layer.features
@@ -384,7 +390,7 @@ def floor_ratio(embed_fn, params, x, x_prime, positive_embed_fn, n: int) -> dict
     g_u, _ = _gram_and_cross_macs(towers.anchor, leaves, d)
     g_v, _ = _gram_and_cross_macs(towers.positive, leaves, d)
     gram = g_u + g_v
-    cross = min(d * d, 2 * d) * sum(int(np.size(leaves[i])) for i in towers.shared)
+    cross = _flat_cross_macs(d) * sum(int(np.size(leaves[i])) for i in towers.shared)
   nonprivate = 3 * n * macs
   ghost = n * (1 + d) * macs + n * gram + n * n * cross
   return {

@@ -51,13 +51,6 @@ class PairBatch:
     self.two_tower = positive_embed_fn is not None and positive_embed_fn is not embed_fn
     self.positive_embed_fn: Callable = (positive_embed_fn if self.two_tower
                                         and positive_embed_fn is not None else embed_fn)
-    # The same function, with recognised convolutions differentiated into channels-last
-    # convolutions: JAX's own rule runs 4-50x slower inside the loops of microbatching and of
-    # materialize on XLA:CPU (layers.conv.channels_last_conv). Factors intercept embed_fn
-    # themselves.
-    recognised = layerwise.with_recognised_layers if layer_factors else lambda fn: fn
-    self._embed_fn = recognised(embed_fn)
-    self._positive_fn = recognised(self.positive_embed_fn) if self.two_tower else self._embed_fn
     self.microbatch_size, self.c = microbatch_size, collective
     n_local = rows_lib.num_rows(x)
     inputs_ok = rows_lib.finite_rows(x) & rows_lib.finite_rows(x_prime)
@@ -74,6 +67,13 @@ class PairBatch:
     # 1. The plan: which parameters get per-layer factors, from the model traced at the batch's
     # shapes (both towers' plans; the same plan twice with one tower).
     self.tower_plans = self._make_plans()
+    # The same functions, with the convolutions of their plans differentiated into channels-last
+    # convolutions: JAX's own rule runs 4-50x slower inside the loops of microbatching and of
+    # materialize on XLA:CPU (layers.conv.channels_last_conv). Factors intercept embed_fn
+    # themselves.
+    self._embed_fn = _with_planned_convolutions(embed_fn, self.tower_plans.anchor)
+    self._positive_fn = (_with_planned_convolutions(
+        self.positive_embed_fn, self.tower_plans.positive) if self.two_tower else self._embed_fn)
     # 2. The embeddings, from the passes that also give both views' factors when the clip method
     # contracts them, else from a forward pass of their own.
     if (self.two_tower or self.views_stack) and embeds_with_factors is not None and \
@@ -309,6 +309,14 @@ class PairBatch:
       positive = self.factor_backward(factors[1], cot_v, positive=True)
     grads = (anchor, positive)
     return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
+
+
+def _with_planned_convolutions(embed_fn, plan: layerwise.Plan) -> Callable:
+  """embed_fn through `layerwise.with_recognised_layers` when its plan holds a convolution
+  (otherwise as it is: no trace of its own on every call)."""
+  if any(layer.kind == "conv" for layer in plan.layers):
+    return layerwise.with_recognised_layers(embed_fn)
+  return embed_fn
 
 
 def join_views(views) -> Any:
