@@ -502,7 +502,8 @@ def table(rows, methods=None) -> str:
   gradient's step and compile time (and, where measured, XLA's backend compile within its first
   call) as ratios to the non-private gradient's, ghost's arithmetic floor, and where recorded
   the CPU time the hypervisor took during the row's timings (methods: those to show, default
-  all)."""
+  all). A first call less a step below zero (the timed step slower than the first call's) has no
+  compile time to show: "—"."""
   methods = [m for m in rows[0]["ratio"] if m != "nonprivate" and (not methods or m in methods)]
   floor = "ghost" in methods
   xla = all("xla_compile_ratio" in row for row in rows)
@@ -515,7 +516,8 @@ def table(rows, methods=None) -> str:
   for row in rows:
     cells = [row["framework"], row["arch"], str(row["n"]), f"{row['step_s']['nonprivate']:.3g} s"]
     for m in methods:
-      cells += [f"{row['ratio'][m]:.1f}×", f"{row['compile_ratio'][m]:.1f}×"]
+      compile_ratio = row["compile_ratio"][m]
+      cells += [f"{row['ratio'][m]:.1f}×", f"{compile_ratio:.1f}×" if compile_ratio >= 0 else "—"]
       if xla:
         cells.append(f"{row['xla_compile_ratio'][m]:.1f}×")
     if floor:

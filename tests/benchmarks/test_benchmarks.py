@@ -409,6 +409,19 @@ def test_transformers_benchmark_measures_every_method_and_renders_its_table(tmp_
   assert ("CPU steal" in table[0]) == (row["cpu_steal"] is not None)
 
 
+def test_transformers_table_shows_no_compile_time_where_a_step_outlasted_the_first_call():
+  from benchmarks import transformers  # pylint: disable=g-import-not-at-top
+  row = {
+      "framework": "linen", "arch": "vit", "n": 512, "step_s": {"nonprivate": 1.43, "ghost": 229.0},
+      "ratio": {"nonprivate": 1.0, "ghost": 160.5},
+      "compile_ratio": {"nonprivate": 1.0, "ghost": -4.9}, "floor": {"ghost_floor_ratio": 94.8}
+  }
+  cells = transformers.table([row]).splitlines()[2].split(" | ")
+  assert cells[4:7] == ["160.5×", "—", "94.8× |"]
+  row["compile_ratio"]["ghost"] = 0.0
+  assert transformers.table([row]).splitlines()[2].split(" | ")[5] == "0.0×"
+
+
 def test_cpu_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings():
   from benchmarks import transformers  # pylint: disable=g-import-not-at-top
   assert transformers._steal_fraction((0, 100), (10, 200)) == 0.1
