@@ -167,13 +167,18 @@ def _op_patches(op: linear_ops.LinearOp, act) -> jax.Array:
   return layers.get(op.kind).patches(op, act)
 
 
-def with_recognised_layers(embed_fn) -> Callable[[Any, jax.Array], jax.Array]:
-  """embed_fn with every recognised convolution computed by `channels_last_conv`.
+def with_recognised_layers(embed_fn,
+                           plan: Plan | None = None) -> Callable[[Any, jax.Array], jax.Array]:
+  """embed_fn with every recognised convolution computed by `channels_last_conv`; embed_fn
+  itself when `plan` (embed_fn's) holds no convolution (no trace of its own on every call).
 
   Same values and gradients; the difference is that convolutions then differentiate into
   channels-last convolutions only, which XLA:CPU runs at full speed inside the loop bodies
   of microbatching.
   """
+  if plan is not None and not any(layer.kind == "conv" for layer in plan.layers):
+    return embed_fn
+
   def embed(params, x):
     leaves = jax.tree_util.tree_leaves(params)
     closed, out_tree = linear_ops.trace(embed_fn, params, x)

@@ -71,8 +71,8 @@ class PairBatch:
     # convolutions: JAX's own rule runs 4-50x slower inside the loops of microbatching and of
     # materialize on XLA:CPU (layers.conv.channels_last_conv). Factors intercept embed_fn
     # themselves.
-    self._embed_fn = _with_planned_convolutions(embed_fn, self.tower_plans.anchor)
-    self._positive_fn = (_with_planned_convolutions(
+    self._embed_fn = layerwise.with_recognised_layers(embed_fn, self.tower_plans.anchor)
+    self._positive_fn = (layerwise.with_recognised_layers(
         self.positive_embed_fn, self.tower_plans.positive) if self.two_tower else self._embed_fn)
     # 2. The embeddings, from the passes that also give both views' factors when the clip method
     # contracts them, else from a forward pass of their own.
@@ -309,14 +309,6 @@ class PairBatch:
       positive = self.factor_backward(factors[1], cot_v, positive=True)
     grads = (anchor, positive)
     return self.c.psum(jax.tree_util.tree_map(jnp.add, *grads))
-
-
-def _with_planned_convolutions(embed_fn, plan: layerwise.Plan) -> Callable:
-  """embed_fn through `layerwise.with_recognised_layers` when its plan holds a convolution
-  (otherwise as it is: no trace of its own on every call)."""
-  if any(layer.kind == "conv" for layer in plan.layers):
-    return layerwise.with_recognised_layers(embed_fn)
-  return embed_fn
 
 
 def join_views(views) -> Any:
